@@ -1,0 +1,234 @@
+"""The daemon's configuration: one TOML file decoded into typed, strictly validated structs.
+
+Config is data (STYLE.md §10): decoding has no side effects and probes no hardware. An unknown
+key or a bad value is a `ConfigError` that names the key path and what is allowed; the CLI turns it
+into exit code 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import typing
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+TransportName = Literal["auto", "cuda_ipc", "shm"]
+DeviceName = Literal["auto", "cuda", "cpu"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+CameraId = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^[A-Za-z0-9_-]{1,32}$",
+        description="camera name used in stream names and shared-memory names",
+    ),
+]
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the key path and what is allowed."""
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+class DaemonConfig(_Strict):
+    runtime_dir: Annotated[
+        str,
+        msgspec.Meta(
+            description="where control and data sockets live; empty: $RUNTIME_DIRECTORY "
+            "(systemd), else $XDG_RUNTIME_DIR/facecast, else /tmp/facecast-<uid>"
+        ),
+    ] = ""
+    host_name: Annotated[
+        str, msgspec.Meta(description="host part of stream names and source ids; empty: hostname")
+    ] = ""
+    transport: Annotated[
+        TransportName,
+        msgspec.Meta(description="frame transport for every camera unless a camera overrides it"),
+    ] = "auto"
+    ring_slots: Annotated[
+        int, msgspec.Meta(ge=2, le=64, description="frames kept per camera ring")
+    ] = 8
+    checksum_every: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            le=10_000,
+            description="consumers re-check the sparse checksum of 1 in N frames on the GPU",
+        ),
+    ] = 30
+    handshake_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, le=60, description="how long a CUDA IPC handshake may take")
+    ] = 5.0
+    log_level: LogLevel = "info"
+
+
+class ModelsConfig(_Strict):
+    dir: Annotated[
+        str, msgspec.Meta(description="model cache; empty: $XDG_CACHE_HOME/facecast/models")
+    ] = ""
+    face_landmarker_task: Annotated[
+        str,
+        msgspec.Meta(
+            description="path to MediaPipe's face_landmarker.task (blendshapes); empty: none"
+        ),
+    ] = ""
+    device: Annotated[DeviceName, msgspec.Meta(description="where models run")] = "auto"
+
+
+class OutputConfig(_Strict):
+    max_faces: Annotated[
+        int, msgspec.Meta(ge=1, le=16, description="face streams per camera, fixed at start")
+    ] = 2
+    landmarks: Annotated[bool, msgspec.Meta(description="add 478x3 landmarks to Face streams")] = (
+        False
+    )
+    pose: Annotated[bool, msgspec.Meta(description="publish a MoCap body pose stream")] = False
+
+
+class CameraConfig(_Strict):
+    id: CameraId
+    source: Annotated[
+        str | int,
+        msgspec.Meta(
+            description='"synthetic", a V4L2 index or /dev/video path, an rtsp:// or http:// URL, '
+            "or a video file"
+        ),
+    ]
+    width: Annotated[int, msgspec.Meta(ge=16, le=8192)] = 1280
+    height: Annotated[int, msgspec.Meta(ge=16, le=8192)] = 720
+    fps: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 30.0
+    fourcc: Annotated[
+        str, msgspec.Meta(pattern=r"^([A-Z0-9 ]{4})?$", description='e.g. "MJPG"; empty: driver default')
+    ] = ""
+    transport: Annotated[
+        TransportName | Literal[""], msgspec.Meta(description='overrides daemon.transport; "" inherits')
+    ] = ""
+    gpu: Annotated[int, msgspec.Meta(ge=-1, le=63, description="GPU index; -1: round-robin")] = -1
+
+
+class Config(_Strict):
+    daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    output: OutputConfig = msgspec.field(default_factory=OutputConfig)
+    cameras: list[CameraConfig] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for camera in self.cameras:
+            if camera.id in seen:
+                raise ValueError(f"camera id {camera.id!r} appears twice; ids must be unique")
+            seen.add(camera.id)
+
+    def transport_for(self, camera: CameraConfig) -> str:
+        return camera.transport or self.daemon.transport
+
+    def host(self) -> str:
+        return self.daemon.host_name or socket.gethostname()
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    return loads(data, origin=str(path))
+
+
+def loads(data: bytes | str, origin: str = "<config>") -> Config:
+    try:
+        return msgspec.toml.decode(data, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{origin}: {_explain(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{origin}: not valid TOML: {exc}") from None
+
+
+_AT_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<name>[^`]+)`")
+
+
+def _explain(message: str) -> str:
+    """Rewrite msgspec's message as `key.path: what is wrong (allowed: ...)`."""
+    match = _AT_PATH.match(message)
+    what, json_path = match["what"], match["path"] or ""
+    key_path = re.sub(r"^\.", "", json_path)
+    field_type = _type_at(Config, json_path)
+    unknown = _UNKNOWN_FIELD.search(what)
+    if unknown:
+        key_path = f"{key_path}.{unknown['name']}" if key_path else unknown["name"]
+        allowed = ", ".join(getattr(field_type, "__struct_fields__", ()))
+        return f"{key_path}: unknown key (allowed here: {allowed})"
+    if not key_path:  # a whole-file rule (__post_init__): its message says it all
+        return what
+    allowed = _describe_allowed(field_type)
+    return f"{key_path}: {what}" + (f" (allowed: {allowed})" if allowed else "")
+
+
+def _type_at(root: type, json_path: str) -> object:
+    """Walk `$.cameras[0].fourcc`-style paths through the struct annotations."""
+    current: object = root
+    for name, index in re.findall(r"\.([A-Za-z_]+)|\[(\d+)\]", json_path):
+        current = _strip_annotated(current)
+        if index:
+            args = typing.get_args(current)
+            current = args[0] if args else None
+        elif isinstance(current, type) and issubclass(current, msgspec.Struct):
+            current = typing.get_type_hints(current, include_extras=True).get(name)
+        else:
+            return None
+    return current
+
+
+def _strip_annotated(tp: object) -> object:
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _describe_allowed(tp: object) -> str:
+    if tp is None:
+        return ""
+    metas = [a for a in getattr(tp, "__metadata__", ()) if isinstance(a, msgspec.Meta)]
+    base = _strip_annotated(tp)
+    parts: list[str] = []
+    literals = _literal_values(base)
+    if literals:
+        parts.append(", ".join(repr(v) for v in literals))
+    elif isinstance(base, type) and issubclass(base, msgspec.Struct):
+        parts.append("a table with keys " + ", ".join(base.__struct_fields__))
+    elif base is not None:
+        parts.append(getattr(base, "__name__", str(base)).replace("typing.", ""))
+    for meta in metas:
+        bounds = [
+            f"{sym} {getattr(meta, attr)}"
+            for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+            if getattr(meta, attr) is not None
+        ]
+        if bounds:
+            parts.append(" and ".join(bounds))
+        if meta.pattern:
+            parts.append(f"matching {meta.pattern}")
+        if meta.description:
+            parts.append(meta.description)
+    return "; ".join(parts)
+
+
+def _literal_values(tp: object) -> list[object]:
+    if typing.get_origin(tp) is Literal:
+        return list(typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        values: list[object] = []
+        for arg in typing.get_args(tp):
+            values.extend(_literal_values(_strip_annotated(arg)))
+        return values
+    return []
