@@ -1,0 +1,134 @@
+"""Weighted non-maximum suppression (MediaPipe's ``WEIGHTED`` algorithm), batched, plain torch.
+
+MediaPipe's ``NonMaxSuppressionCalculator`` with ``algorithm: WEIGHTED`` works greedily on the
+detections sorted by score: the best remaining detection leads a cluster made of every remaining
+detection whose IoU with it is above the threshold (the leader included); the cluster is replaced
+by one detection whose box corners and keypoints are the score-weighted means of the cluster's,
+and whose score is the leader's; the cluster leaves the pool; repeat. Blending, rather than
+keeping the leader's box, is what makes BlazeFace's boxes steady from frame to frame.
+
+Here every image of the batch runs the same greedy loop at once: step t picks, per image, the
+best detection not yet in a cluster. There are at most ``max_detections`` steps, each a handful of
+``(B, N)`` tensor ops, and no host synchronisation, so the whole thing can run on the GPU (and be
+captured in a CUDA graph) for any number of frames or tiles.
+
+IoU is invariant under scaling each axis, so boxes may be in pixels or in normalized units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Detections:
+    """Suppressed detections of a batch, padded to a fixed count per image.
+
+    Slots are sorted by score, best first; ``valid`` says which slots hold a detection (invalid
+    slots are zero).
+    """
+
+    boxes: torch.Tensor  # (B, M, 4) x1, y1, x2, y2
+    keypoints: torch.Tensor  # (B, M, K, 2)
+    scores: torch.Tensor  # (B, M)
+    valid: torch.Tensor  # (B, M) bool
+
+    def select(self, batch_index: int) -> "Detections":
+        """The valid detections of one image, as a batch of one."""
+        keep = self.valid[batch_index]
+        return Detections(
+            self.boxes[batch_index, keep][None],
+            self.keypoints[batch_index, keep][None],
+            self.scores[batch_index, keep][None],
+            self.valid[batch_index, keep][None],
+        )
+
+
+def box_iou(boxes_a: torch.Tensor, boxes_b: torch.Tensor) -> torch.Tensor:
+    """Pairwise IoU of x1,y1,x2,y2 boxes: ``(..., N, 4) x (..., M, 4) -> (..., N, M)``.
+
+    Boxes without area or without overlap give 0 (never NaN), as in MediaPipe's
+    ``OverlapSimilarity``.
+    """
+    a = boxes_a[..., :, None, :]
+    b = boxes_b[..., None, :, :]
+    inter_w = (torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0])).clamp(min=0)
+    inter_h = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1])).clamp(min=0)
+    intersection = inter_w * inter_h
+    area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)
+    area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
+    union = area_a + area_b - intersection
+    return torch.where(union > 0, intersection / union.clamp(min=1e-12), torch.zeros_like(union))
+
+
+def weighted_nms(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    keypoints: torch.Tensor,
+    valid: torch.Tensor,
+    iou_threshold: float,
+    max_detections: int,
+    max_candidates: int = 512,
+) -> Detections:
+    """Weighted NMS of a batch.
+
+    boxes ``(B, A, 4)``, scores ``(B, A)``, keypoints ``(B, A, K, 2)`` (K may be 0), valid
+    ``(B, A)`` bool (typically ``scores >= min_score``). A detection joins a cluster when its IoU
+    with the leader is strictly above ``iou_threshold``.
+
+    Only the ``max_candidates`` best valid detections of each image take part: a detector's
+    anchors above threshold number a few per object, so the limit only matters for a frame with
+    more than ~50 faces; raise it there.
+    """
+    if boxes.dim() != 3 or boxes.shape[-1] != 4:
+        raise ValueError(f"boxes must be (batch, anchors, 4), got {tuple(boxes.shape)}")
+    batch, num_anchors = boxes.shape[:2]
+    if scores.shape != (batch, num_anchors) or valid.shape != (batch, num_anchors):
+        raise ValueError(
+            f"scores and valid must be {(batch, num_anchors)}, got {tuple(scores.shape)} and {tuple(valid.shape)}"
+        )
+    if keypoints.shape[:2] != (batch, num_anchors):
+        raise ValueError(f"keypoints must be ({batch}, {num_anchors}, K, 2), got {tuple(keypoints.shape)}")
+    if max_detections < 1:
+        raise ValueError(f"max_detections must be at least 1, got {max_detections}")
+
+    num_keypoints = keypoints.shape[2]
+    # Sort valid detections first, by score; invalid ones get -inf so that they sort last and
+    # can never lead a cluster.
+    masked_scores = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
+    num_kept = min(max_candidates, num_anchors)
+    top_scores, order = masked_scores.topk(num_kept, dim=1, sorted=True)
+    cand_boxes = boxes.gather(1, order[..., None].expand(-1, -1, 4))
+    cand_keypoints = keypoints.gather(1, order[..., None, None].expand(-1, -1, num_keypoints, 2))
+    cand_valid = torch.isfinite(top_scores)
+    cand_scores = torch.where(cand_valid, top_scores, torch.zeros_like(top_scores))
+    iou = box_iou(cand_boxes, cand_boxes)  # (B, N, N)
+
+    unclustered = cand_valid.clone()
+    out_boxes, out_keypoints, out_scores, out_valid = [], [], [], []
+    batch_index = torch.arange(batch, device=boxes.device)
+    for _ in range(min(max_detections, num_kept)):
+        # Candidates are sorted, so the first unclustered one is the best remaining one
+        # (argmax returns the first maximum, which keeps ties in MediaPipe's order).
+        leader = unclustered.to(torch.int8).argmax(dim=1)
+        has_leader = unclustered[batch_index, leader]
+        members = (iou[batch_index, leader] > iou_threshold) & unclustered
+        # The leader always belongs to its cluster, even a degenerate one with zero area.
+        members[batch_index, leader] |= has_leader
+        weights = cand_scores * members
+        total = weights.sum(dim=1).clamp(min=1e-12)
+        out_boxes.append((cand_boxes * weights[..., None]).sum(dim=1) / total[:, None])
+        out_keypoints.append((cand_keypoints * weights[..., None, None]).sum(dim=1) / total[:, None, None])
+        out_scores.append(cand_scores[batch_index, leader] * has_leader)
+        out_valid.append(has_leader)
+        unclustered &= ~members
+
+    valid_out = torch.stack(out_valid, dim=1)
+    return Detections(
+        boxes=torch.stack(out_boxes, dim=1) * valid_out[..., None],
+        keypoints=torch.stack(out_keypoints, dim=1) * valid_out[..., None, None],
+        scores=torch.stack(out_scores, dim=1),
+        valid=valid_out,
+    )

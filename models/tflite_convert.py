@@ -1,0 +1,380 @@
+"""The TFLite → PyTorch converter: read a ``.tflite`` flatbuffer, build an equivalent torch module.
+
+``convert(path)`` returns a :class:`TFLiteModule` whose ``forward(*inputs)`` takes float tensors in
+the tflite model's own layout (NHWC images) with any batch size and returns the model's outputs,
+in the model's output order and with LiteRT's shapes (the batch dimension replaced by N).
+
+This module owns the graph: reading tensors and operators, folding the constant sub-graphs that
+MediaPipe's models use to store weights (float16 ``DEQUANTIZE``, sparse ``DENSIFY``), and running the
+operators in order. What each operator computes lives in :mod:`facecast.models.tflite_ops` (builtin
+operators) and :mod:`facecast.models.custom_ops` (MediaPipe's custom operators); see Note [Batch and
+layout] there for how tflite shapes map to torch shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import tflite
+import torch
+from flatbuffers import flexbuffers
+
+from . import custom_ops, tflite_ops
+from .tflite_ops import OpSpec, TensorSpec, UnsupportedOp, torch_to_tfl_order
+
+log = logging.getLogger(__name__)
+
+__all__ = ["convert", "TFLiteModule", "UnsupportedOp", "read_graph", "TFLiteGraph"]
+
+_BUILTIN_NAMES = {code: name for name, code in vars(tflite.BuiltinOperator).items()
+                  if not name.startswith("_")}
+
+_NUMPY_DTYPES = {
+    tflite.TensorType.FLOAT32: np.float32,
+    tflite.TensorType.FLOAT16: np.float16,
+    tflite.TensorType.FLOAT64: np.float64,
+    tflite.TensorType.INT32: np.int32,
+    tflite.TensorType.INT64: np.int64,
+    tflite.TensorType.INT16: np.int16,
+    tflite.TensorType.INT8: np.int8,
+    tflite.TensorType.UINT8: np.uint8,
+    tflite.TensorType.BOOL: np.bool_,
+}
+
+# The flatbuffer union that types a builtin operator's options: its type code → the option class.
+_OPTION_CLASSES = {code: getattr(tflite, name) for name, code in vars(tflite.BuiltinOptions).items()
+                   if not name.startswith("_") and name != "NONE" and hasattr(tflite, name)}
+
+# Operators whose output is computed once, at conversion time, when all their inputs are constant.
+# MediaPipe stores weights as float16 (DEQUANTIZE → float32) and, in the full-range face detector
+# and the pose detector, as sparse float16 (DENSIFY → DEQUANTIZE).
+_FOLDABLE = {"DEQUANTIZE", "DENSIFY"}
+
+
+class TFLiteGraph:
+    """The main subgraph of a ``.tflite`` model, read into plain Python objects."""
+
+    def __init__(self, name: str, tensors: list[TensorSpec], operators: list[OpSpec],
+                 inputs: list[int], outputs: list[int]):
+        self.name = name
+        self.tensors = tensors
+        self.operators = operators
+        self.inputs = inputs
+        self.outputs = outputs
+
+
+def read_graph(path: str | Path, name: str | None = None) -> TFLiteGraph:
+    """Read subgraph 0 of a ``.tflite`` file: tensors (constants decoded), operators, inputs, outputs."""
+    path = Path(path)
+    model_name = name or path.stem
+    raw = path.read_bytes()
+    if len(raw) < 8 or raw[4:8] != b"TFL3":
+        raise ValueError(f"{path} is not a TFLite flatbuffer (no 'TFL3' identifier)")
+    model = tflite.Model.GetRootAs(raw, 0)
+    if model.SubgraphsLength() != 1:
+        # Control flow (WHILE/IF) would need the other subgraphs; MediaPipe's models have one.
+        log.warning("%s has %d subgraphs; only the first is converted",
+                    model_name, model.SubgraphsLength())
+    graph = model.Subgraphs(0)
+
+    tensors = [_read_tensor(model, graph.Tensors(i), i, raw, model_name)
+               for i in range(graph.TensorsLength())]
+    operators = []
+    for op_index in range(graph.OperatorsLength()):
+        operator = graph.Operators(op_index)
+        code = model.OperatorCodes(operator.OpcodeIndex())
+        builtin = max(code.BuiltinCode(), code.DeprecatedBuiltinCode())
+        op_type = _BUILTIN_NAMES.get(builtin, f"BUILTIN_{builtin}")
+        if op_type == "CUSTOM":
+            op_type = code.CustomCode().decode()
+            options = (flexbuffers.Loads(bytes(operator.CustomOptionsAsNumpy()))
+                       if operator.CustomOptionsLength() else {})
+            custom = True
+        else:
+            options = _builtin_options(operator)
+            custom = False
+        operators.append(OpSpec(
+            index=op_index, type=op_type, version=code.Version(), custom=custom, options=options,
+            inputs=[tensors[i] if i >= 0 else None for i in operator.InputsAsNumpy()],
+            outputs=[tensors[i] for i in operator.OutputsAsNumpy()],
+            model=model_name))
+    return TFLiteGraph(model_name, tensors, operators,
+                       [int(i) for i in graph.InputsAsNumpy()],
+                       [int(i) for i in graph.OutputsAsNumpy()])
+
+
+def _read_tensor(model, tensor, index: int, raw: bytes, model_name: str) -> TensorSpec:
+    shape = tuple(int(d) for d in tensor.ShapeAsNumpy()) if tensor.ShapeLength() else ()
+    type_code = tensor.Type()
+    dtype = _NUMPY_DTYPES.get(type_code)
+    data = None
+    buffer = model.Buffers(tensor.Buffer())
+    if buffer is not None:
+        if buffer.Offset() > 1:  # large models keep buffers after the flatbuffer, by offset
+            payload = np.frombuffer(raw, np.uint8, count=buffer.Size(), offset=buffer.Offset())
+        elif buffer.DataLength():
+            payload = buffer.DataAsNumpy()
+        else:
+            payload = None
+        if payload is not None:
+            if dtype is None:
+                raise UnsupportedOp(f"{model_name}: constant tensor {tensor.Name().decode()!r} has "
+                                    f"tflite type {type_code}, which the converter cannot read")
+            values = np.frombuffer(payload.tobytes(), dtype=dtype)
+            sparsity = tensor.Sparsity()
+            # A sparse tensor's buffer holds only the non-zero values; DENSIFY expands it.
+            data = values if sparsity is not None else values.reshape(shape)
+    quantization = tensor.Quantization()
+    scale = zero_point = None
+    axis = 0
+    if quantization is not None and quantization.ScaleLength():
+        scale = quantization.ScaleAsNumpy().astype(np.float32)
+        zero_point = (quantization.ZeroPointAsNumpy().astype(np.int64)
+                      if quantization.ZeroPointLength() else np.zeros_like(scale, np.int64))
+        axis = quantization.QuantizedDimension()
+    return TensorSpec(index=index, name=tensor.Name().decode(), shape=shape,
+                      dtype=np.dtype(dtype) if dtype is not None else None, data=data,
+                      sparsity=_read_sparsity(tensor.Sparsity()),
+                      quant_scale=scale, quant_zero_point=zero_point, quant_axis=axis)
+
+
+def _read_sparsity(sparsity) -> dict | None:
+    if sparsity is None:
+        return None
+    levels = []
+    for i in range(sparsity.DimMetadataLength()):
+        meta = sparsity.DimMetadata(i)
+        if meta.Format() == tflite.DimensionType.DENSE:
+            levels.append(("dense", int(meta.DenseSize()), None, None))
+        else:
+            levels.append(("csr", 0,
+                           _index_vector(meta.ArraySegmentsType(), meta.ArraySegments()),
+                           _index_vector(meta.ArrayIndicesType(), meta.ArrayIndices())))
+    return {
+        "traversal_order": [int(d) for d in sparsity.TraversalOrderAsNumpy()],
+        "block_map": [int(d) for d in sparsity.BlockMapAsNumpy()] if sparsity.BlockMapLength() else [],
+        "levels": levels,
+    }
+
+
+def _index_vector(kind: int, table) -> np.ndarray:
+    vector_class = {tflite.SparseIndexVector.Int32Vector: tflite.Int32Vector,
+                    tflite.SparseIndexVector.Uint16Vector: tflite.Uint16Vector,
+                    tflite.SparseIndexVector.Uint8Vector: tflite.Uint8Vector}[kind]
+    vector = vector_class()
+    vector.Init(table.Bytes, table.Pos)
+    return vector.ValuesAsNumpy().astype(np.int64)
+
+
+def _builtin_options(operator):
+    option_class = _OPTION_CLASSES.get(operator.BuiltinOptionsType())
+    table = operator.BuiltinOptions()
+    if option_class is None or table is None:
+        return None
+    options = option_class()
+    options.Init(table.Bytes, table.Pos)
+    return options
+
+
+# ---------------------------------------------------------------------------------------------
+# Constant folding
+
+
+def _fold_constants(graph: TFLiteGraph) -> list[OpSpec]:
+    """Evaluate DEQUANTIZE/DENSIFY of constants now; return the operators left to run."""
+    remaining = []
+    for op in graph.operators:
+        if op.type in _FOLDABLE and all(t is None or t.data is not None for t in op.inputs):
+            source = op.inputs[0]
+            if op.type == "DENSIFY":
+                value = densify(source)
+            else:
+                value = _dequantize(source)
+            op.outputs[0].data = value.reshape(op.outputs[0].shape)
+            op.outputs[0].sparsity = None
+        else:
+            remaining.append(op)
+    return remaining
+
+
+def _dequantize(tensor: TensorSpec) -> np.ndarray:
+    if tensor.sparsity is not None:
+        raise UnsupportedOp(f"DEQUANTIZE of the still-sparse tensor {tensor.name!r}")
+    if tensor.dtype == np.float16:
+        return tensor.data.astype(np.float32)
+    if tensor.quant_scale is None:
+        raise UnsupportedOp(f"DEQUANTIZE of {tensor.name!r} ({tensor.dtype}) without scale")
+    values = tensor.data.astype(np.float32)
+    shape = [1] * values.ndim
+    if values.ndim and tensor.quant_scale.size > 1:  # per-channel quantization
+        shape[tensor.quant_axis] = tensor.quant_scale.size
+    scale = tensor.quant_scale.reshape(shape)
+    zero_point = tensor.quant_zero_point.reshape(shape).astype(np.float32)
+    return (values - zero_point) * scale
+
+
+def densify(tensor: TensorSpec) -> np.ndarray:
+    """Expand a tflite sparse tensor (TACO-style per-dimension metadata) into a dense array.
+
+    Each metadata level walks one dimension of the *traversal order*: a DENSE level visits every
+    coordinate, a CSR level visits the coordinates ``indices[segments[p]:segments[p+1]]`` of its
+    parent position ``p``. Dimensions past the tensor's rank are block dimensions; ``block_map``
+    says which original dimension each one subdivides.
+    """
+    sparsity = tensor.sparsity
+    shape = tensor.shape
+    rank = len(shape)
+    order = sparsity["traversal_order"]
+    block_map = sparsity["block_map"]
+    levels = sparsity["levels"]
+    block_sizes = {}  # original dim -> block size
+    for k, original_dim in enumerate(block_map):
+        level_of_block = order.index(rank + k)
+        block_sizes[original_dim] = levels[level_of_block][1]
+
+    positions = np.zeros(1, np.int64)              # position in the level's storage, per path
+    coordinates = np.zeros((1, len(order)), np.int64)  # per path, per traversal dim
+    for level, (kind, dense_size, segments, indices) in enumerate(levels):
+        dim = order[level]
+        if kind == "dense":
+            child = np.arange(dense_size, dtype=np.int64)
+            new_positions = (positions[:, None] * dense_size + child[None, :]).reshape(-1)
+            new_coords = np.repeat(coordinates, dense_size, axis=0)
+            new_coords[:, dim] = np.tile(child, len(positions))
+        else:
+            starts, stops = segments[positions], segments[positions + 1]
+            counts = stops - starts
+            new_positions = np.concatenate([np.arange(a, b) for a, b in zip(starts, stops)]) \
+                if len(positions) else np.zeros(0, np.int64)
+            new_coords = np.repeat(coordinates, counts, axis=0)
+            new_coords[:, dim] = indices[new_positions]
+        positions, coordinates = new_positions, new_coords
+
+    dense = np.zeros(shape, dtype=tensor.data.dtype)
+    index = []
+    for d in range(rank):
+        coordinate = coordinates[:, d]
+        if d in block_sizes:
+            block_dim = rank + block_map.index(d)
+            coordinate = coordinate * block_sizes[d] + coordinates[:, block_dim]
+        index.append(coordinate)
+    dense[tuple(index)] = tensor.data[positions]
+    return dense
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+
+
+class _Step(torch.nn.Module):
+    """One operator: which graph tensors it reads and writes, and the module that computes it."""
+
+    def __init__(self, op: OpSpec, module: torch.nn.Module):
+        super().__init__()
+        self.op_type = op.type
+        self.op_index = op.index
+        self.input_slots = [t.index for t in op.inputs if t is not None and t.data is None]
+        self.output_slots = [t.index for t in op.outputs]
+        self.compute = module
+
+
+class TFLiteModule(torch.nn.Module):
+    """A tflite model as a torch module. See the module docstring for the calling convention.
+
+    Weights are buffers, so ``.to(device)``, ``.half()`` and ``.to(memory_format=...)`` work as
+    for any module. Inputs must have the same floating dtype and device as the weights.
+    """
+
+    def __init__(self, graph: TFLiteGraph, steps: list[_Step], free_after: list[list[int]]):
+        super().__init__()
+        self.name = graph.name
+        self.steps = torch.nn.ModuleList(steps)
+        self.input_slots = list(graph.inputs)
+        self.output_slots = list(graph.outputs)
+        self.input_shapes = [graph.tensors[i].shape for i in graph.inputs]
+        self.output_shapes = [graph.tensors[i].shape for i in graph.outputs]
+        self.input_names = [graph.tensors[i].name for i in graph.inputs]
+        self.output_names = [graph.tensors[i].name for i in graph.outputs]
+        self._free_after = free_after
+        # Outputs that are constants of the graph (rare) are returned as buffers.
+        self._constant_outputs = {}
+        for position, slot in enumerate(graph.outputs):
+            if graph.tensors[slot].data is not None:
+                name = f"constant_output_{position}"
+                self.register_buffer(name, torch.from_numpy(
+                    np.ascontiguousarray(graph.tensors[slot].data, np.float32)))
+                self._constant_outputs[slot] = name
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(inputs) != len(self.input_slots):
+            raise ValueError(f"{self.name} takes {len(self.input_slots)} input(s) "
+                             f"{self.input_names}, got {len(inputs)}")
+        values: dict[int, torch.Tensor] = {}
+        for slot, shape, x in zip(self.input_slots, self.input_shapes, inputs):
+            per_sample = tuple(shape[1:]) if shape and shape[0] == 1 else tuple(shape)
+            if tuple(x.shape[1:]) != per_sample:
+                raise ValueError(f"{self.name}: input {self.input_names[self.input_slots.index(slot)]!r}"
+                                 f" must be (N, {', '.join(map(str, per_sample))}), got "
+                                 f"{tuple(x.shape)}")
+            values[slot] = tflite_ops.tfl_order_to_torch(x, shape)
+        for step, dead in zip(self.steps, self._free_after):
+            results = step.compute(*[values[i] for i in step.input_slots])
+            if isinstance(results, torch.Tensor):
+                results = (results,)
+            for slot, result in zip(step.output_slots, results):
+                values[slot] = result
+            for slot in dead:
+                values.pop(slot, None)
+        outputs = []
+        batch = inputs[0].shape[0] if inputs else 1
+        for slot, shape in zip(self.output_slots, self.output_shapes):
+            if slot in self._constant_outputs:
+                constant = getattr(self, self._constant_outputs[slot])
+                outputs.append(constant.expand(batch, *constant.shape[1:]))
+            else:
+                outputs.append(torch_to_tfl_order(values[slot], shape).contiguous())
+        return tuple(outputs)
+
+    def extra_repr(self) -> str:
+        return (f"name={self.name!r}, inputs={self.input_shapes}, outputs={self.output_shapes}, "
+                f"operators={len(self.steps)}")
+
+
+def convert(path: str | Path, name: str | None = None) -> TFLiteModule:
+    """Convert the ``.tflite`` model at ``path`` into a :class:`TFLiteModule` (float32, CPU).
+
+    ``name`` (default: the file's stem) appears in error messages and in the module's repr.
+    Raises :class:`UnsupportedOp` naming the operator and the model when the model uses an
+    operator the converter does not implement.
+    """
+    graph = read_graph(path, name)
+    operators = _fold_constants(graph)
+
+    unsupported = sorted({op.type for op in operators
+                          if op.type not in tflite_ops.BUILDERS
+                          and op.type not in custom_ops.BUILDERS})
+    if unsupported:
+        raise UnsupportedOp(f"model {graph.name!r} uses operator(s) {', '.join(unsupported)} that "
+                            f"facecast's TFLite converter does not implement")
+
+    steps = []
+    for op in operators:
+        builder = custom_ops.BUILDERS.get(op.type) if op.custom else tflite_ops.BUILDERS[op.type]
+        if builder is None:
+            raise UnsupportedOp(f"model {graph.name!r}: custom operator {op.type!r} is not implemented")
+        steps.append(_Step(op, builder(op)))
+
+    # Drop each activation after its last reader so that large batches do not keep every
+    # intermediate alive until the end of forward().
+    last_reader = {}
+    for position, step in enumerate(steps):
+        for slot in step.input_slots:
+            last_reader[slot] = position
+    keep = set(graph.outputs)
+    free_after = [[] for _ in steps]
+    for slot, position in last_reader.items():
+        if slot not in keep:
+            free_after[position].append(slot)
+    return TFLiteModule(graph, steps, free_after)

@@ -1,0 +1,114 @@
+"""The CUDA driver, reached through PyCUDA, imported lazily and only on the CUDA path.
+
+PyCUDA links libcuda.so.1 at import, so on a machine without the NVIDIA driver the import itself
+fails: every entry point here turns that, and every other reason CUDA IPC cannot be used, into a
+`TransportUnavailable` whose text is the reason that status and the log show.
+
+Note [One context]
+    Every facecast process uses the device's *primary* context, the one the CUDA runtime (and so
+    PyTorch) uses: PyCUDA retains it and pushes it on the thread that uses it. A pointer that
+    cuIpcOpenMemHandle returns is only valid in the context that opened it, so opening in a
+    context made with `make_context()` hands PyTorch an address its context has never mapped
+    (DESIGN.md §2 rule 5). `require_primary_context()` refuses any other current context; guarded
+    by tests/gpu/test_cuda_rules.py::test_rule5_*.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+import torch
+
+from facecast.shared.rings import TransportUnavailable
+
+_pushed = threading.local()
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why CUDA IPC cannot work in this process, or None if it may (validation still decides)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to PyTorch (no GPU or no NVIDIA driver)"
+    try:
+        import pycuda.driver  # noqa: F401
+    except ImportError as exc:
+        return f"pycuda cannot be imported ({exc}); install facecast[gpu]"
+    return None
+
+
+def driver(device_index: int) -> Any:
+    """pycuda.driver, with this thread on the device's primary context (Note [One context])."""
+    reason = cuda_unavailable_reason()
+    if reason:
+        raise TransportUnavailable(reason)
+    import pycuda.driver as cuda
+
+    if device_index >= torch.cuda.device_count():
+        raise TransportUnavailable(
+            f"GPU {device_index} does not exist here ({torch.cuda.device_count()} visible)"
+        )
+    cuda.init()
+    torch.cuda.init()
+    torch.zeros(1, device=f"cuda:{device_index}")  # makes the runtime create the primary context
+    pushed = getattr(_pushed, "devices", None)
+    if pushed is None:
+        pushed = _pushed.devices = {}
+    if device_index not in pushed:
+        context = cuda.Device(device_index).retain_primary_context()
+        context.push()
+        pushed[device_index] = context
+        atexit.register(_pop_quietly, context)
+    return cuda
+
+
+def _pop_quietly(context) -> None:
+    try:
+        context.pop()
+    except Exception:  # interpreter teardown: the context may already be gone
+        pass
+
+
+def require_primary_context(device_index: int) -> None:
+    """Refuse to map IPC memory in anything but the primary context (Note [One context])."""
+    cuda = driver(device_index)
+    current = cuda.Context.get_current()
+    primary = _pushed.devices[device_index]
+    if current is None or current.handle != primary.handle:
+        raise TransportUnavailable(
+            "the current CUDA context is not the device's primary context (one made with "
+            "make_context()?); memory opened there would not be valid for PyTorch"
+        )
+
+
+def device_identity(device_index: int) -> tuple[str, int]:
+    """(GPU UUID, driver version) that producer and consumer must share (DESIGN.md §2 rule 7)."""
+    cuda = driver(device_index)
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    return uuid, int(cuda.get_driver_version())
+
+
+def local_device_index(uuid: str) -> int | None:
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    return None
+
+
+class _DeviceMemory:
+    """A raw device pointer presented to PyTorch through the CUDA Array Interface (no copy)."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,  # ordering is ours to manage (Note [Events order slots])
+        }
+
+
+def tensor_at(pointer: int, nbytes: int, device_index: int) -> torch.Tensor:
+    """A uint8 tensor over device memory that PyTorch did not allocate (and will not free)."""
+    return torch.as_tensor(_DeviceMemory(pointer, nbytes), device=f"cuda:{device_index}")

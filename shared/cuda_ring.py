@@ -1,0 +1,286 @@
+"""A camera's frame ring in GPU memory, shared with consumer processes over CUDA IPC.
+
+Note [CUDA IPC rules]
+    DESIGN.md §2 lists seven ways CUDA IPC silently delivers stale, shifted or empty frames. This
+    module obeys them as follows; each is guarded by a test in tests/gpu/test_cuda_rules.py that
+    runs the broken variant (the `CudaFaults` knobs below) and shows it is caught.
+
+    1. Handles name whole allocations. The ring is its own cuMemAlloc allocation, rounded up to
+       2 MiB; the description still carries `offset_bytes` from cuMemGetAddressRange, so a ring
+       that starts inside an allocation (a PyTorch caching-allocator tensor) maps correctly.
+    2. Export once, open once, cache. The producer exports the handles when it creates the ring;
+       a consumer opens them once per epoch (`CudaRingReader`) and closes them when the epoch
+       changes. A new epoch is always a new reader: mappings are never reused across producers.
+    3. Memory IPC orders nothing: see Note [Events order slots].
+    4. Slots get overwritten: Note [Slot generations] in rings.py.
+    5. One context: Note [One context] in cuda_driver.py.
+    6. No same-process open: a reader in the producer's own process uses the producer's pointer
+       and events directly (`_IN_PROCESS`), since cuIpcOpenMemHandle of one's own handle fails.
+    7. Same device, same driver: the description names the GPU's UUID and the driver version; a
+       reader on another GPU or driver refuses to map.
+
+Note [Events order slots]
+    The producer copies each frame from a pinned staging buffer to its slot with an async copy on
+    its own stream, records the slot's interprocess event (disable-timing) on that stream, and only
+    then publishes the FrameReady. The consumer makes its current stream wait on that event before
+    it reads the slot, so its kernels see the finished copy. PyTorch's own CUDA tensor sharing
+    waits on an event only when a storage is first shared, which is not enough for a ring that is
+    re-read every frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from facecast.shared import cuda_driver, frames
+from facecast.shared.messages import CudaRingHandles, FrameReady, RingDescription
+from facecast.shared.rings import RingProducer, RingReader, TransportUnavailable, aligned
+
+log = logging.getLogger(__name__)
+
+ALLOCATION_ALIGN_BYTES = 2 * 1024 * 1024
+
+# Rings produced in this process, by epoch, for readers in the same process (rule 6).
+_IN_PROCESS: weakref.WeakValueDictionary[int, CudaRingProducer] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class CudaFaults:
+    """Deliberately broken behaviour, for the tests that prove each rule's guard works.
+
+    Never set in production; every field defaults to correct behaviour.
+    """
+
+    ring_inside_torch_tensor: bool = False  # rule 1: ring is a view 2 MiB into a torch tensor
+    omit_offset: bool = False  # rule 1: ... and the description says offset 0
+    delay_copy_cycles: int = 0  # rule 3: GPU sleep before each copy, so publish races the copy
+    corrupt_after_publish: bool = False  # overwrite the next published slot after publishing
+
+
+# ================================================================================================
+# Producer side (runs in the capture worker)
+# ================================================================================================
+
+
+class CudaRingProducer(RingProducer):
+    transport = "cuda_ipc"
+
+    def __init__(
+        self,
+        camera_id: str,
+        frame_shape: tuple[int, ...],
+        slot_count: int,
+        device_index: int = 0,
+        faults: CudaFaults = CudaFaults(),
+    ) -> None:
+        cuda = cuda_driver.driver(device_index)  # raises TransportUnavailable with the reason
+        self.device_index = device_index
+        self.faults = faults
+        self.device_uuid, self.driver_version = cuda_driver.device_identity(device_index)
+        super().__init__(camera_id, frame_shape, slot_count)
+        ring_bytes = self.slot_bytes * (slot_count + 1)  # + the probe slot
+        try:
+            self._allocate(cuda, ring_bytes)
+            self.stream = torch.cuda.Stream(device=device_index)
+            self.events = [torch.cuda.Event(interprocess=True) for _ in range(slot_count)]
+            with torch.cuda.device(device_index):
+                event_handles = [event.ipc_handle() for event in self.events]
+            self._staging = [
+                torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=True)
+                for _ in range(slot_count)
+            ]
+            self._staging_np = [buffer.numpy() for buffer in self._staging]
+            pattern = torch.from_numpy(frames.test_pattern(self.slot_bytes, self.ring_epoch))
+            self.slots[slot_count].copy_(pattern)
+            torch.cuda.synchronize(device_index)
+        except TransportUnavailable:
+            self.header.close()
+            raise
+        except Exception as exc:  # any CUDA API error here means: no CUDA ring for this camera
+            self.header.close()
+            raise TransportUnavailable(f"cannot create a CUDA ring: {exc}") from exc
+        self._handles = CudaRingHandles(
+            mem_handle=bytes(self._mem_handle),
+            offset_bytes=0 if faults.omit_offset else self.offset_bytes,
+            allocation_bytes=self.allocation_bytes,
+            event_handles=[bytes(h) for h in event_handles],
+            device_uuid=self.device_uuid,
+            device_index=device_index,
+            driver_version=self.driver_version,
+        )
+        self._corrupt_next = faults.corrupt_after_publish
+        _IN_PROCESS[self.ring_epoch] = self
+
+    def _allocate(self, cuda, ring_bytes: int) -> None:
+        if self.faults.ring_inside_torch_tensor:
+            # Broken on purpose (rule 1): the ring starts 2 MiB into a caching-allocator tensor.
+            self._torch_backing = torch.empty(
+                ring_bytes + ALLOCATION_ALIGN_BYTES, dtype=torch.uint8, device=self.device_index
+            )
+            self.ring_pointer = self._torch_backing.data_ptr() + ALLOCATION_ALIGN_BYTES
+            self.allocation = None
+        else:
+            self._torch_backing = None
+            self.allocation = cuda.mem_alloc(aligned(ring_bytes, ALLOCATION_ALIGN_BYTES))
+            self.ring_pointer = int(self.allocation)
+        base_pointer, self.allocation_bytes = cuda.mem_get_address_range(self.ring_pointer)
+        self.offset_bytes = self.ring_pointer - int(base_pointer)
+        self._mem_handle = cuda.mem_get_ipc_handle(self.ring_pointer)
+        self.slots = cuda_driver.tensor_at(self.ring_pointer, ring_bytes, self.device_index).view(
+            self.slot_count + 1, self.slot_bytes
+        )
+
+    def _copy_into_slot(self, slot: int, frame: np.ndarray) -> None:
+        event = self.events[slot]
+        # The staging buffer of this slot is free once its previous copy finished; that copy was
+        # issued slot_count frames ago, so this practically never waits.
+        event.synchronize()
+        np.copyto(self._staging_np[slot], frame.reshape(-1))
+        with torch.cuda.stream(self.stream):
+            if self.faults.delay_copy_cycles:
+                torch.cuda._sleep(self.faults.delay_copy_cycles)
+            self.slots[slot, : self.frame_bytes].copy_(self._staging[slot], non_blocking=True)
+            event.record(self.stream)
+
+    def write(self, frame: np.ndarray, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
+        message = super().write(frame, frame_seq, capture_ts_lsl)
+        if self._corrupt_next:
+            # Fault injection: the published slot changes under the consumer, generation intact.
+            self._corrupt_next = False
+            with torch.cuda.stream(self.stream):
+                self.slots[message.slot, : self.frame_bytes].bitwise_not_()
+                self.events[message.slot].record(self.stream)
+        return message
+
+    def corrupt_next_frame(self) -> None:
+        self._corrupt_next = True
+
+    def _description_fields(self) -> dict:
+        return {"cuda": self._handles}
+
+    def close(self) -> None:
+        _IN_PROCESS.pop(self.ring_epoch, None)
+        try:
+            self.stream.synchronize()
+        except Exception:
+            pass
+        self.slots = None
+        self._staging = self._staging_np = None
+        self.events = None
+        if self.allocation is not None:
+            self.allocation.free()
+            self.allocation = None
+        self._torch_backing = None
+        super().close()
+
+
+# ================================================================================================
+# Consumer side (runs in detection / roi_landmark workers, tests, benchmarks)
+# ================================================================================================
+
+
+class CudaRingReader(RingReader):
+    """Maps a CUDA ring once per epoch and hands out zero-copy views of its slots."""
+
+    zero_copy = True
+    opens_total = 0  # cuIpcOpenMemHandle calls in this process (rule 2's test counts them)
+
+    def __init__(
+        self,
+        description: RingDescription,
+        checksum_every: int = 30,
+        *,
+        unsafe_skip_event_wait: bool = False,
+        force_ipc_open: bool = False,
+    ) -> None:
+        super().__init__(description, checksum_every)
+        self._ipc_memory = None
+        self._unsafe_skip_event_wait = unsafe_skip_event_wait
+        self.open_ms = 0.0
+        try:
+            self._map(description, force_ipc_open)
+        except TransportUnavailable:
+            self.close()
+            raise
+        except Exception as exc:  # a CUDA API error while mapping: the path is not proven
+            self.close()
+            raise TransportUnavailable(f"cannot map CUDA ring of {description.camera_id}: {exc}")
+
+    def _map(self, description: RingDescription, force_ipc_open: bool) -> None:
+        handles = description.cuda
+        if handles is None:
+            raise TransportUnavailable("ring description carries no CUDA handles")
+        device_index = cuda_driver.local_device_index(handles.device_uuid)
+        if device_index is None:
+            raise TransportUnavailable(
+                f"the ring lives on GPU {handles.device_uuid}, which this process cannot see"
+            )
+        cuda = cuda_driver.driver(device_index)
+        cuda_driver.require_primary_context(device_index)
+        local_driver = int(cuda.get_driver_version())
+        if local_driver != handles.driver_version:
+            raise TransportUnavailable(
+                f"driver version differs: producer {handles.driver_version}, here {local_driver}"
+            )
+        self.device_index = device_index
+        ring_bytes = description.slot_bytes * (description.slot_count + 1)
+        producer = _IN_PROCESS.get(description.ring_epoch)
+        if producer is not None and description.producer_pid == os.getpid() and not force_ipc_open:
+            ring_pointer, self.events = producer.ring_pointer, producer.events  # rule 6
+        else:
+            started = time.perf_counter()
+            self._ipc_memory = cuda.IPCMemoryHandle(handles.mem_handle)
+            CudaRingReader.opens_total += 1
+            ring_pointer = int(self._ipc_memory) + handles.offset_bytes
+            self.events = [
+                torch.cuda.Event.from_ipc_handle(device_index, handle)
+                for handle in handles.event_handles
+            ]
+            self.open_ms = (time.perf_counter() - started) * 1000
+        if handles.offset_bytes + ring_bytes > handles.allocation_bytes:
+            raise TransportUnavailable(
+                f"ring of {ring_bytes} bytes at offset {handles.offset_bytes} does not fit its "
+                f"allocation of {handles.allocation_bytes} bytes"
+            )
+        self.slots = cuda_driver.tensor_at(ring_pointer, ring_bytes, device_index).view(
+            description.slot_count + 1, description.slot_bytes
+        )
+        self._prove_mapping(description)
+
+    def _prove_mapping(self, description: RingDescription) -> None:
+        """The handshake: the probe slot must hold this epoch's pattern (Note [Probe slot])."""
+        expected = frames.test_pattern_tensor(
+            description.slot_bytes, description.ring_epoch, self.slots.device
+        )
+        probe = self.slots[description.slot_count]
+        if not torch.equal(probe, expected):
+            mismatched = int((probe != expected).sum().item())
+            raise TransportUnavailable(
+                f"CUDA IPC handshake failed for {description.camera_id}: {mismatched} of "
+                f"{description.slot_bytes} probe bytes differ from the test pattern (wrong "
+                "address, allocation or epoch)"
+            )
+
+    def _read_slot(self, message: FrameReady) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.device_index)
+        if not self._unsafe_skip_event_wait:
+            self.events[message.slot].wait(stream)  # Note [Events order slots]
+        return self.slots[message.slot, : self.frame_bytes].view(message.shape)
+
+    def close(self) -> None:
+        self.slots = None
+        self.events = None
+        if self._ipc_memory is not None:
+            try:
+                self._ipc_memory.close()
+            except Exception as exc:
+                log.debug("closing IPC mapping: %s", exc)
+            self._ipc_memory = None
+        super().close()

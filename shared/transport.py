@@ -1,0 +1,376 @@
+"""Frames between processes: rings for the pixels, ZeroMQ for the messages that name them.
+
+A capture worker owns a `FramePublisher` per camera; detection and ROI/landmark workers own a
+`FrameSubscriber`. Per camera there are two sockets under the runtime directory:
+
+- ``frames-<camera>``: PUB → SUB. `RingDescription` whenever the ring changes (new epoch), then
+  `FrameReady` for every frame. Topic = camera id.
+- ``ring-<camera>``: ROUTER (publisher) ← DEALER (subscribers). `DescribeRing` from a consumer
+  that joined late or missed a description; `TransportFault` from a consumer that could not prove
+  or keep trusting the camera's CUDA ring.
+
+Note [Transport fallback]
+    `transport = "auto"` tries cuda_ipc and falls back to shm when CUDA cannot be used here at all
+    (`choose_transport`), when the ring cannot be created, and, at run time, when any consumer
+    reports a `TransportFault`: its handshake failed (Note [Probe slot]), the mapping raised, or a
+    sampled checksum did not match. The publisher then retires the CUDA ring (kept alive a few
+    seconds so consumers can unmap it), creates a shm ring with the reason attached, and publishes
+    its description before the next frame: the camera is on shm from the next frame on. The
+    reason is logged, kept in `TransportStatus` (for `facecast status` and the marker stream), and
+    never turned into "no faces". Explicit `cuda_ipc` behaves the same way, logged as a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+from facecast.shared import messages, rings
+from facecast.shared.messages import (
+    Ack,
+    DescribeRing,
+    FrameReady,
+    MessageGate,
+    RingDescription,
+    TransportFault,
+)
+from facecast.shared.rings import RingProducer, ShmRingProducer, TransportUnavailable, Verdict
+
+log = logging.getLogger(__name__)
+
+RETIRED_RING_GRACE_S = 3.0
+DESCRIBE_RETRY_S = 0.5
+
+
+def frames_endpoint(runtime_dir: str | Path, camera_id: str) -> str:
+    return f"ipc://{runtime_dir}/frames-{camera_id}"
+
+
+def ring_control_endpoint(runtime_dir: str | Path, camera_id: str) -> str:
+    return f"ipc://{runtime_dir}/ring-{camera_id}"
+
+
+def choose_transport(requested: str, cuda_unavailable_reason: str | None) -> tuple[str, str]:
+    """(transport to try, reason it is shm) for a camera; a pure decision, tested on any machine."""
+    if requested not in ("auto", "cuda_ipc", "shm"):
+        raise ValueError(f"transport {requested!r} is not one of auto, cuda_ipc, shm")
+    if requested == "shm":
+        return "shm", ""
+    if cuda_unavailable_reason:
+        return "shm", cuda_unavailable_reason
+    return "cuda_ipc", ""
+
+
+def make_producer(
+    camera_id: str,
+    frame_shape: tuple[int, ...],
+    slot_count: int,
+    requested: str,
+    device_index: int = 0,
+    **cuda_options,
+) -> RingProducer:
+    """The camera's ring: CUDA when asked for and possible, else shm with the reason attached."""
+    from facecast.shared.cuda_driver import cuda_unavailable_reason
+
+    chosen, reason = choose_transport(
+        requested, None if requested == "shm" else cuda_unavailable_reason()
+    )
+    if chosen == "cuda_ipc":
+        try:
+            from facecast.shared.cuda_ring import CudaRingProducer
+
+            return CudaRingProducer(camera_id, frame_shape, slot_count, device_index, **cuda_options)
+        except TransportUnavailable as exc:
+            reason = str(exc)
+    if reason:
+        level = logging.WARNING if requested == "cuda_ipc" else logging.INFO
+        log.log(level, "camera %s uses shared memory: %s", camera_id, reason)
+    return ShmRingProducer(camera_id, frame_shape, slot_count, fallback_reason=reason)
+
+
+@dataclass
+class TransportStatus:
+    """What status and markers report about one camera's transport."""
+
+    camera_id: str
+    transport: str = ""
+    ring_epoch: int = 0
+    fallback_reason: str = ""
+    fallbacks: int = 0
+    counts: Counter = field(default_factory=Counter)
+
+
+# ================================================================================================
+# Producer side (runs in the capture worker)
+# ================================================================================================
+
+
+class FramePublisher:
+    """Writes a camera's frames into its ring and publishes them; capture never waits."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        runtime_dir: str | Path,
+        camera_id: str,
+        slot_count: int = 8,
+        transport: str = "auto",
+        device_index: int = 0,
+        **cuda_options,
+    ) -> None:
+        self.camera_id = camera_id
+        self.slot_count = slot_count
+        self.requested = transport
+        self.device_index = device_index
+        self._cuda_options = cuda_options
+        self.producer: RingProducer | None = None
+        self.status = TransportStatus(camera_id)
+        self.frame_seq = 0
+        self._retired: list[tuple[RingProducer, float]] = []
+        self._gate = MessageGate(f"ring control of {camera_id}")
+        self._topic = camera_id.encode()
+        self.frames = context.socket(zmq.PUB)
+        self.frames.setsockopt(zmq.LINGER, 0)
+        self.frames.setsockopt(zmq.SNDHWM, 64)  # slow subscribers lose messages, never block us
+        self.frames.bind(frames_endpoint(runtime_dir, camera_id))
+        self.control = context.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(ring_control_endpoint(runtime_dir, camera_id))
+
+    def publish(self, frame: np.ndarray, capture_ts_lsl: float) -> FrameReady:
+        self.serve_control()
+        if self.producer is None or self.producer.frame_shape != frame.shape:
+            self._replace_ring(make_producer(
+                self.camera_id, frame.shape, self.slot_count, self.requested,
+                self.device_index, **self._cuda_options,
+            ))
+        message = self.producer.write(frame, self.frame_seq, capture_ts_lsl)
+        self.frame_seq += 1
+        self.frames.send_multipart([self._topic, messages.encode(message)], copy=False)
+        return message
+
+    def serve_control(self) -> None:
+        """Answer consumers' requests without blocking; call it often, frames or not."""
+        while self.control.poll(0):
+            identity, payload = self.control.recv_multipart()[:2]
+            request = self._gate.decode(payload)
+            if isinstance(request, DescribeRing) and self.producer is not None:
+                self.control.send_multipart([identity, messages.encode(self.producer.description())])
+            elif isinstance(request, TransportFault):
+                self._on_fault(request)
+                self.control.send_multipart([identity, messages.encode(Ack(reply_to=request.id))])
+        now = time.monotonic()
+        for producer, deadline in list(self._retired):
+            if now >= deadline:
+                producer.close()
+                self._retired.remove((producer, deadline))
+
+    def _on_fault(self, fault: TransportFault) -> None:
+        producer = self.producer
+        if producer is None or fault.ring_epoch != producer.ring_epoch:
+            return  # about an earlier ring: already handled
+        if producer.transport != "cuda_ipc":
+            log.error("camera %s: shm ring reported faulty: %s", self.camera_id, fault.reason)
+            return
+        log.warning("camera %s falls back to shared memory: %s", self.camera_id, fault.reason)
+        self.status.fallbacks += 1
+        self._replace_ring(ShmRingProducer(
+            self.camera_id, producer.frame_shape, self.slot_count, fallback_reason=fault.reason
+        ))
+
+    def _replace_ring(self, producer: RingProducer) -> None:
+        if self.producer is not None:
+            self._retired.append((self.producer, time.monotonic() + RETIRED_RING_GRACE_S))
+        self.producer = producer
+        self.status.transport = producer.transport
+        self.status.ring_epoch = producer.ring_epoch
+        self.status.fallback_reason = producer.fallback_reason
+        # In band, before the first frame of the new epoch: consumers switch without a round trip.
+        self.frames.send_multipart([self._topic, messages.encode(producer.description())])
+
+    def corrupt_next_frame(self) -> None:
+        """Fault injection for tests and the soak run (CUDA rings only)."""
+        if hasattr(self.producer, "corrupt_next_frame"):
+            self.producer.corrupt_next_frame()
+
+    def close(self) -> None:
+        for producer in [p for p, _ in self._retired] + ([self.producer] if self.producer else []):
+            producer.close()
+        self._retired.clear()
+        self.producer = None
+        self.frames.close()
+        self.control.close()
+
+
+# ================================================================================================
+# Consumer side (runs in detection / roi_landmark workers, tests, benchmarks)
+# ================================================================================================
+
+
+@dataclass
+class ReceivedFrame:
+    message: FrameReady
+    read: rings.SlotRead
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.read.tensor
+
+
+class FrameSubscriber:
+    """Receives the newest frame of each camera, attached to its current ring, verified."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        runtime_dir: str | Path,
+        camera_ids: list[str],
+        device: str | torch.device = "cpu",
+        checksum_every: int = 30,
+        **reader_options,
+    ) -> None:
+        self.device = torch.device(device)
+        self.checksum_every = checksum_every
+        self._reader_options = reader_options
+        self.readers: dict[str, rings.RingReader] = {}
+        self.status = {camera_id: TransportStatus(camera_id) for camera_id in camera_ids}
+        self._last_seq: dict[str, int] = {}
+        self._describe_sent: dict[str, float] = {}
+        self._faulted_epochs: set[int] = set()
+        self._gate = MessageGate("frame bus")
+        self.frames = context.socket(zmq.SUB)
+        self.frames.setsockopt(zmq.LINGER, 0)
+        self.frames.setsockopt(zmq.RCVHWM, 256)
+        self.control: dict[str, zmq.Socket] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self.frames, zmq.POLLIN)
+        for camera_id in camera_ids:
+            self.frames.connect(frames_endpoint(runtime_dir, camera_id))
+            self.frames.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(ring_control_endpoint(runtime_dir, camera_id))
+            self.control[camera_id] = dealer
+            self._poller.register(dealer, zmq.POLLIN)
+
+    def receive(self, timeout_ms: int = 100) -> list[ReceivedFrame]:
+        """Verified frames, at most one per camera (the newest); [] when nothing came in time."""
+        newest: dict[str, FrameReady] = {}
+        events = dict(self._poller.poll(timeout_ms))
+        while events:
+            for camera_id, dealer in self.control.items():
+                if dealer in events:
+                    self._handle(self._gate.decode(dealer.recv()), newest)
+            if self.frames in events:
+                parts = self.frames.recv_multipart()
+                self._handle(self._gate.decode(parts[-1]), newest)
+            events = dict(self._poller.poll(0))  # drain: only the newest frame of each camera
+        return [frame for frame in map(self._read, newest.values()) if frame is not None]
+
+    def _handle(self, message, newest: dict[str, FrameReady]) -> None:
+        if isinstance(message, RingDescription):
+            self._attach(message)
+        elif isinstance(message, FrameReady) and message.camera_id in self.status:
+            previous = newest.get(message.camera_id)
+            if previous is not None:
+                self.status[message.camera_id].counts["skipped"] += 1
+            newest[message.camera_id] = message
+
+    def _attach(self, description: RingDescription) -> None:
+        camera_id = description.camera_id
+        current = self.readers.get(camera_id)
+        if description.ring_epoch in self._faulted_epochs or (
+            current is not None and current.ring_epoch == description.ring_epoch
+        ):
+            return
+        if current is not None:
+            current.close()  # a new epoch always means new handles (rule 2)
+            del self.readers[camera_id]
+        status = self.status[camera_id]
+        try:
+            reader = rings.open_reader(
+                description, device=self.device, checksum_every=self.checksum_every,
+                **(self._reader_options if description.transport == "cuda_ipc" else {}),
+            )
+        except TransportUnavailable as exc:
+            self._report_fault(camera_id, description.ring_epoch, str(exc))
+            return
+        self.readers[camera_id] = reader
+        self._describe_sent.pop(camera_id, None)
+        status.transport, status.ring_epoch = description.transport, description.ring_epoch
+        if description.fallback_reason:
+            status.fallback_reason = description.fallback_reason
+        log.info("attached %s ring of camera %s (epoch %x)", description.transport, camera_id,
+                 description.ring_epoch)
+
+    def _read(self, message: FrameReady) -> ReceivedFrame | None:
+        camera_id = message.camera_id
+        status = self.status[camera_id]
+        last_seq = self._last_seq.get(camera_id)
+        if last_seq is not None and message.frame_seq > last_seq + 1:
+            status.counts["missed"] += message.frame_seq - last_seq - 1
+        self._last_seq[camera_id] = message.frame_seq
+        reader = self.readers.get(camera_id)
+        if reader is None or reader.ring_epoch != message.ring_epoch:
+            status.counts["awaiting_ring"] += 1
+            self._request_description(camera_id)
+            return None
+        read = reader.read(message)
+        status.counts[read.verdict.value] += 1
+        if read.verdict is Verdict.CHECKSUM_MISMATCH and reader.zero_copy:
+            self._report_fault(camera_id, message.ring_epoch, (
+                f"checksum mismatch on frame {message.frame_seq} (slot {message.slot}): the "
+                "mapped GPU memory is not the frame the camera published"
+            ))
+        return ReceivedFrame(message, read) if read.ok else None
+
+    def _request_description(self, camera_id: str) -> None:
+        now = time.monotonic()
+        if now - self._describe_sent.get(camera_id, -1e9) >= DESCRIBE_RETRY_S:
+            self._describe_sent[camera_id] = now
+            self.control[camera_id].send(messages.encode(DescribeRing(camera_id=camera_id)))
+
+    def _report_fault(self, camera_id: str, ring_epoch: int, reason: str) -> None:
+        status = self.status[camera_id]
+        status.fallback_reason = reason
+        if ring_epoch in self._faulted_epochs:
+            return
+        self._faulted_epochs.add(ring_epoch)
+        status.fallbacks += 1
+        log.warning("camera %s: CUDA ring not trusted, asking for shared memory: %s", camera_id,
+                    reason)
+        reader = self.readers.pop(camera_id, None)
+        if reader is not None:
+            reader.close()
+        fault = TransportFault(camera_id=camera_id, ring_epoch=ring_epoch, reason=reason)
+        self.control[camera_id].send(messages.encode(fault))
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+        self.frames.close()
+        for dealer in self.control.values():
+            dealer.close()
+
+
+def runtime_dir_for(configured: str) -> Path:
+    """The runtime directory: configured, else systemd's, else the user's, else /tmp."""
+    if configured:
+        path = Path(configured)
+    elif os.environ.get("RUNTIME_DIRECTORY"):
+        path = Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "facecast"
+    else:
+        path = Path(f"/tmp/facecast-{os.getuid()}")
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
