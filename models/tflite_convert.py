@@ -298,6 +298,8 @@ class TFLiteModule(torch.nn.Module):
         self.input_names = [graph.tensors[i].name for i in graph.inputs]
         self.output_names = [graph.tensors[i].name for i in graph.outputs]
         self._free_after = free_after
+        self._tensor_names = {t.index: t.name for t in graph.tensors}
+        self._tensor_shapes = {t.index: t.shape for t in graph.tensors}
         # Outputs that are constants of the graph (rare) are returned as buffers.
         self._constant_outputs = {}
         for position, slot in enumerate(graph.outputs):
@@ -308,6 +310,25 @@ class TFLiteModule(torch.nn.Module):
                 self._constant_outputs[slot] = name
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = self._run(inputs, keep_all=False)
+        outputs = []
+        batch = inputs[0].shape[0] if inputs else 1
+        for slot, shape in zip(self.output_slots, self.output_shapes):
+            if slot in self._constant_outputs:
+                constant = getattr(self, self._constant_outputs[slot])
+                outputs.append(constant.expand(batch, *constant.shape[1:]))
+            else:
+                outputs.append(torch_to_tfl_order(values[slot], shape).contiguous())
+        return tuple(outputs)
+
+    def trace(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every tensor the model computes, by tflite tensor name, as [N, *per-sample shape] in
+        tflite dimension order: for comparing a model operator by operator with LiteRT."""
+        values = self._run(inputs, keep_all=True)
+        return {self._tensor_names[slot]: torch_to_tfl_order(value, self._tensor_shapes[slot])
+                for slot, value in values.items()}
+
+    def _run(self, inputs, keep_all: bool) -> dict[int, torch.Tensor]:
         if len(inputs) != len(self.input_slots):
             raise ValueError(f"{self.name} takes {len(self.input_slots)} input(s) "
                              f"{self.input_names}, got {len(inputs)}")
@@ -325,17 +346,10 @@ class TFLiteModule(torch.nn.Module):
                 results = (results,)
             for slot, result in zip(step.output_slots, results):
                 values[slot] = result
-            for slot in dead:
-                values.pop(slot, None)
-        outputs = []
-        batch = inputs[0].shape[0] if inputs else 1
-        for slot, shape in zip(self.output_slots, self.output_shapes):
-            if slot in self._constant_outputs:
-                constant = getattr(self, self._constant_outputs[slot])
-                outputs.append(constant.expand(batch, *constant.shape[1:]))
-            else:
-                outputs.append(torch_to_tfl_order(values[slot], shape).contiguous())
-        return tuple(outputs)
+            if not keep_all:
+                for slot in dead:
+                    values.pop(slot, None)
+        return values
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, inputs={self.input_shapes}, outputs={self.output_shapes}, "

@@ -279,10 +279,7 @@ class FrameSubscriber:
         if isinstance(message, RingDescription):
             self._attach(message)
         elif isinstance(message, FrameReady) and message.camera_id in self.status:
-            previous = newest.get(message.camera_id)
-            if previous is not None:
-                self.status[message.camera_id].counts["skipped"] += 1
-            newest[message.camera_id] = message
+            newest[message.camera_id] = message  # older ones are skipped, counted in _read
 
     def _attach(self, description: RingDescription) -> None:
         camera_id = description.camera_id
@@ -316,7 +313,9 @@ class FrameSubscriber:
         status = self.status[camera_id]
         last_seq = self._last_seq.get(camera_id)
         if last_seq is not None and message.frame_seq > last_seq + 1:
-            status.counts["missed"] += message.frame_seq - last_seq - 1
+            # Frames this consumer never read: drained as older than the newest, or dropped by
+            # ZeroMQ's high-water mark while we were busy. Capture did not wait for us.
+            status.counts["skipped"] += message.frame_seq - last_seq - 1
         self._last_seq[camera_id] = message.frame_seq
         reader = self.readers.get(camera_id)
         if reader is None or reader.ring_epoch != message.ring_epoch:

@@ -1,0 +1,153 @@
+"""Real producer and consumer processes for the transport tests and benchmarks.
+
+    python tests/peers.py producer --runtime-dir D --camera cam0 --frames 1000 --fps 200 ...
+    python tests/peers.py consumer --runtime-dir D --camera cam0 --until-seq 999 ...
+
+Frames are drawn from a small deck of random frames made from a seed, so a consumer in another
+process can check every byte of every frame it receives against what the producer wrote. The
+consumer prints one JSON line with what it saw. Processes are separate interpreters (never
+forked), as in the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+import numpy as np
+import zmq
+
+DECK_SIZE = 7  # prime, so a stale slot of an 8-slot ring never holds the expected frame
+
+
+def make_deck(seed: int, shape: tuple[int, ...]) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(DECK_SIZE)]
+
+
+def run_producer(args) -> None:
+    from facecast.shared.transport import FramePublisher
+
+    deck = make_deck(args.seed, args.shape)
+    faults = {}
+    if args.delay_copy_cycles:
+        faults["delay_copy_cycles"] = args.delay_copy_cycles
+    cuda_options = {}
+    if faults:
+        from facecast.shared.cuda_ring import CudaFaults
+
+        cuda_options["faults"] = CudaFaults(**faults)
+    with zmq.Context() as context:
+        publisher = FramePublisher(
+            context, args.runtime_dir, args.camera, slot_count=args.slots,
+            transport=args.transport, **cuda_options,
+        )
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            deadline = time.monotonic() + args.start_delay_s
+            while time.monotonic() < deadline:  # let subscribers connect before frame 0
+                publisher.serve_control()
+                time.sleep(0.005)
+            period_s = 1.0 / args.fps if args.fps > 0 else 0.0
+            next_monotonic = time.monotonic()
+            for index in range(args.frames):
+                if args.corrupt_at == index:
+                    publisher.corrupt_next_frame()
+                publisher.publish(deck[publisher.frame_seq % DECK_SIZE], time.monotonic())
+                next_monotonic += period_s
+                while (pause := next_monotonic - time.monotonic()) > 0:
+                    publisher.serve_control()
+                    time.sleep(min(pause, 0.002))
+            print(json.dumps({"published": args.frames, "transport": publisher.status.transport,
+                              "fallbacks": publisher.status.fallbacks,
+                              "fallback_reason": publisher.status.fallback_reason}), flush=True)
+            linger_deadline = time.monotonic() + args.linger_s
+            while time.monotonic() < linger_deadline:
+                publisher.serve_control()
+                time.sleep(0.01)
+        finally:
+            publisher.close()
+
+
+def run_consumer(args) -> None:
+    import torch
+
+    from facecast.shared.transport import FrameSubscriber
+
+    deck = make_deck(args.seed, args.shape)
+    device = torch.device(args.device)
+    deck_on_device = [torch.from_numpy(frame).to(device) for frame in deck]
+    received = mismatched = invalid_after_use = 0
+    epochs: list[int] = []
+    transports: list[str] = []
+    last_seq = -1
+    with zmq.Context() as context:
+        subscriber = FrameSubscriber(
+            context, args.runtime_dir, [args.camera], device=device,
+            checksum_every=args.checksum_every,
+            **({"unsafe_skip_event_wait": True} if args.skip_event_wait else {}),
+        )
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # report what was seen, then exit
+        print(json.dumps({"ready": True}), flush=True)
+        deadline = time.monotonic() + args.timeout_s
+        try:
+            while time.monotonic() < deadline and last_seq < args.until_seq:
+                for frame in subscriber.receive(timeout_ms=50):
+                    seq = frame.message.frame_seq
+                    if args.slow_s:
+                        time.sleep(args.slow_s)
+                    equal = torch.equal(frame.tensor, deck_on_device[seq % DECK_SIZE])
+                    if device.type == "cuda":
+                        torch.cuda.current_stream(device).synchronize()
+                    if not frame.read.still_valid():
+                        invalid_after_use += 1  # overwritten while in use: dropped, not counted
+                        continue
+                    received += 1
+                    mismatched += not equal
+                    last_seq = max(last_seq, seq)
+                    status = subscriber.status[args.camera]
+                    if not epochs or epochs[-1] != status.ring_epoch:
+                        epochs.append(status.ring_epoch)
+                        transports.append(status.transport)
+        finally:
+            status = subscriber.status[args.camera]
+            print(json.dumps({
+                "received": received, "mismatched": mismatched, "last_seq": last_seq,
+                "invalid_after_use": invalid_after_use, "epochs": epochs,
+                "transports": transports, "counts": dict(status.counts),
+                "fallback_reason": status.fallback_reason, "fallbacks": status.fallbacks,
+            }), flush=True)
+            subscriber.close()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["producer", "consumer"])
+    parser.add_argument("--runtime-dir", required=True)
+    parser.add_argument("--camera", default="cam0")
+    parser.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        default=(120, 160, 3))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--transport", default="auto")
+    parser.add_argument("--frames", type=int, default=100)
+    parser.add_argument("--fps", type=float, default=100.0)
+    parser.add_argument("--start-delay-s", type=float, default=0.5)
+    parser.add_argument("--linger-s", type=float, default=0.5)
+    parser.add_argument("--delay-copy-cycles", type=int, default=0)
+    parser.add_argument("--corrupt-at", type=int, default=-1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--checksum-every", type=int, default=1)
+    parser.add_argument("--until-seq", type=int, default=10**9)
+    parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--skip-event-wait", action="store_true")
+    args = parser.parse_args(argv)
+    {"producer": run_producer, "consumer": run_consumer}[args.role](args)
+
+
+if __name__ == "__main__":
+    main()

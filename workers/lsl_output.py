@@ -1,0 +1,479 @@
+"""The LSL side of the output worker: Face, MoCap and Markers outlets (DESIGN §4).
+
+Runs in the output worker process only, so that a crash anywhere else leaves consumers' streams
+alone. Everything here is fixed at construction: an LSL stream's channel count and metadata cannot
+change while inlets are connected, which is why `max_faces`, `landmarks` and whether blendshapes
+are available are constructor arguments.
+
+Every sample carries the frame's **capture** timestamp (`pylsl.local_clock()` domain, taken at
+grab by the capture worker), never the time of the push; LSL keeps it as a double, so it never
+passes through the float32 channels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pylsl
+
+from facecast import __version__
+
+log = logging.getLogger(__name__)
+
+# MediaPipe's 52 face blendshape categories, in the order of the blendshape model's output
+# (face_landmarker.task, "face_blendshapes" head): alphabetical, `_neutral` first.
+BLENDSHAPE_NAMES: tuple[str, ...] = (
+    "_neutral",
+    "browDownLeft", "browDownRight", "browInnerUp", "browOuterUpLeft", "browOuterUpRight",
+    "cheekPuff", "cheekSquintLeft", "cheekSquintRight",
+    "eyeBlinkLeft", "eyeBlinkRight", "eyeLookDownLeft", "eyeLookDownRight",
+    "eyeLookInLeft", "eyeLookInRight", "eyeLookOutLeft", "eyeLookOutRight",
+    "eyeLookUpLeft", "eyeLookUpRight", "eyeSquintLeft", "eyeSquintRight",
+    "eyeWideLeft", "eyeWideRight",
+    "jawForward", "jawLeft", "jawOpen", "jawRight",
+    "mouthClose", "mouthDimpleLeft", "mouthDimpleRight", "mouthFrownLeft", "mouthFrownRight",
+    "mouthFunnel", "mouthLeft", "mouthLowerDownLeft", "mouthLowerDownRight",
+    "mouthPressLeft", "mouthPressRight", "mouthPucker", "mouthRight",
+    "mouthRollLower", "mouthRollUpper", "mouthShrugLower", "mouthShrugUpper",
+    "mouthSmileLeft", "mouthSmileRight", "mouthStretchLeft", "mouthStretchRight",
+    "mouthUpperUpLeft", "mouthUpperUpRight",
+    "noseSneerLeft", "noseSneerRight",
+)  # fmt: skip
+
+# MediaPipe's 33 pose landmarks (BlazePose), in the pose landmark model's output order.
+POSE_LANDMARK_NAMES: tuple[str, ...] = (
+    "nose",
+    "left_eye_inner", "left_eye", "left_eye_outer",
+    "right_eye_inner", "right_eye", "right_eye_outer",
+    "left_ear", "right_ear", "mouth_left", "mouth_right",
+    "left_shoulder", "right_shoulder", "left_elbow", "right_elbow",
+    "left_wrist", "right_wrist", "left_pinky", "right_pinky",
+    "left_index", "right_index", "left_thumb", "right_thumb",
+    "left_hip", "right_hip", "left_knee", "right_knee",
+    "left_ankle", "right_ankle", "left_heel", "right_heel",
+    "left_foot_index", "right_foot_index",
+)  # fmt: skip
+
+FACE_LANDMARK_COUNT = 478  # the 468-point mesh plus 10 iris points
+
+# The Face stream's fixed head: (label, unit, type). Head pose types follow XDF's MoCap
+# conventions (OrientationH/P/R for heading/pitch/roll Euler angles, PositionX/Y/Z).
+_FACE_HEAD_CHANNELS: tuple[tuple[str, str, str], ...] = (
+    ("track_id", "none", "TrackId"),
+    ("presence", "normalized", "Score"),
+    ("box_x1", "pixels", "BoxX1"),
+    ("box_y1", "pixels", "BoxY1"),
+    ("box_x2", "pixels", "BoxX2"),
+    ("box_y2", "pixels", "BoxY2"),
+    ("head_yaw", "degrees", "OrientationH"),
+    ("head_pitch", "degrees", "OrientationP"),
+    ("head_roll", "degrees", "OrientationR"),
+    ("head_tx", "centimeters", "PositionX"),
+    ("head_ty", "centimeters", "PositionY"),
+    ("head_tz", "centimeters", "PositionZ"),
+)
+_BLENDSHAPES_AT = len(_FACE_HEAD_CHANNELS)
+_LANDMARKS_AT = _BLENDSHAPES_AT + len(BLENDSHAPE_NAMES)
+
+
+def face_channels(landmarks: bool) -> list[tuple[str, str, str]]:
+    """The Face stream's channels as (label, unit, type), in stream order."""
+    channels = list(_FACE_HEAD_CHANNELS)
+    channels += [(name, "normalized", "Blendshape") for name in BLENDSHAPE_NAMES]
+    if landmarks:
+        for index in range(FACE_LANDMARK_COUNT):
+            for axis in "xyz":
+                channels.append((f"landmark{index:03d}_{axis}", "pixels", f"Position{axis.upper()}"))
+    return channels
+
+
+def pose_channels() -> list[tuple[str, str, str, str]]:
+    """The MoCap stream's channels as (label, unit, type, marker), in stream order."""
+    channels: list[tuple[str, str, str, str]] = []
+    for marker in POSE_LANDMARK_NAMES:
+        for axis in "xyz":
+            channels.append((f"{marker}_{axis}", "meters", f"Position{axis.upper()}", marker))
+        channels.append((f"{marker}_visibility", "normalized", "Confidence", marker))
+    return channels
+
+
+@dataclass(frozen=True, slots=True)
+class FaceSample:
+    """One tracked face in one frame, as the output worker publishes it.
+
+    box_px: (x1, y1, x2, y2) in frame pixels. head_pose_deg: (yaw, pitch, roll) in degrees.
+    head_translation_cm: (tx, ty, tz) of the head in camera space, in centimeters (MediaPipe's
+    face geometry units). blendshapes: 52 scores in `BLENDSHAPE_NAMES` order, or None when the
+    blendshape model is unavailable. landmarks_px: (478, 3) in frame pixels (z on the x scale),
+    used only when the outlets were built with landmarks. Missing parts are published as NaN.
+    Track ids travel in a float32 channel: exact up to 2**24.
+    """
+
+    track_id: int
+    presence: float
+    box_px: tuple[float, float, float, float]
+    head_pose_deg: tuple[float, float, float] | None = None
+    head_translation_cm: tuple[float, float, float] | None = None
+    blendshapes: Sequence[float] | np.ndarray | None = None
+    landmarks_px: np.ndarray | None = None
+
+
+def face_stream_name(camera_id: str, slot: int) -> str:
+    return f"facecast {camera_id} face{slot}"
+
+
+def face_source_id(host: str, camera_id: str, slot: int) -> str:
+    return f"facecast-{host}-{camera_id}-face{slot}"
+
+
+def _check_capture_ts(capture_ts_lsl: float) -> float:
+    # 0.0 would make liblsl stamp the sample with the push time: exactly what must not happen.
+    if not (isinstance(capture_ts_lsl, (int, float, np.floating)) and math.isfinite(capture_ts_lsl)):
+        raise ValueError(f"capture_ts_lsl must be a finite LSL time, got {capture_ts_lsl!r}")
+    if capture_ts_lsl <= 0.0:
+        raise ValueError(
+            f"capture_ts_lsl must be > 0 (pylsl.local_clock() at grab), got {capture_ts_lsl!r}"
+        )
+    return float(capture_ts_lsl)
+
+
+def _append_text(parent: Any, name: str, value: object) -> None:
+    parent.append_child_value(name, str(value))
+
+
+def _acquisition(desc: Any, model: str) -> None:
+    acquisition = desc.append_child("acquisition")
+    _append_text(acquisition, "manufacturer", "facecast")
+    _append_text(acquisition, "model", model)
+    _append_text(acquisition, "version", __version__)
+    # Timestamps are taken at frame grab: nothing downstream of the grab is in them.
+    _append_text(acquisition, "compensated_lag", 0)
+
+
+class FaceOutlets:
+    """One `Face` stream per face slot of one camera (DESIGN §4).
+
+    `push_frame()` publishes one sample on every slot for every frame: the face tracked in that
+    slot, or NaN in every channel when the slot is empty. A track keeps its slot while it is
+    seen, and the slot stays reserved for it for `slot_hold_s` of capture time after it was last
+    seen (a short occlusion), so that a person does not jump between streams.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        camera_id: str,
+        max_faces: int,
+        fps: float,
+        landmarks: bool,
+        *,
+        blendshapes_missing_reason: str = "",
+        slot_hold_s: float = 1.0,
+        max_buffered_s: int = 360,
+    ) -> None:
+        if not host or not camera_id:
+            raise ValueError(f"host and camera_id must be non-empty, got {host!r}, {camera_id!r}")
+        if not 1 <= max_faces <= 16:
+            raise ValueError(f"max_faces must be 1..16 (output.max_faces), got {max_faces!r}")
+        if not (math.isfinite(fps) and fps > 0):
+            raise ValueError(f"fps must be > 0 (the camera's nominal rate), got {fps!r}")
+        self.host = host
+        self.camera_id = camera_id
+        self.max_faces = max_faces
+        self.fps = float(fps)
+        self.landmarks = bool(landmarks)
+        self.blendshapes_missing_reason = blendshapes_missing_reason
+        self.slot_hold_s = float(slot_hold_s)
+        self.channels = face_channels(self.landmarks)
+        self.channel_count = len(self.channels)
+        self.faces_dropped = 0  # faces seen while every slot was taken
+        self._slot_track: list[int | None] = [None] * max_faces
+        self._slot_last_seen_ts_lsl: list[float] = [-math.inf] * max_faces
+        self._empty = np.full(self.channel_count, np.nan, dtype=np.float32)
+        self._outlets = [
+            pylsl.StreamOutlet(self._info(slot), max_buffered=max_buffered_s)
+            for slot in range(max_faces)
+        ]
+        log.info(
+            "LSL: %d Face stream(s) for camera %s, %d channels each, %.3g Hz; blendshapes: %s",
+            max_faces,
+            camera_id,
+            self.channel_count,
+            self.fps,
+            f"NaN ({blendshapes_missing_reason})" if blendshapes_missing_reason else "published",
+        )
+
+    def _info(self, slot: int) -> pylsl.StreamInfo:
+        info = pylsl.StreamInfo(
+            face_stream_name(self.camera_id, slot),
+            "Face",
+            self.channel_count,
+            self.fps,
+            pylsl.cf_float32,
+            face_source_id(self.host, self.camera_id, slot),
+        )
+        desc = info.desc()
+        channels = desc.append_child("channels")
+        for label, unit, kind in self.channels:
+            channel = channels.append_child("channel")
+            _append_text(channel, "label", label)
+            _append_text(channel, "unit", unit)
+            _append_text(channel, "type", kind)
+        _acquisition(desc, "MediaPipe face models in PyTorch")
+        facecast = desc.append_child("facecast")
+        _append_text(facecast, "host", self.host)
+        _append_text(facecast, "camera", self.camera_id)
+        _append_text(facecast, "slot", slot)
+        _append_text(facecast, "max_faces", self.max_faces)
+        _append_text(facecast, "landmarks", "true" if self.landmarks else "false")
+        _append_text(facecast, "landmark_count", FACE_LANDMARK_COUNT if self.landmarks else 0)
+        _append_text(facecast, "empty_slot", "NaN in every channel")
+        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+        blendshapes = facecast.append_child("blendshapes")
+        _append_text(blendshapes, "available", "false" if self.blendshapes_missing_reason else "true")
+        if self.blendshapes_missing_reason:
+            _append_text(blendshapes, "values", "NaN")
+            _append_text(blendshapes, "reason", self.blendshapes_missing_reason)
+        return info
+
+    @property
+    def source_ids(self) -> list[str]:
+        return [face_source_id(self.host, self.camera_id, k) for k in range(self.max_faces)]
+
+    def slot_tracks(self) -> list[int | None]:
+        """The track id each slot holds (or is reserved for), by slot."""
+        return list(self._slot_track)
+
+    def push_frame(self, capture_ts_lsl: float, faces: Sequence[FaceSample]) -> list[int | None]:
+        """Publish one frame: one sample per slot, all stamped `capture_ts_lsl`.
+
+        Returns the track id published in each slot (None: the slot's sample is NaN).
+        """
+        capture_ts_lsl = _check_capture_ts(capture_ts_lsl)
+        by_track = self._assign_slots(capture_ts_lsl, faces)
+        published: list[int | None] = []
+        for slot, outlet in enumerate(self._outlets):
+            track_id = self._slot_track[slot]
+            face = by_track.get(track_id) if track_id is not None else None
+            sample = self._empty if face is None else self._sample(face)
+            outlet.push_chunk(sample[np.newaxis, :], timestamp=capture_ts_lsl)
+            published.append(None if face is None else face.track_id)
+        return published
+
+    def _assign_slots(
+        self, capture_ts_lsl: float, faces: Sequence[FaceSample]
+    ) -> dict[int, FaceSample]:
+        by_track: dict[int, FaceSample] = {}
+        for face in faces:
+            other = by_track.get(face.track_id)
+            if other is None or face.presence > other.presence:
+                by_track[face.track_id] = face
+        if len(by_track) != len(faces):
+            log.warning("camera %s: the same track id twice in one frame", self.camera_id)
+        for slot, track_id in enumerate(self._slot_track):
+            if track_id is None:
+                continue
+            if track_id in by_track:
+                self._slot_last_seen_ts_lsl[slot] = capture_ts_lsl
+            elif capture_ts_lsl - self._slot_last_seen_ts_lsl[slot] > self.slot_hold_s:
+                self._slot_track[slot] = None
+        held = set(self._slot_track)
+        newcomers = sorted(
+            (face for face in by_track.values() if face.track_id not in held),
+            key=lambda face: -face.presence,
+        )
+        for face in newcomers:
+            slot = self._free_slot(by_track)
+            if slot is None:
+                self.faces_dropped += 1
+                del by_track[face.track_id]
+                continue
+            self._slot_track[slot] = face.track_id
+            self._slot_last_seen_ts_lsl[slot] = capture_ts_lsl
+        return by_track
+
+    def _free_slot(self, by_track: Mapping[int, FaceSample]) -> int | None:
+        """An empty slot, else the slot held longest for a track not seen in this frame."""
+        for slot, track_id in enumerate(self._slot_track):
+            if track_id is None:
+                return slot
+        absent = [s for s, track_id in enumerate(self._slot_track) if track_id not in by_track]
+        if not absent:
+            return None
+        return min(absent, key=lambda s: self._slot_last_seen_ts_lsl[s])
+
+    def _sample(self, face: FaceSample) -> np.ndarray:
+        sample = self._empty.copy()
+        sample[0] = face.track_id
+        sample[1] = face.presence
+        sample[2:6] = _values(face.box_px, 4, "box_px")
+        if face.head_pose_deg is not None:
+            sample[6:9] = _values(face.head_pose_deg, 3, "head_pose_deg")
+        if face.head_translation_cm is not None:
+            sample[9:12] = _values(face.head_translation_cm, 3, "head_translation_cm")
+        if face.blendshapes is not None and not self.blendshapes_missing_reason:
+            sample[_BLENDSHAPES_AT:_LANDMARKS_AT] = _values(
+                face.blendshapes, len(BLENDSHAPE_NAMES), "blendshapes"
+            )
+        if self.landmarks and face.landmarks_px is not None:
+            landmarks_px = np.asarray(face.landmarks_px, dtype=np.float32)
+            if landmarks_px.shape != (FACE_LANDMARK_COUNT, 3):
+                raise ValueError(
+                    f"landmarks_px must have shape ({FACE_LANDMARK_COUNT}, 3), "
+                    f"got {landmarks_px.shape}"
+                )
+            sample[_LANDMARKS_AT:] = landmarks_px.reshape(-1)
+        return sample
+
+    def close(self) -> None:
+        """Drop the outlets: their streams disappear from the network."""
+        self._outlets.clear()
+
+    def __enter__(self) -> FaceOutlets:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _values(values: Sequence[float] | np.ndarray, count: int, what: str) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float32).reshape(-1)
+    if array.shape != (count,):
+        raise ValueError(f"{what} must have {count} values, got {array.shape[0]}")
+    return array
+
+
+class PoseOutlet:
+    """A camera's body pose as one `MoCap` stream, labelled per XDF's MoCap meta-data.
+
+    33 markers (MediaPipe's BlazePose landmarks) x (X, Y, Z in meters: MediaPipe's world
+    landmarks, origin between the hips; and visibility as a Confidence channel).
+    """
+
+    def __init__(self, host: str, camera_id: str, fps: float, *, max_buffered_s: int = 360) -> None:
+        if not (math.isfinite(fps) and fps > 0):
+            raise ValueError(f"fps must be > 0 (the camera's nominal rate), got {fps!r}")
+        self.host = host
+        self.camera_id = camera_id
+        self.channels = pose_channels()
+        self.channel_count = len(self.channels)
+        self.source_id = f"facecast-{host}-{camera_id}-pose"
+        info = pylsl.StreamInfo(
+            f"facecast {camera_id} pose",
+            "MoCap",
+            self.channel_count,
+            float(fps),
+            pylsl.cf_float32,
+            self.source_id,
+        )
+        desc = info.desc()
+        channels = desc.append_child("channels")
+        for label, unit, kind, marker in self.channels:
+            channel = channels.append_child("channel")
+            _append_text(channel, "label", label)
+            _append_text(channel, "marker", marker)
+            _append_text(channel, "object", "body")
+            _append_text(channel, "type", kind)
+            _append_text(channel, "unit", unit)
+        _acquisition(desc, "MediaPipe pose models in PyTorch")
+        setup = desc.append_child("setup")
+        markers = setup.append_child("markers")
+        for name in POSE_LANDMARK_NAMES:
+            marker = markers.append_child("marker")
+            _append_text(marker, "label", name)
+            _append_text(marker, "object", "body")
+        facecast = desc.append_child("facecast")
+        _append_text(facecast, "host", host)
+        _append_text(facecast, "camera", camera_id)
+        _append_text(facecast, "coordinates", "MediaPipe pose world landmarks: meters, hip-centred")
+        self._empty = np.full(self.channel_count, np.nan, dtype=np.float32)
+        self._outlet = pylsl.StreamOutlet(info, max_buffered=max_buffered_s)
+
+    def push_frame(
+        self,
+        capture_ts_lsl: float,
+        world_landmarks_m: np.ndarray | None,
+        visibility: np.ndarray | None = None,
+    ) -> None:
+        """One sample per frame; None (no body found) publishes NaN."""
+        capture_ts_lsl = _check_capture_ts(capture_ts_lsl)
+        sample = self._empty.copy()
+        if world_landmarks_m is not None:
+            points = np.asarray(world_landmarks_m, dtype=np.float32)
+            count = len(POSE_LANDMARK_NAMES)
+            if points.shape != (count, 3):
+                raise ValueError(f"world_landmarks_m must have shape ({count}, 3), got {points.shape}")
+            per_marker = sample.reshape(count, 4)
+            per_marker[:, :3] = points
+            if visibility is not None:
+                per_marker[:, 3] = _values(visibility, count, "visibility")
+        self._outlet.push_chunk(sample[np.newaxis, :], timestamp=capture_ts_lsl)
+
+    def close(self) -> None:
+        self._outlet = None  # type: ignore[assignment]
+
+
+class MarkerOutlet:
+    """The daemon's one `Markers` stream: events as compact JSON strings.
+
+    Each marker is `{"event": kind, ...fields}`, e.g.
+    `{"event":"camera_lost","camera":"cam0","reason":"..."}`. Kinds the daemon sends: start,
+    stop, camera_lost, camera_back, transport_fallback, worker_restart, model_missing.
+    """
+
+    def __init__(self, host: str) -> None:
+        if not host:
+            raise ValueError("host must be non-empty")
+        self.host = host
+        self.source_id = f"facecast-{host}-markers"
+        info = pylsl.StreamInfo(
+            "facecast markers", "Markers", 1, pylsl.IRREGULAR_RATE, pylsl.cf_string, self.source_id
+        )
+        desc = info.desc()
+        channel = desc.append_child("channels").append_child("channel")
+        _append_text(channel, "label", "event")
+        _append_text(channel, "type", "Marker")
+        _append_text(channel, "format", "JSON object with key 'event'")
+        _acquisition(desc, "facecast daemon events")
+        _append_text(desc.append_child("facecast"), "host", host)
+        self._outlet = pylsl.StreamOutlet(info)
+
+    def event(self, kind: str, /, *, event_ts_lsl: float | None = None, **fields: Any) -> str:
+        """Send one marker and return its text. `event_ts_lsl` defaults to now."""
+        if not kind:
+            raise ValueError("event kind must be non-empty")
+        if "event" in fields:
+            raise ValueError("'event' is the kind; pick another field name")
+        text = encode_event(kind, fields)
+        timestamp = pylsl.local_clock() if event_ts_lsl is None else _check_capture_ts(event_ts_lsl)
+        self._outlet.push_sample([text], timestamp=timestamp)
+        return text
+
+    def close(self) -> None:
+        self._outlet = None  # type: ignore[assignment]
+
+
+def encode_event(kind: str, fields: Mapping[str, Any]) -> str:
+    """Compact JSON; NaN/inf become null, numpy scalars plain numbers, anything else str()."""
+    payload = {"event": kind, **{key: _jsonable(value) for key, value in fields.items()}}
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_jsonable(item) for item in value]
+    return str(value)
