@@ -136,7 +136,8 @@ class Notifier:
         with self._lock:
             try:
                 if self._sock is None:
-                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                    kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                    self._sock = socket.socket(socket.AF_UNIX, kind)
                 self._sock.sendto(message, self._address)
             except OSError as exc:
                 if not self._failing:

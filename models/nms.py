@@ -109,7 +109,7 @@ def weighted_nms(
     unclustered = cand_valid.clone()
     out_boxes, out_keypoints, out_scores, out_valid = [], [], [], []
     batch_index = torch.arange(batch, device=boxes.device)
-    for _ in range(min(max_detections, num_kept)):
+    for _ in range(max_detections):  # fixed count: shapes never depend on the data
         # Candidates are sorted, so the first unclustered one is the best remaining one
         # (argmax returns the first maximum, which keeps ties in MediaPipe's order).
         leader = unclustered.to(torch.int8).argmax(dim=1)

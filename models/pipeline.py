@@ -27,7 +27,6 @@ toward the camera, relative to the face's centre of mass as in MediaPipe.
 from __future__ import annotations
 
 import logging
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Hashable, Sequence
@@ -99,7 +98,6 @@ BLENDSHAPE_NAMES = (
     "mouthShrugLower", "mouthShrugUpper", "mouthSmileLeft", "mouthSmileRight", "mouthStretchLeft",
     "mouthStretchRight", "mouthUpperUpLeft", "mouthUpperUpRight", "noseSneerLeft", "noseSneerRight",
 )
-BLENDSHAPES_MEMBER = "face_blendshapes.tflite"  # inside face_landmarker.task (a zip)
 
 
 def refine_attention_mesh(outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,17 +445,14 @@ class FacePipeline:
 
     def _load_blendshapes(self, task_path: Path):
         """The blendshape model from face_landmarker.task, or None with a one-line reason."""
-        try:
-            from facecast.models import tflite_convert
+        from facecast.models import assets, tflite_convert
 
-            with zipfile.ZipFile(task_path) as bundle, bundle.open(BLENDSHAPES_MEMBER) as member:
-                cache = Path(torch.hub.get_dir()) / "facecast" / BLENDSHAPES_MEMBER
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                cache.write_bytes(member.read())
-            model = tflite_convert.convert(cache).to(self.device).eval()
-        except (OSError, KeyError, zipfile.BadZipFile, ImportError, ValueError) as error:
-            self.blendshapes_unavailable_reason = f"cannot load blendshapes from {task_path}: {error}"
-            log.warning("%s; blendshapes will be absent", self.blendshapes_unavailable_reason)
+        try:
+            bundle = assets.blendshape_model(task_path)
+            model = tflite_convert.convert(bundle.face_blendshapes).to(self.device).eval()
+        except (assets.ModelError, OSError, ValueError) as error:
+            self.blendshapes_unavailable_reason = f"blendshapes unavailable: {error}"
+            log.warning("%s", self.blendshapes_unavailable_reason)
             return None
         self.blendshapes_unavailable_reason = None
         return model

@@ -236,7 +236,8 @@ class CudaRingReader(RingReader):
             ring_pointer, self.events = producer.ring_pointer, producer.events  # rule 6
         else:
             started = time.perf_counter()
-            self._ipc_memory = cuda.IPCMemoryHandle(handles.mem_handle)
+            # PyCUDA insists on a bytearray (msgspec decodes bytes).
+            self._ipc_memory = cuda.IPCMemoryHandle(bytearray(handles.mem_handle))
             CudaRingReader.opens_total += 1
             ring_pointer = int(self._ipc_memory) + handles.offset_bytes
             self.events = [

@@ -15,12 +15,45 @@ import argparse
 import json
 import signal
 import sys
+import subprocess
 import time
+import traceback
+from pathlib import Path
 
 import numpy as np
 import zmq
 
+PEERS_SCRIPT = Path(__file__).resolve()
 DECK_SIZE = 7  # prime, so a stale slot of an 8-slot ring never holds the expected frame
+
+
+class Peers:
+    def __init__(self, runtime_dir: str) -> None:
+        self.runtime_dir = runtime_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, role: str, **options) -> subprocess.Popen:
+        argv = [sys.executable, str(PEERS_SCRIPT), role, "--runtime-dir", self.runtime_dir]
+        for key, value in options.items():
+            flag = "--" + key.replace("_", "-")
+            argv += [flag] if value is True else [flag, str(value)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        if role == "consumer":
+            assert json.loads(proc.stdout.readline()) == {"ready": True}
+        return proc
+
+    @staticmethod
+    def result(proc: subprocess.Popen, timeout_s: float = 60) -> dict:
+        out, _ = proc.communicate(timeout=timeout_s)
+        assert proc.returncode == 0, f"peer exited with {proc.returncode}: {out}"
+        return json.loads(out.strip().splitlines()[-1])
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def make_deck(seed: int, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -80,7 +113,7 @@ def run_consumer(args) -> None:
     deck = make_deck(args.seed, args.shape)
     device = torch.device(args.device)
     deck_on_device = [torch.from_numpy(frame).to(device) for frame in deck]
-    received = mismatched = invalid_after_use = 0
+    received = mismatched = invalid_after_use = wrong_but_caught = 0
     epochs: list[int] = []
     transports: list[str] = []
     last_seq = -1
@@ -104,6 +137,7 @@ def run_consumer(args) -> None:
                         torch.cuda.current_stream(device).synchronize()
                     if not frame.read.still_valid():
                         invalid_after_use += 1  # overwritten while in use: dropped, not counted
+                        wrong_but_caught += not equal  # what skipping the check would have passed
                         continue
                     received += 1
                     mismatched += not equal
@@ -116,17 +150,40 @@ def run_consumer(args) -> None:
             status = subscriber.status[args.camera]
             print(json.dumps({
                 "received": received, "mismatched": mismatched, "last_seq": last_seq,
-                "invalid_after_use": invalid_after_use, "epochs": epochs,
+                "invalid_after_use": invalid_after_use, "wrong_but_caught": wrong_but_caught,
+                "epochs": epochs, "ipc_opens": _ipc_opens(),
                 "transports": transports, "counts": dict(status.counts),
                 "fallback_reason": status.fallback_reason, "fallbacks": status.fallbacks,
             }), flush=True)
             subscriber.close()
 
 
+def _ipc_opens() -> int:
+    module = sys.modules.get("facecast.shared.cuda_ring")
+    return module.CudaRingReader.opens_total if module else 0
+
+
+def run_attach(args) -> None:
+    """Open the ring described in a file, as a fresh process would; report the verdict."""
+    from facecast.shared import messages, rings
+
+    description = messages.decode(open(args.description, "rb").read())
+    try:
+        reader = rings.open_reader(description, device=args.device)
+    except rings.TransportUnavailable as exc:
+        cause = exc.__cause__ or exc.__context__
+        detail = "".join(traceback.format_exception(cause)) if cause else ""
+        print(json.dumps({"ok": False, "reason": str(exc), "detail": detail}), flush=True)
+        return
+    print(json.dumps({"ok": True, "open_ms": getattr(reader, "open_ms", 0.0)}), flush=True)
+    reader.close()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["producer", "consumer"])
-    parser.add_argument("--runtime-dir", required=True)
+    parser.add_argument("role", choices=["producer", "consumer", "attach"])
+    parser.add_argument("--description", help="attach: file holding an encoded RingDescription")
+    parser.add_argument("--runtime-dir", default="")
     parser.add_argument("--camera", default="cam0")
     parser.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")),
                         default=(120, 160, 3))
@@ -146,7 +203,7 @@ def main(argv=None) -> None:
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--skip-event-wait", action="store_true")
     args = parser.parse_args(argv)
-    {"producer": run_producer, "consumer": run_consumer}[args.role](args)
+    {"producer": run_producer, "consumer": run_consumer, "attach": run_attach}[args.role](args)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from facecast.shared import frames, shm
+from peers import Peers
 from facecast.shared.rings import (
     ShmRingProducer,
     ShmRingReader,
@@ -23,7 +24,6 @@ from facecast.shared.rings import (
     Verdict,
 )
 
-PEERS = Path(__file__).with_name("peers.py")
 
 
 @pytest.fixture
@@ -31,35 +31,6 @@ def runtime_dir():
     # ipc:// paths must stay under 107 bytes: keep the directory short.
     with tempfile.TemporaryDirectory(prefix="fc-") as path:
         yield path
-
-
-class Peers:
-    def __init__(self, runtime_dir: str) -> None:
-        self.runtime_dir = runtime_dir
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, role: str, **options) -> subprocess.Popen:
-        argv = [sys.executable, str(PEERS), role, "--runtime-dir", self.runtime_dir]
-        for key, value in options.items():
-            flag = "--" + key.replace("_", "-")
-            argv += [flag] if value is True else [flag, str(value)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        self.procs.append(proc)
-        if role == "consumer":
-            assert json.loads(proc.stdout.readline()) == {"ready": True}
-        return proc
-
-    @staticmethod
-    def result(proc: subprocess.Popen, timeout_s: float = 60) -> dict:
-        out, _ = proc.communicate(timeout=timeout_s)
-        assert proc.returncode == 0, f"peer exited with {proc.returncode}: {out}"
-        return json.loads(out.strip().splitlines()[-1])
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture

@@ -98,7 +98,9 @@ def test_systemd_analyze_verify_would_notice_a_broken_unit(tmp_path: Path) -> No
 @needs_systemd_analyze
 def test_systemd_analyze_verify_would_notice_a_missing_executable(tmp_path: Path) -> None:
     unit = _copy_with_exec_start(tmp_path, UNIT_PATH.read_text())
-    unit.write_text(re.sub(r"^ExecStart=\S+", "ExecStart=/nonexistent/facecast", unit.read_text(), flags=re.M))
+    missing = "ExecStart=/nonexistent/facecast"
+    text = re.sub(r"^ExecStart=\S+", missing, unit.read_text(), flags=re.M)
+    unit.write_text(text)
     returncode, output = _verify(unit)
     assert returncode != 0 and "/nonexistent/facecast" in output, output
 

@@ -89,7 +89,8 @@ def face_channels(landmarks: bool) -> list[tuple[str, str, str]]:
     if landmarks:
         for index in range(FACE_LANDMARK_COUNT):
             for axis in "xyz":
-                channels.append((f"landmark{index:03d}_{axis}", "pixels", f"Position{axis.upper()}"))
+                label = f"landmark{index:03d}_{axis}"
+                channels.append((label, "pixels", f"Position{axis.upper()}"))
     return channels
 
 
@@ -134,7 +135,8 @@ def face_source_id(host: str, camera_id: str, slot: int) -> str:
 
 def _check_capture_ts(capture_ts_lsl: float) -> float:
     # 0.0 would make liblsl stamp the sample with the push time: exactly what must not happen.
-    if not (isinstance(capture_ts_lsl, (int, float, np.floating)) and math.isfinite(capture_ts_lsl)):
+    is_number = isinstance(capture_ts_lsl, (int, float, np.floating))
+    if not (is_number and math.isfinite(capture_ts_lsl)):
         raise ValueError(f"capture_ts_lsl must be a finite LSL time, got {capture_ts_lsl!r}")
     if capture_ts_lsl <= 0.0:
         raise ValueError(
@@ -162,7 +164,8 @@ class FaceOutlets:
     `push_frame()` publishes one sample on every slot for every frame: the face tracked in that
     slot, or NaN in every channel when the slot is empty. A track keeps its slot while it is
     seen, and the slot stays reserved for it for `slot_hold_s` of capture time after it was last
-    seen (a short occlusion), so that a person does not jump between streams.
+    seen (a short occlusion), so that a person does not jump between streams. Faces beyond the
+    free slots are not published (counted in `faces_dropped`); the most confident get slots first.
     """
 
     def __init__(
@@ -236,7 +239,8 @@ class FaceOutlets:
         _append_text(facecast, "empty_slot", "NaN in every channel")
         _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
         blendshapes = facecast.append_child("blendshapes")
-        _append_text(blendshapes, "available", "false" if self.blendshapes_missing_reason else "true")
+        available = "false" if self.blendshapes_missing_reason else "true"
+        _append_text(blendshapes, "available", available)
         if self.blendshapes_missing_reason:
             _append_text(blendshapes, "values", "NaN")
             _append_text(blendshapes, "reason", self.blendshapes_missing_reason)
@@ -289,7 +293,7 @@ class FaceOutlets:
             key=lambda face: -face.presence,
         )
         for face in newcomers:
-            slot = self._free_slot(by_track)
+            slot = self._free_slot()
             if slot is None:
                 self.faces_dropped += 1
                 del by_track[face.track_id]
@@ -298,15 +302,13 @@ class FaceOutlets:
             self._slot_last_seen_ts_lsl[slot] = capture_ts_lsl
         return by_track
 
-    def _free_slot(self, by_track: Mapping[int, FaceSample]) -> int | None:
-        """An empty slot, else the slot held longest for a track not seen in this frame."""
+    def _free_slot(self) -> int | None:
+        """The lowest empty slot. A slot held for an occluded track is not free: a newcomer waits
+        (unpublished, counted in `faces_dropped`) rather than take over someone else's stream."""
         for slot, track_id in enumerate(self._slot_track):
             if track_id is None:
                 return slot
-        absent = [s for s, track_id in enumerate(self._slot_track) if track_id not in by_track]
-        if not absent:
-            return None
-        return min(absent, key=lambda s: self._slot_last_seen_ts_lsl[s])
+        return None
 
     def _sample(self, face: FaceSample) -> np.ndarray:
         sample = self._empty.copy()
@@ -408,7 +410,9 @@ class PoseOutlet:
             points = np.asarray(world_landmarks_m, dtype=np.float32)
             count = len(POSE_LANDMARK_NAMES)
             if points.shape != (count, 3):
-                raise ValueError(f"world_landmarks_m must have shape ({count}, 3), got {points.shape}")
+                raise ValueError(
+                    f"world_landmarks_m must have shape ({count}, 3), got {points.shape}"
+                )
             per_marker = sample.reshape(count, 4)
             per_marker[:, :3] = points
             if visibility is not None:

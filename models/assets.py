@@ -1,0 +1,318 @@
+"""Model files: ``facecast models install`` and where the workers find the installed files.
+
+MediaPipe's ``.tflite`` models (Apache-2.0) are taken from the ``mediapipe==0.10.21`` wheel on PyPI,
+the last release that ships them: the wheel is downloaded (never installed) with pip, the files
+are extracted, checked against the SHA-256 sums pinned below, and cached in the model directory.
+Every platform's wheel carries the same ``.tflite`` bytes, so a host whose Python has no
+mediapipe wheel downloads another platform's wheel instead.
+
+The blendshape model and the v2 landmarker exist only inside MediaPipe's ``face_landmarker.task``
+bundle (a zip), which no package index carries; :func:`blendshape_model` unpacks one the user
+provides. Only :func:`install` touches the network; :func:`model_path` never does.
+
+Model directory: the ``model_dir`` argument, else ``$FACECAST_MODEL_DIR``, else
+``$XDG_CACHE_HOME/facecast/models`` (``~/.cache/facecast/models``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MEDIAPIPE_REQUIREMENT = "mediapipe==0.10.21"
+INSTALL_COMMAND = "facecast models install"
+MODEL_DIR_ENV = "FACECAST_MODEL_DIR"
+
+# Model name → (path inside the wheel, SHA-256 of the file). Computed once from
+# mediapipe-0.10.21-cp311-cp311-manylinux_2_28_x86_64.whl. The wheel ships only the "full"
+# pose landmark model (no lite/heavy) and the full-range face detector only in its sparse form.
+MODELS: dict[str, tuple[str, str]] = {
+    "face_detection_short_range": (
+        "mediapipe/modules/face_detection/face_detection_short_range.tflite",
+        "bbff11cebd1eb27a1e004cae0b0e63ec8c551cbf34a4451148b4908b8db3eca8"),
+    "face_detection_full_range": (
+        "mediapipe/modules/face_detection/face_detection_full_range_sparse.tflite",
+        "2c3728e6da56f21e21a320433396fb06d40d9088f2247c05e5635a688d45dfe1"),
+    "face_landmark": (
+        "mediapipe/modules/face_landmark/face_landmark.tflite",
+        "1055cb9d4a9ca8b8c688902a3a5194311138ba256bcc94e336d8373a5f30c814"),
+    "face_landmark_with_attention": (
+        "mediapipe/modules/face_landmark/face_landmark_with_attention.tflite",
+        "e06a804e0144f9929eda782122916b35d60c697c3c9344013ca2bbe76a6ce2b4"),
+    "iris_landmark": (
+        "mediapipe/modules/iris_landmark/iris_landmark.tflite",
+        "d1744d2a09c25f501d39eba4faff47e53ecca8852c5ce19bce8eeac39357521f"),
+    "pose_detection": (
+        "mediapipe/modules/pose_detection/pose_detection.tflite",
+        "9ba9dd3d42efaaba86b4ff0122b06f29c4122e756b329d89dca1e297fd8f866c"),
+    "pose_landmark_full": (
+        "mediapipe/modules/pose_landmark/pose_landmark_full.tflite",
+        "e9a5c5cb17f736fafd4c2ec1da3b3d331d6edbe8a0d32395855aeb2cdfd64b9f"),
+}
+
+# Used when pip finds no mediapipe wheel for the running interpreter (e.g. a newer Python):
+# any platform's wheel holds the same model files.
+FALLBACK_WHEEL_TARGET = {"python_version": "3.11", "platform": "manylinux_2_28_x86_64"}
+
+# The members of face_landmarker.task that facecast uses.
+LANDMARKER_TASK_MEMBERS = ("face_detector.tflite", "face_landmarks_detector.tflite",
+                           "face_blendshapes.tflite")
+
+PIP_TIMEOUT_S = 600
+
+
+class ModelError(Exception):
+    """Base of the errors about model files; ``str()`` is one line a user can act on."""
+
+
+class ModelMissing(ModelError):
+    """A model file is not installed (or not given)."""
+
+    def __init__(self, name: str, model_dir: Path | None, detail: str | None = None):
+        self.name = name
+        self.model_dir = model_dir
+        where = f" in {model_dir}" if model_dir is not None else ""
+        message = detail or (f"model {name!r} is not installed{where}; run "
+                             f"`{INSTALL_COMMAND}` to download it from PyPI ({MEDIAPIPE_REQUIREMENT})")
+        super().__init__(message)
+
+
+class ModelChecksumError(ModelError):
+    """A model file's bytes differ from the pinned SHA-256."""
+
+
+class ModelDownloadError(ModelError):
+    """pip could not download the mediapipe wheel."""
+
+
+class BundleInvalid(ModelError):
+    """A user-given face_landmarker.task is not a usable bundle."""
+
+
+def default_model_dir() -> Path:
+    """``$FACECAST_MODEL_DIR``, else ``$XDG_CACHE_HOME/facecast/models`` (XDG's default: ~/.cache)."""
+    override = os.environ.get(MODEL_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache_home).expanduser() / "facecast" / "models"
+
+
+def resolve_model_dir(model_dir: str | os.PathLike | None = None) -> Path:
+    return Path(model_dir).expanduser() if model_dir is not None else default_model_dir()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_path(name: str, model_dir: str | os.PathLike | None = None) -> Path:
+    """The installed file of model ``name``, checked against its pinned SHA-256.
+
+    Never downloads: raises :class:`ModelMissing` (naming the model, the directory and the install
+    command) when the file is absent, :class:`ModelChecksumError` when it is damaged.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+    directory = resolve_model_dir(model_dir)
+    path = directory / f"{name}.tflite"
+    if not path.is_file():
+        raise ModelMissing(name, directory)
+    expected = MODELS[name][1]
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ModelChecksumError(f"model {name!r} at {path} has SHA-256 {actual}, expected "
+                                 f"{expected}; run `{INSTALL_COMMAND}` to replace it")
+    return path
+
+
+def installed(model_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """The models that are installed and intact (a subset of :data:`MODELS`)."""
+    found = {}
+    for name in MODELS:
+        try:
+            found[name] = model_path(name, model_dir)
+        except ModelError:
+            pass
+    return found
+
+
+def install(model_dir: str | os.PathLike | None = None, *, wheel: str | os.PathLike | None = None,
+            platform: str | None = None, python_version: str | None = None) -> dict[str, Path]:
+    """Install every model of :data:`MODELS` into the model directory; return name → path.
+
+    Models already installed and intact are kept, and nothing is downloaded when all are.
+    Otherwise the mediapipe wheel is downloaded with pip into a temporary directory (or
+    ``wheel``, a wheel already on disk, is used), the files are extracted, checked against their
+    pinned SHA-256 and written atomically. ``platform``/``python_version`` select the wheel pip
+    downloads (pip's ``--platform``/``--python-version``); by default pip picks this
+    interpreter's wheel and, if it has none, :data:`FALLBACK_WHEEL_TARGET`'s.
+    """
+    directory = resolve_model_dir(model_dir)
+    present = installed(directory)
+    if len(present) == len(MODELS):
+        log.info("all %d models already installed in %s", len(MODELS), directory)
+        return present
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="facecast-mediapipe-") as scratch:
+        wheel_path = Path(wheel) if wheel is not None else _download_wheel(
+            Path(scratch), platform=platform, python_version=python_version)
+        with zipfile.ZipFile(wheel_path) as archive:
+            for name, (member, expected) in MODELS.items():
+                if name in present:
+                    continue
+                try:
+                    data = archive.read(member)
+                except KeyError:
+                    raise ModelChecksumError(f"{wheel_path.name} has no {member}; is it "
+                                             f"{MEDIAPIPE_REQUIREMENT}?") from None
+                actual = hashlib.sha256(data).hexdigest()
+                if actual != expected:
+                    raise ModelChecksumError(f"{member} in {wheel_path.name} has SHA-256 {actual}, "
+                                             f"expected {expected}; refusing to install it")
+                target = directory / f"{name}.tflite"
+                _write_atomically(target, data)
+                present[name] = target
+                log.info("installed %s (%d bytes) to %s", name, len(data), target)
+    return {name: present[name] for name in MODELS}
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    # Write-then-rename: a worker that reads the file concurrently sees the old or the new
+    # bytes, never a partial file, and an interrupted install leaves no damaged model behind.
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _pip_download(destination: Path, platform: str | None, python_version: str | None):
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--dest", str(destination)]
+    if platform:
+        command += ["--platform", platform]
+    if python_version:
+        command += ["--python-version", python_version]
+    command.append(MEDIAPIPE_REQUIREMENT)
+    log.info("running %s", " ".join(command))
+    return subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+
+
+def _download_wheel(destination: Path, platform: str | None = None,
+                    python_version: str | None = None) -> Path:
+    result = _pip_download(destination, platform, python_version)
+    if result.returncode != 0 and platform is None and python_version is None:
+        log.info("pip found no %s wheel for this interpreter; trying %s",
+                 MEDIAPIPE_REQUIREMENT, FALLBACK_WHEEL_TARGET)
+        result = _pip_download(destination, **FALLBACK_WHEEL_TARGET)
+    wheels = sorted(destination.glob("mediapipe-*.whl"))
+    if result.returncode != 0 or not wheels:
+        last_lines = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise ModelDownloadError(f"pip could not download {MEDIAPIPE_REQUIREMENT} "
+                                 f"(exit {result.returncode}): {last_lines}")
+    return wheels[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# face_landmarker.task (blendshapes and the v2 landmarker)
+
+
+@dataclass(frozen=True)
+class LandmarkerBundle:
+    """The models unpacked from a face_landmarker.task bundle."""
+
+    task_path: Path
+    task_sha256: str
+    face_detector: Path
+    face_landmarks_detector: Path
+    face_blendshapes: Path
+
+
+def blendshape_model(task_path: str | os.PathLike | None,
+                     model_dir: str | os.PathLike | None = None) -> LandmarkerBundle:
+    """Unpack and check a user-given ``face_landmarker.task``; return its models' paths.
+
+    The members are extracted once into ``<model dir>/face_landmarker/<sha256 prefix>/``.
+    Raises :class:`ModelMissing` when no path is given or the file does not exist, and
+    :class:`BundleInvalid` when the file is not a zip or lacks a valid member.
+    """
+    if task_path is None:
+        raise ModelMissing("face_landmarker.task", None, detail=(
+            "no face_landmarker.task given: blendshapes are unavailable; download MediaPipe's "
+            "face_landmarker.task on a machine with internet and set its path in the config"))
+    task_path = Path(task_path).expanduser()
+    if not task_path.is_file():
+        raise ModelMissing("face_landmarker.task", task_path.parent, detail=(
+            f"face_landmarker.task not found at {task_path}: blendshapes are unavailable"))
+    task_sha256 = sha256_file(task_path)
+    if not zipfile.is_zipfile(task_path):
+        raise BundleInvalid(f"{task_path} is not a face_landmarker.task bundle (not a zip file)")
+    target_dir = resolve_model_dir(model_dir) / "face_landmarker" / task_sha256[:16]
+    with zipfile.ZipFile(task_path) as archive:
+        names = set(archive.namelist())
+        missing = [m for m in LANDMARKER_TASK_MEMBERS if m not in names]
+        if missing:
+            raise BundleInvalid(f"{task_path} lacks {', '.join(missing)}; is it MediaPipe's "
+                                f"face_landmarker.task? (it contains: {', '.join(sorted(names))})")
+        paths = {}
+        for member in LANDMARKER_TASK_MEMBERS:
+            data = archive.read(member)
+            if len(data) < 8 or data[4:8] != b"TFL3":
+                raise BundleInvalid(f"{member} in {task_path} is not a TFLite model")
+            target = target_dir / member
+            if not (target.is_file() and target.read_bytes() == data):
+                target_dir.mkdir(parents=True, exist_ok=True)
+                _write_atomically(target, data)
+            paths[member] = target
+    return LandmarkerBundle(task_path=task_path, task_sha256=task_sha256,
+                            face_detector=paths["face_detector.tflite"],
+                            face_landmarks_detector=paths["face_landmarks_detector.tflite"],
+                            face_blendshapes=paths["face_blendshapes.tflite"])
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI side: `facecast models install` (the lead's CLI parses arguments and calls these)
+
+
+def add_install_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dir", default=None,
+                        help=f"where to install (default: ${MODEL_DIR_ENV}, else "
+                             "$XDG_CACHE_HOME/facecast/models)")
+    parser.add_argument("--wheel", default=None,
+                        help=f"use this {MEDIAPIPE_REQUIREMENT} wheel instead of downloading it")
+    parser.add_argument("--platform", default=None,
+                        help="pip --platform of the wheel to download (e.g. manylinux_2_28_x86_64)")
+    parser.add_argument("--python-version", default=None,
+                        help="pip --python-version of the wheel to download (e.g. 3.11)")
+
+
+def cli_install(args: argparse.Namespace) -> int:
+    """Run ``facecast models install``; print one line per model; return the exit code."""
+    try:
+        paths = install(getattr(args, "model_dir", None), wheel=getattr(args, "wheel", None),
+                        platform=getattr(args, "platform", None),
+                        python_version=getattr(args, "python_version", None))
+    except (ModelError, OSError, subprocess.TimeoutExpired) as error:
+        print(f"facecast: models install failed: {error}", file=sys.stderr)
+        return 1
+    for name, path in paths.items():
+        print(f"{name:30s} {path}")
+    return 0

@@ -1,0 +1,37 @@
+"""Test-session setup that has to happen before any test module imports pylsl.
+
+liblsl reads $LSLAPICFG once per process, when it first initialises, so the loopback-only LSL
+configuration (DESIGN §4) is put in place here, at import time: every stream the tests (and the
+daemons they start, which inherit the variable) create stays on this machine, resolves only via
+127.0.0.1, and is invisible to other sessions thanks to a unique SessionID. A value already set
+by the caller (CI) wins.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+
+def _loopback_lsl_config() -> str:
+    config_dir = Path(tempfile.mkdtemp(prefix="facecast-lsl-"))
+    atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
+    path = config_dir / "lsl_api.cfg"
+    path.write_text(
+        "[ports]\n"
+        "IPv6 = disable\n"
+        "[multicast]\n"
+        "ResolveScope = machine\n"
+        "[lab]\n"
+        "KnownPeers = {127.0.0.1}\n"
+        f"SessionID = facecast-test-{uuid.uuid4().hex}\n"
+    )
+    return str(path)
+
+
+if "LSLAPICFG" not in os.environ:
+    os.environ["LSLAPICFG"] = _loopback_lsl_config()

@@ -1,0 +1,45 @@
+"""Fixtures of the model tests: the installed MediaPipe models, real face photos, and the parity
+table printed at the end of the session."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+
+from litert_reference import PARITY_TABLE
+
+from facecast.models import assets
+
+
+@pytest.fixture(scope="session")
+def installed_models() -> dict:
+    """Every model of assets.MODELS, installed once per session (downloads the mediapipe wheel
+    from PyPI unless $FACECAST_MODEL_DIR or the XDG cache already holds them)."""
+    return assets.install()
+
+
+@pytest.fixture(scope="session")
+def model_dir(installed_models):
+    return next(iter(installed_models.values())).parent
+
+
+@pytest.fixture(scope="session")
+def photos() -> dict[str, np.ndarray]:
+    """Real face photos, RGB uint8: scikit-image's astronaut and matplotlib's grace_hopper."""
+    import matplotlib.cbook
+    import skimage.data
+
+    with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as stream:
+        encoded = np.frombuffer(stream.read(), np.uint8)
+    grace_hopper = cv2.cvtColor(cv2.imdecode(encoded, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+    return {"astronaut": skimage.data.astronaut(), "grace_hopper": grace_hopper}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not PARITY_TABLE:
+        return
+    terminalreporter.section("torch vs LiteRT: max relative error per model output")
+    terminalreporter.write_line(f"{'model':30s} {'output':28s} {'max error':>10s} {'tolerance':>10s}")
+    for (model, output), (error, tolerance) in sorted(PARITY_TABLE.items()):
+        terminalreporter.write_line(f"{model:30s} {output[:28]:28s} {error:10.2e} {tolerance:10.2e}")

@@ -1,0 +1,262 @@
+"""DESIGN.md §2's seven CUDA IPC rules, each shown to catch its broken variant (Note [CUDA IPC rules]).
+
+Runs on a machine with an NVIDIA GPU, its driver and pycuda (`pip install facecast[gpu]`);
+elsewhere every test here is skipped with the reason. Consumers that open IPC handles run in
+separate processes (rule 6), started through tests/peers.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from facecast.shared import messages
+from facecast.shared.cuda_driver import cuda_unavailable_reason
+from facecast.shared.rings import TransportUnavailable, Verdict
+from peers import Peers
+
+_REASON = cuda_unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"needs CUDA: {_REASON}")]
+
+FRAME_1080P = "1080,1920,3"
+
+
+@pytest.fixture
+def runtime_dir():
+    with tempfile.TemporaryDirectory(prefix="fc-") as path:
+        yield path
+
+
+@pytest.fixture
+def peers(runtime_dir):
+    peers = Peers(runtime_dir)
+    yield peers
+    peers.kill_all()
+
+
+def attach_in_fresh_process(description, tmp_path: Path) -> dict:
+    path = tmp_path / "ring.msgpack"
+    path.write_bytes(messages.encode(description))
+    proc = Peers("").start("attach", description=str(path), device="cuda")
+    return Peers.result(proc)
+
+
+def cuda_producer(**faults):
+    from facecast.shared.cuda_ring import CudaFaults, CudaRingProducer
+
+    return CudaRingProducer("rules", (64, 96, 3), slot_count=4, faults=CudaFaults(**faults))
+
+
+# --- rule 1: handles name whole allocations ---------------------------------------------------
+
+
+def test_rule1_own_allocation_rounded_to_2mib_passes_validation(tmp_path):
+    producer = cuda_producer()
+    try:
+        assert producer.offset_bytes == 0
+        assert producer.allocation_bytes % (2 * 1024 * 1024) == 0
+        assert attach_in_fresh_process(producer.description(), tmp_path)["ok"]
+    finally:
+        producer.close()
+
+
+def test_rule1_torch_tensor_handle_without_offset_fails_validation(tmp_path):
+    producer = cuda_producer(ring_inside_torch_tensor=True, omit_offset=True)
+    try:
+        assert producer.offset_bytes > 0  # the ring is not at its allocation's base
+        result = attach_in_fresh_process(producer.description(), tmp_path)
+        assert not result["ok"] and "handshake failed" in result["reason"], result
+    finally:
+        producer.close()
+
+
+def test_rule1_torch_tensor_handle_with_offset_maps_correctly(tmp_path):
+    producer = cuda_producer(ring_inside_torch_tensor=True)
+    try:
+        assert attach_in_fresh_process(producer.description(), tmp_path)["ok"]
+    finally:
+        producer.close()
+
+
+# --- rule 2: export once, open once, cache; a new epoch means new handles ------------------------
+
+
+def test_rule2_one_open_per_epoch_and_stale_epochs_are_refused(peers):
+    consumer = peers.start("consumer", device="cuda", until_seq=299)
+    producer = peers.start("producer", frames=300, fps=200, transport="cuda_ipc")
+    assert Peers.result(producer)["transport"] == "cuda_ipc"
+    seen = Peers.result(consumer)
+    assert seen["ipc_opens"] == 1 and seen["transports"] == ["cuda_ipc"], seen
+    assert seen["received"] > 100 and seen["mismatched"] == 0, seen
+
+    from facecast.shared.cuda_ring import CudaRingReader
+
+    first, second = cuda_producer(), cuda_producer()
+    reader = CudaRingReader(first.description(), checksum_every=1)
+    try:
+        message = second.write(np.zeros((64, 96, 3), np.uint8), 0, 0.0)
+        read = reader.read(message)  # a mapping of epoch A must never serve epoch B
+        assert read.verdict is Verdict.STALE_EPOCH and read.tensor is None
+    finally:
+        reader.close()
+        first.close()
+        second.close()
+
+
+# --- rule 3: memory IPC orders nothing; events do -------------------------------------------------
+
+
+SLOW_COPY_CYCLES = 40_000_000  # ~20 ms of GPU sleep before every copy: publish races the copy
+
+
+def test_rule3_consumer_that_skips_the_event_wait_is_caught_by_checksums(peers):
+    consumer = peers.start("consumer", device="cuda", until_seq=149, skip_event_wait=True)
+    producer = peers.start("producer", frames=150, fps=30, transport="cuda_ipc",
+                           delay_copy_cycles=SLOW_COPY_CYCLES)
+    Peers.result(producer)
+    seen = Peers.result(consumer)
+    assert seen["counts"].get("checksum_mismatch", 0) >= 1, seen  # the race happened ...
+    assert seen["mismatched"] == 0, seen  # ... and no wrong frame got through
+    assert seen["transports"][-1] == "shm" and seen["fallbacks"] == 1, seen
+
+
+def test_rule3_event_wait_orders_the_slow_copy(peers):
+    consumer = peers.start("consumer", device="cuda", until_seq=149)
+    producer = peers.start("producer", frames=150, fps=30, transport="cuda_ipc",
+                           delay_copy_cycles=SLOW_COPY_CYCLES)
+    Peers.result(producer)
+    seen = Peers.result(consumer)
+    assert seen["counts"].get("checksum_mismatch", 0) == 0, seen
+    assert seen["transports"] == ["cuda_ipc"] and seen["mismatched"] == 0, seen
+
+
+# --- rule 4: slots get overwritten ----------------------------------------------------------------
+
+
+def test_rule4_slow_consumer_sees_overwritten_slots_and_drops_them(peers):
+    consumer = peers.start("consumer", device="cuda", until_seq=199, slow_s=0.06, timeout_s=60)
+    producer = peers.start("producer", frames=200, fps=100, slots=4, transport="cuda_ipc")
+    Peers.result(producer)
+    seen = Peers.result(consumer, timeout_s=90)
+    assert seen["invalid_after_use"] > 0, seen
+    # Without the generation check those frames would have been handed on, wrong:
+    assert seen["wrong_but_caught"] > 0, seen
+    assert seen["mismatched"] == 0, seen
+
+
+# --- rule 5: one context ------------------------------------------------------------------------
+
+
+def test_rule5_mapping_in_a_non_primary_context_is_refused():
+    from facecast.shared import cuda_driver
+    from facecast.shared.cuda_ring import CudaRingReader
+
+    producer = cuda_producer()
+    cuda = cuda_driver.driver(0)
+    stray = cuda.Device(0).make_context()  # the broken variant: a context of its own
+    try:
+        with pytest.raises(TransportUnavailable, match="primary context"):
+            CudaRingReader(producer.description(), force_ipc_open=True)
+    finally:
+        stray.pop()
+        stray.detach()
+        producer.close()
+
+
+# --- rule 6: no same-process open ---------------------------------------------------------------
+
+
+def test_rule6_same_process_reader_uses_the_pointer_and_ipc_open_is_refused_cleanly():
+    from facecast.shared.cuda_ring import CudaRingReader
+
+    producer = cuda_producer()
+    try:
+        frame = np.random.default_rng(3).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+        message = producer.write(frame, 0, 0.0)
+        reader = CudaRingReader(producer.description(), checksum_every=1)
+        read = reader.read(message)
+        assert read.ok and torch.equal(read.tensor.cpu(), torch.from_numpy(frame))
+        reader.close()
+        with pytest.raises(TransportUnavailable):
+            CudaRingReader(producer.description(), force_ipc_open=True)
+    finally:
+        producer.close()
+
+
+# --- rule 7: same device, same driver -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tamper, reason",
+    [({"device_uuid": "GPU-00000000-0000-0000-0000-000000000000"}, "cannot see"),
+     ({"driver_version": 1}, "driver version differs")],
+)
+def test_rule7_other_device_or_driver_is_refused(tmp_path, tamper, reason):
+    producer = cuda_producer()
+    try:
+        description = producer.description()
+        handles = msgspec.structs.replace(description.cuda, **tamper)
+        result = attach_in_fresh_process(
+            msgspec.structs.replace(description, cuda=handles), tmp_path
+        )
+        assert not result["ok"] and reason in result["reason"], result
+    finally:
+        producer.close()
+
+
+# --- whole-path checks ----------------------------------------------------------------------------
+
+
+def test_10000_random_1080p_frames_cross_process_with_zero_mismatches(peers):
+    consumer = peers.start("consumer", device="cuda", shape=FRAME_1080P, until_seq=9999,
+                           timeout_s=300)
+    producer = peers.start("producer", shape=FRAME_1080P, frames=10000, fps=400,
+                           transport="cuda_ipc")
+    assert Peers.result(producer, timeout_s=300)["transport"] == "cuda_ipc"
+    seen = Peers.result(consumer, timeout_s=300)
+    assert seen["last_seq"] == 9999 and seen["mismatched"] == 0, seen
+    assert seen["counts"].get("checksum_mismatch", 0) == 0, seen
+    assert seen["received"] >= 5000, seen  # every received frame was compared byte for byte
+
+
+def test_slot_corrupted_after_publish_falls_back_to_shm_within_one_frame(peers):
+    consumer = peers.start("consumer", device="cuda", until_seq=299)
+    producer = peers.start("producer", frames=300, fps=100, transport="cuda_ipc", corrupt_at=100)
+    produced = Peers.result(producer)
+    seen = Peers.result(consumer)
+    assert produced["fallbacks"] == 1 and "checksum mismatch" in produced["fallback_reason"]
+    assert seen["counts"].get("checksum_mismatch") == 1, seen
+    assert seen["transports"] == ["cuda_ipc", "shm"] and seen["mismatched"] == 0, seen
+    assert seen["last_seq"] == 299  # frames kept flowing
+    # The new ring's description came in band: at most the one frame in flight is lost.
+    assert seen["counts"].get("awaiting_ring", 0) <= 1, seen
+
+
+def test_gpu_memory_returns_to_baseline_after_sigkill(peers):
+    pynvml = pytest.importorskip("pynvml")
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def used_bytes() -> int:
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used
+
+    baseline = used_bytes()
+    consumer = peers.start("consumer", device="cuda", shape=FRAME_1080P, timeout_s=60)
+    producer = peers.start("producer", shape=FRAME_1080P, frames=100000, fps=30, slots=16,
+                           transport="cuda_ipc")
+    time.sleep(5)
+    assert used_bytes() > baseline + 16 * 1080 * 1920 * 3  # the ring is really there
+    for proc in (producer, consumer):
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while used_bytes() > baseline + 64 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used_bytes() <= baseline + 64 * 2**20, (baseline, used_bytes())

@@ -1,0 +1,546 @@
+"""Capture sources: the synthetic scene and its ground truth, looping video files, V4L2 requests,
+and network streams against real peers on loopback that go away and come back.
+
+Peers (skipped, with the reason, where missing):
+- RTSP: GStreamer's RTSP server (gst-rtsp-server through the system Python's PyGObject).
+  ffmpeg cannot serve RTSP to a pulling client: its RTSP muxer only pushes (ANNOUNCE/RECORD),
+  and `-rtsp_flags listen` exists only on its demuxer. Debian:
+  apt-get install -y --no-install-recommends python3-gi gir1.2-gst-rtsp-server-1.0 \
+      gstreamer1.0-plugins-base gstreamer1.0-plugins-good
+- HTTP: ffmpeg serving multipart JPEG with `-listen 1`. Debian: apt-get install -y ffmpeg
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pylsl
+import pytest
+
+from facecast.shared.config import CameraConfig
+from facecast.workers import sources
+from facecast.workers.sources import (
+    FileSource,
+    SourceConfigError,
+    SourceLost,
+    StreamSource,
+    SyntheticScene,
+    SyntheticSource,
+    V4L2Source,
+    open_source,
+    reopen_with_backoff,
+    source_kind,
+)
+
+PEER_TIMEOUT_S = 15.0
+
+
+# --- source kinds ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "kind"),
+    [
+        ("synthetic", "synthetic"),
+        (0, "v4l2"),
+        ("2", "v4l2"),
+        ("/dev/video4", "v4l2"),
+        ("/dev/v4l/by-id/usb-Logitech_C920-video-index0", "v4l2"),
+        ("rtsp://user:pw@10.0.0.5:554/stream1", "stream"),
+        ("RTSPS://cam/x", "stream"),
+        ("http://cam.local/video.mjpg", "stream"),
+        ("https://cam.local/video.mjpg", "stream"),
+        ("file:///data/lab.mp4", "file"),
+        ("recordings/session 1.mkv", "file"),
+    ],
+)
+def test_source_kind(source: str | int, kind: str) -> None:
+    assert source_kind(source) == kind
+
+
+@pytest.mark.parametrize("source", ["ftp://cam/x.mp4", "", -1, True])
+def test_impossible_sources_are_config_errors(source: str | int) -> None:
+    with pytest.raises(SourceConfigError):
+        source_kind(source)
+    # ...and reopening does not retry them.
+    camera = CameraConfig(id="bad", source="ftp://cam/x.mp4")
+    with pytest.raises(SourceConfigError, match="unsupported URL scheme 'ftp'"):
+        reopen_with_backoff(lambda: open_source(camera), initial_delay_s=0.001)
+
+
+# --- synthetic ------------------------------------------------------------------------------------
+
+
+def test_synthetic_scene_is_a_pure_function_of_time_and_camera() -> None:
+    first = SyntheticScene(640, 480, seed="cam0")
+    again = SyntheticScene(640, 480, seed="cam0")
+    other = SyntheticScene(640, 480, seed="cam1")
+    t_s = 12345.678
+    frame = first.render(t_s)
+    assert frame.shape == (480, 640, 3) and frame.dtype == np.uint8 and frame.flags.c_contiguous
+    np.testing.assert_array_equal(frame, again.render(t_s))
+    assert first.faces_at(t_s) == again.faces_at(t_s)
+    assert first.faces_at(t_s) != other.faces_at(t_s)  # cameras move differently
+    assert not np.array_equal(frame, first.render(t_s + 0.5))  # and the faces do move
+
+
+@pytest.mark.parametrize(("width", "height"), [(1280, 720), (640, 480), (1920, 1080), (320, 240)])
+def test_synthetic_ground_truth_stays_in_frame_apart_and_smooth(width: int, height: int) -> None:
+    scene = SyntheticScene(width, height, seed="camX")
+    fps = 30.0
+    previous = None
+    for k in range(0, 30 * 20, 3):  # 20 s of scene time, every third frame
+        t_s = 1000.0 + k / fps
+        faces = scene.faces_at(t_s)
+        assert [face.name for face in faces] == ["astronaut", "grace_hopper"]
+        for face in faces:
+            x1, y1, x2, y2 = face.box_px
+            assert 0 <= x1 < x2 <= width and 0 <= y1 < y2 <= height, (t_s, face)
+            assert x2 - x1 == pytest.approx(y2 - y1, rel=0.01)
+            # Big enough for the short-range detector on a letterboxed frame.
+            assert face.size_px >= 0.18 * max(width, height) or face.size_px >= 0.35 * height
+        left, right = faces
+        assert left.box_px[2] < right.box_px[0], "face boxes must not overlap"
+        if previous is not None:
+            for face, before in zip(faces, previous):
+                step_px = math.dist(face.center_px, before.center_px) / 3  # per frame
+                assert step_px < 0.01 * max(width, height)
+        previous = faces
+
+
+def _photo_face(name: str, size_px: int) -> np.ndarray:
+    photo = sources._photo_bgr(name)
+    (box,) = [p.face_box_px for p in sources._PHOTOS if p.name == name]
+    x1, y1, x2, y2 = (int(round(v)) for v in box)
+    return cv2.resize(photo[y1:y2, x1:x2], (size_px, size_px), interpolation=cv2.INTER_AREA)
+
+
+def _correlation(a: np.ndarray, b: np.ndarray) -> float:
+    a = a.astype(np.float64).ravel() - a.mean()
+    b = b.astype(np.float64).ravel() - b.mean()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_synthetic_ground_truth_boxes_frame_the_rendered_faces() -> None:
+    scene = SyntheticScene(1280, 720, seed="cam0")
+    for t_s in (100.0, 101.7, 104.2):
+        frame = scene.render(t_s)
+        for face in scene.faces_at(t_s):
+            size = int(round(face.size_px))
+            x1, y1 = (int(round(v)) for v in face.box_px[:2])
+            expected = _photo_face(face.name, size)
+            on_box = _correlation(frame[y1 : y1 + size, x1 : x1 + size], expected)
+            shift = size // 8  # an eighth of a face off
+            off_box = _correlation(frame[y1 + shift : y1 + shift + size, x1 : x1 + size], expected)
+            assert on_box > 0.95, (t_s, face.name, on_box)
+            assert off_box < on_box - 0.05, (t_s, face.name, on_box, off_box)
+
+
+def test_embedded_face_boxes_match_the_mediapipe_fixtures() -> None:
+    fixtures = Path(__file__).parent / "models" / "fixtures" / "mediapipe_faces.npz"
+    if not fixtures.exists():
+        pytest.skip(f"{fixtures} is not in this checkout")
+    with np.load(fixtures) as data:
+        for photo in sources._PHOTOS:
+            detected = data[f"{photo.name}/boxes_px"][0]
+            np.testing.assert_allclose(detected, photo.face_box_px, atol=1e-3)
+
+
+def test_synthetic_source_paces_in_real_time_and_reports_ground_truth() -> None:
+    camera = CameraConfig(id="syn", source="synthetic", width=320, height=240, fps=50.0)
+    with open_source(camera) as source:
+        assert isinstance(source, SyntheticSource)
+        assert (source.granted.width, source.granted.height, source.granted.fps) == (320, 240, 50.0)
+        start_s = time.monotonic()
+        timestamps = []
+        for _ in range(21):
+            frame, capture_ts_lsl = source.read()
+            assert abs(capture_ts_lsl - pylsl.local_clock()) < 0.1
+            timestamps.append(capture_ts_lsl)
+        elapsed_s = time.monotonic() - start_s
+        assert 0.36 <= elapsed_s < 0.8, elapsed_s  # 20 periods of 20 ms
+        assert np.all(np.diff(timestamps) > 0)
+        assert np.mean(np.diff(timestamps)) == pytest.approx(0.02, abs=0.004)
+        # The last frame is the scene at its capture timestamp.
+        np.testing.assert_array_equal(frame, source.scene.render(timestamps[-1]))
+        assert source.ground_truth(timestamps[-1]) == SyntheticScene.for_camera(camera).faces_at(
+            timestamps[-1]
+        )
+
+        # A reader that falls behind is not handed a burst of stale frames: they are skipped.
+        time.sleep(0.25)
+        source.read()
+        assert source.frames_skipped >= 10
+        before_s = time.monotonic()
+        source.read()
+        assert time.monotonic() - before_s == pytest.approx(0.02, abs=0.015)
+
+
+# --- video files ----------------------------------------------------------------------------------
+
+
+def _write_numbered_video(path: Path, frames: int, fps: float, size: tuple[int, int]) -> None:
+    width, height = size
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*"MJPG"), fps, (width, height))
+    assert writer.isOpened(), "OpenCV cannot write MJPG/AVI here"
+    for k in range(frames):
+        writer.write(np.full((height, width, 3), 20 * k + 10, np.uint8))
+    writer.release()
+
+
+def _frame_number(frame: np.ndarray) -> int:
+    return int(round((float(frame.mean()) - 10) / 20))
+
+
+def test_video_file_loops_at_its_native_fps(tmp_path: Path) -> None:
+    path = tmp_path / "numbered.avi"
+    _write_numbered_video(path, frames=10, fps=40.0, size=(96, 64))
+    camera = CameraConfig(id="file", source=str(path), fps=5.0)  # the file's own rate wins
+    with open_source(camera) as source:
+        assert isinstance(source, FileSource)
+        assert source.granted == sources.Granted(96, 64, 40.0, "MJPG", "FFMPEG")
+        start_s = time.monotonic()
+        numbers, timestamps = [], []
+        for _ in range(25):
+            frame, capture_ts_lsl = source.read()
+            assert frame.shape == (64, 96, 3)
+            numbers.append(_frame_number(frame))
+            timestamps.append(capture_ts_lsl)
+        elapsed_s = time.monotonic() - start_s
+    assert numbers == list(range(10)) * 2 + list(range(5))
+    assert source.loops == 2
+    assert 0.55 <= elapsed_s < 1.0, elapsed_s  # 24 periods of 25 ms
+    assert np.mean(np.diff(timestamps)) == pytest.approx(0.025, abs=0.004)
+
+
+def test_missing_file_is_a_lost_source_naming_it(tmp_path: Path) -> None:
+    camera = CameraConfig(id="gone", source=str(tmp_path / "nope.mp4"))
+    with pytest.raises(SourceLost, match="nope.mp4") as caught:
+        open_source(camera)
+    assert caught.value.camera_id == "gone"
+
+
+# --- V4L2 -----------------------------------------------------------------------------------------
+
+
+def test_v4l2_device_that_does_not_exist_is_lost_with_the_device_named() -> None:
+    camera = CameraConfig(id="usb", source="/dev/video-facecast-test-none")
+    with pytest.raises(SourceLost, match="video-facecast-test-none"):
+        open_source(camera)
+
+
+class _FakeV4L2Capture:
+    """Stands in for a driver that grants 640x480 MJPG at 15 fps whatever is asked."""
+
+    def __init__(self, device: int | str, api: int) -> None:
+        self.device, self.api = device, api
+        self.calls: list[tuple[int, float]] = []
+        _FakeV4L2Capture.last = self
+
+    def isOpened(self) -> bool:  # noqa: N802 - OpenCV's name
+        return True
+
+    def set(self, prop: int, value: float) -> bool:
+        self.calls.append((prop, value))
+        return True
+
+    def get(self, prop: int) -> float:
+        return {
+            cv2.CAP_PROP_FRAME_WIDTH: 640.0,
+            cv2.CAP_PROP_FRAME_HEIGHT: 480.0,
+            cv2.CAP_PROP_FPS: 15.0,
+            cv2.CAP_PROP_FOURCC: float(cv2.VideoWriter.fourcc(*"MJPG")),
+        }[prop]
+
+    def grab(self) -> bool:
+        return True
+
+    def retrieve(self) -> tuple[bool, np.ndarray]:
+        return True, np.zeros((480, 640, 3), np.uint8)
+
+    def release(self) -> None:
+        pass
+
+
+def test_v4l2_requests_in_order_and_logs_what_was_granted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sources.cv2, "VideoCapture", _FakeV4L2Capture)
+    camera = CameraConfig(id="usb0", source="2", width=1280, height=720, fps=30.0, fourcc="MJPG")
+    with caplog.at_level(logging.INFO, logger="facecast.workers.sources"):
+        source = open_source(camera)
+    assert isinstance(source, V4L2Source)
+    fake = _FakeV4L2Capture.last
+    assert (fake.device, fake.api) == (2, cv2.CAP_V4L2)
+    assert [prop for prop, _value in fake.calls] == [
+        cv2.CAP_PROP_FOURCC,
+        cv2.CAP_PROP_FRAME_WIDTH,
+        cv2.CAP_PROP_FRAME_HEIGHT,
+        cv2.CAP_PROP_FPS,
+    ]
+    assert source.granted == sources.Granted(640, 480, 15.0, "MJPG", "V4L2")
+    (record,) = [r for r in caplog.records if "granted" in r.getMessage()]
+    assert record.levelno == logging.WARNING  # less than was asked for
+    assert "640x480 @ 15 fps MJPG" in record.getMessage()
+    assert "1280x720 @ 30 fps MJPG" in record.getMessage()
+    frame, capture_ts_lsl = source.read()
+    assert frame.shape == (480, 640, 3) and capture_ts_lsl > 0
+
+
+# --- backoff --------------------------------------------------------------------------------------
+
+
+def test_reopen_with_backoff_grows_caps_and_stops() -> None:
+    delays: list[float] = []
+    attempts = iter(range(100))
+
+    def flaky_open() -> SyntheticSource:
+        if next(attempts) < 5:
+            raise SourceLost("cam", "not yet")
+        return SyntheticSource(CameraConfig(id="cam", source="synthetic", width=64, height=64))
+
+    source = reopen_with_backoff(
+        flaky_open,
+        initial_delay_s=0.001,
+        max_delay_s=0.004,
+        jitter_fraction=0.0,
+        on_failure=lambda attempt, error, delay_s: delays.append(delay_s),
+    )
+    assert isinstance(source, SyntheticSource)
+    assert delays == [0.001, 0.002, 0.004, 0.004, 0.004]
+
+    stop = threading.Event()
+
+    def never_opens() -> SyntheticSource:
+        stop.set()  # e.g. SIGTERM arrives while the camera is down
+        raise SourceLost("cam", "down")
+
+    assert reopen_with_backoff(never_opens, stop=stop, initial_delay_s=10.0) is None
+
+
+# --- network peers --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=10)
+
+
+def _read_until_lost(source: sources.FrameSource, timeout_s: float) -> SourceLost:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            source.read()
+        except SourceLost as lost:
+            return lost
+    raise AssertionError(f"the source kept delivering {timeout_s} s after its peer was killed")
+
+
+def _check_live_frames(
+    source: sources.FrameSource, count: int, shape: tuple[int, int, int]
+) -> None:
+    previous_ts = 0.0
+    for _ in range(count):
+        frame, capture_ts_lsl = source.read()
+        assert frame.shape == shape and frame.dtype == np.uint8
+        assert previous_ts < capture_ts_lsl <= pylsl.local_clock()
+        previous_ts = capture_ts_lsl
+
+
+_GST_RTSP_SERVER = r'''
+import sys
+import gi
+gi.require_version("Gst", "1.0")
+gi.require_version("GstRtspServer", "1.0")
+from gi.repository import GLib, Gst, GstRtspServer
+
+Gst.init(None)
+server = GstRtspServer.RTSPServer()
+server.set_address("127.0.0.1")
+server.set_service(sys.argv[1])
+factory = GstRtspServer.RTSPMediaFactory()
+factory.set_launch(
+    "( videotestsrc is-live=true pattern=ball "
+    "! video/x-raw,format=I420,width=320,height=240,framerate=25/1 "
+    "! jpegenc ! rtpjpegpay name=pay0 pt=26 )"
+)
+factory.set_shared(True)
+server.get_mount_points().add_factory("/cam", factory)
+if server.attach(None) == 0:
+    sys.exit("cannot listen on port " + sys.argv[1])
+print("ready", flush=True)
+GLib.MainLoop().run()
+'''
+
+
+def _gst_python() -> str | None:
+    """A Python that has PyGObject and GstRtspServer (the system one, usually)."""
+    for candidate in (os.environ.get("FACECAST_TEST_GST_PYTHON"), "/usr/bin/python3"):
+        if not candidate or not os.path.exists(candidate):
+            continue
+        probe = subprocess.run(
+            [candidate, "-c", "import gi; gi.require_version('GstRtspServer', '1.0'); "
+             "from gi.repository import GstRtspServer"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        if probe.returncode == 0:
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def gst_python() -> str:
+    python = _gst_python()
+    if python is None:
+        pytest.skip(
+            "no RTSP peer: needs GStreamer's RTSP server for the system Python (Debian: apt-get "
+            "install -y --no-install-recommends python3-gi gir1.2-gst-rtsp-server-1.0 "
+            "gstreamer1.0-plugins-base gstreamer1.0-plugins-good)"
+        )
+    return python
+
+
+class _RtspPeer:
+    def __init__(self, python: str, script: Path, port: int) -> None:
+        self.python, self.script, self.port = python, script, port
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"rtsp://127.0.0.1:{self.port}/cam"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.python, str(self.script), str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()  # "ready" once listening
+        if line.strip() != b"ready":
+            _stop(self.process)
+            assert self.process.stderr is not None
+            stderr = self.process.stderr.read().decode(errors="replace")
+            raise AssertionError(f"RTSP peer did not start: {line!r} {stderr}")
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+            _stop(self.process)
+
+
+@pytest.fixture
+def rtsp_peer(gst_python: str, tmp_path: Path) -> Iterator[_RtspPeer]:
+    script = tmp_path / "rtsp_peer.py"
+    script.write_text(_GST_RTSP_SERVER)
+    peer = _RtspPeer(gst_python, script, _free_port())
+    try:
+        yield peer
+    finally:
+        peer.kill()
+
+
+def test_rtsp_peer_goes_away_and_comes_back(rtsp_peer: _RtspPeer) -> None:
+    camera = CameraConfig(id="rtsp", source=rtsp_peer.url, fps=25.0)
+
+    # Not there yet: a lost source that says where it looked.
+    with pytest.raises(SourceLost, match=f"127.0.0.1:{rtsp_peer.port}/cam"):
+        open_source(camera, open_timeout_s=5.0, read_timeout_s=3.0)
+
+    rtsp_peer.start()
+    source = open_source(camera, open_timeout_s=PEER_TIMEOUT_S, read_timeout_s=3.0)
+    assert isinstance(source, StreamSource)
+    assert (source.granted.width, source.granted.height) == (320, 240)
+    _check_live_frames(source, 10, (240, 320, 3))
+
+    rtsp_peer.kill()
+    lost = _read_until_lost(source, timeout_s=PEER_TIMEOUT_S)
+    assert rtsp_peer.url in lost.reason
+    source.close()
+
+    # The capture worker's loop: retry with backoff; the peer comes back after the first failure.
+    failures: list[str] = []
+
+    def peer_returns(attempt: int, error: SourceLost, delay_s: float) -> None:
+        failures.append(error.reason)
+        if attempt == 1:
+            rtsp_peer.start()
+
+    reopened = reopen_with_backoff(
+        lambda: open_source(camera, open_timeout_s=PEER_TIMEOUT_S, read_timeout_s=3.0),
+        initial_delay_s=0.2,
+        on_failure=peer_returns,
+    )
+    assert reopened is not None and len(failures) == 1
+    with reopened:
+        _check_live_frames(reopened, 10, (240, 320, 3))
+
+
+@pytest.fixture(scope="module")
+def ffmpeg() -> str:
+    path = shutil.which("ffmpeg")
+    if path is None:
+        pytest.skip("no HTTP peer: ffmpeg is not installed (Debian: apt-get install -y ffmpeg)")
+    return path
+
+
+def test_http_mjpeg_peer_goes_away_and_comes_back(ffmpeg: str, tmp_path: Path) -> None:
+    video = tmp_path / "numbered.avi"
+    _write_numbered_video(video, frames=10, fps=25.0, size=(160, 120))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/cam.mjpg"
+    command = [
+        ffmpeg, "-hide_banner", "-loglevel", "error", "-re", "-stream_loop", "-1", "-i", str(video),
+        "-c:v", "mjpeg", "-f", "mpjpeg", "-listen", "1", url,
+    ]  # fmt: skip
+    camera = CameraConfig(id="http", source=url)
+
+    # Until ffmpeg listens, opening fails at once (connection refused) and is retried.
+    peer = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    try:
+        source = reopen_with_backoff(
+            lambda: open_source(camera, open_timeout_s=5.0, read_timeout_s=3.0),
+            initial_delay_s=0.1,
+            max_delay_s=0.5,
+        )
+        assert isinstance(source, StreamSource)
+        _check_live_frames(source, 10, (120, 160, 3))
+
+        peer.kill()
+        peer.wait(timeout=10)
+        lost = _read_until_lost(source, timeout_s=PEER_TIMEOUT_S)
+        assert f"127.0.0.1:{port}" in lost.reason
+        source.close()
+
+        peer = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        reopened = reopen_with_backoff(
+            lambda: open_source(camera, open_timeout_s=5.0, read_timeout_s=3.0),
+            initial_delay_s=0.1,
+            max_delay_s=0.5,
+        )
+        assert reopened is not None
+        with reopened:
+            _check_live_frames(reopened, 10, (120, 160, 3))
+    finally:
+        _stop(peer)

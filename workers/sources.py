@@ -1,0 +1,701 @@
+"""Capture sources: where a capture worker's frames come from, behind one small interface.
+
+Runs in the capture worker (one process per camera). `open_source(camera)` returns a
+`FrameSource` whose `read()` gives `(frame_bgr, capture_ts_lsl)`: a C-contiguous uint8 HxWx3 BGR
+frame and the `pylsl.local_clock()` time taken right at grab. A source that stops delivering
+raises `SourceLost` with the reason; reopening it with backoff is the capture worker's job
+(`reopen_with_backoff` below). A source spec that can never work (an unknown URL scheme) is a
+`SourceConfigError`, which must not be retried.
+
+Kinds, chosen from `CameraConfig.source`:
+
+- `"synthetic"`: real face photos (scikit-image's astronaut, matplotlib's grace_hopper) moving on
+  a known smooth path over a plain background, paced in real time; its ground truth (face boxes
+  as a function of capture time) is `SyntheticScene.faces_at()`, computable in any process.
+- a V4L2 device: an index (`0`, `"0"`) or a `/dev/video*` path, through OpenCV's V4L2 backend
+  with the requested size, fps and fourcc; what the driver granted is logged and kept.
+- an `rtsp://`, `rtsps://`, `http://` or `https://` URL: OpenCV's FFMPEG backend, with open and
+  read timeouts so that a dead peer is noticed; RTSP is carried over TCP unless
+  $OPENCV_FFMPEG_CAPTURE_OPTIONS says otherwise.
+- anything else: a video file (FFMPEG backend), looped and paced at its native fps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import random
+import re
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pylsl
+
+from facecast.shared.config import CameraConfig
+
+log = logging.getLogger(__name__)
+
+_STREAM_SCHEMES = ("rtsp", "rtsps", "http", "https")
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+class SourceLost(RuntimeError):
+    """The source cannot deliver frames (now); `reason` says why. Retry with backoff."""
+
+    def __init__(self, camera_id: str, reason: str) -> None:
+        super().__init__(f"camera {camera_id}: {reason}")
+        self.camera_id = camera_id
+        self.reason = reason
+
+
+class SourceConfigError(ValueError):
+    """The camera's `source` can never work as written; retrying will not help."""
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """What the source actually delivers (not what was asked for)."""
+
+    width: int
+    height: int
+    fps: float  # nominal: the driver's/stream's/file's rate, or the configured one
+    fourcc: str  # the pixel format or codec, e.g. "MJPG", "YUYV", "h264"; "" unknown
+    backend: str  # "synthetic", "V4L2", "FFMPEG"
+
+    def describe(self) -> str:
+        fourcc = f" {self.fourcc}" if self.fourcc else ""
+        return f"{self.width}x{self.height} @ {self.fps:.3g} fps{fourcc} ({self.backend})"
+
+
+class FrameSource:
+    """A camera's frames. Subclasses set `granted` when opened and implement `read()`."""
+
+    kind = "?"
+
+    def __init__(self, camera: CameraConfig) -> None:
+        self.camera = camera
+        self.camera_id = camera.id
+        self.granted: Granted = Granted(camera.width, camera.height, camera.fps, "", "?")
+        self.frames_read = 0
+
+    def read(self) -> tuple[np.ndarray, float]:
+        """The next frame (BGR uint8 HxWx3) and its capture time (`pylsl.local_clock()`)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> FrameSource:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _lost(self, reason: str) -> SourceLost:
+        return SourceLost(self.camera_id, reason)
+
+
+def source_kind(source: str | int) -> str:
+    """"synthetic", "v4l2", "stream" or "file" for a `CameraConfig.source` value."""
+    if isinstance(source, bool):
+        raise SourceConfigError(f"source must be a string or a V4L2 index, got {source!r}")
+    if isinstance(source, int):
+        if source < 0:
+            raise SourceConfigError(f"a V4L2 index must be >= 0, got {source}")
+        return "v4l2"
+    if source == "synthetic":
+        return "synthetic"
+    if source.isdigit() or source.startswith("/dev/"):
+        return "v4l2"
+    url = _URL.match(source)
+    if url:
+        scheme = url["scheme"].lower()
+        if scheme in _STREAM_SCHEMES:
+            return "stream"
+        if scheme == "file":
+            return "file"
+        raise SourceConfigError(
+            f"source {source!r}: unsupported URL scheme {scheme!r} "
+            f"(allowed: {', '.join(_STREAM_SCHEMES)}, file, a /dev/video path, an index, "
+            "or \"synthetic\")"
+        )
+    if not source.strip():
+        raise SourceConfigError("source is empty")
+    return "file"
+
+
+def open_source(
+    camera: CameraConfig, *, open_timeout_s: float = 10.0, read_timeout_s: float = 5.0
+) -> FrameSource:
+    """Open the camera's source; raises SourceLost (retry later) or SourceConfigError (don't)."""
+    kind = source_kind(camera.source)
+    if kind == "synthetic":
+        return SyntheticSource(camera)
+    if kind == "v4l2":
+        return V4L2Source(camera)
+    if kind == "stream":
+        return StreamSource(camera, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s)
+    return FileSource(camera)
+
+
+def reopen_with_backoff(
+    open_fn: Callable[[], FrameSource],
+    *,
+    stop: threading.Event | None = None,
+    initial_delay_s: float = 0.5,
+    max_delay_s: float = 30.0,
+    factor: float = 2.0,
+    jitter_fraction: float = 0.1,
+    on_failure: Callable[[int, SourceLost, float], None] | None = None,
+) -> FrameSource | None:
+    """Call `open_fn` until it succeeds, sleeping with exponential backoff between tries.
+
+    Only SourceLost is retried (SourceConfigError and bugs propagate). `on_failure(attempt,
+    error, delay_s)` is called before each sleep, e.g. to report the camera as lost. Returns
+    None when `stop` is set while waiting.
+    """
+    delay_s = initial_delay_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return open_fn()
+        except SourceLost as error:
+            sleep_s = delay_s * (1.0 + jitter_fraction * (2.0 * random.random() - 1.0))
+            if on_failure is not None:
+                on_failure(attempt, error, sleep_s)
+            else:
+                log.warning("%s; retrying in %.1f s (attempt %d)", error, sleep_s, attempt)
+            if stop is not None:
+                if stop.wait(sleep_s):
+                    return None
+            else:
+                time.sleep(sleep_s)
+            delay_s = min(max_delay_s, delay_s * factor)
+
+
+# --- pacing --------------------------------------------------------------------------------------
+
+
+class _Pacer:
+    """Hands out frame deadlines at `fps` on the monotonic clock; a late reader skips ahead.
+
+    Like a real camera, frames are not queued for a slow reader: when `wait()` is called more
+    than one period late, the missed frames are skipped (counted) and the schedule continues.
+    """
+
+    def __init__(self, fps: float) -> None:
+        self.period_s = 1.0 / fps
+        self.next_due_monotonic: float | None = None
+        self.frames_skipped = 0
+
+    def wait(self) -> None:
+        now = time.monotonic()
+        if self.next_due_monotonic is None:
+            self.next_due_monotonic = now
+        late_s = now - self.next_due_monotonic
+        if late_s < 0:
+            time.sleep(-late_s)
+        elif late_s > self.period_s:
+            missed = int(late_s / self.period_s)
+            self.frames_skipped += missed
+            self.next_due_monotonic += missed * self.period_s
+        self.next_due_monotonic += self.period_s
+
+
+# --- synthetic -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FaceTruth:
+    """Where a synthetic face is: the box MediaPipe's detector draws around it, in frame pixels."""
+
+    name: str  # "astronaut" or "grace_hopper"
+    box_px: tuple[float, float, float, float]  # x1, y1, x2, y2
+
+    @property
+    def size_px(self) -> float:
+        return self.box_px[2] - self.box_px[0]
+
+    @property
+    def center_px(self) -> tuple[float, float]:
+        x1, y1, x2, y2 = self.box_px
+        return (x1 + x2) / 2, (y1 + y2) / 2
+
+
+@dataclass(frozen=True, slots=True)
+class _Photo:
+    name: str
+    # The face box MediaPipe 0.10.21's short-range face detector finds on the unmodified photo
+    # (tests/models/fixtures/mediapipe_faces.npz, "<name>/boxes_px"), in photo pixels.
+    face_box_px: tuple[float, float, float, float]
+
+
+_PHOTOS = (
+    _Photo("astronaut", (177.56541, 82.87118, 272.9095, 178.21541)),
+    _Photo("grace_hopper", (171.35315, 146.91507, 365.84296, 341.3939)),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _photo_bgr(name: str) -> np.ndarray:
+    if name == "astronaut":
+        import skimage.data
+
+        return np.ascontiguousarray(skimage.data.astronaut()[..., ::-1])
+    if name == "grace_hopper":
+        from matplotlib import cbook
+
+        path = cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)
+        image = cv2.imread(str(path), cv2.IMREAD_COLOR)
+        if image is None:
+            raise FileNotFoundError(f"cannot read matplotlib's sample image {path}")
+        return image
+    raise KeyError(name)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sprite:
+    """A face photo cut out with a soft elliptical edge, and its face box in sprite pixels."""
+
+    name: str
+    bgra: np.ndarray  # uint8: BGR premultiplied by alpha, and alpha (255: opaque)
+    face_box_px: tuple[float, float, float, float]
+
+
+@functools.lru_cache(maxsize=None)
+def _sprite(photo: _Photo) -> _Sprite:
+    image = _photo_bgr(photo.name)
+    x1, y1, x2, y2 = photo.face_box_px
+    side = x2 - x1
+    cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+    # Keep hair, ears and chin: a square of twice the face box, a little lower than its centre.
+    left, top = int(round(cx - side)), int(round(cy - 1.1 * side))
+    right, bottom = int(round(cx + side)), int(round(cy + 1.05 * side))
+    height_px, width_px = image.shape[:2]
+    left, top = max(left, 0), max(top, 0)
+    right, bottom = min(right, width_px), min(bottom, height_px)
+    crop = image[top:bottom, left:right].astype(np.float32) / 255.0
+    mask = np.zeros(crop.shape[:2], np.float32)
+    center = (int(round(cx - left)), int(round(cy - top - 0.05 * side)))
+    axes = (int(round(0.78 * side)), int(round(0.95 * side)))
+    cv2.ellipse(mask, center, axes, 0.0, 0.0, 360.0, 1.0, thickness=-1)
+    mask = cv2.GaussianBlur(mask, (0, 0), sigmaX=0.08 * side)
+    bgra = np.dstack([crop * mask[..., None], mask]) * 255.0 + 0.5
+    box = (x1 - left, y1 - top, x2 - left, y2 - top)
+    return _Sprite(photo.name, np.ascontiguousarray(bgra.astype(np.uint8)), box)
+
+
+class SyntheticScene:
+    """Two real faces on a smooth, known path: a pure function of time.
+
+    `render(t_s)` and `faces_at(t_s)` depend only on the camera's id, size and `t_s`, so a test in
+    another process can compute the ground truth of any frame from its capture timestamp (the
+    synthetic source renders each frame at its own capture time, `t_s = capture_ts_lsl`).
+
+    Face boxes are ~22% of the frame's long side: MediaPipe's short-range detector sees the
+    frame letterboxed to 128x128 and misses faces much smaller than that (the fixture
+    `canvas1080_medium`, a 0.9x grace_hopper in 1920x1080, has no detection).
+    """
+
+    FACE_SIZE_FRACTION = 0.22  # of max(width, height)
+    PERIODS_S = ((7.0, 5.0, 11.0), (6.0, 8.0, 13.0))  # per face: x, y, scale
+    SCALE_AMPLITUDE = 0.08
+
+    def __init__(self, width: int, height: int, seed: str = "") -> None:
+        if width < 64 or height < 64:
+            raise ValueError(f"a synthetic scene needs at least 64x64 pixels, got {width}x{height}")
+        self.width = width
+        self.height = height
+        self.seed = seed
+        phase_rng = np.random.default_rng(zlib.crc32(seed.encode()))
+        self._phases = phase_rng.uniform(0.0, 2.0 * math.pi, size=(len(_PHOTOS), 3))
+        self._sprites = [_sprite(photo) for photo in _PHOTOS]
+        face_px = self.FACE_SIZE_FRACTION * max(width, height)
+        self._base_face_px = min(face_px, 0.42 * height, 0.3 * width)
+        self._background = self._make_background(width, height)
+
+    @classmethod
+    def for_camera(cls, camera: CameraConfig) -> SyntheticScene:
+        return cls(camera.width, camera.height, seed=camera.id)
+
+    @staticmethod
+    def _make_background(width: int, height: int) -> np.ndarray:
+        # A plain studio-like backdrop: a soft vertical gradient, warm at the bottom.
+        ramp = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None]
+        top = np.array([158, 140, 128], np.float32)  # BGR
+        bottom = np.array([107, 115, 128], np.float32)
+        column = (top + (bottom - top) * ramp + 0.5).astype(np.uint8)
+        return np.ascontiguousarray(np.broadcast_to(column, (height, width, 3)))
+
+    def _placements(self, t_s: float) -> list[tuple[_Sprite, float, float, float]]:
+        """(sprite, scale, offset_x, offset_y) mapping sprite pixels to frame pixels."""
+        placements = []
+        for index, sprite in enumerate(self._sprites):
+            period_x, period_y, period_scale = self.PERIODS_S[index]
+            phase_x, phase_y, phase_scale = self._phases[index]
+            wave_scale = math.sin(2.0 * math.pi * t_s / period_scale + phase_scale)
+            face_px = self._base_face_px * (1.0 + self.SCALE_AMPLITUDE * wave_scale)
+            base_x = self.width * (0.27 + 0.46 * index)
+            amplitude_x = max(0.0, 0.23 * self.width - 0.5 * face_px * (1 + self.SCALE_AMPLITUDE))
+            amplitude_x = min(amplitude_x, 0.06 * self.width)
+            amplitude_y = max(0.0, 0.5 * self.height - 0.5 * face_px - 0.04 * self.height)
+            amplitude_y = min(amplitude_y, 0.08 * self.height)
+            center_x = base_x + amplitude_x * math.sin(2.0 * math.pi * t_s / period_x + phase_x)
+            center_y = 0.5 * self.height + amplitude_y * math.sin(
+                2.0 * math.pi * t_s / period_y + phase_y
+            )
+            bx1, by1, bx2, by2 = sprite.face_box_px
+            scale = face_px / (bx2 - bx1)
+            offset_x = center_x - scale * (bx1 + bx2) / 2
+            offset_y = center_y - scale * (by1 + by2) / 2
+            placements.append((sprite, scale, offset_x, offset_y))
+        return placements
+
+    def faces_at(self, t_s: float) -> list[FaceTruth]:
+        """The faces' boxes (frame pixels) in the frame rendered at `t_s`."""
+        truths = []
+        for sprite, scale, offset_x, offset_y in self._placements(t_s):
+            x1, y1, x2, y2 = sprite.face_box_px
+            box = (
+                offset_x + scale * x1,
+                offset_y + scale * y1,
+                offset_x + scale * x2,
+                offset_y + scale * y2,
+            )
+            truths.append(FaceTruth(sprite.name, box))
+        return truths
+
+    def render(self, t_s: float) -> np.ndarray:
+        """The frame at time `t_s`: BGR uint8, height x width x 3."""
+        frame = self._background.copy()
+        for sprite, scale, offset_x, offset_y in self._placements(t_s):
+            sprite_h, sprite_w = sprite.bgra.shape[:2]
+            # The sprite's footprint in the frame, clipped; warp only that region.
+            left = max(0, int(math.floor(offset_x)))
+            top = max(0, int(math.floor(offset_y)))
+            right = min(self.width, int(math.ceil(offset_x + scale * sprite_w)))
+            bottom = min(self.height, int(math.ceil(offset_y + scale * sprite_h)))
+            if right <= left or bottom <= top:
+                continue
+            sprite_to_region = np.array(
+                [[scale, 0.0, offset_x - left], [0.0, scale, offset_y - top]], np.float64
+            )
+            # Pixel centres: sprite pixel i covers [i, i+1); OpenCV maps centres, so shift by
+            # half a pixel on both sides to keep box coordinates exact under scaling.
+            sprite_to_region[:, 2] += 0.5 * (scale - 1.0)
+            region = cv2.warpAffine(
+                sprite.bgra,
+                sprite_to_region,
+                (right - left, bottom - top),
+                flags=cv2.INTER_LINEAR,
+                borderMode=cv2.BORDER_CONSTANT,
+                borderValue=(0, 0, 0, 0),
+            )
+            # Premultiplied "over", in saturating uint8 (a 1280x720 frame renders in ~2 ms).
+            transparency = cv2.cvtColor(255 - region[..., 3], cv2.COLOR_GRAY2BGR)
+            target = frame[top:bottom, left:right]
+            target[...] = cv2.add(
+                cv2.multiply(target, transparency, scale=1.0 / 255.0),
+                cv2.cvtColor(region, cv2.COLOR_BGRA2BGR),
+            )
+        return frame
+
+
+class SyntheticSource(FrameSource):
+    """`SyntheticScene` paced in real time at the camera's fps; a frame shows its capture time."""
+
+    kind = "synthetic"
+
+    def __init__(self, camera: CameraConfig) -> None:
+        super().__init__(camera)
+        self.scene = SyntheticScene.for_camera(camera)
+        self.granted = Granted(camera.width, camera.height, camera.fps, "BGR3", "synthetic")
+        self._pacer = _Pacer(camera.fps)
+        log.info("camera %s: synthetic source, %s", camera.id, self.granted.describe())
+
+    @property
+    def frames_skipped(self) -> int:
+        return self._pacer.frames_skipped
+
+    def read(self) -> tuple[np.ndarray, float]:
+        self._pacer.wait()
+        capture_ts_lsl = pylsl.local_clock()
+        frame = self.scene.render(capture_ts_lsl)
+        self.frames_read += 1
+        return frame, capture_ts_lsl
+
+    def ground_truth(self, capture_ts_lsl: float) -> list[FaceTruth]:
+        """The faces in the frame that was captured at `capture_ts_lsl`."""
+        return self.scene.faces_at(capture_ts_lsl)
+
+
+# --- OpenCV-backed sources -----------------------------------------------------------------------
+
+
+def _fourcc_text(code: float) -> str:
+    value = int(code) if math.isfinite(code) else 0
+    if value <= 0:
+        return ""
+    text = "".join(chr((value >> (8 * k)) & 0xFF) for k in range(4))
+    return text if text.isprintable() else f"0x{value:08x}"
+
+
+def _as_bgr(frame: np.ndarray) -> np.ndarray:
+    if frame.ndim == 2:
+        frame = cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
+    elif frame.shape[2] == 4:
+        frame = cv2.cvtColor(frame, cv2.COLOR_BGRA2BGR)
+    if frame.dtype != np.uint8:
+        raise SourceConfigError(f"expected 8-bit BGR frames, the source delivers {frame.dtype}")
+    return np.ascontiguousarray(frame)
+
+
+class _OpenCVSource(FrameSource):
+    """Shared grab/retrieve logic: the timestamp is taken right after grab() returns."""
+
+    backend = "?"
+
+    def __init__(self, camera: CameraConfig) -> None:
+        super().__init__(camera)
+        self._capture: cv2.VideoCapture | None = None
+
+    def _grab(self) -> tuple[np.ndarray, float]:
+        if self._capture is None:
+            raise self._lost("source is closed")
+        if not self._capture.grab():
+            raise self._lost(self._grab_failure())
+        return self._retrieve(pylsl.local_clock())
+
+    def _retrieve(self, capture_ts_lsl: float) -> tuple[np.ndarray, float]:
+        assert self._capture is not None
+        ok, frame = self._capture.retrieve()
+        if not ok or frame is None:
+            raise self._lost(f"{self.backend}: grabbed a frame that could not be decoded")
+        frame = _as_bgr(frame)
+        height_px, width_px = frame.shape[:2]
+        if self.granted.width <= 0 or self.granted.height <= 0:
+            # The backend could not say before the first frame; the first frame tells.
+            self.granted = dataclasses.replace(self.granted, width=width_px, height=height_px)
+        elif (width_px, height_px) != (self.granted.width, self.granted.height):
+            raise self._lost(
+                f"frame size changed from {self.granted.width}x{self.granted.height} to "
+                f"{width_px}x{height_px}; reopen to renegotiate"
+            )
+        self.frames_read += 1
+        return frame, capture_ts_lsl
+
+    def _grab_failure(self) -> str:
+        return f"{self.backend}: no frame"
+
+    def close(self) -> None:
+        if self._capture is not None:
+            self._capture.release()
+            self._capture = None
+
+
+class V4L2Source(_OpenCVSource):
+    """A USB/V4L2 camera by index or /dev path; requested size, fps and fourcc, granted logged."""
+
+    kind = "v4l2"
+    backend = "V4L2"
+
+    def __init__(self, camera: CameraConfig) -> None:
+        super().__init__(camera)
+        source = camera.source
+        is_index = isinstance(source, int) or source.isdigit()
+        self.device: int | str = int(source) if is_index else source
+        capture = cv2.VideoCapture(self.device, cv2.CAP_V4L2)
+        if not capture.isOpened():
+            capture.release()
+            raise self._lost(
+                f"cannot open V4L2 device {self.device!r} (missing, busy, or not readable: is "
+                "the daemon's user in group 'video'?)"
+            )
+        # Order matters: the pixel format first (it limits the sizes), then size, then rate.
+        if camera.fourcc:
+            capture.set(cv2.CAP_PROP_FOURCC, cv2.VideoWriter.fourcc(*camera.fourcc))
+        capture.set(cv2.CAP_PROP_FRAME_WIDTH, camera.width)
+        capture.set(cv2.CAP_PROP_FRAME_HEIGHT, camera.height)
+        capture.set(cv2.CAP_PROP_FPS, camera.fps)
+        fps = capture.get(cv2.CAP_PROP_FPS)
+        self.granted = Granted(
+            width=int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)),
+            height=int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)),
+            fps=float(fps) if math.isfinite(fps) and fps > 0 else camera.fps,
+            fourcc=_fourcc_text(capture.get(cv2.CAP_PROP_FOURCC)),
+            backend=self.backend,
+        )
+        self._capture = capture
+        requested = Granted(camera.width, camera.height, camera.fps, camera.fourcc, self.backend)
+        differs = (
+            (self.granted.width, self.granted.height) != (camera.width, camera.height)
+            or abs(self.granted.fps - camera.fps) > 0.01
+            or (camera.fourcc and self.granted.fourcc != camera.fourcc)
+        )
+        (log.warning if differs else log.info)(
+            "camera %s: V4L2 device %s granted %s; requested %s",
+            camera.id,
+            self.device,
+            self.granted.describe(),
+            requested.describe(),
+        )
+
+    def read(self) -> tuple[np.ndarray, float]:
+        return self._grab()
+
+    def _grab_failure(self) -> str:
+        return f"V4L2 device {self.device!r} delivered no frame (unplugged or driver error)"
+
+
+_FFMPEG_OPTIONS_LOCK = threading.Lock()
+
+
+def _open_ffmpeg(url: str, open_timeout_s: float, read_timeout_s: float) -> cv2.VideoCapture:
+    """VideoCapture on the FFMPEG backend with timeouts; RTSP over TCP unless the user chose.
+
+    RTSP over TCP: a lost peer closes the connection (noticed at once, not after the read
+    timeout) and lossy lab Wi-Fi does not tear frames. OpenCV reads its FFMPEG options from
+    $OPENCV_FFMPEG_CAPTURE_OPTIONS while opening, so it is set only around that call.
+    """
+    params = [
+        cv2.CAP_PROP_OPEN_TIMEOUT_MSEC,
+        int(open_timeout_s * 1000),
+        cv2.CAP_PROP_READ_TIMEOUT_MSEC,
+        int(read_timeout_s * 1000),
+    ]
+    name = "OPENCV_FFMPEG_CAPTURE_OPTIONS"
+    is_rtsp = url.lower().startswith(("rtsp://", "rtsps://"))
+    with _FFMPEG_OPTIONS_LOCK:
+        previous = os.environ.get(name)
+        if is_rtsp and previous is None:
+            os.environ[name] = "rtsp_transport;tcp"
+        try:
+            return cv2.VideoCapture(url, cv2.CAP_FFMPEG, params)
+        finally:
+            if is_rtsp and previous is None:
+                del os.environ[name]
+
+
+def _redact(url: str) -> str:
+    """A URL without its password, for logs and reasons."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+class StreamSource(_OpenCVSource):
+    """An RTSP or HTTP stream through OpenCV's FFMPEG backend; frames as fast as they come."""
+
+    kind = "stream"
+    backend = "FFMPEG"
+
+    def __init__(
+        self, camera: CameraConfig, *, open_timeout_s: float = 10.0, read_timeout_s: float = 5.0
+    ) -> None:
+        super().__init__(camera)
+        self.url = str(camera.source)
+        self.read_timeout_s = read_timeout_s
+        capture = _open_ffmpeg(self.url, open_timeout_s, read_timeout_s)
+        if not capture.isOpened():
+            capture.release()
+            raise self._lost(
+                f"cannot open stream {_redact(self.url)} within {open_timeout_s:g} s "
+                "(peer down, wrong path or credentials, or no video track)"
+            )
+        fps = capture.get(cv2.CAP_PROP_FPS)
+        self.granted = Granted(
+            width=int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)),
+            height=int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)),
+            fps=float(fps) if math.isfinite(fps) and 0 < fps <= 1000 else camera.fps,
+            fourcc=_fourcc_text(capture.get(cv2.CAP_PROP_FOURCC)),
+            backend=self.backend,
+        )
+        self._capture = capture
+        log.info(
+            "camera %s: stream %s delivers %s",
+            camera.id,
+            _redact(self.url),
+            self.granted.describe(),
+        )
+
+    def read(self) -> tuple[np.ndarray, float]:
+        return self._grab()
+
+    def _grab_failure(self) -> str:
+        return (
+            f"stream {_redact(self.url)} ended or sent nothing for {self.read_timeout_s:g} s "
+            "(peer gone?)"
+        )
+
+
+class FileSource(_OpenCVSource):
+    """A video file, looped, paced at its native fps (the configured fps if it has none)."""
+
+    kind = "file"
+    backend = "FFMPEG"
+
+    def __init__(self, camera: CameraConfig) -> None:
+        super().__init__(camera)
+        source = str(camera.source)
+        self.path = Path(source[len("file://") :] if source.startswith("file://") else source)
+        if not self.path.is_file():
+            raise self._lost(f"video file {str(self.path)!r} does not exist or is not a file")
+        self.loops = 0
+        self._capture = self._open()
+        fps = self._capture.get(cv2.CAP_PROP_FPS)
+        if not (math.isfinite(fps) and 0 < fps <= 1000):
+            log.warning(
+                "camera %s: %s has no usable frame rate (%r); pacing it at the configured %g fps",
+                camera.id,
+                self.path,
+                fps,
+                camera.fps,
+            )
+            fps = camera.fps
+        self.granted = Granted(
+            width=int(self._capture.get(cv2.CAP_PROP_FRAME_WIDTH)),
+            height=int(self._capture.get(cv2.CAP_PROP_FRAME_HEIGHT)),
+            fps=float(fps),
+            fourcc=_fourcc_text(self._capture.get(cv2.CAP_PROP_FOURCC)),
+            backend=self.backend,
+        )
+        self._pacer = _Pacer(self.granted.fps)
+        log.info(
+            "camera %s: file %s plays %s, looped", camera.id, self.path, self.granted.describe()
+        )
+
+    def _open(self) -> cv2.VideoCapture:
+        capture = cv2.VideoCapture(str(self.path), cv2.CAP_FFMPEG)
+        if not capture.isOpened():
+            capture.release()
+            raise self._lost(f"OpenCV's FFMPEG backend cannot open video file {str(self.path)!r}")
+        return capture
+
+    @property
+    def frames_skipped(self) -> int:
+        return self._pacer.frames_skipped
+
+    def read(self) -> tuple[np.ndarray, float]:
+        if self._capture is None:
+            raise self._lost("source is closed")
+        self._pacer.wait()
+        if not self._capture.grab():
+            # End of file: start again from a fresh open (seeking is unreliable in some
+            # containers); a file that still yields nothing is lost.
+            self._capture.release()
+            self._capture = self._open()
+            self.loops += 1
+            if not self._capture.grab():
+                raise self._lost(self._grab_failure())
+        return self._retrieve(pylsl.local_clock())
+
+    def _grab_failure(self) -> str:
+        return f"video file {str(self.path)!r} yields no frames"
