@@ -1,0 +1,66 @@
+"""The `facecast` command. Runs on the CLI side: it parses, validates and delegates."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from facecast.shared import config
+
+
+def _check_config(args) -> int:
+    try:
+        loaded = config.load(args.config)
+    except config.ConfigError as exc:
+        print(f"facecast: {exc}", file=sys.stderr)
+        return 2
+    cameras = ", ".join(f"{c.id} ({c.source}, {loaded.transport_for(c)})" for c in loaded.cameras)
+    print(f"{args.config}: ok; cameras: {cameras or 'none'}")
+    return 0
+
+
+def _models_install(args) -> int:
+    from facecast.models import assets
+
+    return assets.cli_install(args)
+
+
+def _transport_check(args) -> int:
+    from facecast.daemon import transport_check
+
+    return transport_check.main(args.transport)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="facecast", description=__doc__)
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    check = commands.add_parser("check-config", help="validate a config file (exit 2 if invalid)")
+    check.add_argument("config")
+    check.set_defaults(handler=_check_config)
+
+    models = commands.add_parser("models", help="manage the model cache")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    install = models_commands.add_parser("install", help="fetch and verify MediaPipe's models")
+    from facecast.models import assets
+
+    assets.add_install_arguments(install)
+    install.set_defaults(handler=_models_install)
+
+    transport = commands.add_parser(
+        "transport-check", help="prove the frame transport between two fresh processes")
+    transport.add_argument("--transport", nargs="+", default=["auto", "shm"],
+                           choices=["auto", "cuda_ipc", "shm"])
+    transport.set_defaults(handler=_transport_check)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Versioned messages and tolerant readers (STYLE.md §4), and transport decisions on a CPU machine."""
+
+import logging
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from facecast.shared import messages
+from facecast.shared.messages import BadMessage, FrameReady, MessageGate, TransportFault
+
+
+def frame_message(**overrides) -> FrameReady:
+    fields = dict(camera_id="cam0", transport="shm", ring_epoch=7, slot=1, slot_generation=4,
+                  frame_seq=10, capture_ts_lsl=12.5, shape=(4, 4, 3), dtype="uint8",
+                  strides_bytes=(12, 3, 1), pixel_format="bgr24", checksum=99)
+    fields.update(overrides)
+    return FrameReady(**fields)
+
+
+def test_round_trip_keeps_every_field_and_ids_are_unique():
+    first, second = frame_message(), frame_message()
+    assert messages.decode(messages.encode(first)) == first
+    assert first.id != second.id
+
+
+def test_unknown_fields_are_ignored_by_readers():
+    raw = msgspec.msgpack.decode(messages.encode(frame_message()))
+    raw["added_by_a_newer_sender"] = [1, 2, 3]
+    decoded = messages.decode(msgspec.msgpack.encode(raw))
+    assert isinstance(decoded, FrameReady) and decoded.frame_seq == 10
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (msgspec.msgpack.encode({**msgspec.to_builtins(frame_message()), "v": 2}), "protocol version 2"),
+        (messages.encode(frame_message())[:20], "not msgpack"),
+        (b"\xc1garbage", "not msgpack"),
+        (msgspec.msgpack.encode([1, 2]), "not a message envelope"),
+        (msgspec.msgpack.encode({"type": "frame", "v": 1, "slot": "one"}), "invalid 'frame' message"),
+        (msgspec.msgpack.encode({"type": "launch", "v": 1}), "invalid 'launch' message"),
+    ],
+)
+def test_other_versions_truncated_and_garbage_messages_are_refused_with_a_reason(payload, reason):
+    with pytest.raises(BadMessage, match=reason):
+        messages.decode(payload)
+
+
+def test_gate_counts_refusals_and_rate_limits_the_log(caplog):
+    gate = MessageGate("test socket", log_interval_s=60)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(100):
+            assert gate.decode(b"\x00\x01junk") is None
+    assert gate.rejected == 100
+    assert len(caplog.records) == 1 and "test socket" in caplog.records[0].getMessage()
+    good = TransportFault(camera_id="c", ring_epoch=1, reason="r")
+    assert gate.decode(messages.encode(good)) == good
+
+
+def test_choose_transport_decisions():
+    from facecast.shared.transport import choose_transport
+
+    assert choose_transport("shm", None) == ("shm", "")
+    assert choose_transport("auto", None) == ("cuda_ipc", "")
+    assert choose_transport("auto", "no GPU") == ("shm", "no GPU")
+    assert choose_transport("cuda_ipc", "pycuda missing") == ("shm", "pycuda missing")
+    with pytest.raises(ValueError, match="transport 'nvlink'"):
+        choose_transport("nvlink", None)
+
+
+def test_on_a_machine_without_cuda_auto_and_cuda_ipc_fall_back_to_shm_with_the_reason():
+    from facecast.shared.cuda_driver import cuda_unavailable_reason
+    from facecast.shared.transport import make_producer
+
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        pytest.skip("this machine can use CUDA; the fallback decision is tested in test_cuda_rules")
+    for requested in ("auto", "cuda_ipc"):
+        producer = make_producer("fb", (8, 8, 3), 2, requested)
+        try:
+            assert producer.transport == "shm"
+            assert producer.description().fallback_reason == reason
+        finally:
+            producer.close()
+
+
+def test_publisher_survives_garbage_on_its_control_socket(tmp_path):
+    from facecast.shared.transport import FramePublisher, ring_control_endpoint
+
+    with zmq.Context() as context:
+        publisher = FramePublisher(context, tmp_path, "g", transport="shm")
+        intruder = context.socket(zmq.DEALER)
+        intruder.connect(ring_control_endpoint(tmp_path, "g"))
+        intruder.send(b"not a message")
+        intruder.send(msgspec.msgpack.encode({"type": "describe_ring", "v": 99}))
+        publisher.publish(np.zeros((8, 8, 3), np.uint8), 1.0)
+        intruder.send(messages.encode(messages.DescribeRing(camera_id="g")))
+        reply = None
+        for _ in range(100):
+            publisher.serve_control()
+            if intruder.poll(20):
+                reply = messages.decode(intruder.recv())
+                break
+        assert publisher._gate.rejected == 2
+        assert isinstance(reply, messages.RingDescription) and reply.camera_id == "g"
+        intruder.close()
+        publisher.close()
