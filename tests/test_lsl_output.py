@@ -16,7 +16,7 @@ import numpy as np
 import pylsl
 import pytest
 
-from facecast import __version__
+from facecast.shared.version import __version__
 from facecast.workers.lsl_output import (
     BLENDSHAPE_NAMES,
     FACE_LANDMARK_COUNT,

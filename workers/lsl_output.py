@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pylsl
 
-from facecast import __version__
+from facecast.shared.version import __version__
 
 log = logging.getLogger(__name__)
 
