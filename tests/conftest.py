@@ -35,3 +35,26 @@ def _loopback_lsl_config() -> str:
 
 if "LSLAPICFG" not in os.environ:
     os.environ["LSLAPICFG"] = _loopback_lsl_config()
+
+
+# --- real producer/consumer processes for the transport tests (tests/peers.py) ---
+
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
+
+from peers import Peers  # noqa: E402
+
+
+@pytest.fixture
+def runtime_dir():
+    # ipc:// paths must stay under 107 bytes: keep the directory short.
+    with tempfile.TemporaryDirectory(prefix="fc-") as path:
+        yield path
+
+
+@pytest.fixture
+def peers(runtime_dir):
+    peers = Peers(runtime_dir)
+    yield peers
+    peers.kill_all()

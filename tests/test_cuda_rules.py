@@ -28,17 +28,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"
 FRAME_1080P = "1080,1920,3"
 
 
-@pytest.fixture
-def runtime_dir():
-    with tempfile.TemporaryDirectory(prefix="fc-") as path:
-        yield path
-
-
-@pytest.fixture
-def peers(runtime_dir):
-    peers = Peers(runtime_dir)
-    yield peers
-    peers.kill_all()
 
 
 def attach_in_fresh_process(description, tmp_path: Path) -> dict:

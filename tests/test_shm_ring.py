@@ -26,18 +26,6 @@ from facecast.shared.rings import (
 
 
 
-@pytest.fixture
-def runtime_dir():
-    # ipc:// paths must stay under 107 bytes: keep the directory short.
-    with tempfile.TemporaryDirectory(prefix="fc-") as path:
-        yield path
-
-
-@pytest.fixture
-def peers(runtime_dir):
-    peers = Peers(runtime_dir)
-    yield peers
-    peers.kill_all()
 
 
 def own_segments(pid: int) -> list[str]:
