@@ -34,8 +34,8 @@ def _transport_check(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="facecast", description=__doc__)
-    parser.add_argument("--log-level", default="warning",
-                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="default: warning; for `run`, the config's daemon.log_level")
     commands = parser.add_subparsers(dest="command", required=True)
 
     check = commands.add_parser("check-config", help="validate a config file (exit 2 if invalid)")
@@ -56,8 +56,24 @@ def main(argv: list[str] | None = None) -> int:
                            choices=["auto", "cuda_ipc", "shm"])
     transport.set_defaults(handler=_transport_check)
 
+    from facecast.daemon import run, status
+
+    run_parser = commands.add_parser("run", help="run the daemon in the foreground")
+    run.add_arguments(run_parser)
+    run_parser.set_defaults(handler=run.main)
+
+    for name, handler, text in (
+        ("status", status.status_main, "ask the running daemon what it is doing"),
+        ("reload", status.reload_main, "make the running daemon re-read its config"),
+        ("stop", status.stop_main, "stop the running daemon in order"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        status.add_arguments(sub)
+        sub.set_defaults(handler=handler)
+
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    args.log_level_explicit = args.log_level
+    logging.basicConfig(level=(args.log_level or "warning").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.handler(args)
 

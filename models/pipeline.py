@@ -231,20 +231,24 @@ class FacePipeline:
         return self._measure(batch, [self._rects_from_detections(r) for r in rois], rois, tracked=None)
 
     @torch.inference_mode()
-    def track(self, frames, camera_ids: Sequence[Hashable]) -> list[list[Face]]:
+    def track(self, frames, camera_ids: Sequence[Hashable], detections=None) -> list[list[Face]]:
         """Like calling the pipeline, but with per-camera tracking state (one frame per camera
-        per call, in ``camera_ids`` order)."""
+        per call, in ``camera_ids`` order).
+
+        ``detections``: None to run the detector here whenever a camera needs it; or, when
+        detection runs elsewhere (the daemon's detection worker), a dict from frame index to
+        that frame's (boxes, keypoints, scores) as :meth:`detect` returns them, used to add
+        new faces to the tracks (:meth:`wants_detection` says which cameras should get one).
+        """
         batch = roi_mod.FrameBatch(frames, self.device, bgr=self.frames_are_bgr)
         if len(camera_ids) != len(batch):
             raise ValueError(f"{len(batch)} frames but {len(camera_ids)} camera ids")
         states = [self._cameras.setdefault(cam, _CameraState()) for cam in camera_ids]
-        need_detection = [
-            not s.tracks or s.lost_face or s.frames_since_detection >= self.detect_interval_frames
-            for s in states
-        ]
-        detect_frames = [i for i, need in enumerate(need_detection) if need]
-        detections = self.detect(batch, detect_frames) if detect_frames else []
-        det_by_frame = dict(zip(detect_frames, detections))
+        if detections is None:
+            detect_frames = [i for i, cam in enumerate(camera_ids) if self.wants_detection(cam)]
+            det_by_frame = dict(zip(detect_frames, self.detect(batch, detect_frames) if detect_frames else []))
+        else:
+            det_by_frame = {i: tuple(t.to(self.device) for t in det) for i, det in detections.items()}
 
         rects_per_frame, rois_per_frame, tracked_per_frame = [], [], []
         for i, state in enumerate(states):
@@ -280,6 +284,13 @@ class FacePipeline:
                 for f in frame_faces
             ]
         return faces
+
+    def wants_detection(self, camera_id: Hashable) -> bool:
+        """Whether the camera's next frame should get a detection pass: it has no face, lost
+        one, or it is time to look for newcomers."""
+        state = self._cameras.get(camera_id)
+        return (state is None or not state.tracks or state.lost_face
+                or state.frames_since_detection >= self.detect_interval_frames)
 
     def reset(self, camera_id: Hashable | None = None) -> None:
         """Forget the tracks of one camera (or of all)."""

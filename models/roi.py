@@ -161,7 +161,7 @@ class FrameBatch:
     """A batch of frames on one device, ready for :func:`crop_rois` (see Note [one grid_sample
     for many frames]).
 
-    Accepts a list of HxWx3 uint8 numpy arrays (sizes may differ) or a uint8 tensor
+    Accepts a list of HxWx3 uint8 numpy arrays or tensors (sizes may differ) or a uint8 tensor
     (B, H, W, 3). ``bgr=True`` (OpenCV's order, the default) swaps to the RGB order the models
     were trained on.
     """
@@ -172,6 +172,13 @@ class FrameBatch:
             if frames.dim() != 4 or frames.shape[-1] != 3 or frames.dtype != torch.uint8:
                 raise ValueError(f"a frame tensor must be uint8 (B, H, W, 3), got {frames.dtype} {tuple(frames.shape)}")
             tensors = list(frames.to(device))
+        elif frames and all(isinstance(frame, torch.Tensor) for frame in frames):
+            # Frames straight from the rings: views on the GPU (CUDA IPC) or copies (shm).
+            tensors = []
+            for i, frame in enumerate(frames):
+                if frame.dim() != 3 or frame.shape[-1] != 3 or frame.dtype != torch.uint8:
+                    raise ValueError(f"frame {i} must be a uint8 (H, W, 3) tensor, got {frame.dtype} {tuple(frame.shape)}")
+                tensors.append(frame.to(device, non_blocking=True))
         else:
             tensors = []
             for i, frame in enumerate(frames):

@@ -66,6 +66,25 @@ class DaemonConfig(_Strict):
         float, msgspec.Meta(gt=0, le=60, description="how long a CUDA IPC handshake may take")
     ] = 5.0
     log_level: LogLevel = "info"
+    roi_landmark_workers: Annotated[
+        int, msgspec.Meta(ge=1, le=16, description="roi_landmark worker processes per device")
+    ] = 1
+    detect_interval_s: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=60, description="a camera with faces is searched for newcomers this often"),
+    ] = 0.5
+    heartbeat_timeout_s: Annotated[
+        float,
+        msgspec.Meta(ge=1, le=600, description="a running worker silent this long is killed and restarted"),
+    ] = 10.0
+    boot_timeout_s: Annotated[
+        float,
+        msgspec.Meta(ge=1, le=3600, description="how long a worker may take to start (models load)"),
+    ] = 120.0
+    stop_timeout_s: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=60, description="orderly shutdown deadline before workers are killed"),
+    ] = 4.0
 
 
 class ModelsConfig(_Strict):

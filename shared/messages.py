@@ -113,7 +113,172 @@ class Ack(Message, tag="ack"):
     error: str = ""
 
 
-AnyMessage = Union[FrameReady, RingDescription, DescribeRing, TransportFault, Ack]
+# --- detections and results (detection → roi_landmark → output) -----------------------------------
+
+
+class DetectionWanted(Message, tag="detection_wanted"):
+    """A roi_landmark worker asks for a detection pass on these cameras' next frames: it has no
+    face there, lost one, or it is time to look for newcomers."""
+
+    camera_ids: list[str]
+
+
+class Detections(Message, tag="detections"):
+    """Face detections in one frame of one camera, in that frame's pixels."""
+
+    camera_id: str
+    ring_epoch: int
+    frame_seq: int
+    capture_ts_lsl: float
+    boxes_px: list[tuple[float, float, float, float]]  # x1, y1, x2, y2, best first
+    keypoints_px: list[list[tuple[float, float]]]  # 6 keypoints per box (eyes, nose, mouth, ears)
+    scores: list[float]
+
+
+class FaceResult(msgspec.Struct, frozen=True, kw_only=True):
+    track_id: int
+    presence: float
+    score: float
+    box_px: tuple[float, float, float, float]
+    head_pose_deg: tuple[float, float, float]  # yaw, pitch, roll
+    blendshapes: list[float] | None = None  # 52, in MediaPipe's order
+    landmarks_px: bytes | None = None  # float32 (478, 3), little endian, when asked for
+
+
+class FaceResults(Message, tag="faces"):
+    """Every face measured in one frame of one camera: one LSL sample per face slot."""
+
+    camera_id: str
+    frame_seq: int
+    capture_ts_lsl: float
+    faces: list[FaceResult]
+    blendshapes_missing_reason: str = ""
+
+
+# --- supervisor ↔ workers (control socket) ---------------------------------------------------------
+
+WorkerRole = Literal["capture", "detection", "roi_landmark", "output"]
+WorkerState = Literal["booting", "running"]
+
+
+class Hello(Message, tag="hello"):
+    """First message of a worker on the control socket; the supervisor answers with Assignment."""
+
+    worker: str  # e.g. "capture:cam0"
+    role: WorkerRole
+    pid: int
+
+
+class Assignment(Message, tag="assignment"):
+    """What a worker is to do: the validated config and its share of the cameras. Sent in reply
+    to Hello and again after a reload that changes this worker's cameras."""
+
+    worker: str
+    config: bytes  # msgspec.json of facecast.shared.config.Config (validated by the supervisor)
+    camera_ids: list[str]
+    device: str = "cpu"  # "cpu" or "cuda:<index>"
+
+
+class StageTiming(msgspec.Struct, frozen=True):
+    p50_ms: float
+    p99_ms: float
+    count: int
+
+
+class CameraReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's view of one camera since its last heartbeat window."""
+
+    camera_id: str
+    frames: int = 0  # total this worker handled for the camera
+    fps: float = 0.0
+    faces: int = 0  # in the newest frame
+    skipped: int = 0  # frames this worker never got to (newest-frame policy)
+    source: str = ""  # capture only: "ok", "lost: <reason>", "opening"
+    transport: str = ""
+    ring_epoch: int = 0
+    fallback_reason: str = ""
+    latency_ms: StageTiming | None = None  # output only: capture → LSL push
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """Sent by every worker from its main loop (progress, not a timer thread: a stuck loop goes
+    silent). `busy_since_monotonic` is set while a step (inference, a read) is in progress."""
+
+    worker: str
+    state: WorkerState
+    cameras: list[CameraReport] = msgspec.field(default_factory=list)
+    stages: dict[str, StageTiming] = msgspec.field(default_factory=dict)
+
+
+class BootFailed(Message, tag="boot_failed"):
+    """The worker cannot start (bad source, missing model): do not respawn it (STYLE §5)."""
+
+    worker: str
+    reason: str
+
+
+class Event(Message, tag="event"):
+    """Something a lab user should see on the Markers stream (DESIGN §4)."""
+
+    kind: str  # start, stop, camera_lost, camera_back, transport_fallback, worker_restart, ...
+    fields: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+    event_ts_lsl: float = 0.0  # 0: when the output worker pushes it
+
+
+# --- CLI ↔ supervisor ------------------------------------------------------------------------------
+
+
+class StatusRequest(Message, tag="status"):
+    pass
+
+
+class ReloadRequest(Message, tag="reload"):
+    pass
+
+
+class StopRequest(Message, tag="stop"):
+    pass
+
+
+class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    role: str
+    pid: int
+    state: str  # booting, running, backoff, failed (boot error), flapping, stopped
+    restarts: int
+    uptime_s: float
+    last_exit: str = ""
+    detail: str = ""
+
+
+class GpuStatus(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    name: str
+    memory_used_mib: float
+    memory_total_mib: float
+    utilization_pct: float
+
+
+class DaemonStatus(Message, tag="daemon_status"):
+    reply_to: str
+    pid: int
+    uptime_s: float
+    config_path: str
+    ready: bool
+    workers: list[WorkerStatus]
+    cameras: dict[str, list[CameraReport]]  # camera id → one report per worker that sees it
+    stages: dict[str, StageTiming]  # "<worker>/<stage>" → timing
+    gpus: list[GpuStatus] = msgspec.field(default_factory=list)
+    gpu_note: str = ""
+    recent_events: list[str] = msgspec.field(default_factory=list)
+
+
+AnyMessage = Union[
+    FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
+    DetectionWanted, Detections, FaceResults,
+    Hello, Assignment, Heartbeat, BootFailed, Event,
+    StatusRequest, ReloadRequest, StopRequest, DaemonStatus,
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder()  # untyped: reads type and version first

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import zmq
 
-from facecast.shared import messages, rings
+from facecast.shared import endpoints, messages, rings
 from facecast.shared.messages import (
     Ack,
     DescribeRing,
@@ -50,12 +50,8 @@ RETIRED_RING_GRACE_S = 3.0
 DESCRIBE_RETRY_S = 0.5
 
 
-def frames_endpoint(runtime_dir: str | Path, camera_id: str) -> str:
-    return f"ipc://{runtime_dir}/frames-{camera_id}"
-
-
-def ring_control_endpoint(runtime_dir: str | Path, camera_id: str) -> str:
-    return f"ipc://{runtime_dir}/ring-{camera_id}"
+frames_endpoint = endpoints.frames
+ring_control_endpoint = endpoints.ring_control
 
 
 def choose_transport(requested: str, cuda_unavailable_reason: str | None) -> tuple[str, str]:

@@ -1,0 +1,42 @@
+"""CLI side of the control socket: ask the running supervisor something and wait for the reply.
+
+Runs in the `facecast` command, never in the daemon. A DEALER (not a REQ that wedges after a
+lost reply, STYLE §11), one request, a receive with a timeout, replies matched by `reply_to`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import zmq
+
+from facecast.shared import endpoints, messages
+from facecast.shared.config import Config
+from facecast.shared.transport import runtime_dir_for
+
+
+class NotRunning(RuntimeError):
+    """No supervisor answered at the runtime directory."""
+
+
+def runtime_dir_of(config: Config | None, runtime_dir: str = "") -> Path:
+    if runtime_dir:
+        return Path(runtime_dir)
+    return runtime_dir_for(config.daemon.runtime_dir if config is not None else "")
+
+
+def request(runtime_dir: str | Path, message: messages.Message, timeout_s: float = 5.0):
+    endpoint = endpoints.control(runtime_dir)
+    if not endpoints.socket_path(endpoint).exists():
+        raise NotRunning(f"no facecast daemon at {runtime_dir} (no control socket there)")
+    with zmq.Context() as context, context.socket(zmq.DEALER) as dealer:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        dealer.send(messages.encode(message))
+        gate = messages.MessageGate("supervisor")
+        deadline_ms = int(timeout_s * 1000)
+        while dealer.poll(deadline_ms):
+            reply = gate.decode(dealer.recv())
+            if reply is not None and getattr(reply, "reply_to", None) == message.id:
+                return reply
+        raise NotRunning(f"the facecast daemon at {runtime_dir} did not answer within {timeout_s:g} s")

@@ -1,0 +1,116 @@
+"""Which workers a config asks for on this machine, and what a reload must do about them.
+
+Pure functions of the config and the number of GPUs (the supervisor counts them): tested
+without starting anything.
+
+- one capture worker per camera (`capture:<camera>`), on its camera's device;
+- per device: one detection worker (`detection:<device>`) and `daemon.roi_landmark_workers`
+  roi_landmark workers (`roi_landmark:<device>:<k>`), the device's cameras dealt out in config
+  order;
+- one output worker (`output`) for all cameras.
+
+Cameras go to GPUs as `cameras[].gpu` says, `-1` round-robin; with no GPU, or with
+`models.device = "cpu"`, everything runs on the CPU. CUDA IPC never crosses GPUs (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from facecast.shared.config import Config
+
+ROLES_IN_STOP_ORDER = ("capture", "detection", "roi_landmark", "output")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: str
+    camera_ids: tuple[str, ...]
+    device: str  # "cpu" or "cuda:<index>"
+
+
+def camera_devices(config: Config, gpu_count: int) -> dict[str, str]:
+    if config.models.device == "cpu" or (gpu_count == 0 and config.models.device == "auto"):
+        return {camera.id: "cpu" for camera in config.cameras}
+    devices, next_gpu = {}, 0
+    for camera in config.cameras:
+        if camera.gpu >= 0:
+            devices[camera.id] = f"cuda:{camera.gpu}"
+        else:
+            devices[camera.id] = f"cuda:{next_gpu % max(gpu_count, 1)}"
+            next_gpu += 1
+    return devices
+
+
+def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
+    """The workers of this config, in start order (output first, capture last)."""
+    devices = camera_devices(config, gpu_count)
+    by_device: dict[str, list[str]] = {}
+    for camera in config.cameras:
+        by_device.setdefault(devices[camera.id], []).append(camera.id)
+    specs = [WorkerSpec("output", "output", tuple(c.id for c in config.cameras), "cpu")]
+    for device, camera_ids in by_device.items():
+        count = config.daemon.roi_landmark_workers
+        for k in range(count):
+            share = tuple(camera_ids[k::count])
+            specs.append(WorkerSpec(f"roi_landmark:{device}:{k}", "roi_landmark", share, device))
+    for device, camera_ids in by_device.items():
+        specs.append(WorkerSpec(f"detection:{device}", "detection", tuple(camera_ids), device))
+    for camera in config.cameras:
+        specs.append(WorkerSpec(f"capture:{camera.id}", "capture", (camera.id,), devices[camera.id]))
+    return specs
+
+
+@dataclass
+class ReloadPlan:
+    start: list[WorkerSpec]
+    stop: list[WorkerSpec]
+    restart: list[WorkerSpec]  # the new spec of a worker that must start afresh
+    reassign: list[WorkerSpec]  # running workers that get a new Assignment
+    unchanged: list[str]
+
+
+class ReloadRefused(ValueError):
+    """This change cannot be applied to a running daemon; the message says why."""
+
+
+def reload_plan(old: Config, new: Config, gpu_count: int) -> ReloadPlan:
+    if old.daemon.runtime_dir != new.daemon.runtime_dir:
+        raise ReloadRefused("daemon.runtime_dir cannot change while running; restart facecast")
+    old_specs = {s.name: s for s in plan(old, gpu_count)}
+    new_specs = {s.name: s for s in plan(new, gpu_count)}
+    result = ReloadPlan([], [], [], [], [])
+    for name, spec in new_specs.items():
+        before = old_specs.get(name)
+        if before is None:
+            result.start.append(spec)
+        elif before.device != spec.device or _needs_restart(spec, old, new):
+            result.restart.append(spec)
+        elif before.camera_ids != spec.camera_ids or _config_for(spec, old) != _config_for(spec, new):
+            result.reassign.append(spec)
+        else:
+            result.unchanged.append(name)
+    result.stop = [spec for name, spec in old_specs.items() if name not in new_specs]
+    return result
+
+
+def _needs_restart(spec: WorkerSpec, old: Config, new: Config) -> bool:
+    if spec.role == "capture":
+        return (_camera(old, spec.camera_ids[0]) != _camera(new, spec.camera_ids[0])
+                or old.transport_for(_camera(old, spec.camera_ids[0]))
+                != new.transport_for(_camera(new, spec.camera_ids[0]))
+                or old.daemon.ring_slots != new.daemon.ring_slots)
+    if spec.role in ("detection", "roi_landmark"):
+        return old.models != new.models or old.output != new.output
+    return old.output != new.output or old.host() != new.host()
+
+
+def _config_for(spec: WorkerSpec, config: Config) -> object:
+    """What a running worker of this role reads from the config (beyond what restarts it)."""
+    cameras = tuple(_camera(config, c) for c in spec.camera_ids)
+    return (cameras, config.daemon.checksum_every, config.daemon.detect_interval_s)
+
+
+def _camera(config: Config, camera_id: str):
+    return next(c for c in config.cameras if c.id == camera_id)

@@ -1,0 +1,93 @@
+"""`facecast run`: the daemon in the foreground (what systemd runs, DESIGN §5).
+
+CLI side up to `Supervisor.run()`: the config is validated before anything starts (exit 2 naming
+the key), the models are checked (and, outside systemd, installed when missing: the daemon
+itself never reaches the network), and another daemon on the same runtime directory is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from facecast.shared import config as config_mod
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG_PATHS = ("/etc/facecast/facecast.toml",)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="config file (default: $FACECAST_CONFIG, else "
+                        + ", ".join(DEFAULT_CONFIG_PATHS) + ")")
+    parser.add_argument("--duration", type=float, metavar="S",
+                        help="stop in order after S seconds (tests, benchmarks)")
+    parser.add_argument("--status-every", type=float, metavar="S",
+                        help="print one status line per camera every S seconds "
+                        "(default: every 2 s when stderr is a terminal)")
+    parser.add_argument("--no-install", action="store_true",
+                        help="do not download missing models; fail instead")
+
+
+def config_path(given: str | None) -> Path | None:
+    if given:
+        return Path(given)
+    if os.environ.get("FACECAST_CONFIG"):
+        return Path(os.environ["FACECAST_CONFIG"])
+    return next((Path(p) for p in DEFAULT_CONFIG_PATHS if Path(p).is_file()), None)
+
+
+def _ensure_models(config: config_mod.Config, allow_install: bool) -> str:
+    """"" when the models are in place, else why the daemon cannot start."""
+    from facecast.models import assets
+
+    model_dir = config.models.dir or None
+    missing = sorted(set(assets.MODELS) - set(assets.installed(model_dir)))
+    if not missing:
+        return ""
+    if not allow_install:
+        return (f"models missing in {assets.resolve_model_dir(model_dir)}: {', '.join(missing)}; "
+                f"run `{assets.INSTALL_COMMAND}`")
+    print(f"facecast: models missing ({', '.join(missing)}); installing them "
+          f"(`{assets.INSTALL_COMMAND}`)", file=sys.stderr)
+    try:
+        assets.install(model_dir)
+    except assets.ModelError as exc:
+        return str(exc)
+    return ""
+
+
+def main(args) -> int:
+    path = config_path(args.config)
+    if path is None:
+        print("facecast: no config file: pass --config FILE (config/default.toml in the "
+              "repository runs two synthetic cameras on any machine)", file=sys.stderr)
+        return 2
+    try:
+        config = config_mod.load(path)
+    except config_mod.ConfigError as exc:
+        print(f"facecast: {exc}", file=sys.stderr)
+        return 2
+    level = getattr(args, "log_level_explicit", None) or config.daemon.log_level
+    logging.getLogger().setLevel(level.upper())
+    # Under systemd the daemon never downloads (DESIGN §3): only an interactive run installs.
+    under_systemd = bool(os.environ.get("NOTIFY_SOCKET") or os.environ.get("INVOCATION_ID"))
+    problem = _ensure_models(config, allow_install=not (args.no_install or under_systemd))
+    if problem:
+        print(f"facecast: {problem}", file=sys.stderr)
+        return 1
+
+    from facecast.daemon.supervisor import AlreadyRunning, Supervisor
+
+    status_every_s = args.status_every
+    if status_every_s is None and sys.stderr.isatty():
+        status_every_s = 2.0
+    supervisor = Supervisor(config, str(path), duration_s=args.duration,
+                            status_every_s=status_every_s)
+    try:
+        return supervisor.run()
+    except AlreadyRunning as exc:
+        print(f"facecast: {exc}", file=sys.stderr)
+        return 1

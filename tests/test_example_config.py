@@ -1,0 +1,43 @@
+"""The shipped configs load with the strict loader and say what their comments promise."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from facecast.shared import config
+from facecast.workers.sources import source_kind
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "config" / "example-lab.toml"
+
+
+def test_example_lab_config_has_four_usb_cameras_and_one_rtsp_camera_on_gpu_0():
+    loaded = config.load(EXAMPLE)
+    assert loaded.daemon.transport == "auto"
+    usb = [camera for camera in loaded.cameras if source_kind(camera.source) == "v4l2"]
+    streams = [camera for camera in loaded.cameras if source_kind(camera.source) == "stream"]
+    assert len(loaded.cameras) == 5
+    assert [camera.source for camera in usb] == [f"/dev/video{index}" for index in range(4)]
+    for camera in usb:
+        assert (camera.width, camera.height, camera.fps, camera.fourcc) == (1920, 1080, 30.0, "MJPG")
+    assert len(streams) == 1 and str(streams[0].source).startswith("rtsp://")
+    assert all(camera.gpu == 0 for camera in loaded.cameras)
+    assert all(loaded.transport_for(camera) == "auto" for camera in loaded.cameras)
+
+
+def test_example_lab_config_shows_every_key():
+    # The example is the reference a user copies: a key added to shared/config.py belongs in it.
+    text = EXAMPLE.read_text()
+    keys_set = set(re.findall(r"^([a-z_]+) = ", text, flags=re.MULTILINE))
+    for struct in (config.DaemonConfig, config.ModelsConfig, config.OutputConfig,
+                   config.CameraConfig):
+        missing = set(struct.__struct_fields__) - keys_set
+        assert not missing, f"{struct.__name__} keys missing from {EXAMPLE.name}: {sorted(missing)}"
+
+
+def test_default_config_still_loads_with_synthetic_cameras():
+    loaded = config.load(ROOT / "config" / "default.toml")
+    assert [camera.id for camera in loaded.cameras] == ["synth0", "synth1"]
+    assert all(source_kind(camera.source) == "synthetic" for camera in loaded.cameras)
+    assert loaded.daemon.transport == "auto"

@@ -1,0 +1,222 @@
+"""What every worker process shares: its conversation with the supervisor and its main loop.
+
+A worker is started by the supervisor as ``python -m facecast.workers <role> <name> <control>``
+(see facecast.workers.__main__). It then:
+
+1. connects a DEALER to the supervisor's control socket and says `Hello`;
+2. waits for its `Assignment` (the validated config and its cameras);
+3. boots (`Worker.boot`): opens sources, loads models. A `BootError` is reported as `BootFailed`
+   and the process exits with `EXIT_BOOT_ERROR`: the supervisor does not respawn it ("could not
+   boot" is not "crashed", STYLE §5);
+4. loops on `Worker.step` (each step waits at most ~100 ms), sending a `Heartbeat` about twice a
+   second *from the loop itself*: a step that hangs silences the worker and the supervisor kills
+   it (liveness is progress, STYLE §6);
+5. stops at SIGTERM, or when the supervisor is gone, and returns exit code 0.
+
+Signal handlers only set a flag (STYLE §2). SIGINT is ignored: a Ctrl-C in the terminal of a
+foreground `facecast run` reaches every process of the group, and it is the supervisor's job to
+stop the workers in order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from typing import ClassVar
+
+import msgspec
+import zmq
+
+from facecast.shared import config as config_mod
+from facecast.shared import messages
+from facecast.shared.messages import (
+    Assignment,
+    BootFailed,
+    CameraReport,
+    Event,
+    Heartbeat,
+    Hello,
+    MessageGate,
+    StageTiming,
+)
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_BOOT_ERROR = 3
+HEARTBEAT_INTERVAL_S = 0.5
+ASSIGNMENT_TIMEOUT_S = 30.0
+
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
+
+
+class BootError(RuntimeError):
+    """The worker cannot start with this config on this machine; the message says why."""
+
+
+class Worker:
+    """Base of the four worker roles. Subclasses implement boot, step and close."""
+
+    role: ClassVar[str] = ""
+
+    def __init__(self, name: str, control_endpoint: str, context: zmq.Context) -> None:
+        self.name = name
+        self.control_endpoint = control_endpoint
+        self.context = context
+        self.config: config_mod.Config | None = None
+        self.camera_ids: list[str] = []
+        self.device = "cpu"
+        self.stopping = False
+        self.state = "booting"
+        self._gate = MessageGate(f"supervisor (to {name})")
+        self._next_heartbeat_monotonic = 0.0
+        self.control = context.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.LINGER, 100)  # a last event may still matter; never hang exit
+        self.control.setsockopt(zmq.IDENTITY, name.encode())
+        self.control.setsockopt(zmq.SNDHWM, 1000)
+        self.control.connect(control_endpoint)
+
+    # -- what a role implements --------------------------------------------------------------
+
+    def boot(self) -> None:
+        """Open what the worker needs (self.config, self.camera_ids are set). BootError: give up."""
+
+    def step(self) -> None:
+        """One iteration of the work; must return within about 100 ms when idle."""
+        raise NotImplementedError
+
+    def reassign(self, previous_camera_ids: list[str]) -> None:
+        """The supervisor changed this worker's cameras or config (a reload)."""
+
+    def on_event(self, event: Event) -> None:
+        """An event the supervisor forwards (only the output worker gets them)."""
+
+    def camera_reports(self) -> list[CameraReport]:
+        return []
+
+    def stage_timings(self) -> dict[str, StageTiming]:
+        return {}
+
+    def close(self) -> None:
+        """Release everything (rings, sockets, outlets). Called once, also after a failed boot."""
+
+    # -- what every worker shares --------------------------------------------------------------
+
+    def send(self, message: messages.Message) -> None:
+        try:
+            self.control.send(messages.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("%s: control socket full; dropped a %s", self.name, type(message).__name__)
+
+    def event(self, kind: str, **fields: str | int | float | bool) -> None:
+        """A Markers-stream event (camera lost, fallback...), routed through the supervisor."""
+        self.send(Event(kind=kind, fields={"worker": self.name, **fields}))
+
+    def heartbeat_if_due(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat_monotonic:
+            return
+        self._next_heartbeat_monotonic = now + HEARTBEAT_INTERVAL_S
+        self.send(Heartbeat(worker=self.name, state=self.state, cameras=self.camera_reports(),
+                            stages=self.stage_timings()))
+
+    def serve_control(self) -> None:
+        """Handle what the supervisor sent, without blocking."""
+        while self.control.poll(0):
+            message = self._gate.decode(self.control.recv())
+            if isinstance(message, Assignment):
+                previous = list(self.camera_ids)
+                self._apply(message)
+                log.info("%s: reassigned to cameras %s", self.name, ", ".join(self.camera_ids))
+                self.reassign(previous)
+            elif isinstance(message, Event):
+                self.on_event(message)
+
+    def _apply(self, assignment: Assignment) -> None:
+        self.config = msgspec.json.decode(assignment.config, type=config_mod.Config)
+        self.camera_ids = list(assignment.camera_ids)
+        self.device = assignment.device
+
+    def wait_for_assignment(self) -> bool:
+        self.send(Hello(worker=self.name, role=self.role, pid=os.getpid()))
+        deadline = time.monotonic() + ASSIGNMENT_TIMEOUT_S
+        while not self.stopping and time.monotonic() < deadline:
+            if self.control.poll(100):
+                message = self._gate.decode(self.control.recv())
+                if isinstance(message, Assignment) and message.worker == self.name:
+                    self._apply(message)
+                    return True
+        return False
+
+    def camera(self, camera_id: str) -> config_mod.CameraConfig:
+        return next(c for c in self.config.cameras if c.id == camera_id)
+
+    @property
+    def runtime_dir(self) -> str:
+        return os.path.dirname(self.control_endpoint.removeprefix("ipc://"))
+
+
+# --- the process around a Worker ------------------------------------------------------------------
+
+
+def set_process_name(name: str) -> None:
+    """What `ps -o comm`/`top` show (15 bytes), e.g. `fc.capture:cam0` (STYLE §12)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"fc.{name}".encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this worker when the supervisor dies (even by SIGKILL): no orphaned cameras."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def run(worker_class: type[Worker], name: str, control_endpoint: str) -> int:
+    """The whole life of a worker process; returns its exit code."""
+    set_process_name(name)
+    parent_pid = os.getppid()
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    with zmq.Context() as context:
+        worker = worker_class(name, control_endpoint, context)
+
+        def request_stop(signum, frame):  # only a flag: the loop does the work
+            worker.stopping = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+        try:
+            if not worker.wait_for_assignment():
+                log.error("%s: no assignment from the supervisor at %s", name, control_endpoint)
+                return EXIT_CRASH
+            try:
+                worker.boot()
+            except BootError as exc:
+                log.error("%s cannot start: %s", name, exc)
+                worker.send(BootFailed(worker=name, reason=str(exc)))
+                return EXIT_BOOT_ERROR
+            worker.state = "running"
+            log.info("%s running (pid %d, cameras %s, %s)", name, os.getpid(),
+                     ", ".join(worker.camera_ids) or "none", worker.device)
+            while not worker.stopping:
+                worker.serve_control()
+                worker.step()
+                worker.heartbeat_if_due()
+                if os.getppid() != parent_pid:
+                    log.warning("%s: the supervisor is gone; stopping", name)
+                    break
+            return EXIT_OK
+        finally:
+            worker.close()
+            worker.control.close()

@@ -1,0 +1,152 @@
+"""The capture worker: one process per camera (DESIGN §1), so a hung driver or a dead RTSP link
+stays with its camera.
+
+It reads the camera's frames (facecast.workers.sources), stamps them at grab with
+`pylsl.local_clock()`, writes them into the camera's ring and publishes them
+(facecast.shared.transport.FramePublisher). It never waits for consumers. A lost source is
+reported (`camera_lost` marker), retried with exponential backoff, and reported again when it is
+back (`camera_back`); a source that can never work as written (`SourceConfigError`) is a boot
+error, which the supervisor does not respawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from facecast.shared.messages import CameraReport
+from facecast.shared.stats import RateMeter
+from facecast.shared.transport import FramePublisher
+from facecast.workers.base import BootError, Worker
+from facecast.workers.sources import (
+    FrameSource,
+    SourceConfigError,
+    SourceLost,
+    open_source,
+    source_kind,
+)
+
+log = logging.getLogger(__name__)
+
+REOPEN_FIRST_DELAY_S = 0.5
+REOPEN_MAX_DELAY_S = 30.0
+# Below the supervisor's heartbeat timeout: opening or reading a dead stream must not look like
+# a hung worker.
+OPEN_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 5.0
+
+
+class CaptureWorker(Worker):
+    role = "capture"
+
+    def boot(self) -> None:
+        if len(self.camera_ids) != 1:
+            raise BootError(f"a capture worker takes exactly one camera, got {self.camera_ids}")
+        self.camera_config = self.camera(self.camera_ids[0])
+        try:
+            self.source_kind = source_kind(self.camera_config.source)
+        except SourceConfigError as exc:
+            raise BootError(f"camera {self.camera_config.id}: {exc}") from None
+        requested = self.config.transport_for(self.camera_config)
+        device_index = 0
+        if self.device.startswith("cuda"):
+            device_index = int(self.device.partition(":")[2] or 0)
+        elif requested != "shm":
+            # Models run on the CPU: a GPU ring would only add a copy back.
+            log.info("camera %s: models run on the CPU, so its frames use shared memory",
+                     self.camera_config.id)
+            requested = "shm"
+        self.publisher = FramePublisher(
+            self.context, self.runtime_dir, self.camera_config.id,
+            slot_count=self.config.daemon.ring_slots, transport=requested,
+            device_index=device_index,
+        )
+        self.source: FrameSource | None = None
+        self.source_state = "opening"
+        self.lost_reason = ""
+        self.rate = RateMeter()
+        self._reopen_delay_s = REOPEN_FIRST_DELAY_S
+        self._reopen_at_monotonic = 0.0
+        self._was_lost = False
+        self._seen_epoch = 0
+        self._seen_fallbacks = 0
+        self._open()
+
+    def _open(self) -> None:
+        camera = self.camera_config
+        try:
+            self.source = open_source(camera, open_timeout_s=OPEN_TIMEOUT_S,
+                                      read_timeout_s=READ_TIMEOUT_S)
+        except SourceLost as exc:
+            self._lost(exc.reason)
+        except SourceConfigError as exc:
+            raise BootError(f"camera {camera.id}: {exc}") from None
+
+    def _lost(self, reason: str) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        if not self._was_lost or reason != self.lost_reason:
+            log.warning("camera %s lost: %s; retrying in %.1f s", self.camera_config.id, reason,
+                        self._reopen_delay_s)
+            self.event("camera_lost", camera=self.camera_config.id, reason=reason)
+        self._was_lost = True
+        self.lost_reason = reason
+        self.source_state = f"lost: {reason}"
+        jitter = 1.0 + 0.1 * (2.0 * random.random() - 1.0)
+        self._reopen_at_monotonic = time.monotonic() + self._reopen_delay_s * jitter
+        self._reopen_delay_s = min(REOPEN_MAX_DELAY_S, self._reopen_delay_s * 2.0)
+
+    def step(self) -> None:
+        self.publisher.serve_control()
+        if self.source is None:
+            wait_s = self._reopen_at_monotonic - time.monotonic()
+            if wait_s > 0:
+                time.sleep(min(wait_s, 0.1))
+                return
+            self._open()
+            if self.source is None:
+                return
+        try:
+            frame, capture_ts_lsl = self.source.read()
+        except SourceLost as exc:
+            self._lost(exc.reason)
+            return
+        self.publisher.publish(frame, capture_ts_lsl)
+        self.rate.tick()
+        if self.source_state != "ok":
+            if self._was_lost:
+                log.info("camera %s is back", self.camera_config.id)
+                self.event("camera_back", camera=self.camera_config.id)
+            self._was_lost = False
+            self.source_state = "ok"
+            self._reopen_delay_s = REOPEN_FIRST_DELAY_S
+        self._report_transport_changes()
+
+    def _report_transport_changes(self) -> None:
+        status = self.publisher.status
+        if status.fallbacks != self._seen_fallbacks:
+            self._seen_fallbacks = status.fallbacks
+            self.event("transport_fallback", camera=self.camera_config.id,
+                       transport=status.transport, reason=status.fallback_reason)
+        if status.ring_epoch != self._seen_epoch:
+            self._seen_epoch = status.ring_epoch
+            self.event("transport", camera=self.camera_config.id, transport=status.transport,
+                       reason=status.fallback_reason)
+
+    def camera_reports(self) -> list[CameraReport]:
+        status = self.publisher.status
+        return [CameraReport(
+            camera_id=self.camera_config.id, frames=self.rate.total, fps=round(self.rate.rate(), 2),
+            source=self.source_state, transport=status.transport, ring_epoch=status.ring_epoch,
+            fallback_reason=status.fallback_reason,
+        )]
+
+    def close(self) -> None:
+        source = getattr(self, "source", None)
+        if source is not None:
+            source.close()
+        publisher = getattr(self, "publisher", None)
+        if publisher is not None:
+            publisher.close()

@@ -1,0 +1,108 @@
+"""The detection worker: one per device (DESIGN §1). It batches the newest frame of every camera
+that needs a detection pass into one forward pass of the face detectors and publishes the boxes.
+
+A camera needs a pass when a roi_landmark worker asks for one (`DetectionWanted`: it has no face
+there or lost one) or when `daemon.detect_interval_s` has passed since its last pass (newcomers).
+Between passes the roi_landmark workers follow faces by their landmarks alone, as MediaPipe does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import zmq
+
+from facecast.models.roi import FrameBatch
+from facecast.shared import endpoints, messages
+from facecast.shared.messages import CameraReport, DetectionWanted, Detections, MessageGate
+from facecast.shared.stats import RateMeter, StageTimer
+from facecast.shared.transport import FrameSubscriber
+from facecast.workers.base import Worker
+from facecast.workers.inference import build_pipeline, consumer_reports, torch_device
+
+log = logging.getLogger(__name__)
+
+
+class DetectionWorker(Worker):
+    role = "detection"
+
+    def boot(self) -> None:
+        self.torch_device = torch_device(self.device)
+        self.pipeline = build_pipeline(self.config, self.torch_device, blendshapes=False)
+        self.timer = StageTimer()
+        self.rates: dict[str, RateMeter] = {}
+        self.faces: dict[str, int] = {}
+        self._last_pass_monotonic: dict[str, float] = {}
+        self._wanted: set[str] = set()
+        self._gate = MessageGate("detection requests")
+        self.detections = self.context.socket(zmq.PUB)
+        self.detections.setsockopt(zmq.LINGER, 0)
+        self.detections.bind(endpoints.detections(self.runtime_dir, self.device))
+        self.requests = self.context.socket(zmq.PULL)
+        self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.bind(endpoints.detection_requests(self.runtime_dir, self.device))
+        self.subscriber: FrameSubscriber | None = None
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+        self.subscriber = FrameSubscriber(
+            self.context, self.runtime_dir, self.camera_ids, device=self.torch_device,
+            checksum_every=self.config.daemon.checksum_every,
+        )
+
+    def reassign(self, previous_camera_ids: list[str]) -> None:
+        self._subscribe()
+
+    def step(self) -> None:
+        received = self.subscriber.receive(timeout_ms=50)
+        while self.requests.poll(0):
+            request = self._gate.decode(self.requests.recv())
+            if isinstance(request, DetectionWanted):
+                self._wanted.update(request.camera_ids)
+        now = time.monotonic()
+        interval_s = self.config.daemon.detect_interval_s
+        due = [
+            frame for frame in received
+            if frame.message.camera_id in self._wanted
+            or now - self._last_pass_monotonic.get(frame.message.camera_id, -math.inf) >= interval_s
+        ]
+        if not due:
+            return
+        start = time.monotonic()
+        batch = FrameBatch([frame.tensor for frame in due], self.torch_device)
+        found = self.pipeline.detect(batch)
+        self.timer.add_ms("detect", (time.monotonic() - start) * 1e3)
+        for frame, (boxes, keypoints, scores) in zip(due, found):
+            camera_id = frame.message.camera_id
+            self._wanted.discard(camera_id)
+            self._last_pass_monotonic[camera_id] = now
+            if not frame.read.still_valid():
+                # The slot was overwritten while we read it (Note [Slot generations]).
+                self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
+                continue
+            self.rates.setdefault(camera_id, RateMeter()).tick()
+            self.faces[camera_id] = int(boxes.shape[0])
+            message = Detections(
+                camera_id=camera_id, ring_epoch=frame.message.ring_epoch,
+                frame_seq=frame.message.frame_seq, capture_ts_lsl=frame.message.capture_ts_lsl,
+                boxes_px=[tuple(b) for b in boxes.cpu().tolist()],
+                keypoints_px=[[tuple(p) for p in k] for k in keypoints.cpu().tolist()],
+                scores=scores.cpu().tolist(),
+            )
+            self.detections.send_multipart([camera_id.encode(), messages.encode(message)])
+
+    def camera_reports(self) -> list[CameraReport]:
+        return consumer_reports(self.camera_ids, self.subscriber, self.rates, self.faces)
+
+    def stage_timings(self):
+        return self.timer.timings()
+
+    def close(self) -> None:
+        for name in ("subscriber", "detections", "requests"):
+            thing = getattr(self, name, None)
+            if thing is not None:
+                thing.close()

@@ -1,0 +1,83 @@
+"""What the detection and roi_landmark workers share: building the FacePipeline for this
+worker's device from the config, with errors a user can act on."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from facecast.models import assets
+from facecast.models.pipeline import FacePipeline
+from facecast.shared.config import Config
+from facecast.shared.messages import CameraReport
+from facecast.shared.stats import RateMeter
+from facecast.workers.base import BootError
+
+log = logging.getLogger(__name__)
+
+
+def torch_device(device: str) -> torch.device:
+    """The worker's device; "cuda:<n>" must exist here, else the worker cannot boot."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BootError(f"device {device} was assigned but torch sees no CUDA device")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise BootError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs)")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    # Several inference workers share the CPU: one thread each for up to half the cores keeps
+    # them from fighting over every core (and leaves cores to capture's decoding).
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    return torch.device("cpu")
+
+
+def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool) -> FacePipeline:
+    model_dir = config.models.dir or None
+
+    def load(name: str) -> torch.nn.Module:
+        from facecast.models import tflite_convert
+
+        return tflite_convert.convert(assets.model_path(name, model_dir))
+
+    task = config.models.face_landmarker_task if blendshapes else ""
+    try:
+        return FacePipeline(
+            device=device, max_faces=config.output.max_faces, load_model=load,
+            face_landmarker_task=task or None,
+        )
+    except assets.ModelError as exc:
+        raise BootError(str(exc)) from None
+
+
+def blendshapes_missing_reason(config: Config) -> str:
+    """Why blendshape channels will be NaN ("" when they will be published)."""
+    task = config.models.face_landmarker_task
+    if not task:
+        return ("no face_landmarker.task given (models.face_landmarker_task): MediaPipe ships "
+                "the blendshape model only in that bundle")
+    try:
+        assets.blendshape_model(task, config.models.dir or None)
+    except (assets.ModelError, OSError, ValueError) as exc:
+        return f"face_landmarker.task unusable: {exc}"
+    return ""
+
+
+def consumer_reports(camera_ids, subscriber, rates: dict[str, RateMeter],
+                     faces: dict[str, int]) -> list[CameraReport]:
+    """Heartbeat reports of a frame-consuming worker: its rate and what its rings did."""
+    reports = []
+    for camera_id in camera_ids:
+        status = subscriber.status.get(camera_id) if subscriber is not None else None
+        rate = rates.get(camera_id)
+        reports.append(CameraReport(
+            camera_id=camera_id, frames=rate.total if rate else 0,
+            fps=round(rate.rate(), 2) if rate else 0.0, faces=faces.get(camera_id, 0),
+            skipped=status.counts["skipped"] if status else 0,
+            transport=status.transport if status else "",
+            ring_epoch=status.ring_epoch if status else 0,
+            fallback_reason=status.fallback_reason if status else "",
+        ))
+    return reports

@@ -1,0 +1,125 @@
+"""The output worker: owns every LSL outlet (DESIGN §1, §4), so that a crash of any other worker
+never breaks an inlet's stream.
+
+Per camera it keeps one `Face` stream per face slot (facecast.workers.lsl_output.FaceOutlets) and
+pushes one sample per slot for every frame a roi_landmark worker measured, stamped with the
+frame's capture time. It also owns the daemon's one `Markers` stream: events from every worker
+and from the supervisor arrive here over the control socket.
+
+Frames that no roi_landmark worker got to (it skipped to the newest frame) have no sample: a NaN
+sample would claim "no face" for a frame nobody looked at.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pylsl
+import zmq
+
+from facecast.shared import endpoints
+from facecast.shared.messages import CameraReport, Event, FaceResults, MessageGate
+from facecast.shared.stats import LatencyWindow, RateMeter
+from facecast.workers.base import Worker
+from facecast.workers.inference import blendshapes_missing_reason
+from facecast.workers.lsl_output import FACE_LANDMARK_COUNT, FaceOutlets, FaceSample, MarkerOutlet
+
+log = logging.getLogger(__name__)
+
+
+class OutputWorker(Worker):
+    role = "output"
+
+    def boot(self) -> None:
+        self.host = self.config.host()
+        self.markers = MarkerOutlet(self.host)
+        self.blendshapes_missing = blendshapes_missing_reason(self.config)
+        if self.blendshapes_missing:
+            self.markers.event("model_missing", model="face_blendshapes",
+                               reason=self.blendshapes_missing)
+        if self.config.output.pose:
+            reason = "body pose is not produced yet by this version; no MoCap stream"
+            log.warning("output.pose = true: %s", reason)
+            self.markers.event("model_missing", model="pose_landmark", reason=reason)
+        self.outlets: dict[str, FaceOutlets] = {}
+        self.latency: dict[str, LatencyWindow] = {}
+        self.rates: dict[str, RateMeter] = {}
+        self.faces: dict[str, int] = {}
+        self._gate = MessageGate("results")
+        self.results = self.context.socket(zmq.SUB)
+        self.results.setsockopt(zmq.LINGER, 0)
+        self.results.setsockopt(zmq.RCVHWM, 10_000)
+        self.results.setsockopt(zmq.SUBSCRIBE, b"")
+        self.results.bind(endpoints.results(self.runtime_dir))
+        self._open_outlets()
+
+    def _open_outlets(self) -> None:
+        for camera_id in list(self.outlets):
+            if camera_id not in self.camera_ids:
+                self.outlets.pop(camera_id).close()
+        for camera_id in self.camera_ids:
+            if camera_id not in self.outlets:
+                camera = self.camera(camera_id)
+                self.outlets[camera_id] = FaceOutlets(
+                    self.host, camera_id, self.config.output.max_faces, camera.fps,
+                    self.config.output.landmarks,
+                    blendshapes_missing_reason=self.blendshapes_missing,
+                )
+
+    def reassign(self, previous_camera_ids: list[str]) -> None:
+        self._open_outlets()
+
+    def step(self) -> None:
+        if not self.results.poll(50):
+            return
+        while self.results.poll(0):
+            result = self._gate.decode(self.results.recv())
+            if isinstance(result, FaceResults):
+                self._push(result)
+
+    def _push(self, result: FaceResults) -> None:
+        outlets = self.outlets.get(result.camera_id)
+        if outlets is None:
+            return  # a camera removed by a reload, still draining
+        samples = [
+            FaceSample(
+                track_id=face.track_id, presence=face.presence, box_px=face.box_px,
+                head_pose_deg=face.head_pose_deg, blendshapes=face.blendshapes,
+                landmarks_px=(None if face.landmarks_px is None else np.frombuffer(
+                    face.landmarks_px, dtype="<f4").reshape(FACE_LANDMARK_COUNT, 3)),
+            )
+            for face in result.faces
+        ]
+        try:
+            outlets.push_frame(result.capture_ts_lsl, samples)
+        except ValueError as exc:  # a malformed result must not kill the streams
+            self._gate._reject(f"result of camera {result.camera_id} not publishable: {exc}")
+            return
+        self.latency.setdefault(result.camera_id, LatencyWindow()).add_ms(
+            (pylsl.local_clock() - result.capture_ts_lsl) * 1e3)
+        self.rates.setdefault(result.camera_id, RateMeter()).tick()
+        self.faces[result.camera_id] = len(samples)
+
+    def on_event(self, event: Event) -> None:
+        timestamp = event.event_ts_lsl if event.event_ts_lsl > 0 else None
+        self.markers.event(event.kind, event_ts_lsl=timestamp, **event.fields)
+
+    def camera_reports(self) -> list[CameraReport]:
+        reports = []
+        for camera_id in self.camera_ids:
+            rate, latency = self.rates.get(camera_id), self.latency.get(camera_id)
+            reports.append(CameraReport(
+                camera_id=camera_id, frames=rate.total if rate else 0,
+                fps=round(rate.rate(), 2) if rate else 0.0, faces=self.faces.get(camera_id, 0),
+                latency_ms=latency.timing() if latency else None,
+            ))
+        return reports
+
+    def close(self) -> None:
+        for outlets in getattr(self, "outlets", {}).values():
+            outlets.close()
+        if getattr(self, "markers", None) is not None:
+            self.markers.close()
+        if getattr(self, "results", None) is not None:
+            self.results.close()

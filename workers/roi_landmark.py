@@ -1,0 +1,182 @@
+"""The roi_landmark worker (DESIGN §1, §3): for the newest frame of each of its cameras, it crops
+every face's rotated ROI out of the ring slot, runs the attention mesh (478 landmarks with
+irises), head pose and blendshapes in one batch across cameras and faces, names each face with a
+track id, and publishes the results for the output worker.
+
+Faces are followed from frame to frame by their own landmarks (FacePipeline.track); detections
+from the detection worker add faces (a newcomer, a face found again). When a camera has no face
+or lost one, this worker asks the detection worker for a pass on that camera's next frame.
+
+A result computed from a slot that was overwritten while it was read is dropped and counted,
+never published (Note [Slot generations]).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from facecast.shared import endpoints, messages
+from facecast.shared.messages import (
+    CameraReport,
+    DetectionWanted,
+    Detections,
+    FaceResult,
+    FaceResults,
+    MessageGate,
+)
+from facecast.shared.stats import RateMeter, StageTimer
+from facecast.shared.transport import FrameSubscriber
+from facecast.workers.base import Worker
+from facecast.workers.inference import build_pipeline, consumer_reports, torch_device
+from facecast.workers.tracking import TrackIds
+
+log = logging.getLogger(__name__)
+
+# A detection is used on a later frame of its camera (the detector runs beside us, not before
+# us); after this much capture time the face may have moved out of the ROI it would give.
+MAX_DETECTION_AGE_S = 0.3
+# Faces are held in their track id (and their LSL slot) this long while unseen.
+TRACK_HOLD_S = 1.0
+
+
+class RoiLandmarkWorker(Worker):
+    role = "roi_landmark"
+
+    def boot(self) -> None:
+        self.torch_device = torch_device(self.device)
+        self.pipeline = build_pipeline(self.config, self.torch_device, blendshapes=True)
+        # Periodic passes for newcomers are the detection worker's (daemon.detect_interval_s).
+        self.pipeline.detect_interval_frames = 1 << 62
+        self.timer = StageTimer()
+        self.rates: dict[str, RateMeter] = {}
+        self.faces: dict[str, int] = {}
+        self.track_ids: dict[str, TrackIds] = {}
+        self.dropped_overwritten = 0
+        self._pending: dict[str, Detections] = {}
+        self._gate = MessageGate("detections")
+        self.detections = self.context.socket(zmq.SUB)
+        self.detections.setsockopt(zmq.LINGER, 0)
+        self.detections.connect(endpoints.detections(self.runtime_dir, self.device))
+        self.requests = self.context.socket(zmq.PUSH)
+        self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.setsockopt(zmq.SNDHWM, 16)
+        self.requests.connect(endpoints.detection_requests(self.runtime_dir, self.device))
+        self.results = self.context.socket(zmq.PUB)
+        self.results.setsockopt(zmq.LINGER, 100)
+        self.results.setsockopt(zmq.SNDHWM, 1000)
+        self.results.connect(endpoints.results(self.runtime_dir))
+        self.subscriber: FrameSubscriber | None = None
+        self._subscribe(previous=[])
+
+    def _subscribe(self, previous: list[str]) -> None:
+        for camera_id in previous:
+            self.detections.setsockopt(zmq.UNSUBSCRIBE, camera_id.encode())
+        for camera_id in self.camera_ids:
+            self.detections.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+        if self.subscriber is not None:
+            self.subscriber.close()
+        self.subscriber = FrameSubscriber(
+            self.context, self.runtime_dir, self.camera_ids, device=self.torch_device,
+            checksum_every=self.config.daemon.checksum_every,
+        )
+
+    def reassign(self, previous_camera_ids: list[str]) -> None:
+        for camera_id in set(previous_camera_ids) - set(self.camera_ids):
+            self.pipeline.reset(camera_id)
+            self.track_ids.pop(camera_id, None)
+        self._subscribe(previous_camera_ids)
+
+    def step(self) -> None:
+        received = self.subscriber.receive(timeout_ms=50)
+        self._drain_detections()
+        if not received:
+            return
+        camera_ids = [frame.message.camera_id for frame in received]
+        detections = {}
+        for index, frame in enumerate(received):
+            found = self._pending.pop(frame.message.camera_id, None)
+            if found is not None and self._usable(found, frame.message):
+                detections[index] = _as_tensors(found)
+        start = time.monotonic()
+        faces_per_frame = self.pipeline.track(
+            [frame.tensor for frame in received], camera_ids, detections=detections)
+        self.timer.add_ms("landmarks", (time.monotonic() - start) * 1e3)
+        for frame, faces in zip(received, faces_per_frame):
+            self._publish(frame, faces)
+        wanted = sorted({c for c in camera_ids if self.pipeline.wants_detection(c)})
+        if wanted:
+            try:
+                self.requests.send(messages.encode(DetectionWanted(camera_ids=wanted)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the detection worker is busy or restarting: we ask again next frame
+
+    def _drain_detections(self) -> None:
+        while self.detections.poll(0):
+            parts = self.detections.recv_multipart()
+            found = self._gate.decode(parts[-1])
+            if not isinstance(found, Detections) or found.camera_id not in self.camera_ids:
+                continue
+            newest = self._pending.get(found.camera_id)
+            if newest is None or found.capture_ts_lsl >= newest.capture_ts_lsl:
+                self._pending[found.camera_id] = found
+
+    @staticmethod
+    def _usable(found: Detections, frame: messages.FrameReady) -> bool:
+        age_s = frame.capture_ts_lsl - found.capture_ts_lsl
+        return found.ring_epoch == frame.ring_epoch and -0.05 <= age_s <= MAX_DETECTION_AGE_S
+
+    def _publish(self, frame, faces) -> None:
+        message = frame.message
+        camera_id = message.camera_id
+        if not frame.read.still_valid():
+            # The slot was overwritten while we read it: this result is not of this frame.
+            self.dropped_overwritten += 1
+            self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
+            self.pipeline.reset(camera_id)
+            return
+        ids = self.track_ids.setdefault(camera_id, TrackIds(hold_s=TRACK_HOLD_S)).assign(
+            [face.box for face in faces], message.capture_ts_lsl)
+        with_landmarks = self.config.output.landmarks
+        results = [
+            FaceResult(
+                track_id=track_id, presence=face.presence, score=face.score, box_px=face.box,
+                head_pose_deg=face.head_pose,
+                blendshapes=None if face.blendshapes is None else face.blendshapes.tolist(),
+                landmarks_px=(np.ascontiguousarray(face.landmarks, dtype="<f4").tobytes()
+                              if with_landmarks else None),
+            )
+            for track_id, face in zip(ids, faces)
+        ]
+        reason = self.pipeline.blendshapes_unavailable_reason or ""
+        self.results.send(messages.encode(FaceResults(
+            camera_id=camera_id, frame_seq=message.frame_seq,
+            capture_ts_lsl=message.capture_ts_lsl, faces=results,
+            blendshapes_missing_reason=reason,
+        )))
+        self.rates.setdefault(camera_id, RateMeter()).tick()
+        self.faces[camera_id] = len(results)
+
+    def camera_reports(self) -> list[CameraReport]:
+        return consumer_reports(self.camera_ids, self.subscriber, self.rates, self.faces)
+
+    def stage_timings(self):
+        return self.timer.timings()
+
+    def close(self) -> None:
+        for name in ("subscriber", "detections", "requests", "results"):
+            thing = getattr(self, name, None)
+            if thing is not None:
+                thing.close()
+
+
+def _as_tensors(found: Detections) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    count = len(found.scores)
+    boxes = torch.tensor(found.boxes_px, dtype=torch.float32).reshape(count, 4)
+    keypoints = torch.tensor(found.keypoints_px, dtype=torch.float32).reshape(count, -1, 2)
+    scores = torch.tensor(found.scores, dtype=torch.float32).reshape(count)
+    return boxes, keypoints, scores
