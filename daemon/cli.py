@@ -32,6 +32,18 @@ def _transport_check(args) -> int:
     return transport_check.main(args.transport)
 
 
+def _doctor(args) -> int:
+    from facecast.daemon import doctor
+
+    return doctor.main(args)
+
+
+def _streams(args) -> int:
+    from facecast.daemon import streams
+
+    return streams.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="facecast", description=__doc__)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -56,7 +68,17 @@ def main(argv: list[str] | None = None) -> int:
                            choices=["auto", "cuda_ipc", "shm"])
     transport.set_defaults(handler=_transport_check)
 
-    from facecast.daemon import run, status
+    from facecast.daemon import doctor, run, status, streams
+
+    doctor_parser = commands.add_parser(
+        "doctor", help="check this machine: GPU, NVML, CUDA IPC, LSL loopback, models")
+    doctor.add_arguments(doctor_parser)
+    doctor_parser.set_defaults(handler=_doctor)
+
+    streams_parser = commands.add_parser(
+        "streams", help="list facecast's LSL streams visible here, with measured rates")
+    streams.add_arguments(streams_parser)
+    streams_parser.set_defaults(handler=_streams)
 
     run_parser = commands.add_parser("run", help="run the daemon in the foreground")
     run.add_arguments(run_parser)

@@ -178,13 +178,16 @@ def check_cuda_ipc(run_check: Callable[[str], dict] | None = None) -> CheckResul
     verified = int(report.get("verified", 0))
     wrong = int(report.get("wrong", 0))
     transport = report.get("transport") or report.get("producer_transport") or "?"
-    frames = f"{verified} frames verified byte for byte on {transport}, {wrong} wrong ({took_s:.1f} s)"
+    frames = (f"{verified} frames verified byte for byte on {transport}, {wrong} wrong "
+              f"({took_s:.1f} s)")
     if "error" in report:
         return CheckResult("CUDA IPC", FAIL, f"frame transport check failed: {report['error']}")
     if wrong or not verified:
-        return CheckResult("CUDA IPC", FAIL, f"frames between two processes are not intact: {frames}")
+        return CheckResult("CUDA IPC", FAIL,
+                           f"frames between two processes are not intact: {frames}")
     if transport == "cuda_ipc":
-        return CheckResult("CUDA IPC", OK, f"passes validation between two fresh processes: {frames}")
+        return CheckResult("CUDA IPC", OK,
+                           f"passes validation between two fresh processes: {frames}")
     reason = report.get("reason") or report.get("producer_reason") or "no reason given"
     return CheckResult("CUDA IPC", WARN, f"not used: {reason}; frames fall back to shm: {frames}")
 
@@ -207,7 +210,8 @@ def lsl_config_in_effect() -> tuple[str, str | None]:
     for candidate in LSL_CONFIG_SEARCH_PATH:
         path = Path(candidate).expanduser()
         if path.is_file() and os.access(path, os.R_OK):
-            return f"{path.resolve()} (no usable $LSLAPICFG; found on liblsl's search path)", problem
+            found = f"{path.resolve()} (no usable $LSLAPICFG; found on liblsl's search path)"
+            return found, problem
     return ("none: liblsl's defaults ($LSLAPICFG unset or unusable, and no lsl_api.cfg in ./, "
             "~/lsl_api/ or /etc/lsl_api/)"), problem
 
@@ -269,7 +273,7 @@ def check_lsl_loopback(timeout_s: float = LSL_TIMEOUT_S,
 
 
 def check_models(model_dir: str | os.PathLike | None = None) -> CheckResult:
-    """Every MediaPipe model `facecast models install` provides, present and matching its SHA-256."""
+    """Every MediaPipe model `facecast models install` provides, present and intact (SHA-256)."""
     from facecast.models import assets
 
     directory = assets.resolve_model_dir(model_dir)

@@ -64,6 +64,9 @@ STATUS_INTERVAL_S = 2.0
 UNKILLABLE_AFTER_S = 10.0  # a SIGKILLed worker still there after this: withhold WATCHDOG=1
 OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker before its TERM
 RECENT_EVENTS = 50
+# pylsl inlets (LabRecorder's too) take a moment to find a re-created outlet; markers pushed
+# before that are lost to them. Events wait this long after the output worker (re)starts.
+MARKERS_SETTLE_S = 2.0
 PENDING_EVENTS_MAX = 1000
 
 
@@ -315,7 +318,7 @@ class Supervisor:
             group = [w for w in self.workers.values() if w.spec.role == role]
             if role == "output":
                 # The output worker pushes the stop marker before it goes.
-                self._flush_events()
+                self._flush_events(settled=True)
                 time.sleep(OUTPUT_FLUSH_S)
             groups_left = len(ROLES_IN_STOP_ORDER) - index
             group_deadline = time.monotonic() + max(0.3, (deadline - time.monotonic()) / groups_left)
@@ -401,10 +404,12 @@ class Supervisor:
         self._recent_events.append(f"{event.kind} {msgspec.json.encode(event.fields).decode()}")
         self._pending_events.append(event)
 
-    def _flush_events(self) -> None:
+    def _flush_events(self, settled: bool = False) -> None:
         output = self.workers.get("output")
         if output is None or output.state != "running":
             return  # kept (bounded) until the output worker is up again
+        if not settled and time.monotonic() - output.started_monotonic < MARKERS_SETTLE_S:
+            return  # let inlets find the (re)created Markers outlet first, or they miss these
         while self._pending_events:
             try:
                 self.control.send_multipart([b"output", messages.encode(self._pending_events[0])])

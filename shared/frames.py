@@ -18,7 +18,10 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: a capture worker never needs it
+    import torch
 
 SAMPLE_COUNT = 4096
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant
@@ -38,6 +41,8 @@ def _sample_plan(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=32)
 def _sample_plan_on(nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     positions, weights = _sample_plan(nbytes)
     return torch.tensor(positions, device=device), torch.tensor(weights, device=device)
 
@@ -51,6 +56,8 @@ def sparse_checksum(frame: np.ndarray) -> int:
 
 def sparse_checksum_tensor(frame: torch.Tensor) -> int:
     """The same checksum computed where the tensor lives (a GPU view of a ring slot, say)."""
+    import torch
+
     flat = frame.reshape(-1).view(torch.uint8)
     positions, weights = _sample_plan_on(flat.numel(), flat.device)
     return int(((flat[positions].to(torch.int64) + 1) * weights).sum().item())
@@ -66,5 +73,7 @@ def test_pattern(nbytes: int, ring_epoch: int) -> np.ndarray:
 
 
 def test_pattern_tensor(nbytes: int, ring_epoch: int, device: torch.device) -> torch.Tensor:
+    import torch
+
     index = torch.arange(nbytes, dtype=torch.int64, device=device)
     return (((index * _GOLDEN + (ring_epoch & 0xFFFFFFFF) * 40503) >> 13) & 0xFF).to(torch.uint8)

@@ -32,7 +32,10 @@ import secrets
 from abc import ABC, abstractmethod
 
 import numpy as np
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: a capture worker never needs it
+    import torch
 
 from facecast.shared import frames, shm
 from facecast.shared.messages import FrameReady, RingDescription
@@ -316,6 +319,8 @@ class ShmRingReader(RingReader):
 
     def __init__(self, description, device: str | torch.device = "cpu", checksum_every: int = 30):
         super().__init__(description, checksum_every)
+        import torch
+
         self.device = torch.device(device)
         slot_count, slot_bytes = description.slot_count, description.slot_bytes
         try:
@@ -332,6 +337,8 @@ class ShmRingReader(RingReader):
             )
 
     def _read_slot(self, message: FrameReady) -> torch.Tensor:
+        import torch
+
         view = self._slots[message.slot, : self.frame_bytes].reshape(message.shape)
         # A copy, so the slot may be reused as soon as the generation check below passes.
         tensor = torch.from_numpy(view.copy()) if self.device.type == "cpu" else torch.from_numpy(

@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: a capture worker never needs it
+    import torch
 import zmq
 
 from facecast.shared import endpoints, messages, rings
@@ -233,6 +236,8 @@ class FrameSubscriber:
         checksum_every: int = 30,
         **reader_options,
     ) -> None:
+        import torch
+
         self.device = torch.device(device)
         self.checksum_every = checksum_every
         self._reader_options = reader_options

@@ -116,7 +116,7 @@ def run_consumer(args) -> None:
     received = mismatched = invalid_after_use = wrong_but_caught = 0
     epochs: list[int] = []
     transports: list[str] = []
-    last_seq = -1
+    last_seq = first_seq = -1
     with zmq.Context() as context:
         subscriber = FrameSubscriber(
             context, args.runtime_dir, [args.camera], device=device,
@@ -130,6 +130,7 @@ def run_consumer(args) -> None:
             while time.monotonic() < deadline and last_seq < args.until_seq:
                 for frame in subscriber.receive(timeout_ms=50):
                     seq = frame.message.frame_seq
+                    first_seq = seq if first_seq < 0 else first_seq
                     if args.slow_s:
                         time.sleep(args.slow_s)
                     equal = torch.equal(frame.tensor, deck_on_device[seq % DECK_SIZE])
@@ -150,6 +151,7 @@ def run_consumer(args) -> None:
             status = subscriber.status[args.camera]
             print(json.dumps({
                 "received": received, "mismatched": mismatched, "last_seq": last_seq,
+                "first_seq": first_seq,
                 "invalid_after_use": invalid_after_use, "wrong_but_caught": wrong_but_caught,
                 "epochs": epochs, "ipc_opens": _ipc_opens(),
                 "transports": transports, "counts": dict(status.counts),

@@ -165,7 +165,8 @@ def test_auto_transport_uses_shm_here_and_says_why():
 def test_cuda_ipc_validation_between_two_processes_falls_back_to_shm_here():
     result = doctor.check_cuda_ipc()  # spawns a real consumer process (a few seconds)
     assert result.state == doctor.WARN, result
-    assert result.detail.startswith(f"not used: {cuda_unavailable_reason()}; frames fall back to shm")
+    reason = cuda_unavailable_reason()
+    assert result.detail.startswith(f"not used: {reason}; frames fall back to shm")
     # The consumer may skip a frame it was too late for (seen on a busy host): count > 0 suffices.
     frames = re.search(r"(\d+) frames verified byte for byte on shm, 0 wrong", result.detail)
     assert frames and int(frames[1]) > 0, result.detail

@@ -20,7 +20,8 @@ def test_example_lab_config_has_four_usb_cameras_and_one_rtsp_camera_on_gpu_0():
     assert len(loaded.cameras) == 5
     assert [camera.source for camera in usb] == [f"/dev/video{index}" for index in range(4)]
     for camera in usb:
-        assert (camera.width, camera.height, camera.fps, camera.fourcc) == (1920, 1080, 30.0, "MJPG")
+        mode = (camera.width, camera.height, camera.fps, camera.fourcc)
+        assert mode == (1920, 1080, 30.0, "MJPG"), camera.id
     assert len(streams) == 1 and str(streams[0].source).startswith("rtsp://")
     assert all(camera.gpu == 0 for camera in loaded.cameras)
     assert all(loaded.transport_for(camera) == "auto" for camera in loaded.cameras)

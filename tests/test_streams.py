@@ -100,7 +100,8 @@ def test_no_streams_is_one_clear_line_and_exit_1(tmp_path):
     # tests left open: the only way to be sure there are none.
     config = tmp_path / "lsl_api.cfg"
     config.write_text("[ports]\nIPv6 = disable\n[multicast]\nResolveScope = machine\n[lab]\n"
-                      f"KnownPeers = {{127.0.0.1}}\nSessionID = facecast-empty-{uuid.uuid4().hex}\n")
+                      "KnownPeers = {127.0.0.1}\n"
+                      f"SessionID = facecast-empty-{uuid.uuid4().hex}\n")
     code = textwrap.dedent("""
         import argparse, sys
         from facecast.daemon import streams

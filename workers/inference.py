@@ -52,19 +52,6 @@ def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool) -
         raise BootError(str(exc)) from None
 
 
-def blendshapes_missing_reason(config: Config) -> str:
-    """Why blendshape channels will be NaN ("" when they will be published)."""
-    task = config.models.face_landmarker_task
-    if not task:
-        return ("no face_landmarker.task given (models.face_landmarker_task): MediaPipe ships "
-                "the blendshape model only in that bundle")
-    try:
-        assets.blendshape_model(task, config.models.dir or None)
-    except (assets.ModelError, OSError, ValueError) as exc:
-        return f"face_landmarker.task unusable: {exc}"
-    return ""
-
-
 def consumer_reports(camera_ids, subscriber, rates: dict[str, RateMeter],
                      faces: dict[str, int]) -> list[CameraReport]:
     """Heartbeat reports of a frame-consuming worker: its rate and what its rings did."""

@@ -18,11 +18,12 @@ import numpy as np
 import pylsl
 import zmq
 
+from facecast.models import assets
 from facecast.shared import endpoints
+from facecast.shared.config import Config
 from facecast.shared.messages import CameraReport, Event, FaceResults, MessageGate
 from facecast.shared.stats import LatencyWindow, RateMeter
 from facecast.workers.base import Worker
-from facecast.workers.inference import blendshapes_missing_reason
 from facecast.workers.lsl_output import FACE_LANDMARK_COUNT, FaceOutlets, FaceSample, MarkerOutlet
 
 log = logging.getLogger(__name__)
@@ -123,3 +124,16 @@ class OutputWorker(Worker):
             self.markers.close()
         if getattr(self, "results", None) is not None:
             self.results.close()
+
+
+def blendshapes_missing_reason(config: Config) -> str:
+    """Why blendshape channels will be NaN ("" when they will be published)."""
+    task = config.models.face_landmarker_task
+    if not task:
+        return ("no face_landmarker.task given (models.face_landmarker_task): MediaPipe ships "
+                "the blendshape model only in that bundle")
+    try:
+        assets.blendshape_model(task, config.models.dir or None)
+    except (assets.ModelError, OSError, ValueError) as exc:
+        return f"face_landmarker.task unusable: {exc}"
+    return ""

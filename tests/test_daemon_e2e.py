@@ -1,0 +1,249 @@
+"""The whole daemon, end to end, on this machine's CPU: `facecast run` with config/default.toml
+(two synthetic cameras made of real face photos), read by real pylsl inlets, its workers killed
+with SIGKILL, reloaded, and stopped with SIGTERM (issue 4's tests; DESIGN §1, §4, §5).
+
+The tests of this module share one daemon and run in order: streams, accuracy, restarts,
+reload, stop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pylsl
+import pytest
+
+from daemon_harness import REPO, Daemon, Recorder
+from facecast.models import assets
+from facecast.shared import config as config_mod
+from facecast.shared import shm
+from facecast.workers.lsl_output import face_channels
+from facecast.workers.sources import SyntheticScene
+
+CAMERAS = ("synth0", "synth1")
+MAX_FACES = 2
+BOX_TOLERANCE = 0.10  # of the face's size
+WORKERS_TO_KILL = ("capture:synth0", "detection:cpu", "roi_landmark:cpu:0", "output")
+RESUME_LIMIT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def models():
+    return assets.install()  # downloads the mediapipe wheel once when the cache is empty
+
+
+@pytest.fixture(scope="module")
+def daemon(models, tmp_path_factory):
+    shm_before = set(shm.list_segments())
+    daemon = Daemon(tmp_path_factory.mktemp("e2e"))
+    daemon.shm_before = shm_before
+    try:
+        assert daemon.notify.wait_for("READY=1", timeout_s=90), daemon.log_tail()
+        yield daemon
+    finally:
+        daemon.close()
+
+
+@pytest.fixture(scope="module")
+def face_streams(daemon):
+    records = daemon.resolve("Face", count=len(CAMERAS) * MAX_FACES)
+    recorder = Recorder(records)
+    yield records
+    recorder.stop()
+
+
+@pytest.fixture(scope="module")
+def markers(daemon):
+    records = daemon.resolve("Markers", count=1)
+    assert records, "no Markers stream"
+    recorder = Recorder(records)
+    yield records[0]
+    recorder.stop()
+
+
+def marker_events(record) -> list[dict]:
+    return [json.loads(sample[0] if not isinstance(sample, str) else sample)
+            for sample in record.samples]
+
+
+def test_streams_resolve_by_type_with_source_ids_and_labelled_channels(daemon, face_streams,
+                                                                       markers):
+    expected = {f"facecast-{daemon.host}-{camera}-face{k}" for camera in CAMERAS
+                for k in range(MAX_FACES)}
+    assert {record.source_id for record in face_streams} == expected
+    labels = [label for label, _, _ in face_channels(landmarks=False)]
+    for record in face_streams:
+        info = record.inlet.info(timeout=5)
+        assert info.channel_count() == len(labels)
+        assert info.channel_format() == pylsl.cf_float32
+        assert info.nominal_srate() == pytest.approx(15.0)
+        channel = info.desc().child("channels").child("channel")
+        got = []
+        while not channel.empty():
+            got.append((channel.child_value("label"), channel.child_value("unit")))
+            channel = channel.next_sibling()
+        assert [label for label, _ in got] == labels
+        assert dict(got)["box_x1"] == "pixels" and dict(got)["head_yaw"] == "degrees"
+    assert markers.source_id == f"facecast-{daemon.host}-markers"
+
+
+def test_face_boxes_follow_the_synthetic_ground_truth_with_capture_timestamps(face_streams):
+    time.sleep(12)
+    scenes = {camera: SyntheticScene.for_camera(config_mod.CameraConfig(
+        id=camera, source="synthetic", width=640, height=360, fps=15)) for camera in CAMERAS}
+    for camera in CAMERAS:
+        slots = [r for r in face_streams if f"-{camera}-face" in r.source_id]
+        frames: dict[float, list[np.ndarray]] = {}
+        for record in slots:
+            stamps = np.asarray(record.timestamps)
+            assert len(stamps) > 0, f"no samples on {record.name}"
+            assert np.all(np.diff(stamps) > 0), f"timestamps of {record.name} do not increase"
+            # Capture time, not push time: every sample arrives after its frame was captured,
+            # and within a second of it.
+            lag_s = np.asarray(record.arrivals) - stamps
+            assert lag_s.min() > 0 and np.median(lag_s) < 1.0, (lag_s.min(), np.median(lag_s))
+            for stamp, sample in zip(record.timestamps, record.samples):
+                frames.setdefault(stamp, []).append(sample)
+        # One sample per slot per frame, all slots stamped with the same capture time.
+        assert all(len(samples) == len(slots) for samples in list(frames.values())[:-2])
+        stamps = np.asarray(sorted(frames))
+        period_s = np.median(np.diff(stamps))
+        assert period_s == pytest.approx(1 / 15, rel=0.1), "frames are not at the camera's rate"
+        assert len(stamps) >= 0.8 * 15 * 10, f"only {len(stamps)} frames of camera {camera}"
+        good, wrong_count, off = 0, 0, []
+        for stamp in stamps:
+            truth = scenes[camera].faces_at(stamp)
+            boxes = [s[2:6] for s in frames[stamp] if not math.isnan(s[2])]
+            close = all(_box_close(truth_face.box_px, boxes) for truth_face in truth)
+            good += len(boxes) == len(truth) and close
+            wrong_count += len(boxes) != len(truth)
+            if not close and len(off) < 5:
+                off.append((stamp, [t.box_px for t in truth], boxes))
+        assert good >= 0.95 * len(stamps), (
+            f"camera {camera}: {good} of {len(stamps)} frames right; {wrong_count} with a wrong "
+            f"number of faces; first misplaced: {off}")
+
+
+def _box_close(truth_box, boxes) -> bool:
+    tx1, ty1, tx2, ty2 = truth_box
+    size = tx2 - tx1
+    for x1, y1, x2, y2 in boxes:
+        if (abs((x1 + x2) / 2 - (tx1 + tx2) / 2) <= BOX_TOLERANCE * size
+                and abs((y1 + y2) / 2 - (ty1 + ty2) / 2) <= BOX_TOLERANCE * size
+                and abs((x2 - x1) - size) <= BOX_TOLERANCE * size):
+            return True
+    return False
+
+
+def test_each_worker_kind_killed_is_restarted_and_its_stream_continues(daemon, face_streams,
+                                                                      markers):
+    watched = next(r for r in face_streams if r.source_id.endswith("-synth0-face0"))
+    gaps_s = {}
+    for name in WORKERS_TO_KILL:
+        before = daemon.worker(name)
+        assert before.state == "running", before
+        killed_at = pylsl.local_clock()
+        os.kill(before.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = daemon.worker(name)
+            if now.pid not in (0, before.pid) and now.state == "running":
+                break
+            time.sleep(0.1)
+        assert now.restarts == before.restarts + 1, (now, daemon.log_tail())
+        # The stream continues: the next sample captured after the kill.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                stamp > killed_at for stamp in watched.timestamps[-50:]):
+            time.sleep(0.05)
+        resumed = [s for s in watched.timestamps[-50:] if s > killed_at]
+        assert resumed, f"{watched.name} did not continue after {name} was killed"
+        gaps_s[name] = resumed[0] - killed_at
+        time.sleep(3)  # let the restart marker through before the next kill
+    restarted = [e["worker"] for e in marker_events(markers) if e["event"] == "worker_restart"]
+    assert restarted == list(WORKERS_TO_KILL), marker_events(markers)
+    print("gap after SIGKILL (s):", {k: round(v, 2) for k, v in gaps_s.items()})
+    slow = {k: v for k, v in gaps_s.items() if v > RESUME_LIMIT_S}
+    assert not slow, f"streams resumed later than {RESUME_LIMIT_S} s: {slow}"
+
+
+def test_reload_refuses_a_bad_file_and_applies_an_added_camera(daemon, face_streams, markers):
+    good_text = daemon.config_path.read_text()
+    pids = {w.name: w.pid for w in daemon.status().workers}
+    daemon.config_path.write_text(good_text.replace("fps = 15", "fps = -3", 1))
+    reload = [sys.executable, "-m", "facecast.daemon.cli", "reload", "--runtime-dir",
+              str(daemon.runtime_dir)]
+    refused = subprocess.run(reload, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2, refused
+    assert "cameras[0].fps" in refused.stderr
+    assert {w.name: w.pid for w in daemon.status().workers} == pids
+
+    daemon.config_path.write_text(good_text + (
+        '\n[[cameras]]\nid = "synth2"\nsource = "synthetic"\nwidth = 640\nheight = 360\n'
+        "fps = 15\n"))
+    applied = subprocess.run(reload, capture_output=True, text=True, timeout=30)
+    assert applied.returncode == 0, applied
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        workers = {w.name: w for w in daemon.status().workers}
+        if workers.get("capture:synth2") and workers["capture:synth2"].state == "running":
+            break
+        time.sleep(0.2)
+    assert workers["capture:synth2"].state == "running"
+    # Only the new camera's worker started; the others kept running (new cameras are
+    # handed to them).
+    assert {name: w.pid for name, w in workers.items() if name in pids} == pids
+    new_streams = daemon.resolve("Face", count=len(CAMERAS) * MAX_FACES + MAX_FACES)
+    assert any(r.source_id.endswith("-synth2-face0") for r in new_streams)
+    events = [e["event"] for e in marker_events(markers)]
+    assert "reload_refused" in events and "reload" in events
+
+
+def test_sigterm_stops_in_order_within_5_s_and_leaves_nothing(daemon, markers):
+    worker_pids = [w.pid for w in daemon.status().workers]
+    started = time.monotonic()
+    daemon.process.send_signal(signal.SIGTERM)
+    returncode = daemon.process.wait(timeout=10)
+    elapsed_s = time.monotonic() - started
+    assert returncode == 0, daemon.log_tail()
+    assert elapsed_s < 5.0
+    for pid in worker_pids:
+        assert not Path(f"/proc/{pid}").exists() or _is_zombie_of_other(pid)
+    assert set(shm.list_segments()) - daemon.shm_before == set()
+    assert [p for p in daemon.runtime_dir.iterdir() if p.is_socket()] == []
+    time.sleep(0.5)
+    assert marker_events(markers)[-1]["event"] == "stop"
+    # sd_notify, as a real NOTIFY_SOCKET received it: READY once, watchdog pings while up,
+    # STOPPING at the end.
+    lines = daemon.notify.assignments()
+    assert lines.count("READY=1") >= 1
+    ready_at = lines.index("READY=1")
+    assert "WATCHDOG=1" in lines[ready_at:]
+    assert "STOPPING=1" in lines and lines.index("STOPPING=1") > ready_at
+    assert any(line.startswith("STATUS=") for line in lines)
+    assert "WATCHDOG=1" not in lines[lines.index("STOPPING=1"):]
+
+
+def _is_zombie_of_other(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((REPO / "config/default.toml").read_text().replace(
+        'transport = "auto"', 'transport = "carrier-pigeon"'))
+    result = subprocess.run([sys.executable, "-m", "facecast.daemon.cli", "run", "--config",
+                             str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "daemon.transport" in result.stderr and "'shm'" in result.stderr
