@@ -236,31 +236,27 @@ class FaceTruth:
 class _Photo:
     name: str
     # The face box MediaPipe 0.10.21's short-range face detector finds on the unmodified photo
-    # (tests/models/fixtures/mediapipe_faces.npz, "<name>/boxes_px"), in photo pixels.
+    # (tests/models/fixtures/mediapipe_faces.npz, "<name>/boxes_px"), in the pixels of the crop
+    # that ships in synthetic_faces/ (scripts/make_synthetic_faces.py).
     face_box_px: tuple[float, float, float, float]
 
 
+# Public-domain portraits (NASA's astronaut Eileen Collins, as in scikit-image; the US Navy's Grace
+# Hopper, as in matplotlib), cropped around the face: the synthetic camera needs no test extras.
+_PHOTO_DIR = Path(__file__).resolve().parent / "synthetic_faces"
 _PHOTOS = (
-    _Photo("astronaut", (177.56541, 82.87118, 272.9095, 178.21541)),
-    _Photo("grace_hopper", (171.35315, 146.91507, 365.84296, 341.3939)),
+    _Photo("astronaut", (47.56541, 56.87118, 142.9095, 152.21541)),
+    _Photo("grace_hopper", (97.35315, 116.91507, 291.84296, 311.3939)),
 )
 
 
 @functools.lru_cache(maxsize=None)
 def _photo_bgr(name: str) -> np.ndarray:
-    if name == "astronaut":
-        import skimage.data
-
-        return np.ascontiguousarray(skimage.data.astronaut()[..., ::-1])
-    if name == "grace_hopper":
-        from matplotlib import cbook
-
-        path = cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)
-        image = cv2.imread(str(path), cv2.IMREAD_COLOR)
-        if image is None:
-            raise FileNotFoundError(f"cannot read matplotlib's sample image {path}")
-        return image
-    raise KeyError(name)
+    path = _PHOTO_DIR / f"{name}.png"
+    image = cv2.imread(str(path), cv2.IMREAD_COLOR)
+    if image is None:
+        raise FileNotFoundError(f"cannot read the synthetic source's face photo {path}")
+    return image
 
 
 @dataclass(frozen=True, slots=True)
