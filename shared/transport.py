@@ -143,6 +143,19 @@ class FramePublisher:
         self.control = context.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.bind(ring_control_endpoint(runtime_dir, camera_id))
+        if transport != "shm":
+            self._prepare_cuda()
+
+    def _prepare_cuda(self) -> None:
+        """Pay for torch, pycuda and the primary context now, not inside the first publish():
+        that costs a second or two, and a camera must not stall (and then burst) its first
+        frames behind it. Whether CUDA works is decided later, by make_producer."""
+        from facecast.shared import cuda_driver
+
+        try:
+            cuda_driver.driver(self.device_index)
+        except TransportUnavailable:
+            pass
 
     def publish(self, frame: np.ndarray, capture_ts_lsl: float) -> FrameReady:
         self.serve_control()

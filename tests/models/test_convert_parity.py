@@ -353,13 +353,27 @@ def test_not_a_tflite_file(tmp_path):
 # bounds are expected to hold with margin; tighten them from the table of a GPU run.
 FP16_TOLERANCE = 1e-2
 FP16_REFINED_TOLERANCE = 5e-2
+# The body-pose models (not in the face pipeline yet) measured 1.0e-2 and 2.2e-2 in float16 on an
+# H200 (float32: 2e-7): their activations span a wider range. Face models stay at 1e-2.
+FP16_POSE_TOLERANCE = 3e-2
 REFINED_OUTPUTS = {"output_lips", "output_left_eye", "output_right_eye", "output_left_iris",
                    "output_right_iris"}
 
 
+@pytest.fixture
+def no_tf32():
+    """Parity is about the converter, not the GPU's fast math: Ampere and later GPUs run float32
+    convolutions and matmuls in TF32 (10-bit mantissa) by default in PyTorch, which alone moves
+    outputs by ~1e-3. Production keeps TF32 (it is a speed choice); this test measures without."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(INPUT_RANGES))
-def test_cuda_module_matches_cpu_module(name, installed_models, photos):
+def test_cuda_module_matches_cpu_module(name, installed_models, photos, no_tf32):
     if not torch.cuda.is_available():
         pytest.skip("torch.cuda.is_available() is False: no CUDA GPU on this machine")
     module = convert(installed_models[name], name=name).eval()
@@ -374,7 +388,8 @@ def test_cuda_module_matches_cpu_module(name, installed_models, photos):
         error32 = relative_error(got32[position].cpu().numpy(), expected[position].numpy())
         error16 = relative_error(got16[position].float().cpu().numpy(),
                                  expected[position][1:].numpy())
-        tolerance16 = FP16_REFINED_TOLERANCE if output_name in REFINED_OUTPUTS else FP16_TOLERANCE
+        tolerance16 = (FP16_REFINED_TOLERANCE if output_name in REFINED_OUTPUTS
+                       else FP16_POSE_TOLERANCE if name.startswith("pose_") else FP16_TOLERANCE)
         PARITY_TABLE[(f"{name} cuda fp32", output_name)] = (error32, TOLERANCE)
         PARITY_TABLE[(f"{name} cuda fp16", output_name)] = (error16, tolerance16)
         assert error32 <= TOLERANCE, f"{name} {output_name} fp32 on CUDA: {error32:.2e}"
