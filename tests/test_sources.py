@@ -148,14 +148,30 @@ def test_synthetic_ground_truth_boxes_frame_the_rendered_faces() -> None:
             assert off_box < on_box - 0.05, (t_s, face.name, on_box, off_box)
 
 
-def test_embedded_face_boxes_match_the_mediapipe_fixtures() -> None:
+def test_shipped_face_crops_are_the_photos_and_their_boxes_mediapipes() -> None:
+    """workers/synthetic_faces/*.png are exact crops of the public-domain photos, and the face box
+    in crop pixels is the box MediaPipe found on the whole photo (the fixtures)."""
     fixtures = Path(__file__).parent / "models" / "fixtures" / "mediapipe_faces.npz"
     if not fixtures.exists():
         pytest.skip(f"{fixtures} is not in this checkout")
+    skimage_data = pytest.importorskip("skimage.data")
+    cbook = pytest.importorskip("matplotlib.cbook")
+    originals = {
+        "astronaut": np.ascontiguousarray(skimage_data.astronaut()[..., ::-1]),
+        "grace_hopper": cv2.imread(str(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))),
+    }
     with np.load(fixtures) as data:
         for photo in sources._PHOTOS:
+            crop = sources._photo_bgr(photo.name)
+            original = originals[photo.name]
+            scores = cv2.matchTemplate(original, crop, cv2.TM_SQDIFF)
+            _, _, (left, top), _ = cv2.minMaxLoc(scores)
+            height, width = crop.shape[:2]
+            np.testing.assert_array_equal(original[top:top + height, left:left + width], crop)
+            x1, y1, x2, y2 = photo.face_box_px
             detected = data[f"{photo.name}/boxes_px"][0]
-            np.testing.assert_allclose(detected, photo.face_box_px, atol=1e-3)
+            np.testing.assert_allclose(detected, (x1 + left, y1 + top, x2 + left, y2 + top),
+                                       atol=1e-3)
 
 
 def test_synthetic_source_paces_in_real_time_and_reports_ground_truth() -> None:
