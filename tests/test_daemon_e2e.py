@@ -210,6 +210,21 @@ def test_reload_refuses_a_bad_file_and_applies_an_added_camera(daemon, face_stre
     assert "reload_refused" in events and "reload" in events
 
 
+def test_status_command_answers_what_the_daemon_is_doing(daemon):
+    result = subprocess.run([sys.executable, "-m", "facecast.daemon.cli", "status",
+                             "--runtime-dir", str(daemon.runtime_dir)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result
+    text = result.stdout
+    for name in ("output", "roi_landmark:cpu:0", "detection:cpu", "capture:synth0"):
+        assert name in text
+    assert "restarts" in text and "running" in text
+    camera_line = next(line for line in text.splitlines() if line.startswith("synth0 "))
+    assert "shm" in camera_line and "ms" in camera_line  # transport and latency p50/p99
+    assert "roi_landmark:cpu:0/landmarks" in text  # per-stage latency
+    assert "GPU: none" in text
+
+
 def test_sigterm_stops_in_order_within_5_s_and_leaves_nothing(daemon, markers):
     worker_pids = [w.pid for w in daemon.status().workers]
     started = time.monotonic()
