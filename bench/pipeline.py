@@ -105,12 +105,14 @@ def run_one(cameras: int, transport: str, args) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="fcb-") as tmp:
         tmp = Path(tmp)
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = args.log_dir / f"daemon-{cameras}-{transport}.log"
         runtime_dir = tmp / "run"
         config = tmp / "bench.toml"
         config.write_text(config_text(cameras, transport, runtime_dir, args.roi_workers))
         notify = NotifySocket(tmp / "notify")
         env = dict(os.environ, NOTIFY_SOCKET=notify.path)
-        log = open(tmp / "daemon.log", "w")
+        log = open(log_path, "w")
         daemon = subprocess.Popen([sys.executable, "-m", "facecast.daemon.cli", "run", "--config",
                                    str(config)], env=env, stdout=log, stderr=subprocess.STDOUT)
         result = {"cameras": cameras, "transport": transport}
@@ -119,15 +121,15 @@ def run_one(cameras: int, transport: str, args) -> dict:
             while not notify.ready():
                 if daemon.poll() is not None or time.monotonic() > deadline:
                     log.flush()
-                    tail = (tmp / "daemon.log").read_text().splitlines()[-20:]
+                    tail = log_path.read_text().splitlines()[-20:]
                     result["error"] = "daemon did not become ready: " + " | ".join(tail)
                     return result
                 time.sleep(0.2)
             time.sleep(args.warmup_s)
-            first = request(runtime_dir, StatusRequest(), 10)
+            first = request(runtime_dir, StatusRequest(), 30)
             cpu_first, wall_first = tree_cpu_s(daemon.pid), time.monotonic()
             time.sleep(args.measure_s)
-            last = request(runtime_dir, StatusRequest(), 10)
+            last = request(runtime_dir, StatusRequest(), 30)
             cpu_last, wall_last = tree_cpu_s(daemon.pid), time.monotonic()
         finally:
             daemon.send_signal(signal.SIGTERM)
@@ -241,7 +243,10 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=15.0)
     parser.add_argument("--measure-s", type=float, default=20.0)
     parser.add_argument("--boot-timeout-s", type=float, default=240.0)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-pipeline.json")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-pipeline.json",
+                        help="JSON results")
+    parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "facecast-bench",
+                        help="each run's daemon log")
     parser.add_argument("--plot", type=Path, metavar="PNG",
                         help="only plot the JSON given by --out into this PNG")
     args = parser.parse_args()

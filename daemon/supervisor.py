@@ -17,6 +17,14 @@ Note [Supervisor liveness]
     the same loop, so a stuck supervisor is restarted by systemd; it is withheld when a worker we
     SIGKILLed does not go away (a process stuck in the kernel, typically a GPU driver hang),
     which only a restart of the whole service can clear.
+
+Note [Fault injection]
+    The soak test (tests/soak) spoils frames on purpose to prove that checksums catch them. The
+    hook is an `InjectFault` control message, which no CLI verb sends, and the supervisor obeys
+    it only when it was started with FACECAST_ALLOW_FAULT_INJECTION=1 (a unit file never sets
+    it); otherwise it answers with the reason and changes nothing. An accepted fault goes to the
+    camera's capture worker, which corrupts the next frame's slot after committing it and puts a
+    `fault_injected` marker (with the frame's capture time) on the Markers stream.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from facecast.shared.messages import (
     GpuStatus,
     Heartbeat,
     Hello,
+    InjectFault,
     MessageGate,
     ReloadRequest,
     StatusRequest,
@@ -68,49 +77,58 @@ RECENT_EVENTS = 50
 # before that are lost to them. Events wait this long after the output worker (re)starts.
 MARKERS_SETTLE_S = 2.0
 PENDING_EVENTS_MAX = 1000
+FAULT_INJECTION_ENV = "FACECAST_ALLOW_FAULT_INJECTION"  # Note [Fault injection]
 
 
 class AlreadyRunning(RuntimeError):
     pass
 
 
-def gpu_count() -> int:
-    """GPUs this machine has, through NVML (no CUDA context here: the supervisor stays light)."""
-    try:
-        import pynvml
+class GpuMonitor:
+    """NVML, initialised once for the supervisor's life (an init can take seconds where the
+    driver's persistence mode is off, far too slow for every `facecast status`). No CUDA
+    context here: the supervisor stays light."""
 
-        pynvml.nvmlInit()
+    def __init__(self) -> None:
+        self.note = ""
+        self._nvml = None
         try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:  # no driver, no library: the CPU it is  # noqa: BLE001
-        log.info("no GPU through NVML (%s): models run on the CPU", exc)
-        return 0
+            import pynvml
 
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        except Exception as exc:  # no driver, no library: the CPU it is  # noqa: BLE001
+            self.note = f"NVML unavailable: {exc}"
 
-def gpu_status() -> tuple[list[GpuStatus], str]:
-    try:
-        import pynvml
+    def count(self) -> int:
+        return int(self._nvml.nvmlDeviceGetCount()) if self._nvml is not None else 0
 
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001
-        return [], f"NVML unavailable: {exc}"
-    try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            gpus.append(GpuStatus(
-                index=index, name=name.decode() if isinstance(name, bytes) else str(name),
-                memory_used_mib=round(memory.used / 2**20, 1),
-                memory_total_mib=round(memory.total / 2**20, 1),
-                utilization_pct=float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-            ))
-        return gpus, ""
-    finally:
-        pynvml.nvmlShutdown()
+    def status(self) -> list[GpuStatus]:
+        if self._nvml is None:
+            return []
+        nvml, gpus = self._nvml, []
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                name = nvml.nvmlDeviceGetName(handle)
+                gpus.append(GpuStatus(
+                    index=index, name=name.decode() if isinstance(name, bytes) else str(name),
+                    memory_used_mib=round(memory.used / 2**20, 1),
+                    memory_total_mib=round(memory.total / 2**20, 1),
+                    utilization_pct=float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                ))
+        except Exception as exc:  # noqa: BLE001 - a GPU fell off the bus: report, don't die
+            self.note = f"NVML query failed: {exc}"
+        return gpus
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            self._nvml = None
 
 
 class Supervisor:
@@ -130,8 +148,12 @@ class Supervisor:
         self.duration_s = duration_s
         self.notifier = notifier or Notifier(unset_environment=True)
         self.status_every_s = status_every_s
-        self.gpu_count = gpu_count() if gpus is None else gpus
+        self.gpu_monitor = GpuMonitor()
+        self.gpu_count = self.gpu_monitor.count() if gpus is None else gpus
+        if self.gpu_count == 0:
+            log.info("no GPU (%s): models run on the CPU", self.gpu_monitor.note or "none found")
         self.policy = policy or RestartPolicy()
+        self.allow_fault_injection = os.environ.get(FAULT_INJECTION_ENV) == "1"
         self.runtime_dir = runtime_dir_for(config.daemon.runtime_dir)
         self.control_endpoint = endpoints.control(self.runtime_dir)
         self.workers: dict[str, WorkerProcess] = {}
@@ -204,6 +226,7 @@ class Supervisor:
             self._remove_stale_sockets()
             self._release_lock()
             self.notifier.close()
+            self.gpu_monitor.close()
 
     def _install_signal_handlers(self, wakeup_write: socket.socket) -> dict:
         def enqueue(signum, frame):  # nothing else here: the loop does the work (STYLE §2)
@@ -361,6 +384,8 @@ class Supervisor:
             elif isinstance(message, StopRequest):
                 self._reply(identity, Ack(reply_to=message.id))
                 self._stop_requested = True
+            elif isinstance(message, InjectFault):
+                self._reply(identity, self._inject_fault(message))
 
     def _reply(self, identity: bytes, message: messages.Message) -> None:
         try:
@@ -385,10 +410,33 @@ class Supervisor:
             return
         worker.last_heartbeat_monotonic = time.monotonic()
         worker.reports, worker.stages = heartbeat.cameras, heartbeat.stages
+        worker.rejected_messages = heartbeat.rejected_messages
         if heartbeat.state == "running" and worker.state == "booting":
             worker.state = "running"
             log.info("worker %s running (pid %d, boot %.1f s)", worker.name, worker.pid,
                      time.monotonic() - worker.started_monotonic)
+
+    def _inject_fault(self, fault: InjectFault) -> Ack:
+        """Note [Fault injection]."""
+        worker = self.workers.get(f"capture:{fault.camera_id}")
+        if not self.allow_fault_injection:
+            error = (f"fault injection is off: start the daemon with {FAULT_INJECTION_ENV}=1 "
+                     "to allow it (tests only)")
+        elif fault.kind not in messages.FAULT_KINDS:
+            error = (f"unknown fault {fault.kind!r} (allowed: "
+                     f"{', '.join(messages.FAULT_KINDS)})")
+        elif worker is None or worker.state != "running":
+            error = f"no running capture worker for camera {fault.camera_id!r}"
+        else:
+            try:
+                self.control.send_multipart([worker.name.encode(), messages.encode(fault)])
+            except zmq.ZMQError as exc:  # it is restarting
+                error = f"capture worker of camera {fault.camera_id!r} unreachable: {exc}"
+            else:
+                log.warning("fault injection: %s on camera %s", fault.kind, fault.camera_id)
+                return Ack(reply_to=fault.id)
+        log.warning("refused to inject %s on camera %s: %s", fault.kind, fault.camera_id, error)
+        return Ack(reply_to=fault.id, ok=False, error=error)
 
     def _on_worker_event(self, event: Event) -> None:
         log.info("event %s %s", event.kind, event.fields)
@@ -542,14 +590,15 @@ class Supervisor:
                 cameras.setdefault(report.camera_id, []).append(report)
             for stage, timing in worker.stages.items():
                 stages[f"{worker.name}/{stage}"] = timing
-        gpus, gpu_note = gpu_status()
+        gpus = self.gpu_monitor.status()
         return DaemonStatus(
             reply_to=reply_to, pid=os.getpid(),
             uptime_s=round(time.monotonic() - self.started_monotonic, 1),
             config_path=self.config_path, ready=self.ready,
             workers=[w.status() for w in self.workers.values()],
-            cameras=cameras, stages=stages, gpus=gpus, gpu_note=gpu_note,
+            cameras=cameras, stages=stages, gpus=gpus, gpu_note=self.gpu_monitor.note,
             recent_events=list(self._recent_events)[-10:],
+            rejected_messages=self._gate.rejected,
         )
 
     # ============================================================================================
