@@ -136,7 +136,9 @@ class Notifier:
         with self._lock:
             try:
                 if self._sock is None:
-                    kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                    # Non-blocking: a listener that stops reading (a full queue) must never stall
+                    # the supervisor's loop; the datagram is dropped and the failure logged.
+                    kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
                     self._sock = socket.socket(socket.AF_UNIX, kind)
                 self._sock.sendto(message, self._address)
             except OSError as exc:

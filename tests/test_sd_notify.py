@@ -159,3 +159,24 @@ def test_watchdog_interval(environ: dict[str, str], expected_interval_s: float |
 def test_extend_timeout_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="extra_s"):
         Notifier({}).extend_timeout(0)
+
+
+def test_a_listener_that_stops_reading_never_blocks_the_sender(tmp_path):
+    """systemd always reads; a stuck or test listener may not. The daemon's loop must not hang."""
+    import socket as socket_mod
+    import time as time_mod
+
+    from facecast.daemon.sd_notify import Notifier
+
+    path = tmp_path / "notify.sock"
+    listener = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_DGRAM)
+    listener.bind(str(path))
+    try:
+        notifier = Notifier({"NOTIFY_SOCKET": str(path)})
+        started = time_mod.monotonic()
+        sent = [notifier.status(f"tick {k}") for k in range(500)]  # never read
+        assert time_mod.monotonic() - started < 2.0
+        assert sent[0] is True and sent[-1] is False  # the queue filled; later ones dropped
+        notifier.close()
+    finally:
+        listener.close()
