@@ -63,6 +63,7 @@ class WorkerProcess:
     last_exit: str = ""
     detail: str = ""  # why it is in its state (boot error, hang, flapping)
     boot_error: str = ""
+    rejected_messages: int = 0  # from its heartbeats: malformed messages it refused
     reports: list[CameraReport] = field(default_factory=list)
     stages: dict[str, StageTiming] = field(default_factory=dict)
     _restart_times: collections.deque = field(default_factory=collections.deque)
@@ -88,6 +89,7 @@ class WorkerProcess:
         self.started_monotonic = self.last_heartbeat_monotonic = now
         self.kill_sent_monotonic = None
         self.reports, self.stages, self.boot_error = [], {}, ""
+        self.rejected_messages = 0
         log.info("started %s (pid %d)", self.name, self.popen.pid)
 
     def signal(self, signum: int) -> None:
@@ -133,4 +135,5 @@ class WorkerProcess:
         uptime_s = time.monotonic() - self.started_monotonic if self.alive() else 0.0
         return WorkerStatus(name=self.name, role=self.spec.role, pid=self.pid, state=self.state,
                             restarts=self.restarts, uptime_s=round(uptime_s, 1),
-                            last_exit=self.last_exit, detail=self.detail)
+                            last_exit=self.last_exit, detail=self.detail,
+                            rejected_messages=self.rejected_messages)

@@ -58,8 +58,12 @@ def render(status: DaemonStatus) -> str:
     lines.append(f"{'worker':<28} {'state':<10} {'pid':>7} {'restarts':>8} {'uptime':>8}  detail")
     for w in status.workers:
         detail = w.detail or (f"last: {w.last_exit}" if w.last_exit else "")
+        if w.rejected_messages:
+            detail += f"{'; ' if detail else ''}{w.rejected_messages} malformed message(s) dropped"
         lines.append(f"{w.name:<28} {w.state:<10} {w.pid:>7} {w.restarts:>8} "
                      f"{w.uptime_s:>7.0f}s  {detail}")
+    if status.rejected_messages:
+        lines.append(f"control socket: {status.rejected_messages} malformed message(s) dropped")
     lines += ["", f"{'camera':<12} {'captured':>9} {'published':>9} {'faces':>5} "
               f"{'transport':<9} {'latency p50/p99':>16}  source / fallback reason"]
     for camera_id, reports in status.cameras.items():

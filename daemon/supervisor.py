@@ -181,6 +181,7 @@ class Supervisor:
         previous_handlers = self._install_signal_handlers(wakeup_write)
         self.control = context.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its name back
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # know when the output worker is away
         try:

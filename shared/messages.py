@@ -16,13 +16,17 @@ import itertools
 import logging
 import os
 import time
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 import msgspec
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+# Set as zmq.MAXMSGSIZE on every socket that others connect to: a peer that sends more is
+# disconnected by libzmq instead of making us allocate it. The largest real message (FaceResults
+# with 16 faces' landmarks) is ~100 KiB.
+MAX_MESSAGE_BYTES = 4 << 20
 
 TransportKind = Literal["cuda_ipc", "shm"]
 
@@ -198,6 +202,7 @@ class CameraReport(msgspec.Struct, frozen=True, kw_only=True):
     ring_epoch: int = 0
     fallback_reason: str = ""
     latency_ms: StageTiming | None = None  # output only: capture → LSL push
+    checksum_mismatches: int = 0  # frame consumers: slots whose bytes were not the published frame
 
 
 class Heartbeat(Message, tag="heartbeat"):
@@ -208,6 +213,7 @@ class Heartbeat(Message, tag="heartbeat"):
     state: WorkerState
     cameras: list[CameraReport] = msgspec.field(default_factory=list)
     stages: dict[str, StageTiming] = msgspec.field(default_factory=dict)
+    rejected_messages: int = 0  # malformed messages its sockets refused (MessageGate), in total
 
 
 class BootFailed(Message, tag="boot_failed"):
@@ -240,6 +246,18 @@ class StopRequest(Message, tag="stop"):
     pass
 
 
+FAULT_KINDS = ("corrupt_next_frame",)
+
+
+class InjectFault(Message, tag="inject_fault"):
+    """Soak and fault tests only (Note [Fault injection] in daemon/supervisor.py): the supervisor
+    refuses it unless the daemon was started with FACECAST_ALLOW_FAULT_INJECTION=1, and forwards
+    it to the camera's capture worker otherwise. No CLI verb sends it."""
+
+    kind: str  # one of FAULT_KINDS; checked by the supervisor so that a refusal says why
+    camera_id: str
+
+
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     role: str
@@ -249,6 +267,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     uptime_s: float
     last_exit: str = ""
     detail: str = ""
+    rejected_messages: int = 0  # malformed messages it refused, since it (re)started
 
 
 class GpuStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -271,13 +290,14 @@ class DaemonStatus(Message, tag="daemon_status"):
     gpus: list[GpuStatus] = msgspec.field(default_factory=list)
     gpu_note: str = ""
     recent_events: list[str] = msgspec.field(default_factory=list)
+    rejected_messages: int = 0  # malformed messages the control socket refused
 
 
 AnyMessage = Union[
     FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
     DetectionWanted, Detections, FaceResults,
     Hello, Assignment, Heartbeat, BootFailed, Event,
-    StatusRequest, ReloadRequest, StopRequest, DaemonStatus,
+    StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -293,7 +313,9 @@ def decode(payload: bytes) -> AnyMessage:
     """Decode one message, refusing other protocol versions with a reason."""
     try:
         envelope = _envelope_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    # msgspec raises more than DecodeError on hostile bytes: invalid UTF-8 in a string, and
+    # nesting deeper than it recurses. Each killed the receiving process before (tests/soak).
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise BadMessage(f"not msgpack ({len(payload)} bytes): {exc}") from None
     if not isinstance(envelope, dict):
         raise BadMessage(f"not a message envelope but a {type(envelope).__name__}")
@@ -312,6 +334,9 @@ def decode(payload: bytes) -> AnyMessage:
 class MessageGate:
     """Decodes incoming messages for a worker, logging refusals at most once per interval."""
 
+    # All gates of this process together: what a worker's heartbeat reports.
+    rejected_in_process: ClassVar[int] = 0
+
     def __init__(self, source: str, log_interval_s: float = 10.0) -> None:
         self.source = source
         self.rejected = 0
@@ -329,6 +354,7 @@ class MessageGate:
 
     def _reject(self, reason: str) -> None:
         self.rejected += 1
+        MessageGate.rejected_in_process += 1
         self.last_reason = reason
         now = time.monotonic()
         if now >= self._next_log_monotonic:

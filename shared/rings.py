@@ -194,6 +194,11 @@ class RingProducer(ABC):
     @abstractmethod
     def _description_fields(self) -> dict: ...
 
+    @abstractmethod
+    def corrupt_next_frame(self) -> None:
+        """Fault injection (tests, the soak run): overwrite the next frame's slot once it is
+        committed, keeping its generation, so that only a consumer's checksum can catch it."""
+
     def close(self) -> None:
         self.header.close()
 
@@ -213,6 +218,21 @@ class ShmRingProducer(RingProducer):
             raise
         self._slots = np.frombuffer(self.data.buffer, np.uint8).reshape(slot_count + 1, -1)
         self._slots[slot_count, :] = frames.test_pattern(self.slot_bytes, self.ring_epoch)
+        self._corrupt_next = False
+
+    def write(self, frame: np.ndarray, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
+        message = super().write(frame, frame_seq, capture_ts_lsl)
+        if self._corrupt_next:
+            # Fault injection: the slot changes after its generation was committed and before the
+            # FrameReady goes out, so every consumer that reads this frame reads wrong bytes that
+            # only the checksum can catch (as CudaRingProducer.write does on the GPU).
+            self._corrupt_next = False
+            pixels = self._slots[message.slot, : self.frame_bytes]
+            np.bitwise_not(pixels, out=pixels)
+        return message
+
+    def corrupt_next_frame(self) -> None:
+        self._corrupt_next = True
 
     def _copy_into_slot(self, slot: int, frame: np.ndarray) -> None:
         np.copyto(self._slots[slot, : self.frame_bytes].reshape(self.frame_shape), frame)

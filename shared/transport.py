@@ -77,11 +77,12 @@ def make_producer(
     **cuda_options,
 ) -> RingProducer:
     """The camera's ring: CUDA when asked for and possible, else shm with the reason attached."""
-    from facecast.shared.cuda_driver import cuda_unavailable_reason
+    if requested == "shm":
+        chosen, reason = "shm", ""  # no CUDA probe: an shm-only process never imports torch
+    else:
+        from facecast.shared.cuda_driver import cuda_unavailable_reason
 
-    chosen, reason = choose_transport(
-        requested, None if requested == "shm" else cuda_unavailable_reason()
-    )
+        chosen, reason = choose_transport(requested, cuda_unavailable_reason())
     if chosen == "cuda_ipc":
         try:
             from facecast.shared.cuda_ring import CudaRingProducer
@@ -133,6 +134,7 @@ class FramePublisher:
         self.producer: RingProducer | None = None
         self.status = TransportStatus(camera_id)
         self.frame_seq = 0
+        self.corrupt_pending = False
         self._retired: list[tuple[RingProducer, float]] = []
         self._gate = MessageGate(f"ring control of {camera_id}")
         self._topic = camera_id.encode()
@@ -142,6 +144,7 @@ class FramePublisher:
         self.frames.bind(frames_endpoint(runtime_dir, camera_id))
         self.control = context.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.control.bind(ring_control_endpoint(runtime_dir, camera_id))
         if transport != "shm":
             self._prepare_cuda()
@@ -164,6 +167,9 @@ class FramePublisher:
                 self.camera_id, frame.shape, self.slot_count, self.requested,
                 self.device_index, **self._cuda_options,
             ))
+        if self.corrupt_pending:
+            self.corrupt_pending = False
+            self.producer.corrupt_next_frame()
         message = self.producer.write(frame, self.frame_seq, capture_ts_lsl)
         self.frame_seq += 1
         self.frames.send_multipart([self._topic, messages.encode(message)], copy=False)
@@ -209,9 +215,9 @@ class FramePublisher:
         self.frames.send_multipart([self._topic, messages.encode(producer.description())])
 
     def corrupt_next_frame(self) -> None:
-        """Fault injection for tests and the soak run (CUDA rings only)."""
-        if hasattr(self.producer, "corrupt_next_frame"):
-            self.producer.corrupt_next_frame()
+        """Fault injection for tests and the soak run: the next published frame's slot is
+        overwritten once committed, generation intact, in whichever ring that frame goes to."""
+        self.corrupt_pending = True
 
     def close(self) -> None:
         for producer in [p for p, _ in self._retired] + ([self.producer] if self.producer else []):
@@ -343,6 +349,11 @@ class FrameSubscriber:
                 f"checksum mismatch on frame {message.frame_seq} (slot {message.slot}): the "
                 "mapped GPU memory is not the frame the camera published"
             ))
+        elif read.verdict is Verdict.CHECKSUM_MISMATCH:
+            # shm is already the fallback: drop the frame, counted, and say so (never silently).
+            log.warning("camera %s: frame %d dropped: its shared-memory slot does not hold the "
+                        "bytes the camera published (checksum mismatch; %d so far)", camera_id,
+                        message.frame_seq, status.counts["checksum_mismatch"])
         return ReceivedFrame(message, read) if read.ok else None
 
     def _request_description(self, camera_id: str) -> None:

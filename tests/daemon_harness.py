@@ -104,7 +104,8 @@ class Recorder:
 class Daemon:
     """`facecast run` with its own runtime directory, host name and notify socket."""
 
-    def __init__(self, tmp: Path, config_text: str | None = None, watchdog_usec: int = 1_000_000):
+    def __init__(self, tmp: Path, config_text: str | None = None, watchdog_usec: int = 1_000_000,
+                 env: dict[str, str] | None = None):
         self.tmp = tmp
         self.host = f"e2e{uuid.uuid4().hex[:8]}"
         self.runtime_dir = tmp / "run"
@@ -114,12 +115,13 @@ class Daemon:
             "[daemon]\n", f'[daemon]\nhost_name = "{self.host}"\nruntime_dir = "{self.runtime_dir}"\n'))
         self.notify = NotifyListener(tmp / "notify.sock")
         self.log_path = tmp / "daemon.log"
-        env = dict(os.environ, NOTIFY_SOCKET=self.notify.path, WATCHDOG_USEC=str(watchdog_usec))
-        env.pop("WATCHDOG_PID", None)
+        environment = dict(os.environ, NOTIFY_SOCKET=self.notify.path,
+                           WATCHDOG_USEC=str(watchdog_usec), **(env or {}))
+        environment.pop("WATCHDOG_PID", None)
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "facecast.daemon.cli", "run", "--config", str(self.config_path)],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=tmp,
+            env=environment, stdout=self._log, stderr=subprocess.STDOUT, cwd=tmp,
         )
 
     def status(self, timeout_s: float = 5.0):

@@ -38,6 +38,8 @@ def test_unknown_fields_are_ignored_by_readers():
         (msgspec.msgpack.encode({**msgspec.to_builtins(frame_message()), "v": 2}), "protocol version 2"),
         (messages.encode(frame_message())[:20], "not msgpack"),
         (b"\xc1garbage", "not msgpack"),
+        (b"\x81\xa2\xff\xfe\x01", "not msgpack"),  # invalid UTF-8 in a string
+        (b"\x91" * 100_000 + b"\xc0", "not msgpack"),  # nested deeper than the decoder goes
         (msgspec.msgpack.encode([1, 2]), "not a message envelope"),
         (msgspec.msgpack.encode({"type": "frame", "v": 1, "slot": "one"}), "invalid 'frame' message"),
         (msgspec.msgpack.encode({"type": "launch", "v": 1}), "invalid 'launch' message"),

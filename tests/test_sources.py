@@ -2,9 +2,8 @@
 and network streams against real peers on loopback that go away and come back.
 
 Peers (skipped, with the reason, where missing):
-- RTSP: GStreamer's RTSP server (gst-rtsp-server through the system Python's PyGObject).
-  ffmpeg cannot serve RTSP to a pulling client: its RTSP muxer only pushes (ANNOUNCE/RECORD),
-  and `-rtsp_flags listen` exists only on its demuxer. Debian:
+- RTSP: GStreamer's RTSP server (gst-rtsp-server through the system Python's PyGObject), see
+  tests/rtsp_peer.py. Debian:
   apt-get install -y --no-install-recommends python3-gi gir1.2-gst-rtsp-server-1.0 \
       gstreamer1.0-plugins-base gstreamer1.0-plugins-good
 - HTTP: ffmpeg serving multipart JPEG with `-listen 1`. Debian: apt-get install -y ffmpeg
@@ -14,10 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +24,11 @@ import cv2
 import numpy as np
 import pylsl
 import pytest
+
+import rtsp_peer as rtsp_peer_mod
+from rtsp_peer import RtspPeer
+from rtsp_peer import free_port as _free_port
+from rtsp_peer import stop as _stop
 
 from facecast.shared.config import CameraConfig
 from facecast.workers import sources
@@ -349,18 +350,6 @@ def test_reopen_with_backoff_grows_caps_and_stops() -> None:
 # --- network peers --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.wait(timeout=10)
-
-
 def _read_until_lost(source: sources.FrameSource, timeout_s: float) -> SourceLost:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -382,102 +371,24 @@ def _check_live_frames(
         previous_ts = capture_ts_lsl
 
 
-_GST_RTSP_SERVER = r'''
-import sys
-import gi
-gi.require_version("Gst", "1.0")
-gi.require_version("GstRtspServer", "1.0")
-from gi.repository import GLib, Gst, GstRtspServer
-
-Gst.init(None)
-server = GstRtspServer.RTSPServer()
-server.set_address("127.0.0.1")
-server.set_service(sys.argv[1])
-factory = GstRtspServer.RTSPMediaFactory()
-factory.set_launch(
-    "( videotestsrc is-live=true pattern=ball "
-    "! video/x-raw,format=I420,width=320,height=240,framerate=25/1 "
-    "! jpegenc ! rtpjpegpay name=pay0 pt=26 )"
-)
-factory.set_shared(True)
-server.get_mount_points().add_factory("/cam", factory)
-if server.attach(None) == 0:
-    sys.exit("cannot listen on port " + sys.argv[1])
-print("ready", flush=True)
-GLib.MainLoop().run()
-'''
-
-
-def _gst_python() -> str | None:
-    """A Python that has PyGObject and GstRtspServer (the system one, usually)."""
-    for candidate in (os.environ.get("FACECAST_TEST_GST_PYTHON"), "/usr/bin/python3"):
-        if not candidate or not os.path.exists(candidate):
-            continue
-        probe = subprocess.run(
-            [candidate, "-c", "import gi; gi.require_version('GstRtspServer', '1.0'); "
-             "from gi.repository import GstRtspServer"],
-            capture_output=True,
-            timeout=30,
-            check=False,
-        )
-        if probe.returncode == 0:
-            return candidate
-    return None
-
-
 @pytest.fixture(scope="module")
 def gst_python() -> str:
-    python = _gst_python()
+    python = rtsp_peer_mod.gst_python()
     if python is None:
-        pytest.skip(
-            "no RTSP peer: needs GStreamer's RTSP server for the system Python (Debian: apt-get "
-            "install -y --no-install-recommends python3-gi gir1.2-gst-rtsp-server-1.0 "
-            "gstreamer1.0-plugins-base gstreamer1.0-plugins-good)"
-        )
+        pytest.skip(rtsp_peer_mod.MISSING_REASON)
     return python
 
 
-class _RtspPeer:
-    def __init__(self, python: str, script: Path, port: int) -> None:
-        self.python, self.script, self.port = python, script, port
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"rtsp://127.0.0.1:{self.port}/cam"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [self.python, str(self.script), str(self.port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()  # "ready" once listening
-        if line.strip() != b"ready":
-            _stop(self.process)
-            assert self.process.stderr is not None
-            stderr = self.process.stderr.read().decode(errors="replace")
-            raise AssertionError(f"RTSP peer did not start: {line!r} {stderr}")
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.send_signal(signal.SIGKILL)
-            _stop(self.process)
-
-
 @pytest.fixture
-def rtsp_peer(gst_python: str, tmp_path: Path) -> Iterator[_RtspPeer]:
-    script = tmp_path / "rtsp_peer.py"
-    script.write_text(_GST_RTSP_SERVER)
-    peer = _RtspPeer(gst_python, script, _free_port())
+def rtsp_peer(gst_python: str) -> Iterator[RtspPeer]:
+    peer = RtspPeer(gst_python)
     try:
         yield peer
     finally:
         peer.kill()
 
 
-def test_rtsp_peer_goes_away_and_comes_back(rtsp_peer: _RtspPeer) -> None:
+def test_rtsp_peer_goes_away_and_comes_back(rtsp_peer: RtspPeer) -> None:
     camera = CameraConfig(id="rtsp", source=rtsp_peer.url, fps=25.0)
 
     # Not there yet: a lost source that says where it looked.

@@ -39,6 +39,7 @@ from facecast.shared.messages import (
     Event,
     Heartbeat,
     Hello,
+    InjectFault,
     MessageGate,
     StageTiming,
 )
@@ -96,6 +97,10 @@ class Worker:
     def on_event(self, event: Event) -> None:
         """An event the supervisor forwards (only the output worker gets them)."""
 
+    def inject_fault(self, fault: InjectFault) -> None:
+        """A fault the supervisor let through (Note [Fault injection]); only capture has any."""
+        log.warning("%s: no fault %r to inject here; ignored", self.name, fault.kind)
+
     def camera_reports(self) -> list[CameraReport]:
         return []
 
@@ -123,7 +128,8 @@ class Worker:
             return
         self._next_heartbeat_monotonic = now + HEARTBEAT_INTERVAL_S
         self.send(Heartbeat(worker=self.name, state=self.state, cameras=self.camera_reports(),
-                            stages=self.stage_timings()))
+                            stages=self.stage_timings(),
+                            rejected_messages=MessageGate.rejected_in_process))
 
     def serve_control(self) -> None:
         """Handle what the supervisor sent, without blocking."""
@@ -136,6 +142,8 @@ class Worker:
                 self.reassign(previous)
             elif isinstance(message, Event):
                 self.on_event(message)
+            elif isinstance(message, InjectFault):
+                self.inject_fault(message)
 
     def _apply(self, assignment: Assignment) -> None:
         self.config = msgspec.json.decode(assignment.config, type=config_mod.Config)

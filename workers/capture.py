@@ -15,7 +15,7 @@ import logging
 import random
 import time
 
-from facecast.shared.messages import CameraReport
+from facecast.shared.messages import CameraReport, InjectFault
 from facecast.shared.stats import RateMeter
 from facecast.shared.transport import FramePublisher
 from facecast.workers.base import BootError, Worker
@@ -113,7 +113,13 @@ class CaptureWorker(Worker):
         except SourceLost as exc:
             self._lost(exc.reason)
             return
-        self.publisher.publish(frame, capture_ts_lsl)
+        corrupting = self.publisher.corrupt_pending
+        message = self.publisher.publish(frame, capture_ts_lsl)
+        if corrupting:
+            # On the Markers stream, so that a recording says which frame was spoiled on purpose.
+            self.event("fault_injected", fault="corrupt_next_frame", camera=self.camera_config.id,
+                       frame_seq=message.frame_seq, capture_ts_lsl=message.capture_ts_lsl,
+                       transport=message.transport)
         self.rate.tick()
         if self.source_state != "ok":
             if self._was_lost:
@@ -123,6 +129,16 @@ class CaptureWorker(Worker):
             self.source_state = "ok"
             self._reopen_delay_s = REOPEN_FIRST_DELAY_S
         self._report_transport_changes()
+
+    def inject_fault(self, fault: InjectFault) -> None:
+        """Note [Fault injection] (daemon/supervisor.py): the supervisor only forwards it when
+        the daemon allows fault injection."""
+        if fault.kind != "corrupt_next_frame" or fault.camera_id != self.camera_config.id:
+            super().inject_fault(fault)
+            return
+        log.warning("camera %s: the next frame's slot will be corrupted after publishing "
+                    "(fault injection)", self.camera_config.id)
+        self.publisher.corrupt_next_frame()
 
     def _report_transport_changes(self) -> None:
         status = self.publisher.status

@@ -20,7 +20,7 @@ from facecast.shared.messages import CameraReport, DetectionWanted, Detections, 
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport import FrameSubscriber
 from facecast.workers.base import Worker
-from facecast.workers.inference import build_pipeline, consumer_reports, torch_device
+from facecast.workers.inference import build_pipeline, consumer_reports, open_frames, torch_device
 
 log = logging.getLogger(__name__)
 
@@ -36,23 +36,19 @@ class DetectionWorker(Worker):
         self.faces: dict[str, int] = {}
         self._last_pass_monotonic: dict[str, float] = {}
         self._wanted: set[str] = set()
-        self._gate = MessageGate("detection requests")
+        self._requests_gate = MessageGate("detection requests")
         self.detections = self.context.socket(zmq.PUB)
         self.detections.setsockopt(zmq.LINGER, 0)
         self.detections.bind(endpoints.detections(self.runtime_dir, self.device))
         self.requests = self.context.socket(zmq.PULL)
         self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.requests.bind(endpoints.detection_requests(self.runtime_dir, self.device))
         self.subscriber: FrameSubscriber | None = None
         self._subscribe()
 
     def _subscribe(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.close()
-        self.subscriber = FrameSubscriber(
-            self.context, self.runtime_dir, self.camera_ids, device=self.torch_device,
-            checksum_every=self.config.daemon.checksum_every,
-        )
+        self.subscriber = open_frames(self, self.subscriber)
 
     def reassign(self, previous_camera_ids: list[str]) -> None:
         self._subscribe()
@@ -60,7 +56,7 @@ class DetectionWorker(Worker):
     def step(self) -> None:
         received = self.subscriber.receive(timeout_ms=50)
         while self.requests.poll(0):
-            request = self._gate.decode(self.requests.recv())
+            request = self._requests_gate.decode(self.requests.recv())
             if isinstance(request, DetectionWanted):
                 self._wanted.update(request.camera_ids)
         now = time.monotonic()

@@ -13,6 +13,7 @@ from facecast.models.pipeline import FacePipeline
 from facecast.shared.config import Config
 from facecast.shared.messages import CameraReport
 from facecast.shared.stats import RateMeter
+from facecast.shared.transport import FrameSubscriber
 from facecast.workers.base import BootError
 
 log = logging.getLogger(__name__)
@@ -66,5 +67,16 @@ def consumer_reports(camera_ids, subscriber, rates: dict[str, RateMeter],
             transport=status.transport if status else "",
             ring_epoch=status.ring_epoch if status else 0,
             fallback_reason=status.fallback_reason if status else "",
+            checksum_mismatches=status.counts["checksum_mismatch"] if status else 0,
         ))
     return reports
+
+
+def open_frames(worker, previous: FrameSubscriber | None) -> FrameSubscriber:
+    """A consuming worker's FrameSubscriber for its current cameras: a fresh one after each
+    reassignment (closing the previous one and its ring mappings)."""
+    if previous is not None:
+        previous.close()
+    return FrameSubscriber(worker.context, worker.runtime_dir, worker.camera_ids,
+                           device=worker.torch_device,
+                           checksum_every=worker.config.daemon.checksum_every)

@@ -19,7 +19,7 @@ import pylsl
 import zmq
 
 from facecast.models import assets
-from facecast.shared import endpoints
+from facecast.shared import endpoints, messages
 from facecast.shared.config import Config
 from facecast.shared.messages import CameraReport, Event, FaceResults, MessageGate
 from facecast.shared.stats import LatencyWindow, RateMeter
@@ -47,9 +47,10 @@ class OutputWorker(Worker):
         self.latency: dict[str, LatencyWindow] = {}
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}
-        self._gate = MessageGate("results")
+        self._results_gate = MessageGate("results")
         self.results = self.context.socket(zmq.SUB)
         self.results.setsockopt(zmq.LINGER, 0)
+        self.results.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.results.setsockopt(zmq.RCVHWM, 10_000)
         self.results.setsockopt(zmq.SUBSCRIBE, b"")
         self.results.bind(endpoints.results(self.runtime_dir))
@@ -75,7 +76,7 @@ class OutputWorker(Worker):
         if not self.results.poll(50):
             return
         while self.results.poll(0):
-            result = self._gate.decode(self.results.recv())
+            result = self._results_gate.decode(self.results.recv())
             if isinstance(result, FaceResults):
                 self._push(result)
 
@@ -95,7 +96,7 @@ class OutputWorker(Worker):
         try:
             outlets.push_frame(result.capture_ts_lsl, samples)
         except ValueError as exc:  # a malformed result must not kill the streams
-            self._gate._reject(f"result of camera {result.camera_id} not publishable: {exc}")
+            self._results_gate._reject(f"result of camera {result.camera_id} not publishable: {exc}")
             return
         self.latency.setdefault(result.camera_id, LatencyWindow()).add_ms(
             (pylsl.local_clock() - result.capture_ts_lsl) * 1e3)

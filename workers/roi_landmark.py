@@ -32,7 +32,7 @@ from facecast.shared.messages import (
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport import FrameSubscriber
 from facecast.workers.base import Worker
-from facecast.workers.inference import build_pipeline, consumer_reports, torch_device
+from facecast.workers.inference import build_pipeline, consumer_reports, open_frames, torch_device
 from facecast.workers.tracking import TrackIds
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,7 @@ class RoiLandmarkWorker(Worker):
             self.detections.setsockopt(zmq.UNSUBSCRIBE, camera_id.encode())
         for camera_id in self.camera_ids:
             self.detections.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
-        if self.subscriber is not None:
-            self.subscriber.close()
-        self.subscriber = FrameSubscriber(
-            self.context, self.runtime_dir, self.camera_ids, device=self.torch_device,
-            checksum_every=self.config.daemon.checksum_every,
-        )
+        self.subscriber = open_frames(self, self.subscriber)
 
     def reassign(self, previous_camera_ids: list[str]) -> None:
         for camera_id in set(previous_camera_ids) - set(self.camera_ids):
@@ -177,6 +172,9 @@ class RoiLandmarkWorker(Worker):
 def _as_tensors(found: Detections) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     count = len(found.scores)
     boxes = torch.tensor(found.boxes_px, dtype=torch.float32).reshape(count, 4)
-    keypoints = torch.tensor(found.keypoints_px, dtype=torch.float32).reshape(count, -1, 2)
+    # A pass that found no face gives (0, 0, 2): reshape(0, -1, 2) is ambiguous and raised,
+    # which crash-looped this worker on any camera with nobody in view.
+    keypoints = torch.tensor(found.keypoints_px, dtype=torch.float32).reshape(
+        count, -1 if count else 0, 2)
     scores = torch.tensor(found.scores, dtype=torch.float32).reshape(count)
     return boxes, keypoints, scores

@@ -1,0 +1,126 @@
+"""A real RTSP camera on loopback for the tests: GStreamer's RTSP server, run by a Python that has
+PyGObject and GstRtspServer (the system one, usually), in its own process so that it can be
+killed and started again on the same port (a camera that goes away and comes back).
+
+Used by tests/test_sources.py and tests/soak. Where the server is not installed, `gst_python()`
+is None and `MISSING_REASON` says what to install; tests skip with it.
+
+ffmpeg cannot be this peer: its RTSP muxer only pushes (ANNOUNCE/RECORD), and
+`-rtsp_flags listen` exists only on its demuxer.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import tempfile
+
+START_TIMEOUT_S = 15.0
+
+MISSING_REASON = (
+    "no RTSP peer: needs GStreamer's RTSP server for the system Python (Debian: apt-get "
+    "install -y --no-install-recommends python3-gi gir1.2-gst-rtsp-server-1.0 "
+    "gstreamer1.0-plugins-base gstreamer1.0-plugins-good)"
+)
+
+# argv: port width height fps. A moving ball, MJPEG over RTP, shared by every client.
+_SERVER = r'''
+import sys
+import gi
+gi.require_version("Gst", "1.0")
+gi.require_version("GstRtspServer", "1.0")
+from gi.repository import GLib, Gst, GstRtspServer
+
+port, width, height, fps = sys.argv[1:5]
+Gst.init(None)
+server = GstRtspServer.RTSPServer()
+server.set_address("127.0.0.1")
+server.set_service(port)
+factory = GstRtspServer.RTSPMediaFactory()
+factory.set_launch(
+    "( videotestsrc is-live=true pattern=ball "
+    f"! video/x-raw,format=I420,width={width},height={height},framerate={fps}/1 "
+    "! jpegenc ! rtpjpegpay name=pay0 pt=26 )"
+)
+factory.set_shared(True)
+server.get_mount_points().add_factory("/cam", factory)
+if server.attach(None) == 0:
+    sys.exit("cannot listen on port " + port)
+print("ready", flush=True)
+GLib.MainLoop().run()
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGKILL (when still running) and reap."""
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=10)
+
+
+def gst_python() -> str | None:
+    """A Python that has PyGObject and GstRtspServer, or None."""
+    for candidate in (os.environ.get("FACECAST_TEST_GST_PYTHON"), "/usr/bin/python3"):
+        if not candidate or not os.path.exists(candidate):
+            continue
+        probe = subprocess.run(
+            [candidate, "-c", "import gi; gi.require_version('GstRtspServer', '1.0'); "
+             "from gi.repository import GstRtspServer"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        if probe.returncode == 0:
+            return candidate
+    return None
+
+
+class RtspPeer:
+    """`rtsp://127.0.0.1:<port>/cam`; `start()` returns once it listens, `kill()` is a crash."""
+
+    def __init__(self, python: str, port: int | None = None, *, width: int = 320,
+                 height: int = 240, fps: int = 25) -> None:
+        self.python = python
+        self.port = port or free_port()
+        self.width, self.height, self.fps = width, height, fps
+        self.process: subprocess.Popen[bytes] | None = None
+        self._stderr = None
+
+    @property
+    def url(self) -> str:
+        return f"rtsp://127.0.0.1:{self.port}/cam"
+
+    def start(self) -> None:
+        self._stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [self.python, "-c", _SERVER, str(self.port), str(self.width), str(self.height),
+             str(self.fps)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr,
+        )
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
+        line = self.process.stdout.readline() if ready else b"(nothing)"
+        if line.strip() != b"ready":  # "ready" once listening
+            self._stderr.seek(0)
+            stderr = self._stderr.read().decode(errors="replace")
+            self.kill()
+            raise AssertionError(f"RTSP peer did not start: {line!r} {stderr}")
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+            stop(self.process)
+            self.process.stdout.close()
+            self.process = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None

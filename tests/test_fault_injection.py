@@ -1,0 +1,73 @@
+"""The fault-injection hook the soak test uses (Note [Fault injection] in daemon/supervisor.py):
+refused unless the daemon allows it, and what it does to a shm ring: the slot changes after it
+is committed, generation intact, so that only the checksum catches it."""
+
+from __future__ import annotations
+
+import numpy as np
+import zmq
+
+from facecast.daemon.supervisor import FAULT_INJECTION_ENV, Supervisor
+from facecast.daemon.sd_notify import Notifier
+from facecast.shared import config as config_mod
+from facecast.shared.messages import InjectFault
+from facecast.shared.rings import ShmRingProducer, ShmRingReader, Verdict
+from facecast.shared.transport import FramePublisher
+
+
+def _supervisor(runtime_dir) -> Supervisor:
+    config = config_mod.loads(f'[daemon]\nruntime_dir = "{runtime_dir}"\n\n'
+                              '[[cameras]]\nid = "cam0"\nsource = "synthetic"\n')
+    return Supervisor(config, "facecast.toml", gpus=0, notifier=Notifier({}))
+
+
+def test_the_supervisor_refuses_faults_unless_the_daemon_was_started_to_allow_them(
+        runtime_dir, monkeypatch):
+    corrupt = InjectFault(kind="corrupt_next_frame", camera_id="cam0")
+    monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
+    refused = _supervisor(runtime_dir)._inject_fault(corrupt)
+    assert not refused.ok and refused.reply_to == corrupt.id
+    assert f"{FAULT_INJECTION_ENV}=1" in refused.error
+
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
+    allowed = _supervisor(runtime_dir)
+    unknown = allowed._inject_fault(InjectFault(kind="melt_the_gpu", camera_id="cam0"))
+    assert not unknown.ok and "unknown fault 'melt_the_gpu'" in unknown.error
+    no_worker = allowed._inject_fault(corrupt)  # nothing started: no capture worker to ask
+    assert not no_worker.ok and "no running capture worker for camera 'cam0'" in no_worker.error
+
+
+def test_a_corrupted_shm_slot_keeps_its_generation_and_only_the_checksum_catches_it():
+    rng = np.random.default_rng(5)
+    producer = ShmRingProducer("fault", (24, 32, 3), slot_count=2)
+    reader = ShmRingReader(producer.description(), checksum_every=1)
+    try:
+        frame = rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)
+        producer.corrupt_next_frame()
+        spoiled = producer.write(frame, 0, 1.0)
+        assert producer.header.get(spoiled.slot) == spoiled.slot_generation  # committed, even
+        assert reader.read(spoiled).verdict is Verdict.CHECKSUM_MISMATCH
+        clean = producer.write(frame, 1, 2.0)  # once only
+        read = reader.read(clean)
+        assert read.verdict is Verdict.OK
+        np.testing.assert_array_equal(read.tensor.numpy(), frame)
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_the_publisher_spoils_the_next_frame_even_before_its_ring_exists(runtime_dir):
+    with zmq.Context() as context:
+        publisher = FramePublisher(context, runtime_dir, "cam0", slot_count=2, transport="shm")
+        try:
+            publisher.corrupt_next_frame()  # no frame yet, so no ring: armed all the same
+            frame = np.full((8, 8, 3), 7, np.uint8)
+            spoiled = publisher.publish(frame, 1.0)
+            reader = ShmRingReader(publisher.producer.description(), checksum_every=1)
+            try:
+                assert reader.read(spoiled).verdict is Verdict.CHECKSUM_MISMATCH
+                assert reader.read(publisher.publish(frame, 2.0)).verdict is Verdict.OK
+            finally:
+                reader.close()
+        finally:
+            publisher.close()
