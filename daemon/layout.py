@@ -97,9 +97,9 @@ def reload_plan(old: Config, new: Config, gpu_count: int) -> ReloadPlan:
 
 def _needs_restart(spec: WorkerSpec, old: Config, new: Config) -> bool:
     if spec.role == "capture":
-        return (_camera(old, spec.camera_ids[0]) != _camera(new, spec.camera_ids[0])
-                or old.transport_for(_camera(old, spec.camera_ids[0]))
-                != new.transport_for(_camera(new, spec.camera_ids[0]))
+        return (old.camera(spec.camera_ids[0]) != new.camera(spec.camera_ids[0])
+                or old.transport_for(old.camera(spec.camera_ids[0]))
+                != new.transport_for(new.camera(spec.camera_ids[0]))
                 or old.daemon.ring_slots != new.daemon.ring_slots)
     if spec.role in ("detection", "roi_landmark"):
         return old.models != new.models or old.output != new.output
@@ -108,9 +108,5 @@ def _needs_restart(spec: WorkerSpec, old: Config, new: Config) -> bool:
 
 def _config_for(spec: WorkerSpec, config: Config) -> object:
     """What a running worker of this role reads from the config (beyond what restarts it)."""
-    cameras = tuple(_camera(config, c) for c in spec.camera_ids)
+    cameras = tuple(config.camera(c) for c in spec.camera_ids)
     return (cameras, config.daemon.checksum_every, config.daemon.detect_interval_s)
-
-
-def _camera(config: Config, camera_id: str):
-    return next(c for c in config.cameras if c.id == camera_id)

@@ -131,6 +131,14 @@ class WorkerProcess:
         self.next_start_monotonic = now + self.policy.delay_s(self.consecutive_failures)
         return self.state
 
+    @property
+    def exit_reason(self) -> str:
+        """Why the last run ended, as status and markers say it: a hang or a give-up reason
+        when there is one, else how the process exited."""
+        if self.detail.startswith("hung") or self.state in ("failed", "flapping"):
+            return self.detail
+        return self.last_exit
+
     def status(self) -> WorkerStatus:
         uptime_s = time.monotonic() - self.started_monotonic if self.alive() else 0.0
         return WorkerStatus(name=self.name, role=self.spec.role, pid=self.pid, state=self.state,

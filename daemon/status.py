@@ -37,7 +37,7 @@ def status_main(args) -> int:
 
 
 def reload_main(args) -> int:
-    reply = _ask(args, ReloadRequest(), )
+    reply = _ask(args, ReloadRequest())
     if reply.ok:
         print("reloaded")
         return 0

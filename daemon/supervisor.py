@@ -268,9 +268,7 @@ class Supervisor:
                 worker.popen, worker.state = None, "stopped"
                 continue
             state = worker.on_exit(returncode)
-            reason = worker.detail if state in ("failed", "flapping") else worker.last_exit
-            if worker.detail.startswith("hung") and state == "backoff":
-                reason = worker.detail
+            reason = worker.exit_reason
             log.log(logging.ERROR if state in ("failed", "flapping") else logging.WARNING,
                     "worker %s ended (%s): %s", worker.name, worker.last_exit,
                     {"backoff": "restarting", "failed": f"not restarted: {reason}",
@@ -283,7 +281,7 @@ class Supervisor:
         for worker in list(self.workers.values()):
             if worker.state == "backoff" and now >= worker.next_start_monotonic:
                 worker.restarts += 1
-                reason = worker.detail if worker.detail.startswith("hung") else worker.last_exit
+                reason = worker.exit_reason
                 worker.detail = ""
                 self._start(worker)
                 self.event("worker_restart", worker=worker.name, reason=reason,

@@ -144,6 +144,9 @@ class Config(_Strict):
                 raise ValueError(f"camera id {camera.id!r} appears twice; ids must be unique")
             seen.add(camera.id)
 
+    def camera(self, camera_id: str) -> CameraConfig:
+        return next(c for c in self.cameras if c.id == camera_id)
+
     def transport_for(self, camera: CameraConfig) -> str:
         return camera.transport or self.daemon.transport
 

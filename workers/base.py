@@ -162,7 +162,7 @@ class Worker:
         return False
 
     def camera(self, camera_id: str) -> config_mod.CameraConfig:
-        return next(c for c in self.config.cameras if c.id == camera_id)
+        return self.config.camera(camera_id)
 
     @property
     def runtime_dir(self) -> str:
