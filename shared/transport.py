@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: a capture worker never needs it
     import torch
@@ -281,14 +281,8 @@ class FrameSubscriber:
             self.control[camera_id] = dealer
             self._poller.register(dealer, zmq.POLLIN)
 
-    def receive(self, timeout_ms: int = 100,
-                wanted: Callable[[FrameReady], bool] | None = None) -> list[ReceivedFrame]:
-        """Verified frames, at most one per camera (the newest); [] when nothing came in time.
-
-        ``wanted``: read only the frames it accepts (the detection worker needs a camera's frame
-        only when a pass is due); the others are accounted for but never read: no copy, no
-        checksum, no event wait.
-        """
+    def receive(self, timeout_ms: int = 100) -> list[ReceivedFrame]:
+        """Verified frames, at most one per camera (the newest); [] when nothing came in time."""
         newest: dict[str, FrameReady] = {}
         events = dict(self._poller.poll(timeout_ms))
         while events:
@@ -299,16 +293,7 @@ class FrameSubscriber:
                 parts = self.frames.recv_multipart()
                 self._handle(self._gate.decode(parts[-1]), newest)
             events = dict(self._poller.poll(0))  # drain: only the newest frame of each camera
-        frames = []
-        for message in newest.values():
-            if wanted is not None and not wanted(message):
-                self._account(message)
-                self.status[message.camera_id].counts["not_needed"] += 1
-                continue
-            frame = self._read(message)
-            if frame is not None:
-                frames.append(frame)
-        return frames
+        return [frame for frame in map(self._read, newest.values()) if frame is not None]
 
     def _handle(self, message, newest: dict[str, FrameReady]) -> None:
         if isinstance(message, RingDescription):
@@ -343,19 +328,15 @@ class FrameSubscriber:
         log.info("attached %s ring of camera %s (epoch %x)", description.transport, camera_id,
                  description.ring_epoch)
 
-    def _account(self, message: FrameReady) -> None:
+    def _read(self, message: FrameReady) -> ReceivedFrame | None:
         camera_id = message.camera_id
+        status = self.status[camera_id]
         last_seq = self._last_seq.get(camera_id)
         if last_seq is not None and message.frame_seq > last_seq + 1:
             # Frames this consumer never read: drained as older than the newest, or dropped by
             # ZeroMQ's high-water mark while we were busy. Capture did not wait for us.
-            self.status[camera_id].counts["skipped"] += message.frame_seq - last_seq - 1
+            status.counts["skipped"] += message.frame_seq - last_seq - 1
         self._last_seq[camera_id] = message.frame_seq
-
-    def _read(self, message: FrameReady) -> ReceivedFrame | None:
-        camera_id = message.camera_id
-        status = self.status[camera_id]
-        self._account(message)
         reader = self.readers.get(camera_id)
         if reader is None or reader.ring_epoch != message.ring_epoch:
             status.counts["awaiting_ring"] += 1

@@ -54,19 +54,18 @@ class DetectionWorker(Worker):
         self._subscribe()
 
     def step(self) -> None:
+        received = self.subscriber.receive(timeout_ms=50)
         while self.requests.poll(0):
             request = self._requests_gate.decode(self.requests.recv())
             if isinstance(request, DetectionWanted):
-                self._wanted.update(c for c in request.camera_ids if c in self.camera_ids)
+                self._wanted.update(request.camera_ids)
         now = time.monotonic()
         interval_s = self.config.daemon.detect_interval_s
-
-        def is_due(message) -> bool:  # only these frames are read out of their rings
-            camera_id = message.camera_id
-            return (camera_id in self._wanted or now
-                    - self._last_pass_monotonic.get(camera_id, -math.inf) >= interval_s)
-
-        due = self.subscriber.receive(timeout_ms=50, wanted=is_due)
+        due = [
+            frame for frame in received
+            if frame.message.camera_id in self._wanted
+            or now - self._last_pass_monotonic.get(frame.message.camera_id, -math.inf) >= interval_s
+        ]
         if not due:
             return
         start = time.monotonic()
