@@ -7,7 +7,9 @@ without starting anything.
 - per device: one detection worker (`detection:<device>`) and `daemon.roi_landmark_workers`
   roi_landmark workers (`roi_landmark:<device>:<k>`), the device's cameras dealt out in config
   order;
-- one output worker (`output`) for all cameras.
+- one output worker (`output`) for all cameras;
+- warm standbys (`standby:<role>:<device>`, `standby_plan`): per device, one booted spare of
+  each role whose boot is slow there (Note [Warm standby] in facecast.daemon.supervisor).
 
 Cameras go to GPUs as `cameras[].gpu` says, `-1` round-robin; with no GPU, or with
 `models.device = "cpu"`, everything runs on the CPU. CUDA IPC never crosses GPUs (DESIGN §8).
@@ -28,6 +30,7 @@ class WorkerSpec:
     role: str
     camera_ids: tuple[str, ...]
     device: str  # "cpu" or "cuda:<index>"
+    standby: bool = False  # a spare that takes over the next dead worker of its role and device
 
 
 def camera_devices(config: Config, gpu_count: int) -> dict[str, str]:
@@ -59,6 +62,30 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
         specs.append(WorkerSpec(f"detection:{device}", "detection", tuple(camera_ids), device))
     for camera in config.cameras:
         specs.append(WorkerSpec(f"capture:{camera.id}", "capture", (camera.id,), devices[camera.id]))
+    return specs
+
+
+def standby_plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
+    """The warm standbys of this config: per device, a spare detection and roi_landmark worker
+    (models loaded and run once), and on a GPU a spare capture worker when one of its cameras
+    may use CUDA IPC (the CUDA context is what makes its boot slow). `daemon.warm_standby`:
+    "auto" keeps them on GPUs only, where a boot takes seconds; "on" on the CPU too."""
+    mode = config.daemon.warm_standby
+    if mode == "off":
+        return []
+    devices = camera_devices(config, gpu_count)
+    specs = []
+    for device in dict.fromkeys(devices.values()):
+        on_gpu = device != "cpu"
+        if not on_gpu and mode == "auto":
+            continue
+        roles = ["detection", "roi_landmark"]
+        if on_gpu and any(config.transport_for(config.camera(camera_id)) != "shm"
+                          for camera_id, camera_device in devices.items()
+                          if camera_device == device):
+            roles.insert(0, "capture")
+        for role in roles:
+            specs.append(WorkerSpec(f"standby:{role}:{device}", role, (), device, standby=True))
     return specs
 
 

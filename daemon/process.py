@@ -53,7 +53,8 @@ class WorkerProcess:
     spec: WorkerSpec
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     popen: subprocess.Popen | None = None
-    state: str = "stopped"  # booting, running, backoff, failed, flapping, stopping, stopped
+    # booting, running, standby, backoff, pending (a spare to start), failed, flapping, stopping, stopped
+    state: str = "stopped"
     restarts: int = 0
     consecutive_failures: int = 0
     started_monotonic: float = 0.0
@@ -80,17 +81,28 @@ class WorkerProcess:
         return self.popen is not None and self.popen.poll() is None
 
     def start(self, control_endpoint: str, env: dict[str, str]) -> None:
-        self.popen = subprocess.Popen(
+        self._begin(subprocess.Popen(
             [sys.executable, "-m", "facecast.workers", self.spec.role, self.name, control_endpoint],
             env=env, stdin=subprocess.DEVNULL, close_fds=True,
-        )
+        ))
+        log.info("started %s (pid %d)", self.name, self.popen.pid)
+
+    def hand_over(self, successor: WorkerProcess, respawn_delay_s: float) -> None:
+        """This warm standby's process becomes `successor`'s (it was told to take the name);
+        this spare starts afresh after `respawn_delay_s` (Note [Warm standby])."""
+        successor._begin(self.popen)
+        self.popen = None
+        self.state = "pending"
+        self.next_start_monotonic = time.monotonic() + respawn_delay_s
+
+    def _begin(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
         now = time.monotonic()
         self.state = "booting"
         self.started_monotonic = self.last_heartbeat_monotonic = now
         self.kill_sent_monotonic = None
         self.reports, self.stages, self.boot_error = [], {}, ""
         self.rejected_messages = 0
-        log.info("started %s (pid %d)", self.name, self.popen.pid)
 
     def signal(self, signum: int) -> None:
         if self.alive():

@@ -18,6 +18,20 @@ Note [Supervisor liveness]
     SIGKILLed does not go away (a process stuck in the kernel, typically a GPU driver hang),
     which only a restart of the whole service can clear.
 
+Note [Warm standby]
+    A restarted worker on a GPU took about 4 s to work again (Python, torch, the CUDA context,
+    the models loaded and run once), against a 2 s goal for every stream. So per device the
+    supervisor keeps one booted spare of each role whose boot is slow there
+    (`layout.standby_plan`, `daemon.warm_standby`): its Assignment says `standby`, it runs
+    `Worker.prepare` and then waits, heartbeating, in state "standby". When a worker of that
+    role and device dies or is killed as hung, the supervisor sends the spare `Promote` with the
+    dead worker's name instead of spawning a process: the spare takes the name (process title,
+    log lines, a new control connection under that identity) and says Hello; its Assignment and
+    boot are then the normal ones, minus what prepare already did. A fresh spare is started
+    STANDBY_RESPAWN_DELAY_S later, so that it does not take the CPU from the promoted worker's
+    boot. A spare built for a config that a reload changed is replaced; if the config moved on
+    between prepare and boot anyway, boot loads the models again (slow, never wrong).
+
 Note [Fault injection]
     The soak test (tests/soak) spoils frames on purpose to prove that checksums catch them. The
     hook is an `InjectFault` control message, which no CLI verb sends, and the supervisor obeys
@@ -60,6 +74,7 @@ from facecast.shared.messages import (
     Hello,
     InjectFault,
     MessageGate,
+    Promote,
     ReloadRequest,
     StatusRequest,
     StopRequest,
@@ -78,6 +93,7 @@ RECENT_EVENTS = 50
 MARKERS_SETTLE_S = 2.0
 PENDING_EVENTS_MAX = 1000
 FAULT_INJECTION_ENV = "FACECAST_ALLOW_FAULT_INJECTION"  # Note [Fault injection]
+STANDBY_RESPAWN_DELAY_S = 3.0  # Note [Warm standby]
 
 
 class AlreadyRunning(RuntimeError):
@@ -197,6 +213,8 @@ class Supervisor:
                      f"{self.gpu_count} GPU(s)" if self.gpu_count else "no GPU")
             for spec in layout.plan(self.config, self.gpu_count):
                 self._start(WorkerProcess(spec, self.policy))
+            for spec in layout.standby_plan(self.config, self.gpu_count):
+                self._start(WorkerProcess(spec, self.policy))
             deadline = None if self.duration_s is None else time.monotonic() + self.duration_s
             while not self._stop_requested:
                 events = dict(poller.poll(LOOP_TICK_MS))
@@ -279,13 +297,41 @@ class Supervisor:
     def _start_due(self) -> None:
         now = time.monotonic()
         for worker in list(self.workers.values()):
-            if worker.state == "backoff" and now >= worker.next_start_monotonic:
+            if now < worker.next_start_monotonic:
+                continue
+            if worker.state == "pending":  # a spare was promoted: start the next one
+                self._start(worker)
+            elif worker.state == "backoff":
                 worker.restarts += 1
                 reason = worker.exit_reason
                 worker.detail = ""
-                self._start(worker)
+                standby = self._ready_standby(worker.spec)
+                if standby is None or not self._promote(standby, worker):
+                    self._start(worker)
                 self.event("worker_restart", worker=worker.name, reason=reason,
-                           restarts=worker.restarts)
+                           restarts=worker.restarts, warm_standby=standby is not None)
+
+    def _ready_standby(self, spec: WorkerSpec) -> WorkerProcess | None:
+        """A booted spare for a worker of this role and device (Note [Warm standby])."""
+        if spec.standby:
+            return None
+        for worker in self.workers.values():
+            if (worker.spec.standby and worker.spec.role == spec.role
+                    and worker.spec.device == spec.device and worker.state == "standby"
+                    and worker.alive()):
+                return worker
+        return None
+
+    def _promote(self, standby: WorkerProcess, worker: WorkerProcess) -> bool:
+        try:
+            self.control.send_multipart([standby.name.encode(),
+                                         messages.encode(Promote(worker=worker.name))])
+        except zmq.ZMQError as exc:  # it went away just now: spawn as usual
+            log.warning("could not promote %s: %s", standby.name, exc)
+            return False
+        log.info("worker %s: warm standby pid %d takes over", worker.name, standby.pid)
+        standby.hand_over(worker, STANDBY_RESPAWN_DELAY_S)
+        return True
 
     def _check_liveness(self) -> None:
         """Note [Supervisor liveness]."""
@@ -296,7 +342,7 @@ class Supervisor:
                 continue
             if worker.state == "booting" and now - worker.started_monotonic > daemon.boot_timeout_s:
                 worker.detail = f"hung: did not start within {daemon.boot_timeout_s:g} s"
-            elif (worker.state == "running"
+            elif (worker.state in ("running", "standby")
                   and now - worker.last_heartbeat_monotonic > daemon.heartbeat_timeout_s):
                 worker.detail = (f"hung: no heartbeat for "
                                  f"{now - worker.last_heartbeat_monotonic:.1f} s")
@@ -401,7 +447,8 @@ class Supervisor:
 
     def _assignment(self, spec: WorkerSpec) -> Assignment:
         return Assignment(worker=spec.name, config=msgspec.json.encode(self.config),
-                          camera_ids=list(spec.camera_ids), device=spec.device)
+                          camera_ids=list(spec.camera_ids), device=spec.device,
+                          standby=spec.standby)
 
     def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
         worker = self.workers.get(heartbeat.worker)
@@ -410,10 +457,10 @@ class Supervisor:
         worker.last_heartbeat_monotonic = time.monotonic()
         worker.reports, worker.stages = heartbeat.cameras, heartbeat.stages
         worker.rejected_messages = heartbeat.rejected_messages
-        if heartbeat.state == "running" and worker.state == "booting":
-            worker.state = "running"
-            log.info("worker %s running (pid %d, boot %.1f s)", worker.name, worker.pid,
-                     time.monotonic() - worker.started_monotonic)
+        if heartbeat.state in ("running", "standby") and worker.state == "booting":
+            worker.state = heartbeat.state
+            log.info("worker %s %s (pid %d, boot %.1f s)", worker.name, heartbeat.state,
+                     worker.pid, time.monotonic() - worker.started_monotonic)
 
     def _inject_fault(self, fault: InjectFault) -> Ack:
         """Note [Fault injection]."""
@@ -479,7 +526,7 @@ class Supervisor:
             self.event("reload_refused", reason=str(exc))
             self.notifier.ready(f"reload refused: {exc}")
             return False, str(exc)
-        self.config = new
+        old, self.config = self.config, new
         stop = [self.workers[s.name] for s in change.stop + change.restart if s.name in self.workers]
         self._stop_workers(stop, time.monotonic() + self.config.daemon.stop_timeout_s)
         for spec in change.stop:
@@ -490,12 +537,26 @@ class Supervisor:
             self._reply(spec.name.encode(), self._assignment(spec))
         for spec in change.start + change.restart:
             self._start(WorkerProcess(spec, self.policy))
+        self._replace_standbys(old)
         summary = (f"started {len(change.start)}, stopped {len(change.stop)}, restarted "
                    f"{len(change.restart)}, reassigned {len(change.reassign)} worker(s)")
         log.info("reloaded %s: %s", self.config_path, summary)
         self.event("reload", config=self.config_path, result=summary)
         self.notifier.ready(f"reloaded: {summary}")
         return True, ""
+
+    def _replace_standbys(self, old: config_mod.Config) -> None:
+        """After a reload: the spares the new config asks for, with models loaded for it."""
+        wanted = {spec.name: spec for spec in layout.standby_plan(self.config, self.gpu_count)}
+        models_changed = old.models != self.config.models or old.output != self.config.output
+        stale = [w for w in self.workers.values() if w.spec.standby and (
+            w.name not in wanted or (models_changed and w.spec.role != "capture"))]
+        self._stop_workers(stale, time.monotonic() + self.config.daemon.stop_timeout_s)
+        for worker in stale:
+            del self.workers[worker.name]
+        for name, spec in wanted.items():
+            if name not in self.workers:
+                self._start(WorkerProcess(spec, self.policy))
 
     # ============================================================================================
     # Status, readiness, systemd

@@ -85,6 +85,13 @@ class DaemonConfig(_Strict):
         float,
         msgspec.Meta(gt=0, le=60, description="orderly shutdown deadline before workers are killed"),
     ] = 4.0
+    warm_standby: Annotated[
+        Literal["auto", "on", "off"],
+        msgspec.Meta(
+            description="keep a booted spare of each GPU worker role per device, so that a dead "
+            "worker is replaced in well under a second; auto: on GPUs only, on: on the CPU too"
+        ),
+    ] = "auto"
 
 
 class ModelsConfig(_Strict):

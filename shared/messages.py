@@ -162,7 +162,7 @@ class FaceResults(Message, tag="faces"):
 # --- supervisor ↔ workers (control socket) ---------------------------------------------------------
 
 WorkerRole = Literal["capture", "detection", "roi_landmark", "output"]
-WorkerState = Literal["booting", "running"]
+WorkerState = Literal["booting", "running", "standby"]
 
 
 class Hello(Message, tag="hello"):
@@ -181,6 +181,15 @@ class Assignment(Message, tag="assignment"):
     config: bytes  # msgspec.json of facecast.shared.config.Config (validated by the supervisor)
     camera_ids: list[str]
     device: str = "cpu"  # "cpu" or "cuda:<index>"
+    # A warm standby: load what a worker of this role needs on this device, then wait for
+    # Promote (Note [Warm standby] in facecast.daemon.supervisor).
+    standby: bool = False
+
+
+class Promote(Message, tag="promote"):
+    """To a warm standby: take this worker's name (a new Hello under it follows)."""
+
+    worker: str
 
 
 class StageTiming(msgspec.Struct, frozen=True):
@@ -296,7 +305,7 @@ class DaemonStatus(Message, tag="daemon_status"):
 AnyMessage = Union[
     FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
     DetectionWanted, Detections, FaceResults,
-    Hello, Assignment, Heartbeat, BootFailed, Event,
+    Hello, Assignment, Promote, Heartbeat, BootFailed, Event,
     StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,
 ]
 

@@ -36,11 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name")
     parser.add_argument("control", help="the supervisor's control endpoint (ipc://...)")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("FACECAST_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s %(levelname)s {args.name}[%(process)d] %(name)s: %(message)s",
-    )
-    from facecast.workers.base import run
+    logging.basicConfig(level=os.environ.get("FACECAST_LOG_LEVEL", "INFO").upper())
+    from facecast.workers.base import run, set_log_format
+
+    set_log_format(args.name)
 
     return run(_worker_class(args.role), args.name, args.control)
 

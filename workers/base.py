@@ -5,6 +5,9 @@ A worker is started by the supervisor as ``python -m facecast.workers <role> <na
 
 1. connects a DEALER to the supervisor's control socket and says `Hello`;
 2. waits for its `Assignment` (the validated config and its cameras);
+   A warm standby's Assignment says `standby`: it prepares (`Worker.prepare`: imports, CUDA
+   context, models run once), then waits, heartbeating, until `Promote` gives it the name of a
+   worker that died; it says Hello again under that name and goes on (Note [Warm standby]);
 3. boots (`Worker.boot`): opens sources, loads models. A `BootError` is reported as `BootFailed`
    and the process exits with `EXIT_BOOT_ERROR`: the supervisor does not respawn it ("could not
    boot" is not "crashed", STYLE §5);
@@ -41,6 +44,7 @@ from facecast.shared.messages import (
     Hello,
     InjectFault,
     MessageGate,
+    Promote,
     StageTiming,
 )
 
@@ -72,17 +76,28 @@ class Worker:
         self.config: config_mod.Config | None = None
         self.camera_ids: list[str] = []
         self.device = "cpu"
+        self.standby = False
+        self.prepared = None  # what prepare() made, for boot() (Note [Warm standby])
         self.stopping = False
         self.state = "booting"
         self._gate = MessageGate(f"supervisor (to {name})")
         self._next_heartbeat_monotonic = 0.0
-        self.control = context.socket(zmq.DEALER)
-        self.control.setsockopt(zmq.LINGER, 100)  # a last event may still matter; never hang exit
-        self.control.setsockopt(zmq.IDENTITY, name.encode())
-        self.control.setsockopt(zmq.SNDHWM, 1000)
-        self.control.connect(control_endpoint)
+        self.control = self._connect_control()
+
+    def _connect_control(self) -> zmq.Socket:
+        control = self.context.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 100)  # a last event may still matter; never hang exit
+        control.setsockopt(zmq.IDENTITY, self.name.encode())
+        control.setsockopt(zmq.SNDHWM, 1000)
+        control.connect(self.control_endpoint)
+        return control
 
     # -- what a role implements --------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """As a warm standby: do now the slow part of boot that needs no camera (imports, the
+        CUDA context, models loaded and run once), for self.config and self.device, so that
+        boot after a promotion takes a fraction of a second. BootError: give up."""
 
     def boot(self) -> None:
         """Open what the worker needs (self.config, self.camera_ids are set). BootError: give up."""
@@ -127,8 +142,10 @@ class Worker:
         if now < self._next_heartbeat_monotonic:
             return
         self._next_heartbeat_monotonic = now + HEARTBEAT_INTERVAL_S
-        self.send(Heartbeat(worker=self.name, state=self.state, cameras=self.camera_reports(),
-                            stages=self.stage_timings(),
+        booted = self.state == "running"  # a standby has no cameras to report on
+        self.send(Heartbeat(worker=self.name, state=self.state,
+                            cameras=self.camera_reports() if booted else [],
+                            stages=self.stage_timings() if booted else {},
                             rejected_messages=MessageGate.rejected_in_process))
 
     def serve_control(self) -> None:
@@ -149,6 +166,7 @@ class Worker:
         self.config = msgspec.json.decode(assignment.config, type=config_mod.Config)
         self.camera_ids = list(assignment.camera_ids)
         self.device = assignment.device
+        self.standby = assignment.standby
 
     def wait_for_assignment(self) -> bool:
         self.send(Hello(worker=self.name, role=self.role, pid=os.getpid()))
@@ -161,6 +179,37 @@ class Worker:
                     return True
         return False
 
+    def stand_by(self) -> bool:
+        """Note [Warm standby]: prepare, then wait until promoted (True, with the Assignment of
+        the worker whose name it took) or stopped (False)."""
+        started_monotonic = time.monotonic()
+        self.prepare()
+        self.state = "standby"
+        log.info("%s: warm standby ready in %.1f s (%s)", self.name,
+                 time.monotonic() - started_monotonic, self.device)
+        while not self.stopping:
+            self.heartbeat_if_due()
+            if not self.control.poll(100):
+                continue
+            message = self._gate.decode(self.control.recv())
+            if isinstance(message, Promote):
+                log.info("%s: promoted to %s", self.name, message.worker)
+                self._take_name(message.worker)
+                return self.wait_for_assignment()
+        return False
+
+    def _take_name(self, name: str) -> None:
+        """Become `name`: process title, log lines, and the control socket's identity (the
+        supervisor's ROUTER hands the dead worker's identity over to this connection)."""
+        self.name = name
+        set_process_name(name)
+        set_log_format(name)
+        self.control.close(linger=0)
+        self.control = self._connect_control()
+        self._gate = MessageGate(f"supervisor (to {name})")
+        self.state = "booting"
+        self._next_heartbeat_monotonic = 0.0
+
     def camera(self, camera_id: str) -> config_mod.CameraConfig:
         return self.config.camera(camera_id)
 
@@ -170,6 +219,14 @@ class Worker:
 
 
 # --- the process around a Worker ------------------------------------------------------------------
+
+
+def set_log_format(name: str) -> None:
+    """Every log line names its worker (a promoted standby changes its name)."""
+    formatter = logging.Formatter(
+        f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
 
 
 def set_process_name(name: str) -> None:
@@ -209,20 +266,22 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str) -> int:
                 log.error("%s: no assignment from the supervisor at %s", name, control_endpoint)
                 return EXIT_CRASH
             try:
+                if worker.standby and not worker.stand_by():
+                    return EXIT_OK
                 worker.boot()
             except BootError as exc:
-                log.error("%s cannot start: %s", name, exc)
-                worker.send(BootFailed(worker=name, reason=str(exc)))
+                log.error("%s cannot start: %s", worker.name, exc)
+                worker.send(BootFailed(worker=worker.name, reason=str(exc)))
                 return EXIT_BOOT_ERROR
             worker.state = "running"
-            log.info("%s running (pid %d, cameras %s, %s)", name, os.getpid(),
+            log.info("%s running (pid %d, cameras %s, %s)", worker.name, os.getpid(),
                      ", ".join(worker.camera_ids) or "none", worker.device)
             while not worker.stopping:
                 worker.serve_control()
                 worker.step()
                 worker.heartbeat_if_due()
                 if os.getppid() != parent_pid:
-                    log.warning("%s: the supervisor is gone; stopping", name)
+                    log.warning("%s: the supervisor is gone; stopping", worker.name)
                     break
             return EXIT_OK
         finally:

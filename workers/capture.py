@@ -40,6 +40,18 @@ READ_TIMEOUT_S = 5.0
 class CaptureWorker(Worker):
     role = "capture"
 
+    def prepare(self) -> None:
+        """A standby on a GPU pays for torch, pycuda and the primary context now: they are most
+        of a CUDA-IPC capture worker's boot. Whether CUDA works is still decided at boot."""
+        if self.device.startswith("cuda"):
+            from facecast.shared import cuda_driver
+            from facecast.shared.rings import TransportUnavailable
+
+            try:
+                cuda_driver.driver(int(self.device.partition(":")[2] or 0))
+            except TransportUnavailable as exc:
+                log.info("%s: CUDA not ready (%s); boot decides the transport", self.name, exc)
+
     def boot(self) -> None:
         if len(self.camera_ids) != 1:
             raise BootError(f"a capture worker takes exactly one camera, got {self.camera_ids}")

@@ -20,7 +20,13 @@ from facecast.shared.messages import CameraReport, DetectionWanted, Detections, 
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport import FrameSubscriber
 from facecast.workers.base import Worker
-from facecast.workers.inference import build_pipeline, consumer_reports, open_frames, torch_device
+from facecast.workers.inference import (
+    consumer_reports,
+    open_frames,
+    pipeline_for,
+    prepare_pipeline,
+    torch_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +34,14 @@ log = logging.getLogger(__name__)
 class DetectionWorker(Worker):
     role = "detection"
 
+    def prepare(self) -> None:
+        self.torch_device = torch_device(self.device)
+        self.prepared = prepare_pipeline(self.config, self.torch_device, blendshapes=False)
+
     def boot(self) -> None:
         self.torch_device = torch_device(self.device)
-        self.pipeline = build_pipeline(self.config, self.torch_device, blendshapes=False)
+        self.pipeline = pipeline_for(self.prepared, self.config, self.torch_device,
+                                     blendshapes=False)
         self.timer = StageTimer()
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
+import msgspec
 import torch
 
 from facecast.models import assets
@@ -51,6 +53,40 @@ def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool) -
         )
     except assets.ModelError as exc:
         raise BootError(str(exc)) from None
+
+
+def prepare_pipeline(config: Config, device: torch.device, *, blendshapes: bool
+                     ) -> tuple[bytes, FacePipeline]:
+    """A warm standby's pipeline (Note [Warm standby]): built, then run once on a synthetic frame
+    with two faces so that every model's first-call costs (CUDA kernels, cuDNN's choices,
+    allocator pools) are paid before a camera waits on it. Returned with the key of what it
+    was built for: `pipeline_for` uses it only if the promoted worker's config still matches."""
+    from facecast.workers.sources import SyntheticScene
+
+    started_monotonic = time.monotonic()
+    pipeline = build_pipeline(config, device, blendshapes=blendshapes)
+    frame = SyntheticScene(640, 360, seed="warm-up").render(0.0)
+    faces = pipeline.track([frame], ["warm-up"])[0]
+    pipeline.reset("warm-up")
+    log.info("models ready on %s in %.1f s (%d face(s) in the warm-up frame)", device,
+             time.monotonic() - started_monotonic, len(faces))
+    return _pipeline_key(config, device, blendshapes), pipeline
+
+
+def pipeline_for(prepared: tuple[bytes, FacePipeline] | None, config: Config,
+                 device: torch.device, *, blendshapes: bool) -> FacePipeline:
+    """The pipeline a booting worker uses: its standby's, when that was built for this config
+    and device; else a new one."""
+    if prepared is not None:
+        key, pipeline = prepared
+        if key == _pipeline_key(config, device, blendshapes):
+            return pipeline
+        log.info("the standby's models were loaded for another config; loading them again")
+    return build_pipeline(config, device, blendshapes=blendshapes)
+
+
+def _pipeline_key(config: Config, device: torch.device, blendshapes: bool) -> bytes:
+    return msgspec.json.encode([config.models, config.output.max_faces, str(device), blendshapes])
 
 
 def consumer_reports(camera_ids, subscriber, rates: dict[str, RateMeter],

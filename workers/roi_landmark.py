@@ -32,7 +32,13 @@ from facecast.shared.messages import (
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport import FrameSubscriber
 from facecast.workers.base import Worker
-from facecast.workers.inference import build_pipeline, consumer_reports, open_frames, torch_device
+from facecast.workers.inference import (
+    consumer_reports,
+    open_frames,
+    pipeline_for,
+    prepare_pipeline,
+    torch_device,
+)
 from facecast.workers.tracking import TrackIds
 
 log = logging.getLogger(__name__)
@@ -47,9 +53,14 @@ TRACK_HOLD_S = 1.0
 class RoiLandmarkWorker(Worker):
     role = "roi_landmark"
 
+    def prepare(self) -> None:
+        self.torch_device = torch_device(self.device)
+        self.prepared = prepare_pipeline(self.config, self.torch_device, blendshapes=True)
+
     def boot(self) -> None:
         self.torch_device = torch_device(self.device)
-        self.pipeline = build_pipeline(self.config, self.torch_device, blendshapes=True)
+        self.pipeline = pipeline_for(self.prepared, self.config, self.torch_device,
+                                     blendshapes=True)
         # Periodic passes for newcomers are the detection worker's (daemon.detect_interval_s).
         self.pipeline.detect_interval_frames = 1 << 62
         self.timer = StageTimer()

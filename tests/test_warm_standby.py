@@ -1,0 +1,144 @@
+"""Warm standbys (Note [Warm standby] in facecast.daemon.supervisor): which spares a config gets,
+and, with a real daemon on this CPU (`daemon.warm_standby = "on"`), that a SIGKILLed inference
+worker is replaced by its booted spare (the same process, under the dead worker's name), that
+its stream continues, and that a fresh spare follows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pylsl
+import pytest
+
+from daemon_harness import REPO, Daemon, Recorder
+from facecast.daemon import layout
+from facecast.daemon.process import WorkerProcess
+from facecast.models import assets
+from facecast.shared import config as config_mod
+
+
+def _config(daemon_toml: str = "", transports: tuple[str, ...] = ("", "")) -> config_mod.Config:
+    cameras = "".join(
+        f'[[cameras]]\nid = "cam{k}"\nsource = "synthetic"\n'
+        + (f'transport = "{transport}"\n' if transport else "")
+        for k, transport in enumerate(transports))
+    return config_mod.loads(f"[daemon]\n{daemon_toml}\n{cameras}")
+
+
+def _names(specs) -> list[str]:
+    return [spec.name for spec in specs]
+
+
+def test_auto_keeps_spares_on_gpus_only():
+    assert layout.standby_plan(_config(), gpu_count=0) == []
+    specs = layout.standby_plan(_config(), gpu_count=1)
+    assert _names(specs) == ["standby:capture:cuda:0", "standby:detection:cuda:0",
+                             "standby:roi_landmark:cuda:0"]
+    assert all(spec.standby and spec.camera_ids == () and spec.device == "cuda:0"
+               for spec in specs)
+    # Two GPUs: a set per device (cameras are dealt round-robin).
+    assert len(layout.standby_plan(_config(), gpu_count=2)) == 6
+
+
+def test_no_capture_spare_where_every_camera_uses_shared_memory():
+    specs = layout.standby_plan(_config(transports=("shm", "shm")), gpu_count=1)
+    assert _names(specs) == ["standby:detection:cuda:0", "standby:roi_landmark:cuda:0"]
+    mixed = layout.standby_plan(_config(transports=("shm", "cuda_ipc")), gpu_count=1)
+    assert "standby:capture:cuda:0" in _names(mixed)
+
+
+def test_on_adds_cpu_spares_and_off_has_none():
+    assert _names(layout.standby_plan(_config('warm_standby = "on"'), gpu_count=0)) == [
+        "standby:detection:cpu", "standby:roi_landmark:cpu"]
+    assert layout.standby_plan(_config('warm_standby = "off"'), gpu_count=1) == []
+
+
+def test_bad_warm_standby_value_names_the_key_and_the_choices():
+    with pytest.raises(config_mod.ConfigError) as error:
+        _config('warm_standby = "yes"')
+    assert "daemon.warm_standby" in str(error.value) and "auto" in str(error.value)
+
+
+def test_hand_over_gives_the_spare_process_to_the_dead_worker():
+    class FakePopen:
+        pid = 4242
+
+        def poll(self):
+            return None
+
+    spare = WorkerProcess(layout.WorkerSpec("standby:detection:cpu", "detection", (), "cpu",
+                                            standby=True))
+    dead = WorkerProcess(layout.WorkerSpec("detection:cpu", "detection", ("cam0",), "cpu"))
+    spare.popen, spare.state = FakePopen(), "standby"
+    dead.state = "backoff"
+    spare.hand_over(dead, respawn_delay_s=3.0)
+    assert dead.pid == 4242 and dead.state == "booting" and dead.alive()
+    assert spare.popen is None and spare.state == "pending" and not spare.alive()
+    assert spare.next_start_monotonic > time.monotonic() + 2.0
+
+
+# --- a real daemon ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    assets.install()
+    text = (REPO / "config/default.toml").read_text().replace(
+        "[daemon]\n", '[daemon]\nwarm_standby = "on"\n')
+    daemon = Daemon(tmp_path_factory.mktemp("standby"), config_text=text)
+    try:
+        assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
+        yield daemon
+    finally:
+        daemon.close()
+
+
+def _wait_for_state(daemon, name: str, state: str, timeout_s: float = 60.0, not_pid: int = 0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        worker = daemon.worker(name)
+        if worker.state == state and worker.pid not in (0, not_pid):
+            return worker
+        time.sleep(0.1)
+    raise AssertionError(f"{name} not {state} within {timeout_s} s: {worker}\n{daemon.log_tail()}")
+
+
+@pytest.mark.parametrize("role, name", [("roi_landmark", "roi_landmark:cpu:0"),
+                                        ("detection", "detection:cpu")])
+def test_a_killed_worker_is_replaced_by_its_warm_standby(daemon, role, name):
+    spare = _wait_for_state(daemon, f"standby:{role}:cpu", "standby")
+    victim = _wait_for_state(daemon, name, "running")
+    records = daemon.resolve("Face", count=4)
+    watched = next(r for r in records if r.source_id.endswith("-synth0-face0"))
+    recorder = Recorder([watched])
+    try:
+        killed_at = pylsl.local_clock()
+        os.kill(victim.pid, signal.SIGKILL)
+        # The spare's own process now works under the dead worker's name.
+        promoted = _wait_for_state(daemon, name, "running", timeout_s=30, not_pid=victim.pid)
+        assert promoted.pid == spare.pid, (promoted, spare, daemon.log_tail())
+        assert promoted.restarts == victim.restarts + 1
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(t > killed_at for t in watched.timestamps):
+            time.sleep(0.05)
+        resumed = [t for t in watched.timestamps if t > killed_at]
+        assert resumed, f"{watched.name} did not continue after {name} was killed"
+        print(f"{name}: stream resumed {resumed[0] - killed_at:.2f} s after the SIGKILL")
+    finally:
+        recorder.stop()
+    # A fresh spare follows, in a new process.
+    fresh = _wait_for_state(daemon, f"standby:{role}:cpu", "standby", not_pid=spare.pid)
+    assert fresh.pid not in (spare.pid, victim.pid)
+    log = (daemon.tmp / "daemon.log").read_text()
+    assert f"worker {name}: warm standby pid {spare.pid} takes over" in log
+
+
+def test_restart_events_say_the_standby_took_over(daemon):
+    # The events that went to the Markers stream, as `facecast status` keeps them.
+    restarts = [json.loads(line.partition(" ")[2]) for line in daemon.status().recent_events
+                if line.startswith("worker_restart ")]
+    assert {event["worker"] for event in restarts} >= {"roi_landmark:cpu:0", "detection:cpu"}
+    assert all(event["warm_standby"] is True for event in restarts), restarts
