@@ -156,4 +156,5 @@ class WorkerProcess:
         return WorkerStatus(name=self.name, role=self.spec.role, pid=self.pid, state=self.state,
                             restarts=self.restarts, uptime_s=round(uptime_s, 1),
                             last_exit=self.last_exit, detail=self.detail,
-                            rejected_messages=self.rejected_messages)
+                            rejected_messages=self.rejected_messages,
+                            standby=self.spec.standby)

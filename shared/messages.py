@@ -271,12 +271,13 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     role: str
     pid: int
-    state: str  # booting, running, backoff, failed (boot error), flapping, stopped
+    state: str  # booting, running, standby, backoff, pending, failed, flapping, stopped
     restarts: int
     uptime_s: float
     last_exit: str = ""
     detail: str = ""
     rejected_messages: int = 0  # malformed messages it refused, since it (re)started
+    standby: bool = False  # a warm spare (Note [Warm standby]), not one of the config's workers
 
 
 class GpuStatus(msgspec.Struct, frozen=True, kw_only=True):
