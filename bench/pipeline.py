@@ -2,6 +2,7 @@
 
     python bench/pipeline.py [--cameras 1 4 8 16 32] [--transports cuda_ipc shm]
                              [--warmup-s 15] [--measure-s 20] [--out docs/benchmarks-pipeline.json]
+                             [--mediapipe-baseline [--mediapipe-path /tmp/mp] [--mediapipe-python PY]]
 
 For every camera count and transport, in the same run, it starts the real daemon (supervisor and
 workers) with its own runtime directory, waits for READY=1 and a warm-up, then reads the
@@ -16,8 +17,16 @@ measurement window and reports, per configuration:
 - CPU time of the whole process tree per second of wall time (cores busy), from /proc;
 - GPU utilisation and memory from NVML (through the supervisor's status).
 
-MediaPipe's CPU face landmarker is the baseline issue 5 asks for; it needs the mediapipe package,
-which the offline GPU machine does not have: the JSON says so instead of inventing a figure.
+With `--mediapipe-baseline`, the baseline issue 5 asks for runs after the daemon at every camera
+count, on the same machine: MediaPipe's face mesh on the CPU, one process per camera, on the
+same synthetic frames (bench/mediapipe_baseline.py; its processes run under
+`--mediapipe-python` with `--mediapipe-path` put before $PYTHONPATH, where mediapipe 0.10.21
+and protobuf 4.25 are installed). Each daemon row then gets ratios against it: CPU cores busy
+(and CPU per frame handled), p99 latency, faces per frame. The daemon's scene has ~420 px faces,
+which MediaPipe finds too; so a second scene with faces of `--small-face-px` (100 and 250 px
+wide) is run once, by MediaPipe (one camera, real time) and by facecast's FacePipeline (the
+daemon's models and tracking, in this process, on the GPU when there is one), counting the faces
+each finds by width. Without the option the JSON says that the baseline was not measured.
 Prints a table; writes JSON; `--plot` turns a JSON into a PNG (needs matplotlib).
 """
 
@@ -88,6 +97,12 @@ class NotifySocket:
         return "READY=1" in self.lines
 
 
+def output_faces(status) -> list[int]:
+    """Faces in each camera's newest published frame (the output workers' reports)."""
+    return [report.faces for reports in status.cameras.values() for report in reports
+            if report.latency_ms is not None]
+
+
 def totals(status) -> dict:
     captured = published = 0
     for reports in status.cameras.values():
@@ -146,6 +161,7 @@ def run_one(cameras: int, transport: str, args) -> dict:
                 if r.latency_ms is not None]
         p50s = [r.latency_ms.p50_ms for reports in last.cameras.values() for r in reports
                 if r.latency_ms is not None]
+        faces = output_faces(first) + output_faces(last)
         transports = sorted({r.transport for reports in last.cameras.values() for r in reports
                              if r.transport})
         reasons = sorted({r.fallback_reason for reports in last.cameras.values() for r in reports
@@ -161,6 +177,8 @@ def run_one(cameras: int, transport: str, args) -> dict:
             "stages": {name: {"p50_ms": t.p50_ms, "p99_ms": t.p99_ms}
                        for name, t in last.stages.items()},
             "cpu_cores_busy": round((cpu_last - cpu_first) / window_s, 2),
+            # Sampled, not counted per frame: the newest frame's faces at the window's two ends.
+            "faces_per_frame": round(sum(faces) / len(faces), 2) if faces else None,
             "gpus": [{"name": g.name, "utilization_pct": g.utilization_pct,
                       "memory_used_mib": g.memory_used_mib} for g in last.gpus],
             "transports_seen": transports, "fallback_reasons": reasons,
@@ -169,26 +187,107 @@ def run_one(cameras: int, transport: str, args) -> dict:
         return result
 
 
-def print_table(rows: list[dict]) -> str:
+def versus(row: dict, baseline: dict | None) -> dict | None:
+    """A daemon row against MediaPipe's run at the same camera count: facecast / MediaPipe."""
+    if baseline is None or "error" in baseline or "error" in row:
+        return None
+
+    def ratio(a, b):
+        return round(a / b, 2) if a is not None and b else None
+
+    published_fps = row["published_fps"]
+    cpu_ms_per_frame = 1e3 * row["cpu_cores_busy"] / published_fps if published_fps else None
+    # The capture workers render the same synthetic frames as MediaPipe's processes; their cost
+    # is estimated from what rendering cost there, per frame captured.
+    render_cores = baseline["render_cpu_ms_per_frame"] * row["captured_fps"] / 1e3
+    return {
+        "cpu_ratio": ratio(row["cpu_cores_busy"], baseline["cpu_cores_busy"]),
+        "cpu_per_frame_ratio": ratio(cpu_ms_per_frame, baseline["cpu_ms_per_frame"]),
+        "cpu_ratio_without_rendering_estimate": ratio(
+            row["cpu_cores_busy"] - render_cores,
+            baseline["cpu_cores_busy"] - baseline["render_cores_busy"]),
+        "p99_ratio": ratio(row["latency_p99_ms"], baseline["latency_p99_ms"]),
+        "faces_per_frame": row["faces_per_frame"],
+        "mediapipe_faces_per_frame": baseline["faces"]["faces_per_frame"],
+    }
+
+
+def facecast_small_faces(face_px: list[float], seconds: float) -> dict:
+    """Faces found by facecast's FacePipeline (the daemon's models, detection and tracking) on
+    frames of the small-face scene, one after another, by face width."""
+    import torch
+
+    from facecast.models.pipeline import FacePipeline
+    from mediapipe_baseline import FaceCounts, FixedSizeScene
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pipeline = FacePipeline(device=device, max_faces=2)
+    scene = FixedSizeScene(WIDTH, HEIGHT, "cam00", face_px)
+    counts = FaceCounts()
+    for k in range(max(1, round(seconds * FPS))):
+        t_s = k / FPS
+        faces = pipeline.track([scene.render(t_s)], ["cam00"])[0]
+        counts.add(scene.faces_at(t_s), [tuple(f.landmarks[FaceCounts.NOSE_TIP, :2]) for f in faces])
+    return {"what": f"facecast FacePipeline(max_faces=2) on {device}, in the bench process",
+            **counts.summary()}
+
+
+def print_table(rows: list[dict], small_faces: dict | None = None) -> str:
     header = ("| cameras | transport | captured fps | published fps | dropped | latency p50 / p99 "
               "(ms) | slowest stage p99 (ms) | CPU cores busy | GPU util / mem |")
-    lines = [header, "|" + "---|" * 9]
+    columns = 9
+    with_baseline = any("mediapipe" in r for r in rows)
+    if with_baseline:
+        header += (" MediaPipe CPU cores busy | CPU ratio fc/mp (per frame) | MediaPipe p50 / p99 (ms)"
+                   " | p99 ratio fc/mp | MediaPipe dropped | faces per frame fc / mp |")
+        columns += 6
+    lines = [header, "|" + "---|" * columns]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['cameras']} | {r['transport']} | failed: {r['error'][:120]} |"
-                         + " |" * 6)
+                         + " |" * (columns - 3))
             continue
         stage = max(r["stages"].items(), key=lambda kv: kv[1]["p99_ms"], default=("-", {"p99_ms": 0}))
         gpu = r["gpus"][0] if r["gpus"] else None
-        lines.append(
+        line = (
             f"| {r['cameras']} | {r['transport']} ({'/'.join(r['transports_seen'])}) | "
             f"{r['captured_fps']} | {r['published_fps']} | {r['dropped']} ({r['dropped_pct']}%) | "
             f"{r['latency_p50_ms']} / {r['latency_p99_ms']} | {stage[0]} {stage[1]['p99_ms']:.0f} | "
             f"{r['cpu_cores_busy']} | "
             + (f"{gpu['utilization_pct']:.0f}% / {gpu['memory_used_mib']:.0f} MiB |" if gpu else "- |"))
+        if with_baseline:
+            v, b = r.get("vs_mediapipe"), r.get("mediapipe")
+            if v is None:
+                line += " - |" * 6 if b is None else f" failed: {b.get('error', '')[:120]} |" + " |" * 5
+            else:
+                line += (f" {b['cpu_cores_busy']} | {v['cpu_ratio']} ({v['cpu_per_frame_ratio']}) | "
+                         f"{b['latency_p50_ms']} / {b['latency_p99_ms']} | {v['p99_ratio']} | "
+                         f"{b['dropped']} ({b['dropped_pct']}%) | {v['faces_per_frame']} / "
+                         f"{v['mediapipe_faces_per_frame']} |")
+        lines.append(line)
+    if small_faces:
+        lines += ["", *small_faces_table(small_faces)]
     text = "\n".join(lines)
     print(text)
     return text
+
+
+def small_faces_table(small_faces: dict) -> list[str]:
+    from mediapipe_baseline import SIZE_BINS_PX
+
+    lines = [f"Faces found, 1920x1080, two faces of {small_faces['face_px']} px:", "",
+             "| face width | present (fc / mp) | facecast found | MediaPipe found |",
+             "|---|---|---|---|"]
+    fc, mp = small_faces["facecast"], small_faces["mediapipe"]
+    if "error" in mp:
+        return lines + [f"| MediaPipe failed: {mp['error'][:160]} | | | |"]
+    mp = mp["faces"]
+    for _, _, label in SIZE_BINS_PX:
+        if label in fc["present"] or label in mp["present"]:
+            lines.append(f"| {label} | {fc['present'].get(label, 0)} / {mp['present'].get(label, 0)} | "
+                         f"{fc['found_pct_by_width'].get(label)}% | "
+                         f"{mp['found_pct_by_width'].get(label)}% |")
+    return lines
 
 
 def machine() -> dict:
@@ -249,22 +348,68 @@ def main() -> int:
                         help="each run's daemon log")
     parser.add_argument("--plot", type=Path, metavar="PNG",
                         help="only plot the JSON given by --out into this PNG")
+    baseline = parser.add_argument_group("MediaPipe CPU baseline (bench/mediapipe_baseline.py)")
+    baseline.add_argument("--mediapipe-baseline", action="store_true",
+                          help="also run MediaPipe's face mesh, one CPU process per camera, at every "
+                               "camera count, and a small-face scene once")
+    baseline.add_argument("--mediapipe-python", default=sys.executable,
+                          help="the Python of the baseline's processes (default: this one)")
+    baseline.add_argument("--mediapipe-path", nargs="+", default=[], metavar="DIR",
+                          help="put before $PYTHONPATH for the baseline's processes (where mediapipe "
+                               "0.10.21 and protobuf 4.25 are installed)")
+    baseline.add_argument("--baseline-warmup-s", type=float, default=3.0)
+    baseline.add_argument("--baseline-measure-s", type=float, default=10.0)
+    baseline.add_argument("--small-face-px", type=float, nargs=2, default=[100.0, 250.0])
+    baseline.add_argument("--small-face-s", type=float, default=3.0,
+                          help="seconds of frames of the small-face scene (30 per second)")
     args = parser.parse_args()
     if args.plot:
         plot(args.out, args.plot)
         return 0
-    rows = []
+    rows: list[dict] = []
+    results = {"machine": machine(), "roi_workers": args.roi_workers,
+               "baseline": "MediaPipe CPU face landmarker: not measured (run with --mediapipe-baseline)",
+               "rows": rows}
+    if args.mediapipe_baseline:
+        import mediapipe_baseline  # bench/ is this script's folder, first on sys.path
+
+        results["baseline"] = {"description": mediapipe_baseline.DESCRIPTION,
+                               "python": args.mediapipe_python, "path": args.mediapipe_path,
+                               "warmup_s": args.baseline_warmup_s, "measure_s": args.baseline_measure_s,
+                               "rows": []}  # in full, per camera too; the daemon rows get summaries
+
+        def run_baseline(cameras: int, face_px=None, measure_s=args.baseline_measure_s) -> dict:
+            return mediapipe_baseline.run(
+                cameras, face_px=face_px, warmup_s=args.baseline_warmup_s, measure_s=measure_s,
+                boot_timeout_s=args.boot_timeout_s, log_dir=args.log_dir,
+                python=args.mediapipe_python, pythonpath=args.mediapipe_path)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for cameras in args.cameras:
+        done = []
         for transport in args.transports:
             print(f"running {cameras} camera(s) over {transport} ...", file=sys.stderr, flush=True)
-            rows.append(run_one(cameras, transport, args))
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({
-                "machine": machine(), "roi_workers": args.roi_workers,
-                "baseline": "MediaPipe CPU face landmarker: not measured (mediapipe is not "
-                            "installable on the offline GPU machine)",
-                "rows": rows}, indent=1))
-    print_table(rows)
+            done.append(run_one(cameras, transport, args))
+            rows.append(done[-1])
+            args.out.write_text(json.dumps(results, indent=1))
+        if args.mediapipe_baseline:
+            print(f"running the MediaPipe baseline with {cameras} camera(s) ...", file=sys.stderr,
+                  flush=True)
+            base = run_baseline(cameras)
+            results["baseline"]["rows"].append(base)
+            for row in done:
+                row["mediapipe"] = {k: v for k, v in base.items() if k != "per_camera"}
+                row["vs_mediapipe"] = versus(row, base)
+            args.out.write_text(json.dumps(results, indent=1))
+    if args.mediapipe_baseline:
+        print("running the small-face scene ...", file=sys.stderr, flush=True)
+        small_faces = {"face_px": args.small_face_px,
+                       "mediapipe": run_baseline(1, args.small_face_px, args.small_face_s),
+                       "facecast": facecast_small_faces(args.small_face_px, args.small_face_s)}
+        small_faces["mediapipe"].pop("per_camera", None)
+        results["baseline"]["small_faces"] = small_faces
+        args.out.write_text(json.dumps(results, indent=1))
+    print_table(rows, results["baseline"].get("small_faces") if args.mediapipe_baseline else None)
     return 0
 
 

@@ -1,0 +1,27 @@
+# Source this on the offline GPU test host (Python 3.12, torch+CUDA, numpy, OpenCV preinstalled;
+# no package index) from the repository root:   . bench/gpu_host_env.sh
+#
+# It expects two git-ignored folders carried along with the working tree:
+#   .whl/     the wheels that host lacks (../shared/gpu-host-wheels/README.md, plus ai-edge-litert
+#             and flatbuffers for the LiteRT parity tests), installed into /tmp/fc/site;
+#   .models/  MediaPipe's .tflite files (`facecast models install` puts them in the model cache)
+#             and test_photos.npz (the astronaut and grace_hopper photos: that host has neither
+#             scikit-image nor matplotlib; tests/models/conftest.py reads $FACECAST_TEST_PHOTOS).
+# The repository is not pip-installed there: facecast.* is a namespace of symlinks to its folders,
+# which is what pyproject's package-dir does for an installed copy.
+set -e
+_fc_root=/tmp/fc
+if [ ! -d "$_fc_root/site" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$_fc_root/site" .whl/*.whl
+fi
+mkdir -p "$_fc_root/pkg/facecast"
+for _part in daemon workers shared models; do
+    ln -sfn "$PWD/$_part" "$_fc_root/pkg/facecast/$_part"
+done
+export PYTHONPATH="$_fc_root/pkg:$_fc_root/site${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$_fc_root/site/bin:$PATH"
+export FACECAST_MODEL_DIR="$PWD/.models"
+export FACECAST_TEST_PHOTOS="$PWD/.models/test_photos.npz"
+export PYTHONUNBUFFERED=1
+set +e
