@@ -61,6 +61,35 @@ def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: in
     return "\n".join(lines)
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User+system CPU seconds of one process (all its threads), None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def role_cpu_s(status) -> dict[int, tuple[str, float]]:
+    """pid → (role, CPU seconds) of every worker and of the supervisor."""
+    found = {}
+    for pid, role in [(status.pid, "supervisor"),
+                      *((w.pid, "standby" if w.standby else w.role) for w in status.workers)]:
+        cpu_s = process_cpu_s(pid) if pid else None
+        if cpu_s is not None:
+            found[pid] = (role, cpu_s)
+    return found
+
+
+def cores_by_role(first: dict, last: dict, window_s: float) -> dict[str, float]:
+    """Cores busy per worker role over the window (processes alive at both ends)."""
+    busy: dict[str, float] = {}
+    for pid, (role, cpu_s) in last.items():
+        if pid in first:
+            busy[role] = busy.get(role, 0.0) + (cpu_s - first[pid][1]) / window_s
+    return {role: round(cores, 2) for role, cores in sorted(busy.items())}
+
+
 def tree_cpu_s(pid: int) -> float:
     """User+system CPU seconds of a process and its children (alive ones, by /proc)."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -143,9 +172,11 @@ def run_one(cameras: int, transport: str, args) -> dict:
             time.sleep(args.warmup_s)
             first = request(runtime_dir, StatusRequest(), 30)
             cpu_first, wall_first = tree_cpu_s(daemon.pid), time.monotonic()
+            roles_first = role_cpu_s(first)
             time.sleep(args.measure_s)
             last = request(runtime_dir, StatusRequest(), 30)
             cpu_last, wall_last = tree_cpu_s(daemon.pid), time.monotonic()
+            roles_last = role_cpu_s(last)
         finally:
             daemon.send_signal(signal.SIGTERM)
             try:
@@ -177,6 +208,8 @@ def run_one(cameras: int, transport: str, args) -> dict:
             "stages": {name: {"p50_ms": t.p50_ms, "p99_ms": t.p99_ms}
                        for name, t in last.stages.items()},
             "cpu_cores_busy": round((cpu_last - cpu_first) / window_s, 2),
+            # Where the CPU goes: capture renders (synthetic) or decodes, the rest is our cost.
+            "cpu_cores_by_role": cores_by_role(roles_first, roles_last, window_s),
             # Sampled, not counted per frame: the newest frame's faces at the window's two ends.
             "faces_per_frame": round(sum(faces) / len(faces), 2) if faces else None,
             "gpus": [{"name": g.name, "utilization_pct": g.utilization_pct,
@@ -265,6 +298,16 @@ def print_table(rows: list[dict], small_faces: dict | None = None) -> str:
                          f"{b['dropped']} ({b['dropped_pct']}%) | {v['faces_per_frame']} / "
                          f"{v['mediapipe_faces_per_frame']} |")
         lines.append(line)
+    roles = sorted({role for r in rows for role in r.get("cpu_cores_by_role", {})})
+    if roles:
+        lines += ["", "CPU cores busy by process role (capture includes rendering the synthetic "
+                  "frames):", "", "| cameras | transport | " + " | ".join(roles) + " |",
+                  "|" + "---|" * (2 + len(roles))]
+        for r in rows:
+            by_role = r.get("cpu_cores_by_role", {})
+            if by_role:
+                lines.append(f"| {r['cameras']} | {r['transport']} | "
+                             + " | ".join(str(by_role.get(role, "-")) for role in roles) + " |")
     if small_faces:
         lines += ["", *small_faces_table(small_faces)]
     text = "\n".join(lines)

@@ -114,7 +114,13 @@ class OutputConfig(_Strict):
     landmarks: Annotated[bool, msgspec.Meta(description="add 478x3 landmarks to Face streams")] = (
         False
     )
-    pose: Annotated[bool, msgspec.Meta(description="publish a MoCap body pose stream")] = False
+    pose: Annotated[
+        bool,
+        msgspec.Meta(
+            description="measure body pose (MediaPipe's 33 landmarks) and publish one MoCap "
+            "stream per camera"
+        ),
+    ] = False
 
 
 class CameraConfig(_Strict):

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 # Set as zmq.MAXMSGSIZE on every socket that others connect to: a peer that sends more is
 # disconnected by libzmq instead of making us allocate it. The largest real message (FaceResults
-# with 16 faces' landmarks) is ~100 KiB.
+# with 16 faces' landmarks, and a few body poses at ~1 KiB each) is ~100 KiB.
 MAX_MESSAGE_BYTES = 4 << 20
 
 TransportKind = Literal["cuda_ipc", "shm"]
@@ -149,14 +149,70 @@ class FaceResult(msgspec.Struct, frozen=True, kw_only=True):
     landmarks_px: bytes | None = None  # float32 (478, 3), little endian, when asked for
 
 
+POSE_LANDMARK_COUNT = 33  # MediaPipe's BlazePose topology
+POSE_LANDMARK_VALUES = 5  # x px, y px, z px (x's scale), visibility, presence
+
+
+class PoseResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One person's body pose (facecast.models.pose.Pose) in one frame."""
+
+    presence: float  # the pose landmark model's presence score
+    score: float  # detector score, or presence when tracked
+    box_px: tuple[float, float, float, float]  # x1, y1, x2, y2: the landmarks' bounds in the frame
+    landmarks: bytes  # float32 (33, 5) little endian: x, y px, z px, visibility, presence
+    world_landmarks_m: bytes  # float32 (33, 3) little endian: meters, origin between the hips
+
+    @classmethod
+    def from_arrays(cls, *, presence: float, score: float, box_px, landmarks,
+                    world_landmarks_m) -> PoseResult:
+        """Pack numpy arrays of shapes (33, 5) and (33, 3) (a models.pose.Pose's fields)."""
+        import numpy as np  # only where poses are packed or read: the CLI imports this module too
+
+        packed = {}
+        for name, array, columns in (("landmarks", landmarks, POSE_LANDMARK_VALUES),
+                                     ("world_landmarks_m", world_landmarks_m, 3)):
+            array = np.ascontiguousarray(array, dtype="<f4")
+            if array.shape != (POSE_LANDMARK_COUNT, columns):
+                raise ValueError(f"pose {name} must have shape ({POSE_LANDMARK_COUNT}, {columns}), "
+                                 f"got {array.shape}")
+            packed[name] = array.tobytes()
+        return cls(presence=float(presence), score=float(score),
+                   box_px=tuple(float(v) for v in box_px), **packed)
+
+    def landmarks_array(self):
+        """(33, 5) float32 view of ``landmarks``; ValueError when the bytes do not hold 33."""
+        return _unpack(self.landmarks, "landmarks", POSE_LANDMARK_VALUES)
+
+    def world_landmarks_array(self):
+        """(33, 3) float32 view of ``world_landmarks_m``; ValueError when the bytes do not hold 33."""
+        return _unpack(self.world_landmarks_m, "world_landmarks_m", 3)
+
+
+def _unpack(data: bytes, name: str, columns: int):
+    import numpy as np
+
+    expected_bytes = POSE_LANDMARK_COUNT * columns * 4
+    if len(data) != expected_bytes:
+        raise ValueError(f"pose {name} has {len(data)} bytes, expected {expected_bytes} "
+                         f"(float32 {POSE_LANDMARK_COUNT}x{columns})")
+    return np.frombuffer(data, dtype="<f4").reshape(POSE_LANDMARK_COUNT, columns)
+
+
 class FaceResults(Message, tag="faces"):
-    """Every face measured in one frame of one camera: one LSL sample per face slot."""
+    """Every face measured in one frame of one camera: one LSL sample per face slot.
+
+    ``poses``: the body poses found in the frame, best first, when this sender measured body pose
+    on it ([] when it found nobody); None when it did not look (pose not enabled, or a sender
+    that predates the field): the output worker then publishes no MoCap sample for the frame,
+    rather than one that claims "nobody there".
+    """
 
     camera_id: str
     frame_seq: int
     capture_ts_lsl: float
     faces: list[FaceResult]
     blendshapes_missing_reason: str = ""
+    poses: list[PoseResult] | None = None
 
 
 # --- supervisor ↔ workers (control socket) ---------------------------------------------------------

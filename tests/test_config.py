@@ -28,6 +28,8 @@ def test_default_config_loads_with_two_synthetic_cameras():
         ('[[cameras]]\nid = "a"\nsource = 0\n[[cameras]]\nid = "a"\nsource = 1', "camera id 'a' appears twice"),
         ("[daemon\n", "not valid TOML"),
         ('[[cameras]]\nsource = 0', "cameras[0]: Object missing required field `id`"),
+        ('[output]\npose = "yes"', "output.pose: Expected `bool`, got `str` (allowed: bool; measure body pose"),
+        ("[output]\nbody_pose = true", "output.body_pose: unknown key (allowed here: max_faces, landmarks, pose)"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(text, expected):

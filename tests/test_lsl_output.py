@@ -329,3 +329,44 @@ def test_event_encoding_handles_numpy_and_odd_values() -> None:
     assert text == (
         '{"event":"worker_restart","worker":"detection","restarts":3,"uptime_s":1.5,"x":[1,null]}'
     )
+
+
+def test_output_worker_publishes_the_best_pose_of_each_frame_that_measured_pose() -> None:
+    from facecast.shared import messages
+    from facecast.workers.output import OutputWorker
+
+    host = _unique_host()
+    worker = OutputWorker.__new__(OutputWorker)  # only its pose path: no sockets, no supervisor
+    worker.pose_outlets = {"cam0": PoseOutlet(host, "cam0", fps=30.0)}
+    (info,) = _resolve("MoCap", [f"facecast-{host}-cam0-pose"])
+    inlet = _open_inlet(info)
+    rng = np.random.default_rng(2)
+
+    def pose(presence: float) -> messages.PoseResult:
+        return messages.PoseResult.from_arrays(
+            presence=presence, score=presence, box_px=(0, 0, 10, 10),
+            landmarks=rng.uniform(size=(33, 5)), world_landmarks_m=rng.normal(size=(33, 3)))
+
+    weak, strong = pose(0.6), pose(0.95)
+    capture_ts = [pylsl.local_clock() + CAPTURE_TS_OFFSET_S + k for k in range(3)]
+
+    def received(k: int, poses) -> messages.FaceResults:  # through the wire, as the worker gets it
+        return messages.decode(messages.encode(messages.FaceResults(
+            camera_id="cam0", frame_seq=k, capture_ts_lsl=capture_ts[k], faces=[], poses=poses)))
+
+    worker._push_pose(received(0, [weak, strong]))
+    worker._push_pose(received(1, None))  # pose not measured on this frame: no sample
+    worker._push_pose(received(2, []))  # measured, nobody there: NaN
+    samples, timestamps = _pull(inlet, 2)
+    np.testing.assert_allclose(timestamps, [capture_ts[0], capture_ts[2]], rtol=0, atol=1e-9)
+    per_marker = samples[0].reshape(33, 4)
+    np.testing.assert_array_equal(per_marker[:, :3], strong.world_landmarks_array())
+    np.testing.assert_array_equal(per_marker[:, 3], strong.landmarks_array()[:, 3])
+    assert np.isnan(samples[1]).all()
+    broken = messages.FaceResults(camera_id="cam0", frame_seq=3, capture_ts_lsl=capture_ts[2] + 1,
+                                  faces=[], poses=[messages.PoseResult(
+                                      presence=1.0, score=1.0, box_px=(0, 0, 1, 1),
+                                      landmarks=b"", world_landmarks_m=b"")])
+    with pytest.raises(ValueError, match="pose"):  # OutputWorker._push counts it as rejected
+        worker._push_pose(broken)
+    worker.pose_outlets["cam0"].close()

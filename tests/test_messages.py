@@ -109,3 +109,37 @@ def test_publisher_survives_garbage_on_its_control_socket(tmp_path):
         assert isinstance(reply, messages.RingDescription) and reply.camera_id == "g"
         intruder.close()
         publisher.close()
+
+
+# --- body pose in FaceResults ----------------------------------------------------------------------
+
+
+def _pose_result(presence: float = 0.9) -> messages.PoseResult:
+    rng = np.random.default_rng(1)
+    return messages.PoseResult.from_arrays(
+        presence=presence, score=0.8, box_px=(1, 2, 3, 4),
+        landmarks=rng.normal(size=(33, 5)), world_landmarks_m=rng.normal(size=(33, 3)))
+
+
+def test_face_results_carry_poses_and_old_senders_stay_valid():
+    pose = _pose_result()
+    sent = messages.FaceResults(camera_id="cam0", frame_seq=3, capture_ts_lsl=1.5, faces=[], poses=[pose])
+    received = messages.decode(messages.encode(sent))
+    assert received == sent
+    rng = np.random.default_rng(1)
+    np.testing.assert_array_equal(received.poses[0].landmarks_array(), rng.normal(size=(33, 5)).astype(np.float32))
+    np.testing.assert_array_equal(received.poses[0].world_landmarks_array(),
+                                  rng.normal(size=(33, 3)).astype(np.float32))
+    # A sender that predates the field: no pose measured (None), which is not "nobody" ([]).
+    old = msgspec.msgpack.decode(messages.encode(sent))
+    del old["poses"]
+    assert messages.decode(msgspec.msgpack.encode(old)).poses is None
+
+
+def test_pose_arrays_are_checked_on_both_sides():
+    with pytest.raises(ValueError, match=r"landmarks must have shape \(33, 5\)"):
+        messages.PoseResult.from_arrays(presence=1, score=1, box_px=(0, 0, 1, 1),
+                                        landmarks=np.zeros((33, 4)), world_landmarks_m=np.zeros((33, 3)))
+    truncated = msgspec.structs.replace(_pose_result(), world_landmarks_m=b"\x00" * 12)
+    with pytest.raises(ValueError, match="world_landmarks_m has 12 bytes, expected 396"):
+        truncated.world_landmarks_array()

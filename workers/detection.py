@@ -23,8 +23,8 @@ from facecast.workers.base import Worker
 from facecast.workers.inference import (
     consumer_reports,
     open_frames,
-    pipeline_for,
-    prepare_pipeline,
+    pipelines_for,
+    prepare_pipelines,
     torch_device,
 )
 
@@ -36,12 +36,15 @@ class DetectionWorker(Worker):
 
     def prepare(self) -> None:
         self.torch_device = torch_device(self.device)
-        self.prepared = prepare_pipeline(self.config, self.torch_device, blendshapes=False)
+        self.prepared = prepare_pipelines(self.config, self.torch_device, blendshapes=False,
+                                          pose=False)
 
     def boot(self) -> None:
         self.torch_device = torch_device(self.device)
-        self.pipeline = pipeline_for(self.prepared, self.config, self.torch_device,
-                                     blendshapes=False)
+        pipelines = pipelines_for(self.prepared, self.config, self.torch_device,
+                                  blendshapes=False, pose=False)
+        self.prepared = None
+        self.pipeline = pipelines.face
         self.timer = StageTimer()
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}

@@ -3,6 +3,7 @@ worker's device from the config, with errors a user can act on."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -12,6 +13,7 @@ import torch
 
 from facecast.models import assets
 from facecast.models.pipeline import FacePipeline
+from facecast.models.pose import PosePipeline
 from facecast.shared.config import Config
 from facecast.shared.messages import CameraReport
 from facecast.shared.stats import RateMeter
@@ -55,38 +57,62 @@ def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool) -
         raise BootError(str(exc)) from None
 
 
-def prepare_pipeline(config: Config, device: torch.device, *, blendshapes: bool
-                     ) -> tuple[bytes, FacePipeline]:
-    """A warm standby's pipeline (Note [Warm standby]): built, then run once on a synthetic frame
-    with two faces so that every model's first-call costs (CUDA kernels, cuDNN's choices,
-    allocator pools) are paid before a camera waits on it. Returned with the key of what it
-    was built for: `pipeline_for` uses it only if the promoted worker's config still matches."""
+def build_pose_pipeline(config: Config, device: torch.device) -> PosePipeline | None:
+    """The body-pose pipeline when `output.pose` asks for it, else None."""
+    if not config.output.pose:
+        return None
+    try:
+        return PosePipeline(device, model_dir=config.models.dir or None)
+    except assets.ModelError as exc:
+        raise BootError(str(exc)) from None
+
+
+@dataclasses.dataclass
+class Pipelines:
+    face: FacePipeline
+    pose: PosePipeline | None  # None unless the worker measures body pose
+
+
+def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool, pose: bool
+                      ) -> tuple[bytes, Pipelines]:
+    """A warm standby's pipelines (Note [Warm standby]): built, then run once on a synthetic
+    frame with two faces so that every model's first-call costs (CUDA kernels, cuDNN's choices,
+    allocator pools) are paid before a camera waits on them. Returned with the key of what they
+    were built for: `pipelines_for` uses them only if the promoted worker's config still matches."""
     from facecast.workers.sources import SyntheticScene
 
     started_monotonic = time.monotonic()
-    pipeline = build_pipeline(config, device, blendshapes=blendshapes)
+    pipelines = _build(config, device, blendshapes=blendshapes, pose=pose)
     frame = SyntheticScene(640, 360, seed="warm-up").render(0.0)
-    faces = pipeline.track([frame], ["warm-up"])[0]
-    pipeline.reset("warm-up")
+    faces = pipelines.face.track([frame], ["warm-up"])[0]
+    pipelines.face.reset("warm-up")
+    if pipelines.pose is not None:
+        pipelines.pose.track([frame], ["warm-up"])
+        pipelines.pose.reset("warm-up")
     log.info("models ready on %s in %.1f s (%d face(s) in the warm-up frame)", device,
              time.monotonic() - started_monotonic, len(faces))
-    return _pipeline_key(config, device, blendshapes), pipeline
+    return _pipelines_key(config, device, blendshapes, pose), pipelines
 
 
-def pipeline_for(prepared: tuple[bytes, FacePipeline] | None, config: Config,
-                 device: torch.device, *, blendshapes: bool) -> FacePipeline:
-    """The pipeline a booting worker uses: its standby's, when that was built for this config
-    and device; else a new one."""
+def pipelines_for(prepared: tuple[bytes, Pipelines] | None, config: Config,
+                  device: torch.device, *, blendshapes: bool, pose: bool) -> Pipelines:
+    """The pipelines a booting worker uses: its standby's, when they were built for this config
+    and device; else new ones."""
     if prepared is not None:
-        key, pipeline = prepared
-        if key == _pipeline_key(config, device, blendshapes):
-            return pipeline
+        key, pipelines = prepared
+        if key == _pipelines_key(config, device, blendshapes, pose):
+            return pipelines
         log.info("the standby's models were loaded for another config; loading them again")
-    return build_pipeline(config, device, blendshapes=blendshapes)
+    return _build(config, device, blendshapes=blendshapes, pose=pose)
 
 
-def _pipeline_key(config: Config, device: torch.device, blendshapes: bool) -> bytes:
-    return msgspec.json.encode([config.models, config.output.max_faces, str(device), blendshapes])
+def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: bool) -> Pipelines:
+    return Pipelines(face=build_pipeline(config, device, blendshapes=blendshapes),
+                     pose=build_pose_pipeline(config, device) if pose else None)
+
+
+def _pipelines_key(config: Config, device: torch.device, blendshapes: bool, pose: bool) -> bytes:
+    return msgspec.json.encode([config.models, config.output, str(device), blendshapes, pose])
 
 
 def consumer_reports(camera_ids, subscriber, rates: dict[str, RateMeter],

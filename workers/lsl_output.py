@@ -355,7 +355,9 @@ class PoseOutlet:
     """A camera's body pose as one `MoCap` stream, labelled per XDF's MoCap meta-data.
 
     33 markers (MediaPipe's BlazePose landmarks) x (X, Y, Z in meters: MediaPipe's world
-    landmarks, origin between the hips; and visibility as a Confidence channel).
+    landmarks, origin between the hips; and visibility as a Confidence channel). One body per
+    camera: the output worker publishes the most present person of each frame
+    (facecast.models.pose.PosePipeline measures them).
     """
 
     def __init__(self, host: str, camera_id: str, fps: float, *, max_buffered_s: int = 360) -> None:
@@ -394,6 +396,9 @@ class PoseOutlet:
         _append_text(facecast, "host", host)
         _append_text(facecast, "camera", camera_id)
         _append_text(facecast, "coordinates", "MediaPipe pose world landmarks: meters, hip-centred")
+        _append_text(facecast, "axes", "x: image right, y: image down, z: away from the camera")
+        _append_text(facecast, "person", "the most present body in the frame; NaN when none")
+        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
         self._empty = np.full(self.channel_count, np.nan, dtype=np.float32)
         self._outlet = pylsl.StreamOutlet(info, max_buffered=max_buffered_s)
 

@@ -3,11 +3,14 @@ never breaks an inlet's stream.
 
 Per camera it keeps one `Face` stream per face slot (facecast.workers.lsl_output.FaceOutlets) and
 pushes one sample per slot for every frame a roi_landmark worker measured, stamped with the
-frame's capture time. It also owns the daemon's one `Markers` stream: events from every worker
-and from the supervisor arrive here over the control socket.
+frame's capture time. With `output.pose`, each camera also gets one `MoCap` stream (PoseOutlet):
+the best body pose of every frame on which a roi_landmark worker measured pose. It also owns the
+daemon's one `Markers` stream: events from every worker and from the supervisor arrive here over
+the control socket.
 
 Frames that no roi_landmark worker got to (it skipped to the newest frame) have no sample: a NaN
-sample would claim "no face" for a frame nobody looked at.
+sample would claim "no face" for a frame nobody looked at. For the same reason a result that
+carries no pose measurement (`FaceResults.poses` is None) adds no MoCap sample.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ from facecast.shared.config import Config
 from facecast.shared.messages import CameraReport, Event, FaceResults, MessageGate
 from facecast.shared.stats import LatencyWindow, RateMeter
 from facecast.workers.base import Worker
-from facecast.workers.lsl_output import FACE_LANDMARK_COUNT, FaceOutlets, FaceSample, MarkerOutlet
+from facecast.workers.lsl_output import (
+    FACE_LANDMARK_COUNT,
+    FaceOutlets,
+    FaceSample,
+    MarkerOutlet,
+    PoseOutlet,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +48,8 @@ class OutputWorker(Worker):
         if self.blendshapes_missing:
             self.markers.event("model_missing", model="face_blendshapes",
                                reason=self.blendshapes_missing)
-        if self.config.output.pose:
-            reason = "body pose is not produced yet by this version; no MoCap stream"
-            log.warning("output.pose = true: %s", reason)
-            self.markers.event("model_missing", model="pose_landmark", reason=reason)
         self.outlets: dict[str, FaceOutlets] = {}
+        self.pose_outlets: dict[str, PoseOutlet] = {}  # only with output.pose
         self.latency: dict[str, LatencyWindow] = {}
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}
@@ -57,9 +63,10 @@ class OutputWorker(Worker):
         self._open_outlets()
 
     def _open_outlets(self) -> None:
-        for camera_id in list(self.outlets):
-            if camera_id not in self.camera_ids:
-                self.outlets.pop(camera_id).close()
+        for outlets in (self.outlets, self.pose_outlets):
+            for camera_id in list(outlets):
+                if camera_id not in self.camera_ids:
+                    outlets.pop(camera_id).close()
         for camera_id in self.camera_ids:
             if camera_id not in self.outlets:
                 camera = self.camera(camera_id)
@@ -68,6 +75,8 @@ class OutputWorker(Worker):
                     self.config.output.landmarks,
                     blendshapes_missing_reason=self.blendshapes_missing,
                 )
+            if self.config.output.pose and camera_id not in self.pose_outlets:
+                self.pose_outlets[camera_id] = PoseOutlet(self.host, camera_id, self.camera(camera_id).fps)
 
     def reassign(self, previous_camera_ids: list[str]) -> None:
         self._open_outlets()
@@ -98,10 +107,26 @@ class OutputWorker(Worker):
         except ValueError as exc:  # a malformed result must not kill the streams
             self._results_gate._reject(f"result of camera {result.camera_id} not publishable: {exc}")
             return
+        try:
+            self._push_pose(result)
+        except ValueError as exc:
+            self._results_gate._reject(f"pose of camera {result.camera_id} not publishable: {exc}")
         self.latency.setdefault(result.camera_id, LatencyWindow()).add_ms(
             (pylsl.local_clock() - result.capture_ts_lsl) * 1e3)
         self.rates.setdefault(result.camera_id, RateMeter()).tick()
         self.faces[result.camera_id] = len(samples)
+
+    def _push_pose(self, result: FaceResults) -> None:
+        """The frame's best pose on the camera's MoCap stream (NaN when nobody was found); no
+        sample when the sender did not measure pose on this frame."""
+        outlet = self.pose_outlets.get(result.camera_id)
+        if outlet is None or result.poses is None:
+            return
+        if not result.poses:
+            outlet.push_frame(result.capture_ts_lsl, None)
+            return
+        best = max(result.poses, key=lambda pose: pose.presence)
+        outlet.push_frame(result.capture_ts_lsl, best.world_landmarks_array(), best.landmarks_array()[:, 3])
 
     def on_event(self, event: Event) -> None:
         timestamp = event.event_ts_lsl if event.event_ts_lsl > 0 else None
@@ -121,6 +146,8 @@ class OutputWorker(Worker):
     def close(self) -> None:
         for outlets in getattr(self, "outlets", {}).values():
             outlets.close()
+        for outlet in getattr(self, "pose_outlets", {}).values():
+            outlet.close()
         if getattr(self, "markers", None) is not None:
             self.markers.close()
         if getattr(self, "results", None) is not None:

@@ -28,6 +28,7 @@ from facecast.shared.messages import (
     FaceResult,
     FaceResults,
     MessageGate,
+    PoseResult,
 )
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport import FrameSubscriber
@@ -35,8 +36,8 @@ from facecast.workers.base import Worker
 from facecast.workers.inference import (
     consumer_reports,
     open_frames,
-    pipeline_for,
-    prepare_pipeline,
+    pipelines_for,
+    prepare_pipelines,
     torch_device,
 )
 from facecast.workers.tracking import TrackIds
@@ -55,12 +56,16 @@ class RoiLandmarkWorker(Worker):
 
     def prepare(self) -> None:
         self.torch_device = torch_device(self.device)
-        self.prepared = prepare_pipeline(self.config, self.torch_device, blendshapes=True)
+        self.prepared = prepare_pipelines(self.config, self.torch_device, blendshapes=True,
+                                          pose=self.config.output.pose)
 
     def boot(self) -> None:
         self.torch_device = torch_device(self.device)
-        self.pipeline = pipeline_for(self.prepared, self.config, self.torch_device,
-                                     blendshapes=True)
+        pipelines = pipelines_for(self.prepared, self.config, self.torch_device,
+                                  blendshapes=True, pose=self.config.output.pose)
+        self.prepared = None
+        self.pipeline = pipelines.face
+        self.pose_pipeline = pipelines.pose
         # Periodic passes for newcomers are the detection worker's (daemon.detect_interval_s).
         self.pipeline.detect_interval_frames = 1 << 62
         self.timer = StageTimer()
@@ -93,7 +98,7 @@ class RoiLandmarkWorker(Worker):
 
     def reassign(self, previous_camera_ids: list[str]) -> None:
         for camera_id in set(previous_camera_ids) - set(self.camera_ids):
-            self.pipeline.reset(camera_id)
+            self._reset(camera_id)
             self.track_ids.pop(camera_id, None)
         self._subscribe(previous_camera_ids)
 
@@ -112,8 +117,15 @@ class RoiLandmarkWorker(Worker):
         faces_per_frame = self.pipeline.track(
             [frame.tensor for frame in received], camera_ids, detections=detections)
         self.timer.add_ms("landmarks", (time.monotonic() - start) * 1e3)
-        for frame, faces in zip(received, faces_per_frame):
-            self._publish(frame, faces)
+        poses_per_frame = [None] * len(received)  # None: body pose is not measured
+        if self.pose_pipeline is not None:
+            start = time.monotonic()
+            poses_per_frame = self.pose_pipeline.track(
+                [frame.tensor for frame in received], camera_ids,
+                timestamps_s=[frame.message.capture_ts_lsl for frame in received])
+            self.timer.add_ms("pose", (time.monotonic() - start) * 1e3)
+        for frame, faces, poses in zip(received, faces_per_frame, poses_per_frame):
+            self._publish(frame, faces, poses)
         wanted = sorted({c for c in camera_ids if self.pipeline.wants_detection(c)})
         if wanted:
             try:
@@ -136,14 +148,20 @@ class RoiLandmarkWorker(Worker):
         age_s = frame.capture_ts_lsl - found.capture_ts_lsl
         return found.ring_epoch == frame.ring_epoch and -0.05 <= age_s <= MAX_DETECTION_AGE_S
 
-    def _publish(self, frame, faces) -> None:
+    def _reset(self, camera_id: str) -> None:
+        """Forget what was tracked on this camera."""
+        self.pipeline.reset(camera_id)
+        if self.pose_pipeline is not None:
+            self.pose_pipeline.reset(camera_id)
+
+    def _publish(self, frame, faces, poses) -> None:
         message = frame.message
         camera_id = message.camera_id
         if not frame.read.still_valid():
             # The slot was overwritten while we read it: this result is not of this frame.
             self.dropped_overwritten += 1
             self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
-            self.pipeline.reset(camera_id)
+            self._reset(camera_id)
             return
         ids = self.track_ids.setdefault(camera_id, TrackIds(hold_s=TRACK_HOLD_S)).assign(
             [face.box for face in faces], message.capture_ts_lsl)
@@ -163,6 +181,11 @@ class RoiLandmarkWorker(Worker):
             camera_id=camera_id, frame_seq=message.frame_seq,
             capture_ts_lsl=message.capture_ts_lsl, faces=results,
             blendshapes_missing_reason=reason,
+            poses=None if poses is None else [
+                PoseResult.from_arrays(presence=p.presence, score=p.score, box_px=p.box,
+                                       landmarks=p.landmarks,
+                                       world_landmarks_m=p.world_landmarks_m)
+                for p in poses],
         )))
         self.rates.setdefault(camera_id, RateMeter()).tick()
         self.faces[camera_id] = len(results)
