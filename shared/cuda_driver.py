@@ -11,11 +11,22 @@ Note [One context]
     context made with `make_context()` hands PyTorch an address its context has never mapped
     (DESIGN.md §2 rule 5). `require_primary_context()` refuses any other current context; guarded
     by tests/gpu/test_cuda_rules.py::test_rule5_*.
+
+Note [Blocking waits]
+    By default (CU_CTX_SCHED_AUTO with fewer contexts than cores) a thread that waits for the GPU
+    (a copy back to the host, a stream synchronisation) spins on a core until the GPU is done.
+    Every facecast worker waits for its results once per frame, so each spun a core for the
+    length of its GPU work, and the CPU is what a lab machine needs for decoding cameras. The
+    primary context is therefore made with CU_CTX_SCHED_BLOCKING_SYNC (`wait_by_blocking`,
+    before torch or PyCUDA create it): a wait sleeps on an OS primitive and costs a wake-up of
+    tens of microseconds instead of a core.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import logging
 import threading
 from typing import Any
 
@@ -24,6 +35,34 @@ import torch
 from facecast.shared.rings import TransportUnavailable
 
 _pushed = threading.local()
+log = logging.getLogger(__name__)
+_CU_CTX_SCHED_BLOCKING_SYNC = 0x04
+_blocking_devices: set[int] = set()
+
+
+def wait_by_blocking(device_index: int) -> None:
+    """Note [Blocking waits]: call before anything in this process uses CUDA on the device.
+    Best effort: a driver that refuses leaves the default, and says so in the log."""
+    if device_index in _blocking_devices:
+        return
+    _blocking_devices.add(device_index)
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return  # no driver: nothing will wait for a GPU here
+    device = ctypes.c_int()
+    set_flags = getattr(libcuda, "cuDevicePrimaryCtxSetFlags_v2", None) or getattr(
+        libcuda, "cuDevicePrimaryCtxSetFlags")
+    for step, result in (("cuInit", lambda: libcuda.cuInit(0)),
+                         ("cuDeviceGet", lambda: libcuda.cuDeviceGet(ctypes.byref(device),
+                                                                     device_index)),
+                         ("cuDevicePrimaryCtxSetFlags",
+                          lambda: set_flags(device, _CU_CTX_SCHED_BLOCKING_SYNC))):
+        code = result()
+        if code != 0:
+            log.info("GPU %d: %s returned CUDA error %d; waits for the GPU will spin",
+                     device_index, step, code)
+            return
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -48,6 +87,7 @@ def driver(device_index: int) -> Any:
         raise TransportUnavailable(
             f"GPU {device_index} does not exist here ({torch.cuda.device_count()} visible)"
         )
+    wait_by_blocking(device_index)
     cuda.init()
     torch.cuda.init()
     torch.zeros(1, device=f"cuda:{device_index}")  # makes the runtime create the primary context

@@ -31,6 +31,9 @@ def torch_device(device: str) -> torch.device:
         index = int(device.partition(":")[2] or 0)
         if index >= torch.cuda.device_count():
             raise BootError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs)")
+        from facecast.shared.cuda_driver import wait_by_blocking
+
+        wait_by_blocking(index)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     # Several inference workers share the CPU: one thread each for up to half the cores keeps
