@@ -25,7 +25,9 @@ Note [Events order slots]
     then publishes the FrameReady. The consumer makes its current stream wait on that event before
     it reads the slot, so its kernels see the finished copy. PyTorch's own CUDA tensor sharing
     waits on an event only when a storage is first shared, which is not enough for a ring that is
-    re-read every frame.
+    re-read every frame. The frame gets into the staging buffer by a copy, or is made there
+    (Note [Staged writes] in rings.py); either way a slot's staging buffer is handed out again only
+    once that slot's event has completed.
 """
 
 from __future__ import annotations
@@ -96,7 +98,11 @@ class CudaRingProducer(RingProducer):
                 torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=True)
                 for _ in range(slot_count)
             ]
-            self._staging_np = [buffer.numpy() for buffer in self._staging]
+            # Per slot, made once: what _claim hands out and where _upload copies to.
+            self._staging_views = [
+                buffer.numpy().reshape(self.frame_shape) for buffer in self._staging
+            ]
+            self._slot_targets = [self.slots[slot, : self.frame_bytes] for slot in range(slot_count)]
             pattern = torch.from_numpy(frames.test_pattern(self.slot_bytes, self.ring_epoch))
             self.slots[slot_count].copy_(pattern)
             torch.cuda.synchronize(device_index)
@@ -115,7 +121,7 @@ class CudaRingProducer(RingProducer):
             device_index=device_index,
             driver_version=self.driver_version,
         )
-        self._corrupt_next = faults.corrupt_after_publish
+        self._corrupt_next = faults.corrupt_after_publish  # after RingProducer.__init__
         _IN_PROCESS[self.ring_epoch] = self
 
     def _allocate(self, cuda, ring_bytes: int) -> None:
@@ -137,30 +143,31 @@ class CudaRingProducer(RingProducer):
             self.slot_count + 1, self.slot_bytes
         )
 
-    def _copy_into_slot(self, slot: int, frame: np.ndarray) -> None:
-        event = self.events[slot]
-        # The staging buffer of this slot is free once its previous copy finished; that copy was
-        # issued slot_count frames ago, so this practically never waits.
-        event.synchronize()
-        np.copyto(self._staging_np[slot], frame.reshape(-1))
+    def _claim(self, slot: int) -> np.ndarray:
+        # The staging buffer of this slot is free once its previous upload finished; that upload
+        # was issued slot_count frames ago, so this practically never waits.
+        self.events[slot].synchronize()
+        return self._staging_views[slot]
+
+    def _commit(self, slot: int, pixels: np.ndarray) -> int:
+        self.header.begin_write(slot)
+        self._upload(slot)
+        # Host work from here on overlaps the DMA: the consumer waits for the copy anyway.
+        return self._checksum(pixels)
+
+    def _upload(self, slot: int) -> None:
+        """Stage "upload": the async copy to the slot and its event (Note [Events order slots])."""
         with torch.cuda.stream(self.stream):
             if self.faults.delay_copy_cycles:
                 torch.cuda._sleep(self.faults.delay_copy_cycles)
-            self.slots[slot, : self.frame_bytes].copy_(self._staging[slot], non_blocking=True)
-            event.record(self.stream)
+            self._slot_targets[slot].copy_(self._staging[slot], non_blocking=True)
+            self.events[slot].record(self.stream)
 
-    def write(self, frame: np.ndarray, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
-        message = super().write(frame, frame_seq, capture_ts_lsl)
-        if self._corrupt_next:
-            # Fault injection: the published slot changes under the consumer, generation intact.
-            self._corrupt_next = False
-            with torch.cuda.stream(self.stream):
-                self.slots[message.slot, : self.frame_bytes].bitwise_not_()
-                self.events[message.slot].record(self.stream)
-        return message
-
-    def corrupt_next_frame(self) -> None:
-        self._corrupt_next = True
+    def _corrupt_slot(self, slot: int) -> None:
+        # The published slot changes under the consumer, generation intact.
+        with torch.cuda.stream(self.stream):
+            self._slot_targets[slot].bitwise_not_()
+            self.events[slot].record(self.stream)
 
     def _description_fields(self) -> dict:
         return {"cuda": self._handles}
@@ -171,8 +178,8 @@ class CudaRingProducer(RingProducer):
             self.stream.synchronize()
         except Exception:
             pass
-        self.slots = None
-        self._staging = self._staging_np = None
+        self.slots = self._slot_targets = None
+        self._staging = self._staging_views = self._staged_view = None
         self.events = None
         if self.allocation is not None:
             self.allocation.free()
@@ -254,6 +261,11 @@ class CudaRingReader(RingReader):
             description.slot_count + 1, description.slot_bytes
         )
         self._prove_mapping(description)
+        # One view per slot for the whole epoch: reading a frame builds no tensor.
+        self._views = [
+            self.slots[slot, : self.frame_bytes].view(self.frame_shape)
+            for slot in range(description.slot_count)
+        ]
 
     def _prove_mapping(self, description: RingDescription) -> None:
         """The handshake: the probe slot must hold this epoch's pattern (Note [Probe slot])."""
@@ -269,14 +281,19 @@ class CudaRingReader(RingReader):
                 "address, allocation or epoch)"
             )
 
-    def _read_slot(self, message: FrameReady) -> torch.Tensor:
-        stream = torch.cuda.current_stream(self.device_index)
+    def _wait_for_slot(self, slot: int) -> None:
         if not self._unsafe_skip_event_wait:
-            self.events[message.slot].wait(stream)  # Note [Events order slots]
-        return self.slots[message.slot, : self.frame_bytes].view(message.shape)
+            # Note [Events order slots]
+            self.events[slot].wait(torch.cuda.current_stream(self.device_index))
+
+    def _slot_tensor(self, message: FrameReady, read) -> torch.Tensor:
+        return self._views[message.slot]
+
+    def _checksum_start(self, message: FrameReady, read) -> frames.PendingChecksum:
+        return frames.sparse_checksum_start(read.tensor)  # settled with the batch
 
     def close(self) -> None:
-        self.slots = None
+        self.slots = self._views = None
         self.events = None
         if self._ipc_memory is not None:
             try:

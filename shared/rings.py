@@ -21,6 +21,38 @@ Note [Probe slot]
     with `frames.test_pattern(slot_bytes, epoch)` when it creates the ring; a consumer compares it
     byte for byte, through its own mapping, before it accepts any frame of that epoch. A mapping at
     the wrong address, of the wrong allocation or of an earlier epoch cannot pass.
+
+Note [Staged writes]
+    `write(frame)` copies a finished frame into the ring: into the shm slot, or into the CUDA
+    ring's pinned staging buffer for the slot, from which it goes to the GPU. At 1080p that is
+    6 MB, about a millisecond of one core: the largest host cost of a frame (see the stage table
+    of bench/transport.py). A source that can decode or render into memory it is given takes
+    `staging_view()` instead, writes the frame there and calls `publish_staged()`: no copy. The rules stay those of
+    Note [Slot generations]: on shm the view *is* the slot, so `staging_view()` makes its
+    generation odd before handing it out (a consumer never reads a half-made frame); on CUDA the
+    view is the slot's pinned staging buffer, private to the producer, handed out only once the
+    slot's previous upload from it has finished (its event), and the generation goes odd when
+    the upload is issued. The checksum is taken from the staged bytes in both cases; on CUDA
+    after the upload was issued, so that the host work overlaps the DMA.
+
+Note [One sync per batch]
+    Reading a frame ends with checks that need the GPU's work done: a sampled checksum computed
+    on the GPU (CUDA rings), or an asynchronous copy to the GPU (pinned shm mappings) that must be
+    finished before the generation is checked again. One host sync per frame costs more than it
+    seems when many processes share the GPU (the driver time-slices their contexts, so a sync can
+    wait for other processes' work): a consumer of 32 cameras paid it 960 times a second.
+    `read_batch` therefore reads in three passes: every frame up to its sync (`_start`: verdict,
+    event wait, tensor, checksum queued on the device), then one device-to-host transfer of all
+    queued checksums per device (`settle`), then every frame's late checks (`_finish`: checksum
+    comparison, generation after the copy). `FrameSubscriber.receive` reads the newest frame of
+    every camera in one batch. Nothing is handed out before its checks passed.
+
+Note [Stage methods]
+    Each stage of a frame's way through a ring is one method (producer: `_claim`, `_fill`,
+    `_commit` with `header.begin_write`/`end_write`, `_upload` on CUDA, `_checksum`; consumer:
+    `_precheck`, `_wait_for_slot`, `_slot_tensor`, `_checksum_start`, `settle`,
+    `generation_unchanged`). bench/transport.py times them by wrapping them on the instance, so
+    the library carries no timing code and pays nothing for it. Keep a stage one method.
 """
 
 from __future__ import annotations
@@ -125,7 +157,11 @@ class GenerationHeader:
 
 
 class RingProducer(ABC):
-    """Writes frames into slots round-robin and describes each one with a FrameReady message."""
+    """Writes frames into slots round-robin and describes each one with a FrameReady message.
+
+    Two ways in: `write(frame)` copies a finished frame in; `staging_view()` then
+    `publish_staged()` let the frame be made in place (Note [Staged writes]).
+    """
 
     transport: str
 
@@ -142,22 +178,45 @@ class RingProducer(ABC):
         self.fallback_reason = fallback_reason
         self._strides_bytes = np.empty(frame_shape, np.uint8).strides
         self._next_slot = 0
+        self._staged_slot: int | None = None
+        self._staged_view: np.ndarray | None = None
+        self._corrupt_next = False
         self.header = GenerationHeader.create(
             shm.segment_name(camera_id, self.ring_epoch, "hdr"), slot_count, self.ring_epoch
         )
 
     def write(self, frame: np.ndarray, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
+        """Copy a finished frame into the next slot and describe it."""
         if frame.shape != self.frame_shape or frame.dtype != self.frame_dtype:
             raise ValueError(
                 f"camera {self.camera_id}: frame {frame.shape} {frame.dtype} does not fit the ring "
                 f"({self.frame_shape} uint8); a new resolution needs a new ring"
             )
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % self.slot_count
-        checksum = frames.sparse_checksum(frame)
-        self.header.begin_write(slot)
-        self._copy_into_slot(slot, frame)
+        self._fill(self.staging_view(), frame)
+        return self.publish_staged(frame_seq, capture_ts_lsl)
+
+    def staging_view(self) -> np.ndarray:
+        """Where the next frame's pixels go: a writable (frame_shape) uint8 array that a source
+        can decode or render into, saving `write`'s copy (Note [Staged writes]). Asking again
+        before `publish_staged` returns the same array."""
+        if self._staged_view is None:
+            slot = self._next_slot
+            self._next_slot = (slot + 1) % self.slot_count
+            self._staged_view = self._claim(slot)
+            self._staged_slot = slot
+        return self._staged_view
+
+    def publish_staged(self, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
+        """Commit what was written into `staging_view()` and describe it."""
+        slot, pixels = self._staged_slot, self._staged_view
+        if pixels is None:
+            raise RuntimeError(f"camera {self.camera_id}: nothing staged (call staging_view first)")
+        self._staged_slot = self._staged_view = None
+        checksum = self._commit(slot, pixels)
         generation = self.header.end_write(slot)
+        if self._corrupt_next:
+            self._corrupt_next = False
+            self._corrupt_slot(slot)
         return FrameReady(
             camera_id=self.camera_id,
             transport=self.transport,
@@ -167,7 +226,7 @@ class RingProducer(ABC):
             frame_seq=frame_seq,
             capture_ts_lsl=capture_ts_lsl,
             shape=self.frame_shape,
-            dtype=str(self.frame_dtype),
+            dtype="uint8",
             strides_bytes=self._strides_bytes,
             pixel_format="bgr24",
             checksum=checksum,
@@ -188,22 +247,44 @@ class RingProducer(ABC):
             **self._description_fields(),
         )
 
+    # The stages of a frame (Note [Stage methods]).
+
+    def _fill(self, staging: np.ndarray, frame: np.ndarray) -> None:
+        """Stage "copy in": the finished frame into the staging view (what staged writes save)."""
+        np.copyto(staging, frame)
+
+    def _checksum(self, pixels: np.ndarray) -> int:
+        """Stage "checksum": Note [Sparse checksum] in frames.py."""
+        return frames.sparse_checksum(pixels)
+
     @abstractmethod
-    def _copy_into_slot(self, slot: int, frame: np.ndarray) -> None: ...
+    def _claim(self, slot: int) -> np.ndarray:
+        """Stage "claim": make the slot's staging memory writable and return it."""
+
+    @abstractmethod
+    def _commit(self, slot: int, pixels: np.ndarray) -> int:
+        """Make the staged pixels the slot's content (generation odd meanwhile); return their
+        checksum. The caller then makes the generation even."""
+
+    @abstractmethod
+    def _corrupt_slot(self, slot: int) -> None:
+        """Fault injection: change the committed slot's bytes, generation intact."""
 
     @abstractmethod
     def _description_fields(self) -> dict: ...
 
-    @abstractmethod
     def corrupt_next_frame(self) -> None:
         """Fault injection (tests, the soak run): overwrite the next frame's slot once it is
         committed, keeping its generation, so that only a consumer's checksum can catch it."""
+        self._corrupt_next = True
 
     def close(self) -> None:
         self.header.close()
 
 
 class ShmRingProducer(RingProducer):
+    """Staging memory is the shared-memory slot itself: a staged frame is written once, in place."""
+
     transport = "shm"
 
     def __init__(self, camera_id, frame_shape, slot_count, fallback_reason: str = "") -> None:
@@ -218,30 +299,30 @@ class ShmRingProducer(RingProducer):
             raise
         self._slots = np.frombuffer(self.data.buffer, np.uint8).reshape(slot_count + 1, -1)
         self._slots[slot_count, :] = frames.test_pattern(self.slot_bytes, self.ring_epoch)
-        self._corrupt_next = False
+        self._slot_views = [
+            self._slots[slot, : self.frame_bytes].reshape(self.frame_shape)
+            for slot in range(slot_count)
+        ]
 
-    def write(self, frame: np.ndarray, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
-        message = super().write(frame, frame_seq, capture_ts_lsl)
-        if self._corrupt_next:
-            # Fault injection: the slot changes after its generation was committed and before the
-            # FrameReady goes out, so every consumer that reads this frame reads wrong bytes that
-            # only the checksum can catch (as CudaRingProducer.write does on the GPU).
-            self._corrupt_next = False
-            pixels = self._slots[message.slot, : self.frame_bytes]
-            np.bitwise_not(pixels, out=pixels)
-        return message
+    def _claim(self, slot: int) -> np.ndarray:
+        # Odd from now on: the pixels are written straight into the slot that consumers map.
+        self.header.begin_write(slot)
+        return self._slot_views[slot]
 
-    def corrupt_next_frame(self) -> None:
-        self._corrupt_next = True
+    def _commit(self, slot: int, pixels: np.ndarray) -> int:
+        return self._checksum(pixels)
 
-    def _copy_into_slot(self, slot: int, frame: np.ndarray) -> None:
-        np.copyto(self._slots[slot, : self.frame_bytes].reshape(self.frame_shape), frame)
+    def _corrupt_slot(self, slot: int) -> None:
+        # After the generation was committed and before the FrameReady goes out: every consumer
+        # that reads this frame reads wrong bytes that only the checksum can catch.
+        pixels = self._slots[slot, : self.frame_bytes]
+        np.bitwise_not(pixels, out=pixels)
 
     def _description_fields(self) -> dict:
         return {"data_name": self.data.name}
 
     def close(self) -> None:
-        self._slots = None
+        self._slots = self._slot_views = self._staged_view = None
         self.data.close()
         super().close()
 
@@ -254,13 +335,18 @@ class ShmRingProducer(RingProducer):
 class SlotRead:
     """The result of reading one frame: a tensor (if the verdict is OK) and a late check."""
 
-    __slots__ = ("verdict", "tensor", "_reader", "_message")
+    __slots__ = ("verdict", "tensor", "_reader", "_message", "_checksum", "_needs_sync")
 
     def __init__(self, verdict: Verdict, tensor: torch.Tensor | None, reader=None, message=None):
         self.verdict = verdict
         self.tensor = tensor
         self._reader = reader
         self._message = message
+        # Between RingReader._start and _finish: the sampled checksum (an int, or a
+        # frames.PendingChecksum still on the device), and whether a copy to the device is in
+        # flight (Note [One sync per batch]).
+        self._checksum = None
+        self._needs_sync = False
 
     @property
     def ok(self) -> bool:
@@ -276,13 +362,19 @@ class SlotRead:
 
 
 class RingReader(ABC):
-    """A consumer's mapping of one ring epoch. Attach once per epoch; close when it changes."""
+    """A consumer's mapping of one ring epoch. Attach once per epoch; close when it changes.
+
+    `read()` reads one frame; `read_batch()` reads the newest frame of several cameras with one
+    host sync in all (Note [One sync per batch]).
+    """
 
     zero_copy: bool  # True: read() returns a view of the slot, valid only while the slot is
+
     def __init__(self, description: RingDescription, checksum_every: int = 30) -> None:
         self.description = description
         self.ring_epoch = description.ring_epoch
         self.checksum_every = max(1, checksum_every)
+        self.frame_shape = tuple(description.frame_shape)
         self.frame_bytes = int(np.prod(description.frame_shape))
         self.counts = {verdict: 0 for verdict in Verdict}
         self._frames_seen = 0
@@ -291,20 +383,43 @@ class RingReader(ABC):
         )
 
     def read(self, message: FrameReady) -> SlotRead:
+        return read_batch([(self, message)])[0]
+
+    def _start(self, message: FrameReady) -> SlotRead:
+        """Everything up to the host sync: verdict, ordering, tensor, checksum queued."""
         verdict = self._precheck(message)
-        if verdict is Verdict.OK:
-            tensor = self._read_slot(message)
-            verdict, tensor = self._postcheck(message, tensor)
-        else:
-            tensor = None
-        self.counts[verdict] += 1
-        return SlotRead(verdict, tensor, self, message)
+        if verdict is not Verdict.OK:
+            return SlotRead(verdict, None, self, message)
+        read = SlotRead(Verdict.OK, None, self, message)
+        self._wait_for_slot(message.slot)
+        read.tensor = self._slot_tensor(message, read)
+        self._frames_seen += 1
+        if self._frames_seen % self.checksum_every == 0:
+            read._checksum = self._checksum_start(message, read)
+        return read
+
+    def _finish(self, read: SlotRead) -> None:
+        """After the sync: the checksum's verdict; counts."""
+        message = read._message
+        if read.verdict is Verdict.OK and read._checksum is not None:
+            if read._checksum != message.checksum:
+                # The generation may explain it (overwritten while we read): say which.
+                if not self.generation_unchanged(message):
+                    read.verdict = Verdict.OVERWRITTEN
+                else:
+                    read.verdict = Verdict.CHECKSUM_MISMATCH
+                read.tensor = None
+        read._checksum = None
+        self.counts[read.verdict] += 1
+
+    # The stages of a read (Note [Stage methods]).
 
     def _precheck(self, message: FrameReady) -> Verdict:
+        """Stage "verdict": the message names this epoch, fits the ring, generation before."""
         if message.ring_epoch != self.ring_epoch:
             return Verdict.STALE_EPOCH
         if (
-            tuple(message.shape) != tuple(self.description.frame_shape)
+            tuple(message.shape) != self.frame_shape
             or not 0 <= message.slot < self.description.slot_count
         ):
             return Verdict.BAD_SHAPE
@@ -312,32 +427,77 @@ class RingReader(ABC):
             return Verdict.OVERWRITTEN
         return Verdict.OK
 
-    def _postcheck(self, message: FrameReady, tensor: torch.Tensor):
-        self._frames_seen += 1
-        if self._frames_seen % self.checksum_every == 0:
-            if frames.sparse_checksum_tensor(tensor) != message.checksum:
-                # The generation may explain it (overwritten while we read): say which.
-                if not self.generation_unchanged(message):
-                    return Verdict.OVERWRITTEN, None
-                return Verdict.CHECKSUM_MISMATCH, None
-        return Verdict.OK, tensor
-
-    def generation_unchanged(self, message: FrameReady) -> bool:
-        return self.header.get(message.slot) == message.slot_generation
+    def _wait_for_slot(self, slot: int) -> None:
+        """Stage "event wait": order this process's reads after the producer's write."""
 
     @abstractmethod
-    def _read_slot(self, message: FrameReady) -> torch.Tensor: ...
+    def _slot_tensor(self, message: FrameReady, read: SlotRead) -> torch.Tensor:
+        """Stage "tensor": the frame as a tensor on the consumer's device."""
+
+    @abstractmethod
+    def _checksum_start(self, message: FrameReady, read: SlotRead):
+        """Stage "checksum": an int, or a frames.PendingChecksum that read_batch settles."""
+
+    def generation_unchanged(self, message: FrameReady) -> bool:
+        """Stage "generation after"."""
+        return self.header.get(message.slot) == message.slot_generation
 
     def close(self) -> None:
         self.header.close()
 
 
+def read_batch(requests: list[tuple[RingReader, FrameReady]]) -> list[SlotRead]:
+    """Read one frame from each (reader, message): Note [One sync per batch]."""
+    reads = [reader._start(message) for reader, message in requests]
+    settle(reads)
+    for read in reads:
+        read._reader._finish(read)
+    return reads
+
+
+def settle(reads: list[SlotRead]) -> None:
+    """Stage "settle": the one host sync per device of a batch (Note [One sync per batch])."""
+    pending = [read for read in reads if isinstance(read._checksum, frames.PendingChecksum)]
+    synced = set()
+    if pending:
+        values = frames.settle_checksums([read._checksum for read in pending])
+        for read, value in zip(pending, values):
+            synced.add(read._checksum.dot.device)
+            read._checksum = value
+    for read in reads:
+        if read._needs_sync:
+            read._needs_sync = False
+            device = read.tensor.device
+            if device not in synced:
+                import torch
+
+                torch.cuda.current_stream(device).synchronize()
+                synced.add(device)
+
+
 class ShmRingReader(RingReader):
-    """Copies the slot out of shared memory to the consumer's device."""
+    """Copies the slot out of shared memory to the consumer's device.
+
+    Note [Pinned shm mappings]
+        A consumer on a GPU registers its mapping of the ring with the CUDA driver
+        (cuMemHostRegister through PyCUDA, in the primary context; the ring's pages are then
+        pinned for this process), so each frame goes to the GPU as one asynchronous DMA at
+        pinned-memory speed instead of a synchronous pageable copy through the driver's bounce
+        buffers. The copy is in flight until the batch's sync (Note [One sync per batch]); the
+        generation check comes after it, so an overwrite during the DMA is still caught. The
+        sampled checksum is taken on the host from the slot itself, between the two generation
+        checks: with the generation unchanged over the copy and the checksum, the slot's bytes
+        did not change, so they are the bytes copied. Registration is best effort: where it
+        fails (no PyCUDA, a driver that refuses) frames take the pageable copy, and the log and
+        `pin_failure` say why. The registration is undone before the mapping is closed.
+    """
 
     zero_copy = False
 
-    def __init__(self, description, device: str | torch.device = "cpu", checksum_every: int = 30):
+    def __init__(
+        self, description, device: str | torch.device = "cpu", checksum_every: int = 30,
+        pin: bool = True,
+    ):
         super().__init__(description, checksum_every)
         import torch
 
@@ -349,31 +509,71 @@ class ShmRingReader(RingReader):
             self.header.close()
             raise TransportUnavailable(f"cannot attach shm ring {description.data_name}: {exc}")
         self._slots = np.frombuffer(self.data.buffer, np.uint8).reshape(slot_count + 1, -1)
+        self._registered = None
         probe = self._slots[slot_count]
         if not np.array_equal(probe, frames.test_pattern(slot_bytes, self.ring_epoch)):
             self.close()
             raise TransportUnavailable(
                 f"shm ring {description.data_name}: probe slot does not hold this epoch's pattern"
             )
+        # Per slot, once per epoch: the numpy view, and the CPU tensor over it for device copies.
+        self._slot_arrays = [
+            self._slots[slot, : self.frame_bytes].reshape(self.frame_shape)
+            for slot in range(slot_count)
+        ]
+        self._slot_tensors = None
+        self.pinned = False
+        self.pin_failure = ""  # why the mapping is not pinned, where pinning was tried
+        if self.device.type == "cuda":
+            self._slot_tensors = [torch.from_numpy(array) for array in self._slot_arrays]
+            if pin:
+                self._pin()
 
-    def _read_slot(self, message: FrameReady) -> torch.Tensor:
+    def _pin(self) -> None:
+        """Note [Pinned shm mappings]."""
+        try:
+            from facecast.shared import cuda_driver
+
+            cuda = cuda_driver.driver(self.device.index or 0)
+            self._registered = cuda.register_host_memory(self._slots, 0)  # flags: default
+            self.pinned = True
+        except Exception as exc:  # TransportUnavailable, pycuda's errors: take the pageable copy
+            self.pin_failure = str(exc) or type(exc).__name__
+            log.info("shm ring of %s: pageable copies to %s (pinning the mapping failed: %s)",
+                     self.description.camera_id, self.device, exc)
+
+    def _slot_tensor(self, message: FrameReady, read: SlotRead) -> torch.Tensor:
         import torch
 
-        view = self._slots[message.slot, : self.frame_bytes].reshape(message.shape)
-        # A copy, so the slot may be reused as soon as the generation check below passes.
-        tensor = torch.from_numpy(view.copy()) if self.device.type == "cpu" else torch.from_numpy(
-            view
-        ).to(self.device)
+        # A copy, so the slot may be reused as soon as the generation check after it passes.
+        if self._slot_tensors is None:
+            return torch.from_numpy(self._slot_arrays[message.slot].copy())
+        source = self._slot_tensors[message.slot]
+        if not self.pinned:
+            return source.to(self.device)  # synchronous: complete when it returns
+        tensor = torch.empty(self.frame_shape, dtype=torch.uint8, device=self.device)
+        tensor.copy_(source, non_blocking=True)
+        read._needs_sync = True
         return tensor
 
-    def _postcheck(self, message, tensor):
-        # The copy is complete: if the generation held during it, the copy is the frame.
-        if not self.generation_unchanged(message):
-            return Verdict.OVERWRITTEN, None
-        return super()._postcheck(message, tensor)
+    def _checksum_start(self, message: FrameReady, read: SlotRead) -> int:
+        # On the host, from the slot, between the generation checks (Note [Pinned shm mappings]).
+        return frames.sparse_checksum(self._slot_arrays[message.slot])
+
+    def _finish(self, read: SlotRead) -> None:
+        # The copy is complete (settled): if the generation held all along, the copy is the frame.
+        if read.verdict is Verdict.OK and not self.generation_unchanged(read._message):
+            read.verdict, read.tensor, read._checksum = Verdict.OVERWRITTEN, None, None
+        super()._finish(read)
 
     def close(self) -> None:
-        self._slots = None
+        if self._registered is not None:
+            try:
+                self._registered.base.unregister()
+            except Exception as exc:
+                log.debug("unregistering shm ring mapping: %s", exc)
+            self._registered = None
+        self._slots = self._slot_arrays = self._slot_tensors = None
         self.data.close()
         super().close()
 

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 RETIRED_RING_GRACE_S = 3.0
 DESCRIBE_RETRY_S = 0.5
+MAX_DRAIN_MESSAGES = 4096  # per receive(): 32 cameras' worth of a full SUB queue and more
 
 
 frames_endpoint = endpoints.frames
@@ -114,7 +115,12 @@ class TransportStatus:
 
 
 class FramePublisher:
-    """Writes a camera's frames into its ring and publishes them; capture never waits."""
+    """Writes a camera's frames into its ring and publishes them; capture never waits.
+
+    `publish(frame)` copies a finished frame in; a source that can make the frame where it is
+    told to takes `staging_view(shape)`, fills it, and calls `publish_staged(ts)`, which saves
+    that copy (Note [Staged writes] in rings.py).
+    """
 
     def __init__(
         self,
@@ -135,6 +141,7 @@ class FramePublisher:
         self.status = TransportStatus(camera_id)
         self.frame_seq = 0
         self.corrupt_pending = False
+        self._staged = False  # staging_view() was handed out and not yet published
         self._retired: list[tuple[RingProducer, float]] = []
         self._gate = MessageGate(f"ring control of {camera_id}")
         self._topic = camera_id.encode()
@@ -161,16 +168,43 @@ class FramePublisher:
             pass
 
     def publish(self, frame: np.ndarray, capture_ts_lsl: float) -> FrameReady:
+        """Copy a finished frame into the camera's ring and publish it."""
+        self._ensure_ring(frame.shape)
+        self._staged = False  # a frame staged and never published is dropped
+        self._arm_corruption()
+        return self._send(self.producer.write(frame, self.frame_seq, capture_ts_lsl))
+
+    def staging_view(self, frame_shape: tuple[int, ...]) -> np.ndarray:
+        """Where the next frame goes: decode or render it into this (frame_shape) uint8 array,
+        then call `publish_staged`; that saves `publish`'s copy (Note [Staged writes] in
+        rings.py). Control requests are served here, not in `publish_staged`."""
+        self._ensure_ring(tuple(frame_shape))
+        self._staged = True
+        return self.producer.staging_view()
+
+    def publish_staged(self, capture_ts_lsl: float) -> FrameReady:
+        """Publish the frame written into `staging_view()`."""
+        if not self._staged:
+            raise RuntimeError(f"camera {self.camera_id}: publish_staged() without staging_view()")
+        self._staged = False
+        self._arm_corruption()
+        return self._send(self.producer.publish_staged(self.frame_seq, capture_ts_lsl))
+
+    def _ensure_ring(self, frame_shape: tuple[int, ...]) -> None:
         self.serve_control()
-        if self.producer is None or self.producer.frame_shape != frame.shape:
+        if self.producer is None or self.producer.frame_shape != frame_shape:
             self._replace_ring(make_producer(
-                self.camera_id, frame.shape, self.slot_count, self.requested,
+                self.camera_id, frame_shape, self.slot_count, self.requested,
                 self.device_index, **self._cuda_options,
             ))
+
+    def _arm_corruption(self) -> None:
         if self.corrupt_pending:
             self.corrupt_pending = False
             self.producer.corrupt_next_frame()
-        message = self.producer.write(frame, self.frame_seq, capture_ts_lsl)
+
+    def _send(self, message: FrameReady) -> FrameReady:
+        """Stage "send": encode and publish (Note [Stage methods] in rings.py)."""
         self.frame_seq += 1
         self.frames.send_multipart([self._topic, messages.encode(message)], copy=False)
         return message
@@ -206,6 +240,11 @@ class FramePublisher:
 
     def _replace_ring(self, producer: RingProducer) -> None:
         if self.producer is not None:
+            if self._staged and self.producer.frame_shape == producer.frame_shape:
+                # A fallback served while a frame was staged: carry the frame over (rare: once).
+                np.copyto(producer.staging_view(), self.producer.staging_view())
+            else:
+                self._staged = False
             self._retired.append((self.producer, time.monotonic() + RETIRED_RING_GRACE_S))
         self.producer = producer
         self.status.transport = producer.transport
@@ -282,18 +321,41 @@ class FrameSubscriber:
             self._poller.register(dealer, zmq.POLLIN)
 
     def receive(self, timeout_ms: int = 100) -> list[ReceivedFrame]:
-        """Verified frames, at most one per camera (the newest); [] when nothing came in time."""
+        """Verified frames, at most one per camera (the newest); [] when nothing came in time.
+
+        Blocks in one poll for at most timeout_ms, then takes whatever has arrived without
+        blocking again, and reads the newest frame of every camera as one batch (Note [One sync
+        per batch] in rings.py)."""
         newest: dict[str, FrameReady] = {}
-        events = dict(self._poller.poll(timeout_ms))
-        while events:
-            for camera_id, dealer in self.control.items():
-                if dealer in events:
-                    self._handle(self._gate.decode(dealer.recv()), newest)
-            if self.frames in events:
-                parts = self.frames.recv_multipart()
-                self._handle(self._gate.decode(parts[-1]), newest)
-            events = dict(self._poller.poll(0))  # drain: only the newest frame of each camera
-        return [frame for frame in map(self._read, newest.values()) if frame is not None]
+        events = self._poller.poll(timeout_ms)
+        if events:
+            self._drain(events, newest)
+        return self._read_all(newest) if newest else []
+
+    def _drain(self, events, newest: dict[str, FrameReady]) -> None:
+        """Stage "receive": everything waiting on the sockets, decoded; only the newest frame of
+        each camera is kept (older ones are counted as skipped in _reader_for)."""
+        for socket, _ in events:
+            if socket is not self.frames:  # a ring-control reply
+                self._handle(self._gate.decode(socket.recv()), newest)
+        for _ in range(MAX_DRAIN_MESSAGES):  # bounded: a flood cannot keep us here
+            try:
+                parts = self.frames.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self._gate.decode(parts[-1]), newest)
+
+    def _read_all(self, newest: dict[str, FrameReady]) -> list[ReceivedFrame]:
+        requests = []
+        for message in newest.values():
+            reader = self._reader_for(message)
+            if reader is not None:
+                requests.append((reader, message))
+        frames: list[ReceivedFrame] = []
+        for (reader, message), read in zip(requests, rings.read_batch(requests)):
+            if self._judge(reader, message, read):
+                frames.append(ReceivedFrame(message, read))
+        return frames
 
     def _handle(self, message, newest: dict[str, FrameReady]) -> None:
         if isinstance(message, RingDescription):
@@ -328,7 +390,7 @@ class FrameSubscriber:
         log.info("attached %s ring of camera %s (epoch %x)", description.transport, camera_id,
                  description.ring_epoch)
 
-    def _read(self, message: FrameReady) -> ReceivedFrame | None:
+    def _reader_for(self, message: FrameReady) -> rings.RingReader | None:
         camera_id = message.camera_id
         status = self.status[camera_id]
         last_seq = self._last_seq.get(camera_id)
@@ -342,7 +404,12 @@ class FrameSubscriber:
             status.counts["awaiting_ring"] += 1
             self._request_description(camera_id)
             return None
-        read = reader.read(message)
+        return reader
+
+    def _judge(self, reader: rings.RingReader, message: FrameReady, read: rings.SlotRead) -> bool:
+        """Count the verdict, act on a mismatch; True when the frame may be handed on."""
+        camera_id = message.camera_id
+        status = self.status[camera_id]
         status.counts[read.verdict.value] += 1
         if read.verdict is Verdict.CHECKSUM_MISMATCH and reader.zero_copy:
             self._report_fault(camera_id, message.ring_epoch, (
@@ -354,7 +421,7 @@ class FrameSubscriber:
             log.warning("camera %s: frame %d dropped: its shared-memory slot does not hold the "
                         "bytes the camera published (checksum mismatch; %d so far)", camera_id,
                         message.frame_seq, status.counts["checksum_mismatch"])
-        return ReceivedFrame(message, read) if read.ok else None
+        return read.ok
 
     def _request_description(self, camera_id: str) -> None:
         now = time.monotonic()

@@ -16,11 +16,13 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from facecast.shared import messages
 from facecast.shared.cuda_driver import cuda_unavailable_reason
-from facecast.shared.rings import TransportUnavailable, Verdict
+from facecast.shared.rings import TransportUnavailable, Verdict, read_batch
 from peers import Peers
+from test_shm_ring import staged_round_trip
 
 _REASON = cuda_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"needs CUDA: {_REASON}")]
@@ -249,3 +251,125 @@ def test_gpu_memory_returns_to_baseline_after_sigkill(peers):
     while used_bytes() > baseline + 64 * 2**20 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert used_bytes() <= baseline + 64 * 2**20, (baseline, used_bytes())
+
+
+# --- staged writes (Note [Staged writes]), batched reads (Note [One sync per batch]) ---------------
+
+
+def test_staged_writes_round_trip_byte_exact_across_processes(peers):
+    used, seen = staged_round_trip(peers, "cuda_ipc", (1080, 1920, 3), 600, 100, device="cuda")
+    assert used == "cuda_ipc"
+    assert seen["transports"] == ["cuda_ipc"] and seen["ipc_opens"] == 1, seen
+    assert seen["mismatched"] == 0 and seen["last_seq"] == 599, seen
+    assert seen["counts"].get("checksum_mismatch", 0) == 0, seen
+    assert seen["received"] >= 200, seen  # every one compared byte for byte
+
+
+def test_staging_view_is_handed_out_only_after_its_slots_upload_finished():
+    from facecast.shared.cuda_ring import CudaRingReader
+
+    producer = cuda_producer(delay_copy_cycles=SLOW_COPY_CYCLES)  # 4 slots, ~20 ms per upload
+    try:
+        first = producer.staging_view()
+        assert torch.from_numpy(first).is_pinned()  # the slot's pinned staging buffer
+        first[...] = 1
+        published = [producer.publish_staged(0, 0.0)]
+        for seq in range(1, 4):
+            producer.staging_view()[...] = seq + 1
+            published.append(producer.publish_staged(seq, 0.0))
+        assert not producer.events[0].query()  # slot 0's upload is still queued behind sleeps
+        again = producer.staging_view()  # slot 0's staging buffer, wanted again
+        assert again is first and producer.events[0].query()  # ... only once it was uploaded
+        reader = CudaRingReader(producer.description(), checksum_every=1)  # rule 6: in-process
+        try:
+            for seq in (1, 2, 3):
+                read = reader.read(published[seq])
+                assert read.ok and bool((read.tensor == seq + 1).all())
+        finally:
+            reader.close()
+    finally:
+        producer.close()
+
+
+def test_a_staged_frame_pending_during_a_fallback_goes_out_on_the_shm_ring(runtime_dir):
+    from facecast.shared.messages import TransportFault
+    from facecast.shared.rings import ShmRingReader
+    from facecast.shared.transport import FramePublisher, ring_control_endpoint
+
+    shape = (64, 96, 3)
+    frame = np.random.default_rng(5).integers(0, 256, shape, dtype=np.uint8)
+    with zmq.Context() as context:
+        publisher = FramePublisher(context, runtime_dir, "cam0", transport="cuda_ipc")
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(ring_control_endpoint(runtime_dir, "cam0"))
+        try:
+            publisher.publish(frame, 0.0)
+            assert publisher.producer.transport == "cuda_ipc"
+            publisher.staging_view(shape)[...] = frame
+            dealer.send(messages.encode(TransportFault(
+                camera_id="cam0", ring_epoch=publisher.producer.ring_epoch, reason="test")))
+            deadline = time.monotonic() + 10
+            while publisher.producer.transport == "cuda_ipc" and time.monotonic() < deadline:
+                publisher.serve_control()  # served between staging_view and publish_staged
+                time.sleep(0.01)
+            assert publisher.producer.transport == "shm"
+            message = publisher.publish_staged(1.0)
+            assert message.transport == "shm"
+            reader = ShmRingReader(publisher.producer.description(), checksum_every=1)
+            try:
+                read = reader.read(message)
+                assert read.ok and np.array_equal(read.tensor.numpy(), frame)
+            finally:
+                reader.close()
+        finally:
+            dealer.close()
+            publisher.close()
+
+
+def test_one_sync_settles_a_batch_of_gpu_checksums_and_judges_each_frame():
+    from facecast.shared.cuda_ring import CudaRingReader
+
+    producers = [cuda_producer(), cuda_producer(corrupt_after_publish=True)]
+    readers = [CudaRingReader(p.description(), checksum_every=1) for p in producers]
+    try:
+        frame = np.random.default_rng(8).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+        written = [p.write(frame, 0, 0.0) for p in producers]
+        reads = read_batch(list(zip(readers, written)))
+        assert [r.verdict for r in reads] == [Verdict.OK, Verdict.CHECKSUM_MISMATCH]
+        assert torch.equal(reads[0].tensor.cpu(), torch.from_numpy(frame))
+        assert reads[1].tensor is None
+    finally:
+        for reader in readers:
+            reader.close()
+        for producer in producers:
+            producer.close()
+
+
+def test_shm_reader_on_the_gpu_pins_its_mapping_and_checks_the_generation_after_the_dma():
+    from facecast.shared.rings import ShmRingProducer, ShmRingReader
+
+    shape = (1080, 1920, 3)
+    producer = ShmRingProducer("pin", shape, slot_count=4)
+    reader = ShmRingReader(producer.description(), device="cuda", checksum_every=1)
+    rng = np.random.default_rng(9)
+    try:
+        assert reader.pinned, reader.pin_failure  # Note [Pinned shm mappings]
+        for seq in range(8):
+            frame = rng.integers(0, 256, shape, dtype=np.uint8)
+            read = reader.read(producer.write(frame, seq, 0.0))
+            assert read.ok and read.tensor.device.type == "cuda"
+            assert torch.equal(read.tensor.cpu(), torch.from_numpy(frame))
+        message = producer.write(frame, 8, 0.0)
+        issue_copy = reader._slot_tensor
+
+        def overwritten_during_the_dma(message, read):
+            tensor = issue_copy(message, read)
+            producer.header.begin_write(message.slot)  # the producer reuses the slot meanwhile
+            return tensor
+
+        reader._slot_tensor = overwritten_during_the_dma
+        assert reader.read(message).verdict is Verdict.OVERWRITTEN
+    finally:
+        reader.close()
+        producer.close()

@@ -15,13 +15,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import multiprocessing
+
+import zmq
+
 from facecast.shared import frames, shm
-from peers import Peers
+from peers import DECK_SIZE, Peers, make_deck
 from facecast.shared.rings import (
     ShmRingProducer,
     ShmRingReader,
     TransportUnavailable,
     Verdict,
+    read_batch,
 )
 
 
@@ -205,6 +210,217 @@ def test_sparse_checksum_sees_shifts_and_agrees_between_numpy_and_torch():
     frame = np.random.default_rng(1).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)
     flat = frame.reshape(-1)
     assert frames.sparse_checksum(frame) == frames.sparse_checksum_tensor(torch.from_numpy(frame))
+    # The fast form (Note [Sparse checksum]) is still the defined sum of (byte + 1) * weight.
+    plan = frames.sample_plan(flat.size)
+    defined = int(((flat[plan.positions].astype(np.int64) + 1) * plan.weights).sum())
+    assert frames.sparse_checksum(frame) == defined
+    pending = frames.sparse_checksum_start(torch.from_numpy(frame))
+    assert frames.settle_checksums([pending]) == [defined]
+    assert frames.sparse_checksum(frame[:, ::2]) == frames.sparse_checksum(frame[:, ::2].copy())
     shifted = np.roll(flat, 4096)  # what a mapping at the wrong offset would read
     assert frames.sparse_checksum(shifted) != frames.sparse_checksum(flat)
     assert frames.sparse_checksum(np.zeros_like(flat)) != 0
+
+
+# --- staged writes (Note [Staged writes]) and batched reads (Note [One sync per batch]) ----------
+
+
+def test_staged_write_is_made_in_the_slot_and_round_trips():
+    shape = (48, 64, 3)
+    producer = ShmRingProducer("stg", shape, slot_count=2)
+    reader = ShmRingReader(producer.description(), checksum_every=1)
+    rng = np.random.default_rng(7)
+    try:
+        older = producer.write(rng.integers(0, 256, shape, dtype=np.uint8), 0, 0.0)
+        producer.write(rng.integers(0, 256, shape, dtype=np.uint8), 1, 0.0)
+        view = producer.staging_view()  # slot 0 again: the one `older` is in
+        assert view.shape == shape and view.dtype == np.uint8 and view.flags.writeable
+        assert np.shares_memory(view, producer._slots)  # the slot itself: written once, in place
+        assert producer.staging_view() is view  # asked again before publishing: the same one
+        # Claimed, so odd: the frame that was in it can no longer be read, even before publish.
+        assert producer.header.get(older.slot) % 2 == 1
+        assert reader.read(older).verdict is Verdict.OVERWRITTEN
+        frame = rng.integers(0, 256, shape, dtype=np.uint8)
+        view[...] = frame
+        message = producer.publish_staged(2, 1.5)
+        assert message.slot == older.slot and message.frame_seq == 2
+        assert message.checksum == frames.sparse_checksum(frame)
+        read = reader.read(message)
+        assert read.ok
+        np.testing.assert_array_equal(read.tensor.numpy(), frame)
+        view[...] = 0  # the slot changes: the reader's tensor was its own copy
+        np.testing.assert_array_equal(read.tensor.numpy(), frame)
+        with pytest.raises(RuntimeError, match="nothing staged"):
+            producer.publish_staged(3, 2.0)
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_read_batch_judges_every_frame_on_its_own():
+    shape = (16, 24, 3)
+    producers = [ShmRingProducer(f"b{i}", shape, slot_count=2) for i in range(3)]
+    readers = [ShmRingReader(p.description(), checksum_every=1) for p in producers]
+    try:
+        deck = [np.full(shape, 10 * i + 1, np.uint8) for i in range(3)]
+        messages = [p.write(f, 0, 0.0) for p, f in zip(producers, deck)]
+        producers[1]._slots[messages[1].slot, 5] ^= 0xFF  # corrupted after publish
+        stale = producers[2].write(deck[2], 1, 0.0)
+        producers[2].write(deck[2], 2, 0.0)
+        producers[2].write(deck[2], 3, 0.0)  # slot of `stale` reused
+        reads = read_batch([(readers[0], messages[0]), (readers[1], messages[1]),
+                            (readers[2], stale)])
+        assert [r.verdict for r in reads] == [Verdict.OK, Verdict.CHECKSUM_MISMATCH,
+                                              Verdict.OVERWRITTEN]
+        np.testing.assert_array_equal(reads[0].tensor.numpy(), deck[0])
+        assert reads[1].tensor is None and reads[2].tensor is None
+        assert [r.counts[Verdict.OK] for r in readers] == [1, 0, 0]
+        assert reads[0].still_valid() and not reads[1].still_valid()
+    finally:
+        for reader in readers:
+            reader.close()
+        for producer in producers:
+            producer.close()
+
+
+def test_publisher_staged_api(runtime_dir):
+    from facecast.shared.transport import FramePublisher
+
+    shape = (24, 32, 3)
+    rng = np.random.default_rng(11)
+    with zmq.Context() as context:
+        publisher = FramePublisher(context, runtime_dir, "cam0", slot_count=4, transport="shm")
+        try:
+            with pytest.raises(RuntimeError, match="without staging_view"):
+                publisher.publish_staged(0.0)
+            frame = rng.integers(0, 256, shape, dtype=np.uint8)
+            publisher.staging_view(shape)[...] = frame
+            staged = publisher.publish_staged(1.0)
+            copied = publisher.publish(frame, 2.0)  # both ways mix; sequence numbers go on
+            assert (staged.frame_seq, copied.frame_seq) == (0, 1)
+            reader = ShmRingReader(publisher.producer.description(), checksum_every=1)
+            try:
+                for message in (staged, copied):
+                    read = reader.read(message)
+                    assert read.ok
+                    np.testing.assert_array_equal(read.tensor.numpy(), frame)
+                publisher.corrupt_next_frame()  # fault injection reaches staged frames too
+                publisher.staging_view(shape)[...] = frame
+                assert reader.read(publisher.publish_staged(3.0)).verdict is Verdict.CHECKSUM_MISMATCH
+            finally:
+                reader.close()
+            epoch = publisher.producer.ring_epoch
+            publisher.staging_view((12, 16, 3))  # another resolution: a new ring
+            assert publisher.producer.ring_epoch != epoch
+            assert publisher.publish_staged(4.0).shape == (12, 16, 3)
+        finally:
+            publisher.close()
+
+
+def run_staged_producer(runtime_dir: str, transport: str, shape, frames_total: int, fps: float,
+                        results) -> None:
+    """A capture process whose source makes each frame in the ring (Note [Staged writes]),
+    from the same deck as tests/peers.py's producer, so peers' consumer checks every byte."""
+    from facecast.shared.transport import FramePublisher
+
+    deck = make_deck(0, shape)
+    with zmq.Context() as context:
+        publisher = FramePublisher(context, runtime_dir, "cam0", transport=transport)
+        try:
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:  # let the subscriber connect before frame 0
+                publisher.serve_control()
+                time.sleep(0.005)
+            next_monotonic = time.monotonic()
+            for _ in range(frames_total):
+                view = publisher.staging_view(shape)
+                np.copyto(view, deck[publisher.frame_seq % DECK_SIZE])
+                publisher.publish_staged(time.monotonic())
+                next_monotonic += 1.0 / fps
+                while (pause := next_monotonic - time.monotonic()) > 0:
+                    publisher.serve_control()
+                    time.sleep(min(pause, 0.002))
+            results.put(publisher.status.transport)
+            linger_deadline = time.monotonic() + 0.5
+            while time.monotonic() < linger_deadline:
+                publisher.serve_control()
+                time.sleep(0.01)
+        finally:
+            publisher.close()
+
+
+def staged_round_trip(peers, transport: str, shape, frames_total: int, fps: float,
+                      device: str = "cpu") -> tuple[str, dict]:
+    spawn = multiprocessing.get_context("spawn")  # never fork (DESIGN §1)
+    results = spawn.Queue()
+    consumer = peers.start("consumer", shape=",".join(map(str, shape)), device=device,
+                           until_seq=frames_total - 1, timeout_s=120)
+    producer = spawn.Process(target=run_staged_producer,
+                             args=(peers.runtime_dir, transport, shape, frames_total, fps, results))
+    producer.start()
+    seen = Peers.result(consumer, timeout_s=150)
+    producer.join(timeout=30)
+    assert producer.exitcode == 0, producer.exitcode
+    return results.get(timeout=5), seen
+
+
+def test_staged_frames_cross_processes_byte_exact(peers):
+    used, seen = staged_round_trip(peers, "shm", (120, 160, 3), 400, 100)
+    assert used == "shm"
+    assert seen["mismatched"] == 0 and seen["last_seq"] == 399, seen
+    assert seen["counts"].get("checksum_mismatch", 0) == 0, seen
+    assert seen["received"] >= 100, seen  # every one compared byte for byte (liveness bound)
+
+
+def test_one_receive_reads_the_newest_frame_of_every_camera(runtime_dir):
+    from facecast.shared.transport import FramePublisher, FrameSubscriber
+
+    shape = (8, 8, 3)
+    cameras = ["cam0", "cam1", "cam2"]
+    with zmq.Context() as context:
+        publishers = [FramePublisher(context, runtime_dir, c, slot_count=8, transport="shm")
+                      for c in cameras]
+        subscriber = FrameSubscriber(context, runtime_dir, cameras, checksum_every=1)
+        try:
+            deadline = time.monotonic() + 10
+            while len(subscriber.readers) < 3 and time.monotonic() < deadline:
+                # The first frame creates the ring; later ones make a late subscriber ask for it.
+                for publisher in publishers:
+                    publisher.publish(np.zeros(shape, np.uint8), 0.0)
+                subscriber.receive(timeout_ms=50)
+            assert len(subscriber.readers) == 3, subscriber.status
+            for value in (1, 2, 3):
+                for index, publisher in enumerate(publishers):
+                    publisher.publish(np.full(shape, 10 * index + value, np.uint8), float(value))
+            time.sleep(0.2)  # all nine messages queued
+            received = subscriber.receive(timeout_ms=1000)
+            assert sorted(f.message.camera_id for f in received) == cameras
+            for frame in received:
+                index = cameras.index(frame.message.camera_id)
+                assert int(frame.tensor[0, 0, 0]) == 10 * index + 3  # the newest of each
+                assert subscriber.status[frame.message.camera_id].counts["skipped"] >= 2
+        finally:
+            subscriber.close()
+            for publisher in publishers:
+                publisher.close()
+
+
+def test_slot_overwritten_during_the_copy_is_dropped():
+    shape = (32, 32, 3)
+    producer = ShmRingProducer("race", shape, slot_count=2)
+    reader = ShmRingReader(producer.description(), checksum_every=30)  # no checksum this frame
+    try:
+        message = producer.write(np.ones(shape, np.uint8), 0, 0.0)
+        copy_slot = reader._slot_tensor
+
+        def overwritten_during_the_copy(message, read):
+            tensor = copy_slot(message, read)
+            producer.header.begin_write(message.slot)  # the producer reuses the slot meanwhile
+            return tensor
+
+        reader._slot_tensor = overwritten_during_the_copy
+        read = reader.read(message)
+        assert read.verdict is Verdict.OVERWRITTEN and read.tensor is None
+    finally:
+        reader.close()
+        producer.close()
