@@ -117,6 +117,9 @@ def soak_config(rtsp_url: str | None) -> str:
         f'transport = "{TRANSPORT}"\n'
         "ring_slots = 8\n"
         "checksum_every = 1  # every frame checked: a corrupted slot must never pass\n"
+        # Killed inference workers are replaced by booted spares, on the CPU too (Note [Warm
+        # standby]); tests/test_daemon_e2e.py covers the cold restarts of the default config.
+        'warm_standby = "on"\n'
         "\n[output]\nmax_faces = 2\n"
         + synthetic + rtsp
     )
@@ -457,7 +460,8 @@ class Soak:
                             endpoints.ring_control(runtime_dir, camera), zmq.DEALER,
                             DescribeRing(camera_id=camera)))
         for worker in before.workers:
-            if worker.role == "detection":  # one per device: detection:cpu, detection:cuda:0
+            # One per device (detection:cpu, detection:cuda:0); a spare binds nothing yet.
+            if worker.role == "detection" and not worker.standby:
                 endpoint = endpoints.detection_requests(runtime_dir, worker.name.split(":", 1)[1])
                 targets.append((Path(endpoint).name, worker.name, endpoint, zmq.PUSH,
                                 DetectionWanted(camera_ids=list(self.cameras))))
