@@ -49,11 +49,13 @@ REPO = Path(__file__).resolve().parent.parent
 WIDTH, HEIGHT, FPS = 1920, 1080, 30
 
 
-def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int) -> str:
+def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int,
+                cuda_graphs: bool = False, half: bool = False) -> str:
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
         'host_name = "bench"', "checksum_every = 30", f"roi_landmark_workers = {roi_workers}",
-        'log_level = "warning"', "", "[output]", "max_faces = 2", "",
+        'log_level = "warning"', "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
+        f"half = {str(half).lower()}", "", "[output]", "max_faces = 2", "",
     ]
     for k in range(cameras):
         lines += ["[[cameras]]", f'id = "cam{k:02d}"', 'source = "synthetic"',
@@ -153,13 +155,16 @@ def run_one(cameras: int, transport: str, args) -> dict:
         log_path = args.log_dir / f"daemon-{cameras}-{transport}.log"
         runtime_dir = tmp / "run"
         config = tmp / "bench.toml"
-        config.write_text(config_text(cameras, transport, runtime_dir, args.roi_workers))
+        config.write_text(config_text(cameras, transport, runtime_dir, args.roi_workers,
+                                      args.cuda_graphs, args.half))
         notify = NotifySocket(tmp / "notify")
         env = dict(os.environ, NOTIFY_SOCKET=notify.path)
         log = open(log_path, "w")
         daemon = subprocess.Popen([sys.executable, "-m", "facecast.daemon.cli", "run", "--config",
                                    str(config)], env=env, stdout=log, stderr=subprocess.STDOUT)
-        result = {"cameras": cameras, "transport": transport}
+        result = {"cameras": cameras, "transport": transport,
+                  "models": "fp16" if args.half else "fp32",
+                  "cuda_graphs": args.cuda_graphs}
         try:
             deadline = time.monotonic() + args.boot_timeout_s
             while not notify.ready():
@@ -382,6 +387,8 @@ def main() -> int:
     parser.add_argument("--cameras", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--transports", nargs="+", default=["cuda_ipc", "shm"])
     parser.add_argument("--roi-workers", type=int, default=1)
+    parser.add_argument("--cuda-graphs", action="store_true", help="models.cuda_graphs = true")
+    parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
     parser.add_argument("--warmup-s", type=float, default=15.0)
     parser.add_argument("--measure-s", type=float, default=20.0)
     parser.add_argument("--boot-timeout-s", type=float, default=240.0)

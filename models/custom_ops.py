@@ -104,7 +104,10 @@ class TransformTensorBilinear(torch.nn.Module):
 
     def forward(self, features: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
         height, width = features.shape[-2:]
-        affine = matrix[:, :2, [0, 1, 3]].float()  # [N, 2, 3]; the z column multiplies 0
+        # [N, 2, 3]: columns x, y and translation (the z column multiplies 0). Slices, not a list
+        # index: indexing with a Python list copies it to the device on every call, which a
+        # CUDA graph cannot capture.
+        affine = torch.cat([matrix[:, :2, :2], matrix[:, :2, 3:]], dim=-1).float()
         # Pixel centres (k + 0.5) are exact in float16 too, so .half() does not move the grid.
         source = torch.einsum("hwk,nrk->nhwr", self.pixel_centres.float(), affine) - 0.5
         x, y = source[..., 0], source[..., 1]

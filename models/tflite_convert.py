@@ -380,15 +380,61 @@ def convert(path: str | Path, name: str | None = None) -> TFLiteModule:
             raise UnsupportedOp(f"model {graph.name!r}: custom operator {op.type!r} is not implemented")
         steps.append(_Step(op, builder(op)))
 
-    # Drop each activation after its last reader so that large batches do not keep every
-    # intermediate alive until the end of forward().
+    return TFLiteModule(graph, steps, _free_after(steps, graph.outputs))
+
+
+def _free_after(steps, graph_outputs) -> list[list[int]]:
+    """Per step, the activations to drop once it ran: those it was the last reader of, so that
+    large batches do not keep every intermediate alive until the end of forward()."""
     last_reader = {}
     for position, step in enumerate(steps):
         for slot in step.input_slots:
             last_reader[slot] = position
-    keep = set(graph.outputs)
+    keep = set(graph_outputs)
     free_after = [[] for _ in steps]
     for slot, position in last_reader.items():
         if slot not in keep:
             free_after[position].append(slot)
-    return TFLiteModule(graph, steps, free_after)
+    return free_after
+
+
+def fuse_zero_padding(module: TFLiteModule) -> int:
+    """Fold each PAD that pads only height and width, with zeros, equally on both sides, into
+    the VALID convolution that is its only reader (the convolution pads by itself instead).
+
+    The full-range face detector stores its SAME padding this way: 43 PADs, each a full copy of
+    its activation, before every 3x3 convolution. The sums are the same; only the copy goes. The
+    folded PAD's output no longer exists for :meth:`TFLiteModule.trace`. Returns how many PADs
+    were folded; applying it twice folds nothing more.
+    """
+    readers: dict[int, list] = {}
+    for step in module.steps:
+        for slot in step.input_slots:
+            readers.setdefault(slot, []).append(step)
+    kept, folded = [], 0
+    for step in module.steps:
+        pad = step.compute
+        target = None
+        if (step.op_type in ("PAD", "PADV2") and isinstance(pad, tflite_ops.Pad) and not pad.full
+                and pad.value == 0.0 and len(pad.torch_pads) == 6 and tflite_ops.is_image(pad.in_shape)
+                and step.output_slots[0] not in module.output_slots):
+            left, right, top, bottom, channels_before, channels_after = pad.torch_pads
+            consumers = readers.get(step.output_slots[0], [])
+            if (left == right and top == bottom and channels_before == channels_after == 0
+                    and len(consumers) == 1 and isinstance(consumers[0].compute, tflite_ops.Conv2d)):
+                conv = consumers[0].compute
+                if conv.explicit_padding is None and tuple(conv.conv_padding) == (0, 0):
+                    target = consumers[0]
+        if target is None:
+            kept.append(step)
+            continue
+        target.compute.conv_padding = (top, left)
+        target.input_slots = [step.input_slots[0] if slot == step.output_slots[0] else slot
+                              for slot in target.input_slots]
+        for slot in target.input_slots:  # the PAD's input is now read by the convolution
+            readers.setdefault(slot, []).append(target)
+        folded += 1
+    if folded:
+        module.steps = torch.nn.ModuleList(kept)
+        module._free_after = _free_after(kept, module.output_slots)
+    return folded

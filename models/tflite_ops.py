@@ -164,16 +164,18 @@ _NO_ACTIVATION = 0
 
 
 def _apply_activation(x: torch.Tensor, code: int) -> torch.Tensor:
+    """The fused activation, in place: every caller passes the fresh output of its own operator
+    (no other reference to it exists), so no second activation-sized tensor is allocated."""
     if code == 0:
         return x
     if code == 1:
-        return torch.relu(x)
+        return torch.relu_(x)
     if code == 2:
-        return x.clamp(-1.0, 1.0)
+        return x.clamp_(-1.0, 1.0)
     if code == 3:
-        return x.clamp(0.0, 6.0)
+        return x.clamp_(0.0, 6.0)
     if code == 4:
-        return torch.tanh(x)
+        return torch.tanh_(x)
     raise AssertionError(f"activation {code} was accepted at build time")
 
 
@@ -405,7 +407,23 @@ def build_binary(op: OpSpec) -> torch.nn.Module:
             constants.append(_held_constant(value, out_shape) if direct
                              else _full_constant(value, rank))
     activation = _activation_code(op) if op.type in _FUSED_ACTIVATION_OPS else _NO_ACTIVATION
+    if (op.type == "PRELU" and direct and is_image(out_shape) and shapes[0] is not None and shapes[1] is None
+            and constants[1].shape == (1, out_shape[3], 1, 1)):
+        return ChannelPRelu(constants[1])
     return Binary(op.type, shapes, constants, out_shape, direct, activation)
+
+
+class ChannelPRelu(torch.nn.Module):
+    """PRELU of an image with one slope per channel: ``F.prelu``, one kernel where the generic
+    :class:`Binary` form (``where(x >= 0, x, x * alpha)``) takes three and writes three tensors.
+    Same values (a slope times a negative input, the input otherwise)."""
+
+    def __init__(self, alpha_held: torch.Tensor):
+        super().__init__()
+        self.register_buffer("alpha", alpha_held.reshape(-1).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.prelu(x, self.alpha)
 
 
 class Unary(torch.nn.Module):

@@ -52,9 +52,11 @@ def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool) -
 
     task = config.models.face_landmarker_task if blendshapes else ""
     try:
+        on_gpu = device.type == "cuda"  # both options are GPU-only; on the CPU they do nothing
         return FacePipeline(
             device=device, max_faces=config.output.max_faces, load_model=load,
             face_landmarker_task=task or None,
+            half=config.models.half and on_gpu, cuda_graphs=config.models.cuda_graphs and on_gpu,
         )
     except assets.ModelError as exc:
         raise BootError(str(exc)) from None

@@ -1,0 +1,523 @@
+"""The pipeline's fast paths (bench/models.py measures them) give the results of the plain ones.
+
+CPU: the batched helpers against straightforward per-frame / per-tile versions of the same rules
+(the tile-border test, the detector's input plan, detection frame by frame, the crops against
+``grid_sample`` over float frames), the model rewrites against the unrewritten models (folded
+PADs, the one-kernel PReLU), the CUDA-graph bookkeeping (buckets, static buffers, chunks,
+fallback) with the capture replaced by a plain call, and which stages a CUDA graph can capture
+(no tensor made from host data, no wait for the device inside them).
+
+GPU (marker ``gpu``): float16 and CUDA graphs against the float32 eager pipeline on real photos.
+Tolerances, as fractions of the face's box width (the scale at which MediaPipe's own accuracy is
+judged, 2% median in test_pipeline_accuracy.py):
+- CUDA graphs, float32: median landmark difference ≤ 0.1%, 99th percentile ≤ 1%, box IoU ≥ 0.99
+  (only the batch size, and so cuDNN's choice of algorithm, differs: padding to a bucket);
+- float16 (with or without graphs): median ≤ 0.5%, 99th percentile ≤ 5%, box IoU ≥ 0.95,
+  presence within 0.02, head pose within 1.5°. The 99th percentile is the refined lips, eyes and
+  irises, whose crops follow float16 landmarks (test_convert_parity.py's FP16_REFINED_TOLERANCE
+  allows them 5e-2 of the model's 192 px input). Torch's CPU float16 gave median 0.04% and
+  99th percentile 3.5-6% on these photos; CUDA accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cv2
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from facecast.models import anchors, pipeline as pipeline_mod, roi, tflite_convert, tflite_ops
+from facecast.models.nms import box_iou, weighted_nms
+from facecast.models.pipeline import FacePipeline
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device on this machine")
+MODELS = ("face_detection_short_range", "face_detection_full_range", "face_landmark_with_attention")
+
+
+def _require_models(installed_models):
+    missing = [name for name in MODELS if name not in installed_models]
+    if missing:
+        pytest.skip(f"MediaPipe models not installed ({', '.join(missing)}); run `facecast models install`")
+
+
+def _bgr(rgb: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(rgb[..., ::-1])
+
+
+def _paste(canvas: np.ndarray, rgb: np.ndarray, scale: float, x_px: int, y_px: int) -> None:
+    small = cv2.resize(rgb, None, fx=scale, fy=scale, interpolation=cv2.INTER_AREA)
+    h, w = small.shape[:2]
+    canvas[y_px:y_px + h, x_px:x_px + w] = small
+
+
+def scene_1080p(photos, shift_px: int = 0) -> np.ndarray:
+    """A 1920x1080 BGR frame with three faces of about 200, 100 and 70 px."""
+    canvas = np.full((1080, 1920, 3), 110, np.uint8)
+    _paste(canvas, photos["grace_hopper"], 0.8, 150 + shift_px, 200)
+    _paste(canvas, photos["astronaut"], 1.0, 900, 300 + shift_px // 2)
+    _paste(canvas, photos["astronaut"], 0.75, 1500 + shift_px // 3, 650)
+    return _bgr(canvas)
+
+
+@pytest.fixture(scope="module")
+def cpu_pipeline(installed_models):
+    _require_models(installed_models)
+    torch.set_num_threads(2)
+    return FacePipeline("cpu", max_faces=4)
+
+
+# -- batching helpers --------------------------------------------------------------------------
+
+
+def test_buckets_are_powers_of_two_up_to_the_cap():
+    assert [pipeline_mod._bucket(n, 32) for n in (1, 2, 3, 4, 5, 17, 32)] == [1, 2, 4, 4, 8, 32, 32]
+    assert pipeline_mod._bucket(200, 256) == 256 and pipeline_mod._bucket(64, 256) == 64
+
+
+def _touches_inner_border(box, tile, frame_h, frame_w, margin_px=4.0) -> bool:
+    """The rule as written per tile and per box (the pipeline's before it was batched)."""
+    cx, cy, side = tile
+    x1, y1, x2, y2 = cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2
+    return ((x1 > 0 and box[0] <= x1 + margin_px) or (y1 > 0 and box[1] <= y1 + margin_px)
+            or (x2 < frame_w and box[2] >= x2 - margin_px) or (y2 < frame_h and box[3] >= y2 - margin_px))
+
+
+@pytest.mark.parametrize("frame_hw", [(1080, 1920), (720, 1280), (600, 800), (2160, 3840)])
+def test_tile_border_test_matches_the_per_tile_rule(frame_hw):
+    height, width = frame_hw
+    tiles = roi.tile_rects(height, width, 720, 200)
+    gen = torch.Generator().manual_seed(5)
+    centres = torch.rand(len(tiles) + 1, 500, 2, generator=gen) * torch.tensor([width, height])
+    sizes = 10 + torch.rand(len(tiles) + 1, 500, 1, generator=gen) * 200
+    boxes = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)
+    edges = torch.tensor([pipeline_mod._NO_CUT] + [pipeline_mod._tile_cut_edges(t, height, width) for t in tiles])
+    cut = pipeline_mod._cut_by_tile_border(boxes, edges)
+    assert not cut[0].any()  # the letterbox row: no inner border
+    for row, tile in enumerate(tiles, start=1):
+        expected = [_touches_inner_border(b.tolist(), tile, height, width) for b in boxes[row]]
+        assert cut[row].tolist() == expected
+
+
+def test_detector_plan_lists_each_frames_inputs_in_order(cpu_pipeline):
+    sizes = ((1080, 1920), (360, 640), (720, 1280))
+    plan = cpu_pipeline._make_plan(sizes, tiles=True)
+    per_frame = [1 + len(roi.tile_rects(h, w, 720, 200)) for h, w in sizes]
+    assert per_frame == [9, 1, 4]
+    assert plan.owner.tolist() == [0] * 9 + [1] + [2] * 4
+    assert plan.pool_rows.shape == (3, 9)
+    assert plan.pool_rows[0].tolist() == list(range(9)) and plan.pool_used[0].all()
+    assert plan.pool_rows[1, 0] == 9 and plan.pool_used[1].tolist() == [True] + [False] * 8
+    assert plan.pool_rows[2, :4].tolist() == [10, 11, 12, 13] and plan.pool_used[2].sum() == 4
+    # Each frame's first input is its letterbox; the rest are its tiles, in tile_rects' order.
+    assert plan.rects.center_xy_px[9].tolist() == [320.0, 180.0] and plan.rects.size_wh_px[9, 0] == 640
+    assert plan.rects.center_xy_px[10].tolist() == [640.0, 360.0]
+    assert plan.rects.center_xy_px[11:14].tolist() == [[t[0], t[1]] for t in roi.tile_rects(720, 1280, 720, 200)]
+    short = cpu_pipeline._make_plan(sizes, tiles=False)
+    assert short.owner.tolist() == [0, 1, 2] and short.pool_rows.shape == (3, 1)
+
+
+def _grid_sample_crops(batch: roi.FrameBatch, frame_index, rects, size, border):
+    """Crops as roi.crop_rois computed them with F.grid_sample over the float frames."""
+    steps = torch.arange(size, dtype=torch.float32) / size - 0.5
+    v, u = torch.meshgrid(steps, steps, indexing="ij")
+    unit = torch.stack([u, v], dim=-1).reshape(1, -1, 2)
+    points = rects.to_image(unit * rects.size_wh_px[:, None, :])
+    hw = batch.frame_hw[frame_index]
+    max_x, max_y = (hw[:, 1] - 1)[:, None], (hw[:, 0] - 1)[:, None]
+    x, y = points[..., 0], points[..., 1]
+    inside = (x >= -0.5) & (x <= max_x + 0.5) & (y >= -0.5) & (y <= max_y + 0.5)
+    x = torch.minimum(x.clamp(min=0), max_x)
+    y = torch.minimum(y.clamp(min=0), max_y) + batch.row_offset[frame_index][:, None]
+    tall = batch.tall
+    grid = torch.stack([x / (tall.shape[3] - 1) * 2 - 1, y / (tall.shape[2] - 1) * 2 - 1], dim=-1)
+    sampled = F.grid_sample(tall, grid.reshape(1, -1, size, 2), mode="bilinear", padding_mode="border",
+                            align_corners=True)
+    out = sampled[0].reshape(3, len(rects), size, size).permute(1, 2, 3, 0) / 255.0
+    return out * inside.reshape(-1, size, size, 1) if border == "zero" else out
+
+
+@pytest.mark.parametrize("bgr", [True, False])
+@pytest.mark.parametrize("border", ["replicate", "zero"])
+def test_crops_agree_with_grid_sample_over_the_float_frames(photos, bgr, border):
+    frames = [photos["astronaut"], np.ascontiguousarray(photos["grace_hopper"][:400, :300])]
+    batch = roi.FrameBatch(frames, "cpu", bgr=bgr)
+    gen = torch.Generator().manual_seed(3)
+    count = 12
+    rects = roi.RotatedRects(torch.rand(count, 2, generator=gen) * 500 - 20,
+                             (20 + torch.rand(count, 1, generator=gen) * 400).expand(-1, 2).contiguous(),
+                             torch.rand(count, generator=gen) * 6 - 3)
+    index = torch.arange(count) % 2
+    got = roi.crop_rois(batch, index, rects, 64, border=border)
+    expected = _grid_sample_crops(batch, index, rects, 64, border)
+    assert (got - expected).abs().max() < 1e-3  # of 1.0: float rounding only
+    rgb = frames[0] if not bgr else frames[0][..., ::-1]
+    assert torch.equal(batch.tall[0, :, :512, :512], torch.from_numpy(rgb.copy()).permute(2, 0, 1).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unrotated_crops_can_be_computed_per_row_and_column(photos, dtype):
+    batch = roi.FrameBatch([photos["astronaut"], np.ascontiguousarray(photos["grace_hopper"][:300])], "cpu")
+    rects = roi.RotatedRects(torch.tensor([[256.0, 256.0], [300.0, 150.0], [40.0, 500.0]]),
+                             torch.tensor([[512.0, 512.0], [720.0, 720.0], [200.0, 200.0]]), torch.zeros(3))
+    index = torch.tensor([0, 1, 0])
+    general = roi.crop_rois(batch, index, rects, 96, border="zero", value_range=(-1.0, 1.0))
+    aligned = roi.crop_rois(batch, index, rects, 96, border="zero", value_range=(-1.0, 1.0), axis_aligned=True,
+                            dtype=dtype)
+    assert aligned.dtype == dtype
+    # float16: blended in float16, which keeps 0..255 to 3 significant digits.
+    assert (aligned.float() - general).abs().max() <= (1e-6 if dtype == torch.float32 else 4e-3)
+    plain = roi.crop_rois(batch, index, rects, 96, border="zero")
+    assert torch.allclose(general, plain * 2 - 1, atol=1e-6)
+    assert (general[1, :10] == -1).all()  # above the shorter frame: the black border, at the low end
+
+
+def test_frame_batch_uses_a_frame_tensor_in_place_and_copies_a_list():
+    frames = torch.randint(0, 255, (3, 20, 30, 3), dtype=torch.uint8)
+    batch = roi.FrameBatch(frames, "cpu")
+    assert batch.pixels.data_ptr() == frames.data_ptr() and batch.pixels.shape == (60, 30, 3)
+    assert batch.row_offsets_px == [0, 20, 40] and batch.row_offset.tolist() == [0.0, 20.0, 40.0]
+    listed = roi.FrameBatch(list(frames), "cpu")
+    assert listed.pixels.data_ptr() != frames.data_ptr() and torch.equal(listed.pixels, batch.pixels)
+    stacked = roi.FrameBatch.from_pixels(batch.pixels, [(20, 30)] * 3)
+    assert stacked.frame_hw.tolist() == [[20.0, 30.0]] * 3
+    with pytest.raises(ValueError, match="do not stack"):
+        roi.FrameBatch.from_pixels(batch.pixels, [(20, 30)] * 2)
+
+
+# -- model rewrites ----------------------------------------------------------------------------
+
+
+def test_folding_zero_pads_into_convolutions_changes_no_output(installed_models, photos):
+    _require_models(installed_models)
+    path = installed_models["face_detection_full_range"]
+    plain, folded = tflite_convert.convert(path).eval(), tflite_convert.convert(path).eval()
+    assert tflite_convert.fuse_zero_padding(folded) == 43
+    assert tflite_convert.fuse_zero_padding(folded) == 0
+    assert not any(step.op_type == "PAD" for step in folded.steps)
+    inputs = torch.from_numpy(np.stack([
+        cv2.resize(photo, (192, 192), interpolation=cv2.INTER_AREA).astype(np.float32) / 127.5 - 1
+        for photo in photos.values()]))
+    with torch.no_grad():
+        for expected, got in zip(plain(inputs), folded(inputs)):
+            assert (expected - got).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def test_channel_prelu_is_the_tflite_formula(installed_models):
+    _require_models(installed_models)
+    alpha = torch.tensor([0.25, -0.5, 2.0]).reshape(1, 3, 1, 1)
+    x = torch.tensor([-2.0, -0.0, 0.0, 1.5, -1e-8]).reshape(1, 1, 1, 5).expand(2, 3, 4, 5).contiguous()
+    assert torch.equal(tflite_ops.ChannelPRelu(alpha)(x), torch.where(x >= 0, x, x * alpha))
+    mesh = tflite_convert.convert(installed_models["face_landmark_with_attention"])
+    assert sum(isinstance(step.compute, tflite_ops.ChannelPRelu) for step in mesh.steps) == 73
+
+
+# -- detection, batched vs frame by frame ----------------------------------------------------------
+
+
+def _reference_detect(pipeline: FacePipeline, frame_bgr: np.ndarray):
+    """One frame at a time, per tile, as written before batching: letterbox (+ tiles), decode,
+    border rule per tile, NMS over the frame's inputs, then the merge of the two detectors."""
+    height, width = frame_bgr.shape[:2]
+    batch = roi.FrameBatch([frame_bgr], "cpu")
+    found = []
+    for spec, tiles in ((anchors.FACE_SHORT_RANGE, False), (anchors.FACE_FULL_RANGE, True)):
+        inputs = [roi.letterbox_rect(height, width)] + (roi.tile_rects(height, width, 720, 200) if tiles else [])
+        table = torch.tensor(inputs, dtype=torch.float32)
+        rects = roi.RotatedRects(table[:, :2], table[:, 2:3].expand(-1, 2).contiguous(), torch.zeros(len(inputs)))
+        size = spec.anchors.input_size_px
+        crops = roi.crop_rois(batch, torch.zeros(len(inputs)), rects, size, border="zero") * 2 - 1
+        raw_boxes, raw_scores = pipeline._detector_outputs(tiles, crops)
+        decoded = anchors.decode(raw_boxes, raw_scores, pipeline.anchors[spec.name], spec)
+        boxes = roi.project_boxes(decoded.boxes * size, rects, size)
+        keypoints = roi.project_points((decoded.keypoints * size).reshape(len(inputs), -1, 2), rects,
+                                       size).reshape(decoded.keypoints.shape)
+        valid = decoded.scores >= spec.min_score
+        for row in range(1, len(inputs)):
+            valid[row] &= torch.tensor([not _touches_inner_border(b.tolist(), inputs[row], height, width)
+                                        for b in boxes[row]])
+        result = weighted_nms(boxes.reshape(1, -1, 4), decoded.scores.reshape(1, -1),
+                              keypoints.reshape(1, -1, 6, 2), valid.reshape(1, -1), spec.min_suppression_iou,
+                              pipeline.max_faces * 2).select(0)
+        found.append((result.boxes[0], result.keypoints[0], result.scores[0]))
+    (boxes, keypoints, scores), (full_boxes, full_keypoints, full_scores) = found
+    if full_boxes.shape[0]:
+        overlaps = (box_iou(full_boxes, boxes).max(dim=1).values > 0.1 if boxes.shape[0]
+                    else torch.zeros(full_boxes.shape[0], dtype=torch.bool))
+        boxes = torch.cat([boxes, full_boxes[~overlaps]])
+        keypoints = torch.cat([keypoints, full_keypoints[~overlaps]])
+        scores = torch.cat([scores, full_scores[~overlaps]])
+    order = scores.argsort(descending=True)[: pipeline.max_faces]
+    return boxes[order], keypoints[order], scores[order]
+
+
+def test_batched_detection_equals_frame_by_frame(cpu_pipeline, photos):
+    frames = [scene_1080p(photos), _bgr(photos["astronaut"]),
+              np.ascontiguousarray(scene_1080p(photos, 40)[:720, :1280]), np.full((480, 640, 3), 90, np.uint8)]
+    with torch.inference_mode():
+        batched = cpu_pipeline.detect(roi.FrameBatch(frames, "cpu"))
+        for frame, (boxes, keypoints, scores) in zip(frames, batched):
+            ref_boxes, ref_keypoints, ref_scores = _reference_detect(cpu_pipeline, frame)
+            assert boxes.shape[0] == ref_boxes.shape[0]
+            assert torch.allclose(boxes, ref_boxes, atol=1e-2) and torch.allclose(scores, ref_scores, atol=1e-4)
+            assert torch.allclose(keypoints, ref_keypoints, atol=1e-2)
+    assert [b.shape[0] for b, _, _ in batched] == [3, 1, 2, 0]
+
+
+def test_tracking_with_detections_from_elsewhere_including_an_empty_frame(cpu_pipeline, photos):
+    frames = [scene_1080p(photos), scene_1080p(photos, 12)]
+    with torch.inference_mode():
+        found = cpu_pipeline.detect(roi.FrameBatch(frames, "cpu"))
+    empty = (torch.zeros(0, 4), torch.zeros(0, 0, 2), torch.zeros(0))  # as the roi_landmark worker decodes it
+    cpu_pipeline.reset()
+    try:
+        faces = cpu_pipeline.track(frames, ["a", "b"], detections={0: found[0], 1: empty})
+        assert len(faces[0]) == 3 and faces[1] == []
+        assert cpu_pipeline._cameras["b"].frames_since_detection == 0
+        again = cpu_pipeline.track(frames, ["a", "b"], detections={0: found[0]})  # all three already tracked
+        assert len(again[0]) == 3 and all(face.tracked for face in again[0])
+    finally:
+        cpu_pipeline.reset()
+
+
+# -- CUDA graph bookkeeping, on the CPU ------------------------------------------------------------
+
+
+class _CallInsteadOfReplay:
+    """Stands in for pipeline._Captured: same statics/outputs contract, ``fn`` run at replay."""
+
+    made: list = []
+
+    def __init__(self, fn, statics, device, pool):
+        self.fn, self.statics = fn, statics
+        self.outputs = fn()
+        _CallInsteadOfReplay.made.append(self)
+
+    def replay(self):
+        fresh = self.fn()
+        # Mimic a graph: results land in the same static output tensors every time.
+        for static, value in zip(_flat(self.outputs), _flat(fresh)):
+            static.copy_(value)
+        return self.outputs
+
+
+def _flat(outputs):
+    if isinstance(outputs, tuple):
+        return [t for t in outputs if t is not None]
+    return [outputs.boxes, outputs.keypoints, outputs.scores, outputs.valid]
+
+
+def _pairs(frame_a, frame_b):
+    """The faces of one frame paired by box overlap (their order follows presence, which ties
+    at ~1.0 for clear faces, so rounding may swap two)."""
+    if not frame_a:
+        return []
+    iou = box_iou(torch.tensor([f.box for f in frame_a]), torch.tensor([f.box for f in frame_b]))
+    return [(a, frame_b[int(iou[k].argmax())]) for k, a in enumerate(frame_a)]
+
+
+def _same_faces(expected, got, atol_px):
+    assert [len(f) for f in expected] == [len(f) for f in got]
+    for frame_a, frame_b in zip(expected, got):
+        for a, b in _pairs(frame_a, frame_b):
+            assert np.abs(a.landmarks - b.landmarks).max() < atol_px
+            assert np.allclose(a.box, b.box, atol=atol_px) and a.tracked == b.tracked
+
+
+def test_graph_bookkeeping_gives_the_eager_results(cpu_pipeline, photos, monkeypatch):
+    frames = [scene_1080p(photos, shift) for shift in (0, 10, 20)]
+    expected = cpu_pipeline(frames)
+    monkeypatch.setattr(pipeline_mod, "MAX_GRAPH_FRAMES", 4)  # 3 frames: padded to 4
+    monkeypatch.setattr(pipeline_mod, "MAX_GRAPH_FACES", 4)  # 9 faces: chunks of 4, 4 and 1
+    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", True)
+    monkeypatch.setattr(cpu_pipeline, "_capture", _CallInsteadOfReplay)
+    monkeypatch.setattr(cpu_pipeline, "_graphs", {})
+    _CallInsteadOfReplay.made = []
+    _same_faces(expected, cpu_pipeline(frames), atol_px=1e-2)
+    assert sorted(cpu_pipeline._graphs) == [("detect", (1080, 1920, 4, True)), ("mesh", (1, torch.float32)),
+                                            ("mesh", (4, torch.float32))]
+    # One frame: a new detection graph; its 3 faces replay the 4-face graph, one row padded with
+    # the previous call's data, which must not leak into the results.
+    _same_faces(expected[2:], cpu_pipeline(frames[2:]), atol_px=1e-2)
+    assert ("detect", (1080, 1920, 1, True)) in cpu_pipeline._graphs and len(_CallInsteadOfReplay.made) == 4
+    assert cpu_pipeline.graph_fallbacks == {}
+
+
+def test_a_stage_that_cannot_be_captured_runs_eagerly_and_says_why(cpu_pipeline, photos, monkeypatch):
+    def refuse(fn, statics, device, pool):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
+
+    frames = [scene_1080p(photos)]
+    expected = cpu_pipeline(frames)
+    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", True)
+    monkeypatch.setattr(cpu_pipeline, "_capture", refuse)
+    monkeypatch.setattr(cpu_pipeline, "_graphs", {})
+    monkeypatch.setattr(cpu_pipeline, "graph_fallbacks", {})
+    _same_faces(expected, cpu_pipeline(frames), atol_px=1e-3)
+    assert cpu_pipeline.graph_fallbacks == {
+        "detect": "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+        "mesh": "Cannot copy between CPU and CUDA tensors during CUDA graph capture"}
+
+
+def test_options_that_need_a_gpu_are_refused_on_the_cpu(installed_models):
+    _require_models(installed_models)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        FacePipeline("cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match="half"):
+        FacePipeline("cpu", half=True)
+
+
+# -- what a CUDA graph can capture -----------------------------------------------------------------
+
+
+class _HostWork(TorchDispatchMode):
+    """Records, by source line, what a CUDA graph cannot capture: tensors made from host data
+    (a host-to-device copy on a GPU) and operations that wait for the device's results."""
+
+    WAITS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item"}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import traceback
+
+        name = str(func.overloadpacket)
+        bool_mask = name == "aten.index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []) if i is not None)
+        if name in ("aten.lift_fresh", "aten.lift_fresh_copy") or name in self.WAITS or bool_mask:
+            frame = next(f for f in reversed(traceback.extract_stack())
+                         if "/models/" in f.filename and "/tests/" not in f.filename)
+            self.found.append(f"{name} at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+def _warm_detection(pipeline, frames):
+    batch = roi.FrameBatch(frames, "cpu")
+    plans = pipeline._plans_for(tuple(batch.sizes_hw))
+    index = torch.arange(len(frames))
+    pipeline._detect_core(batch, index, plans)  # caches made on first use stay out, as in the warm-up
+    return batch, index, plans
+
+
+def test_the_detection_stage_can_be_captured(cpu_pipeline, photos):
+    with torch.inference_mode():
+        batch, index, plans = _warm_detection(cpu_pipeline, [scene_1080p(photos)] * 2)
+        with _HostWork() as spy:
+            cpu_pipeline._detect_core(batch, index, plans)
+    assert spy.found == []
+
+
+def test_the_mesh_stage_can_be_captured(cpu_pipeline, photos):
+    crops = roi.crop_rois(roi.FrameBatch([scene_1080p(photos)], "cpu"), torch.zeros(2),
+                          roi.RotatedRects(torch.tensor([[500.0, 500.0], [900.0, 300.0]]),
+                                           torch.full((2, 2), 200.0), torch.zeros(2)), 192)
+    rects = roi.RotatedRects(torch.zeros(2, 2), torch.full((2, 2), 200.0), torch.zeros(2))
+    with torch.inference_mode():
+        cpu_pipeline._landmarks_core(crops, rects)
+        with _HostWork() as spy:
+            cpu_pipeline._landmarks_core(crops, rects)
+    assert spy.found == [], spy.found
+
+
+# -- GPU: float16 and CUDA graphs against float32 eager, on real photos ----------------------------
+
+FAST_VARIANTS = {  # name: (FacePipeline options, median, 99th percentile, min box IoU)
+    "fp32+graphs": ({"cuda_graphs": True}, 0.001, 0.01, 0.99),
+    "fp16": ({"half": True}, 0.005, 0.05, 0.95),
+    "fp16+graphs": ({"half": True, "cuda_graphs": True}, 0.005, 0.05, 0.95),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_pipelines(installed_models):
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device on this machine")
+    _require_models(installed_models)
+    pipelines = {"fp32": FacePipeline("cuda", max_faces=4)}
+    for name, (options, *_) in FAST_VARIANTS.items():
+        pipelines[name] = FacePipeline("cuda", max_faces=4, **options)
+    return pipelines
+
+
+def _compare(reference, fast, median_max, p99_max, iou_min, label):
+    assert [len(f) for f in reference] == [len(f) for f in fast], label
+    worst = {"median": 0.0, "p99": 0.0, "iou": 1.0}
+    for frame_ref, frame_fast in zip(reference, fast):
+        for ref, got in _pairs(frame_ref, frame_fast):
+            width = ref.box[2] - ref.box[0]
+            error = np.linalg.norm(got.landmarks[:, :2] - ref.landmarks[:, :2], axis=1) / width
+            iou = box_iou(torch.tensor([ref.box]), torch.tensor([got.box]))[0, 0].item()
+            worst = {"median": max(worst["median"], float(np.median(error))),
+                     "p99": max(worst["p99"], float(np.percentile(error, 99))), "iou": min(worst["iou"], iou)}
+            assert abs(ref.presence - got.presence) <= 0.02, label
+            assert np.abs(np.subtract(ref.head_pose, got.head_pose)).max() <= 1.5, label
+            assert ref.tracked == got.tracked
+    assert worst["median"] <= median_max and worst["p99"] <= p99_max and worst["iou"] >= iou_min, (label, worst)
+    return worst
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", list(FAST_VARIANTS))
+def test_fast_path_matches_float32_on_photos(gpu_pipelines, photos, variant):
+    frames = [_bgr(photos["astronaut"]), _bgr(photos["grace_hopper"]), scene_1080p(photos), scene_1080p(photos, 30)]
+    expected = gpu_pipelines["fp32"](frames)
+    assert [len(f) for f in expected] == [1, 1, 3, 3]
+    _, median_max, p99_max, iou_min = FAST_VARIANTS[variant]
+    for _ in range(2):  # the second call replays the graphs captured by the first
+        _compare(expected, gpu_pipelines[variant](frames), median_max, p99_max, iou_min, variant)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", list(FAST_VARIANTS))
+def test_fast_path_tracks_like_float32(gpu_pipelines, photos, variant):
+    _, median_max, p99_max, iou_min = FAST_VARIANTS[variant]
+    reference, fast = gpu_pipelines["fp32"], gpu_pipelines[variant]
+    reference.reset()
+    fast.reset()
+    try:
+        for step in range(8):
+            frames = [scene_1080p(photos, 4 * step), scene_1080p(photos, 60 - 4 * step)]
+            _compare(reference.track(frames, ["a", "b"]), fast.track(frames, ["a", "b"]),
+                     median_max, p99_max, iou_min, f"{variant} step {step}")
+            assert [reference.wants_detection(c) for c in "ab"] == [fast.wants_detection(c) for c in "ab"]
+    finally:
+        reference.reset()
+        fast.reset()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", list(FAST_VARIANTS))
+def test_fast_detection_of_32_cameras_matches_float32(gpu_pipelines, photos, variant):
+    frames = torch.from_numpy(np.stack([scene_1080p(photos, k) for k in range(32)])).cuda()
+    _, _, _, iou_min = FAST_VARIANTS[variant]
+    expected = gpu_pipelines["fp32"].detect(roi.FrameBatch(frames, "cuda"))
+    for _ in range(2):
+        got = gpu_pipelines[variant].detect(roi.FrameBatch(frames, "cuda"))
+        assert sum(ref_boxes.shape[0] for ref_boxes, _, _ in expected) >= 90  # of 3 faces x 32 frames
+        for (ref_boxes, _, ref_scores), (boxes, _, scores) in zip(expected, got):
+            assert boxes.shape == ref_boxes.shape
+            if ref_boxes.shape[0]:
+                iou = box_iou(ref_boxes, boxes)
+                match = iou.argmax(dim=1)  # scores order the boxes; near-ties may swap in float16
+                assert iou.max(dim=1).values.min() >= iou_min
+                assert (ref_scores - scores[match]).abs().max() <= 0.02
+    if "graphs" in variant:
+        assert "detect" not in gpu_pipelines[variant].graph_fallbacks
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_convolution_weights_are_channels_last(gpu_pipelines):
+    for pipe in gpu_pipelines.values():
+        for model in (pipe.short_range, pipe.full_range, pipe.mesh):
+            convs = [m for m in model.modules() if isinstance(m, tflite_ops.Conv2d)]
+            assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
+            assert all(c.weight.dtype == pipe.model_dtype for c in convs)
