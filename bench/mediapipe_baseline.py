@@ -196,6 +196,7 @@ def camera_process(camera_id: str, face_px: list[float] | None, warmup_s: float,
     from facecast.workers.sources import SyntheticSource
 
     face_mesh = import_face_mesh()
+    cv2.setNumThreads(1)  # as facecast's capture workers render (workers/capture.py)
     source = SyntheticSource(CameraConfig(id=camera_id, source="synthetic", width=WIDTH,
                                           height=HEIGHT, fps=FPS))
     if face_px:

@@ -786,6 +786,12 @@ class _Captured:
 
     def __init__(self, fn: Callable[[], object], statics: dict, device: torch.device, pool):
         self.statics = statics
+        # The graph reads every tensor it was captured with by address, also those only ``fn``'s
+        # closure holds (a static batch's offset tables, the frame index): they must live as long
+        # as the graph. Dropping ``fn`` freed them, the allocator handed their memory out again,
+        # and replays indexed with whatever was there (a device-side "index out of bounds" on the
+        # H200, for the first detection graph of a pipeline).
+        self.fn = fn
         previous = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(previous)

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
+
+import cv2
 
 from facecast.shared.messages import CameraReport, InjectFault
 from facecast.shared.stats import RateMeter
@@ -37,12 +40,25 @@ OPEN_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 5.0
 
 
+def one_thread_per_camera() -> None:
+    """Each camera has its own capture process: that is the parallelism. OpenCV's and torch's
+    thread pools inside it add one thread per core that waits, spinning, between frames: on the
+    16-core GPU host one 1080p30 synthetic camera's capture worker was 1.3 cores busy where its
+    rendering takes ~0.25 (bench/pipeline.py's CPU by role shows the effect of this). FFmpeg's
+    decoding threads are its own and stay as they are."""
+    cv2.setNumThreads(1)
+    torch = sys.modules.get("torch")  # imported only on the CUDA path
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 class CaptureWorker(Worker):
     role = "capture"
 
     def prepare(self) -> None:
         """A standby on a GPU pays for torch, pycuda and the primary context now: they are most
         of a CUDA-IPC capture worker's boot. Whether CUDA works is still decided at boot."""
+        one_thread_per_camera()
         if self.device.startswith("cuda"):
             from facecast.shared import cuda_driver
             from facecast.shared.rings import TransportUnavailable
@@ -74,6 +90,7 @@ class CaptureWorker(Worker):
             slot_count=self.config.daemon.ring_slots, transport=requested,
             device_index=device_index,
         )
+        one_thread_per_camera()  # after FramePublisher: on the CUDA path it imported torch
         self.source: FrameSource | None = None
         self.source_state = "opening"
         self.lost_reason = ""
