@@ -50,7 +50,7 @@ WIDTH, HEIGHT, FPS = 1920, 1080, 30
 
 
 def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int,
-                cuda_graphs: bool = False, half: bool = False) -> str:
+                cuda_graphs: bool = True, half: bool = False) -> str:
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
         'host_name = "bench"', "checksum_every = 30", f"roi_landmark_workers = {roi_workers}",
@@ -387,7 +387,8 @@ def main() -> int:
     parser.add_argument("--cameras", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--transports", nargs="+", default=["cuda_ipc", "shm"])
     parser.add_argument("--roi-workers", type=int, default=1)
-    parser.add_argument("--cuda-graphs", action="store_true", help="models.cuda_graphs = true")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
     parser.add_argument("--warmup-s", type=float, default=15.0)
     parser.add_argument("--measure-s", type=float, default=20.0)

@@ -395,7 +395,7 @@ class Supervisor:
             log.debug("stopped %d %s worker(s) in %.2f s", len(group), role,
                       time.monotonic() - group_start)
         # Rings of workers that were SIGKILLed at some point: their owner is gone (DESIGN §5).
-        swept = shm.sweep_dead_owners()
+        swept = shm.sweep_dead_owners() + shm.sweep_dead_cuda_ipc_files()
         if swept:
             log.info("removed %d shared-memory segment(s) left by killed workers", len(swept))
         log.info("stopped in %.2f s", time.monotonic() - start)

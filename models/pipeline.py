@@ -216,6 +216,15 @@ class _Measured:
 #     runs eagerly from then on; the reason is logged and kept in ``graph_fallbacks``. Frames of
 #     different sizes in one call run eagerly too. Head pose (float64) and the Face objects are
 #     computed after the replay, eagerly.
+#
+# Note [Warm shapes]
+#     On the H200 (torch 2.11, CUDA 13) the first detection pass over a new number of frames took
+#     3.7-4.2 s, the first mesh pass over a new number of faces ~1.5 s (the GPU libraries preparing
+#     that shape; the same with or without channels_last weights); later passes ~10 ms. In the
+#     daemon the batch sizes change all the time (cameras due for detection, faces in view), so
+#     eager passes kept stalling for seconds. The graphs' power-of-two buckets bound the shapes,
+#     and ``warm_up`` runs every bucket a worker can meet once, at boot (or in a warm standby),
+#     before any camera waits on it.
 MAX_GRAPH_FRAMES = 32
 MAX_GRAPH_FACES = 256
 _PLAN_CACHE_SIZE = 32
@@ -689,6 +698,33 @@ class FacePipeline:
             rows_per_frame.append([k for _, k in kept])
         return _Measured(faces_per_frame, rows_per_frame, landmarks, boxes)
 
+    @torch.inference_mode()
+    def warm_up(self, frame_sizes_hw: Sequence[tuple[int, int]], max_frames: int = 0,
+                max_faces: int = 0) -> None:
+        """Capture and run once every graph bucket of detection over up to ``max_frames`` frames
+        of each size, and of the mesh over up to ``max_faces`` faces (Note [Warm shapes]).
+        Only with ``cuda_graphs``: eager shapes are unbounded."""
+        if not self.cuda_graphs:
+            return
+        for height, width in dict.fromkeys(frame_sizes_hw):
+            count = min(max_frames, MAX_GRAPH_FRAMES)
+            if count < 1:
+                break
+            frames = torch.zeros(count, height, width, 3, dtype=torch.uint8, device=self.device)
+            for bucket in _buckets_up_to(count, MAX_GRAPH_FRAMES):
+                self.detect(roi_mod.FrameBatch(frames[:bucket], self.device))
+        count = min(max_faces, MAX_GRAPH_FACES)
+        if count >= 1:
+            crops = torch.zeros(count, MESH_INPUT_PX, MESH_INPUT_PX, 3, dtype=self.model_dtype,
+                                device=self.device)
+            rects = roi_mod.RotatedRects(torch.zeros(count, 2, device=self.device),
+                                         torch.full((count, 2), 100.0, device=self.device),
+                                         torch.zeros(count, device=self.device))
+            for bucket in _buckets_up_to(count, MAX_GRAPH_FACES):
+                self._landmarks(crops[:bucket], rects[:bucket])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _landmarks(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
         """(landmarks (N, 478, 3) px, presence (N,), blendshapes (N, 52) or None) of the crops."""
         if self.cuda_graphs and "mesh" not in self.graph_fallbacks:
@@ -814,6 +850,11 @@ class _Captured:
 def _bucket(count: int, largest: int) -> int:
     """The power of two a batch of ``count`` (1..largest) is padded to."""
     return min(largest, 1 << max(0, count - 1).bit_length())
+
+
+def _buckets_up_to(count: int, largest: int) -> list[int]:
+    """Every bucket a batch of 1..count can be padded to."""
+    return sorted({_bucket(n, largest) for n in range(1, count + 1)})
 
 
 def _tile_cut_edges(tile, frame_h: int, frame_w: int, margin_px: float = TILE_BORDER_MARGIN_PX):

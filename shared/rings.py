@@ -534,8 +534,17 @@ class ShmRingReader(RingReader):
         try:
             from facecast.shared import cuda_driver
 
-            cuda = cuda_driver.driver(self.device.index or 0)
-            self._registered = cuda.register_host_memory(self._slots, 0)  # flags: default
+            import torch
+
+            cuda_driver.driver(self.device.index or 0)  # the primary context (Note [One context])
+            # cudaHostRegister on the mapping's address: PyCUDA's register_host_memory refused a
+            # numpy view of shared memory on the H200 host ("returned a result with an exception
+            # set"), and torch treats registered pages as pinned for its asynchronous copies.
+            pointer = self._slots.ctypes.data
+            error = torch.cuda.cudart().cudaHostRegister(pointer, self._slots.nbytes, 0)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister failed ({error})")
+            self._registered = pointer
             self.pinned = True
         except Exception as exc:  # TransportUnavailable, pycuda's errors: take the pageable copy
             self.pin_failure = str(exc) or type(exc).__name__
@@ -569,7 +578,9 @@ class ShmRingReader(RingReader):
     def close(self) -> None:
         if self._registered is not None:
             try:
-                self._registered.base.unregister()
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self._registered)
             except Exception as exc:
                 log.debug("unregistering shm ring mapping: %s", exc)
             self._registered = None

@@ -116,5 +116,27 @@ def sweep_dead_owners(camera_id: str | None = None) -> list[str]:
     return removed
 
 
+# The CUDA driver backs interprocess events with /dev/shm/cuda.shm.<n>.<pid, hex>.<n> files that
+# it removes when the process exits; a SIGKILLed worker's stay (seen after the GPU soak).
+_CUDA_IPC_NAME = re.compile(r"cuda\.shm\.\d+\.(?P<pid>[0-9a-f]+)\.\d+")
+
+
+def sweep_dead_cuda_ipc_files() -> list[str]:
+    """Unlink this user's CUDA IPC files whose process is gone; returns the names removed. Run
+    by the supervisor after its workers stopped."""
+    removed = []
+    uid = os.getuid()
+    for path in SHM_DIR.glob("cuda.shm.*"):
+        match = _CUDA_IPC_NAME.fullmatch(path.name)
+        try:
+            if not match or path.stat().st_uid != uid or _pid_alive(int(match["pid"], 16)):
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path.name)
+    return removed
+
+
 def list_segments() -> list[str]:
     return sorted(p.name for p in SHM_DIR.glob(PREFIX + "*"))

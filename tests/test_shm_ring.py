@@ -424,3 +424,21 @@ def test_slot_overwritten_during_the_copy_is_dropped():
     finally:
         reader.close()
         producer.close()
+
+
+def test_cuda_ipc_files_of_dead_processes_are_swept_and_live_ones_kept():
+    """The CUDA driver's /dev/shm/cuda.shm.* files of a SIGKILLed worker stay behind; the
+    supervisor's shutdown removes those of dead processes only."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    dead_file = shm.SHM_DIR / f"cuda.shm.0.{dead.pid:x}.1"
+    live_file = shm.SHM_DIR / f"cuda.shm.0.{os.getpid():x}.1"
+    dead_file.write_bytes(b"x")
+    live_file.write_bytes(b"x")
+    try:
+        removed = shm.sweep_dead_cuda_ipc_files()
+        assert dead_file.name in removed and not dead_file.exists()
+        assert live_file.exists() and live_file.name not in removed
+    finally:
+        dead_file.unlink(missing_ok=True)
+        live_file.unlink(missing_ok=True)

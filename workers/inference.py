@@ -112,8 +112,19 @@ def pipelines_for(prepared: tuple[bytes, Pipelines] | None, config: Config,
 
 
 def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: bool) -> Pipelines:
-    return Pipelines(face=build_pipeline(config, device, blendshapes=blendshapes),
-                     pose=build_pose_pipeline(config, device) if pose else None)
+    started_monotonic = time.monotonic()
+    face = build_pipeline(config, device, blendshapes=blendshapes)
+    # Note [Warm shapes] in models/pipeline.py. The detection worker (no blendshapes) meets
+    # batches of frames, a roi_landmark worker batches of faces; any camera may be theirs.
+    sizes = [(camera.height, camera.width) for camera in config.cameras]
+    if blendshapes:
+        face.warm_up(sizes, max_faces=len(config.cameras) * config.output.max_faces)
+    else:
+        face.warm_up(sizes, max_frames=len(config.cameras))
+    if face.cuda_graphs:
+        log.info("CUDA graphs of every batch size ready in %.1f s",
+                 time.monotonic() - started_monotonic)
+    return Pipelines(face=face, pose=build_pose_pipeline(config, device) if pose else None)
 
 
 def _pipelines_key(config: Config, device: torch.device, blendshapes: bool, pose: bool) -> bytes:

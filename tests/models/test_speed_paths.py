@@ -521,3 +521,18 @@ def test_cuda_convolution_weights_are_channels_last(gpu_pipelines):
             convs = [m for m in model.modules() if isinstance(m, tflite_ops.Conv2d)]
             assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
             assert all(c.weight.dtype == pipe.model_dtype for c in convs)
+
+
+def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypatch):
+    """Note [Warm shapes]: after warm_up, no batch of 1..max frames or faces meets a new shape."""
+    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", True)
+    monkeypatch.setattr(cpu_pipeline, "_capture", _CallInsteadOfReplay)
+    monkeypatch.setattr(cpu_pipeline, "_graphs", {})
+    cpu_pipeline.warm_up([(360, 640), (360, 640)], max_frames=3, max_faces=5)
+    assert sorted(cpu_pipeline._graphs) == [
+        ("detect", (360, 640, 1, True)), ("detect", (360, 640, 2, True)),
+        ("detect", (360, 640, 4, True)),
+        ("mesh", (1, torch.float32)), ("mesh", (2, torch.float32)), ("mesh", (4, torch.float32)),
+        ("mesh", (8, torch.float32))]
+    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", False)
+    cpu_pipeline.warm_up([(360, 640)], max_frames=3, max_faces=5)  # eager: nothing to prepare
