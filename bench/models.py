@@ -632,9 +632,17 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="skip what would not finish within this many seconds of starting")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-models.json")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="no run: rewrite the docs' Models section from this result file")
     parser.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"),
                         help="rewrite this file's Models section ('' to leave it)")
     args = parser.parse_args()
+    if args.from_json is not None:
+        text = report(json.loads(args.from_json.read_text()))
+        print(text)
+        if args.docs:
+            write_docs(Path(args.docs), text)
+        return 0
     budget = Budget(args.budget_s)
 
     import torch

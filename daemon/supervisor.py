@@ -562,6 +562,13 @@ class Supervisor:
     # Status, readiness, systemd
     # ============================================================================================
 
+    def _workers_up(self) -> bool:
+        """Every worker of the config (not the spares) has booted, or was given up on: READY=1
+        then means the streams carry measurements. (On a GPU the inference workers prepare their
+        CUDA graphs at boot, Note [Warm shapes], which takes seconds after the first frames.)"""
+        return all(w.state in ("running", "failed", "flapping")
+                   for w in self.workers.values() if not w.spec.standby)
+
     def _cameras_settled(self) -> bool:
         """Every camera has produced a frame or been reported unavailable (DESIGN §5)."""
         for camera in self.config.cameras:
@@ -577,8 +584,7 @@ class Supervisor:
 
     def _tick_systemd(self) -> None:
         now = time.monotonic()
-        if not self.ready and self._cameras_settled() and self.workers.get("output") is not None \
-                and self.workers["output"].state in ("running", "failed", "flapping"):
+        if not self.ready and self._cameras_settled() and self._workers_up():
             self.ready = True
             log.info("ready: %s", self.summary())
             self.notifier.ready(self.summary())
