@@ -20,6 +20,8 @@ import torch
 from facecast.models.head_pose import head_pose_deg
 from facecast.models.nms import box_iou
 
+from counting import CountingModule  # tests/models/counting.py
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures"
 IOU_MIN = 0.9
@@ -209,17 +211,6 @@ def test_tensor_batch_equals_numpy_list(cpu_pipeline, reference):
     for a, b in zip(from_list, from_tensor):
         assert len(a) == len(b) == 1
         assert np.abs(a[0].landmarks - b[0].landmarks).max() < 1e-3
-
-
-class CountingModule(torch.nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.calls = 0
-
-    def forward(self, *inputs):
-        self.calls += 1
-        return self.inner(*inputs)
 
 
 def test_tracking_runs_the_detector_only_when_needed(cpu_pipeline, reference):

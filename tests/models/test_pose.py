@@ -23,6 +23,8 @@ import torch
 
 from facecast.models import pose as pose_mod
 
+from counting import CountingModule  # tests/models/counting.py
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # Indices of MediaPipe's 33 pose landmarks used below ("left" is the subject's left).
@@ -418,17 +420,6 @@ def test_heatmap_refinement_moves_to_the_weighted_cell():
 # ---------------------------------------------------------------------------------------------
 # Tracking.
 # ---------------------------------------------------------------------------------------------
-
-
-class CountingModule(torch.nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.calls = 0
-
-    def forward(self, *inputs):
-        self.calls += 1
-        return self.inner(*inputs)
 
 
 def test_tracking_runs_the_detector_only_when_needed(cpu_pipeline, cpu_poses, photos):
