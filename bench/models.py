@@ -382,28 +382,15 @@ def bench_detection(pipelines, scenes, cameras_list, args, budget) -> list[dict]
 def _cut_before_custom_ops(path: Path) -> bytes:
     """face_landmark_with_attention without MediaPipe's custom operators: the mesh, the face flag
     and the tensors the custom operators read (as tests/models/test_convert_parity.py cuts it)."""
-    from ai_edge_litert.tools import flatbuffer_utils
+    sys.path.insert(0, str(REPO / "tests" / "models"))
+    from litert_reference import cut_model
 
     from facecast.models.tflite_convert import read_graph
 
     graph = read_graph(path)
     custom_inputs = sorted({op.inputs[0].name for op in graph.operators
                             if op.type in ("Landmarks2TransformMatrix", "TransformTensorBilinear")})
-    keep = ["output_mesh_identity", "conv_faceflag", *custom_inputs]
-    model = flatbuffer_utils.read_model(str(path))
-    subgraph = model.subgraphs[0]
-    by_name = {(t.name.decode() if isinstance(t.name, bytes) else t.name): i for i, t in enumerate(subgraph.tensors)}
-    producers = {out: op for op in subgraph.operators for out in op.outputs}
-    needed, stack = set(), [by_name[name] for name in keep]
-    while stack:
-        op = producers.get(stack.pop())
-        if op is None or id(op) in needed:
-            continue
-        needed.add(id(op))
-        stack.extend(i for i in op.inputs if i >= 0)
-    subgraph.operators = [op for op in subgraph.operators if id(op) in needed]
-    subgraph.outputs = [by_name[name] for name in keep]
-    return bytes(flatbuffer_utils.convert_object_to_bytearray(model))
+    return cut_model(path, ["output_mesh_identity", "conv_faceflag", *custom_inputs])
 
 
 class LiteRTModel:

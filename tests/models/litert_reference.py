@@ -27,6 +27,33 @@ def run_litert(model: str | Path | bytes, inputs: list[np.ndarray], reference_ke
     return [interpreter.get_tensor(d["index"]).copy() for d in interpreter.get_output_details()]
 
 
+def cut_model(path: str | Path, keep_outputs: list[str]) -> bytes:
+    """The model with only the operators that ``keep_outputs`` (tensor names) depend on, and those
+    as its outputs: how LiteRT runs the parts of a model around operators it has no kernels for
+    (MediaPipe's custom ones). Uses the flatbuffer object API that ships in every ai-edge-litert
+    wheel (its ``tools`` package is missing from some, e.g. 1.4.0's)."""
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromPackedBuf(bytearray(Path(path).read_bytes()), 0)
+    subgraph = model.subgraphs[0]
+    by_name = {tensor.name.decode() if isinstance(tensor.name, bytes) else tensor.name: index
+               for index, tensor in enumerate(subgraph.tensors)}
+    producers = {out: op for op in subgraph.operators for out in op.outputs}
+    needed, stack = set(), [by_name[name] for name in keep_outputs]
+    while stack:
+        op = producers.get(stack.pop())
+        if op is None or id(op) in needed:
+            continue
+        needed.add(id(op))
+        stack.extend(i for i in op.inputs if i >= 0)
+    subgraph.operators = [op for op in subgraph.operators if id(op) in needed]
+    subgraph.outputs = [by_name[name] for name in keep_outputs]
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     """max|a - b| / max(1, max|b|): relative to the output's scale, absolute below scale 1 (so
     that outputs near zero, e.g. logits of absent classes, do not inflate the measure)."""

@@ -16,7 +16,7 @@ import torch
 from facecast.models.tflite_convert import UnsupportedOp, convert, read_graph
 
 # tests/models is on sys.path (pytest's default "prepend" import mode): plain imports.
-from litert_reference import PARITY_TABLE, relative_error, run_litert
+from litert_reference import PARITY_TABLE, cut_model, relative_error, run_litert
 from tiny_tflite import TinyModel, options
 
 TOLERANCE = 1e-4
@@ -135,29 +135,6 @@ def test_every_operator_of_a_model_matches_litert_on_litert_inputs(installed_mod
 # copy of the model cut before them; the custom part is checked on real faces and by properties.
 
 
-def _cut_attention_model(path, keep_outputs: list[str]) -> bytes:
-    """The model with only the operators that ``keep_outputs`` depend on, and those outputs."""
-    from ai_edge_litert.tools import flatbuffer_utils
-
-    model = flatbuffer_utils.read_model(str(path))
-    subgraph = model.subgraphs[0]
-    by_name = {tensor.name.decode() if isinstance(tensor.name, bytes) else tensor.name: index
-               for index, tensor in enumerate(subgraph.tensors)}
-    wanted = {by_name[name] for name in keep_outputs}
-    producers = {out: op for op in subgraph.operators for out in op.outputs}
-    needed, stack = set(), list(wanted)
-    while stack:
-        tensor = stack.pop()
-        op = producers.get(tensor)
-        if op is None or id(op) in needed:
-            continue
-        needed.add(id(op))
-        stack.extend(i for i in op.inputs if i >= 0)
-    subgraph.operators = [op for op in subgraph.operators if id(op) in needed]
-    subgraph.outputs = [by_name[name] for name in keep_outputs]
-    return bytes(flatbuffer_utils.convert_object_to_bytearray(model))
-
-
 def test_attention_mesh_backbone_matches_litert(installed_models, photos):
     name = "face_landmark_with_attention"
     path = installed_models[name]
@@ -168,7 +145,7 @@ def test_attention_mesh_backbone_matches_litert(installed_models, photos):
     custom_inputs = sorted({op.inputs[0].name for op in graph.operators
                             if op.type in ("Landmarks2TransformMatrix", "TransformTensorBilinear")})
     keep = ["output_mesh_identity", "conv_faceflag", *custom_inputs]
-    cut = _cut_attention_model(path, keep)
+    cut = cut_model(path, keep)
     samples = _inputs(name, module.input_shapes[0], photos)
     with torch.no_grad():
         traced = module.trace(torch.from_numpy(np.concatenate(samples)))
