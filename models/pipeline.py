@@ -224,7 +224,8 @@ class _Measured:
 #     daemon the batch sizes change all the time (cameras due for detection, faces in view), so
 #     eager passes kept stalling for seconds. The graphs' power-of-two buckets bound the shapes,
 #     and ``warm_up`` runs every bucket a worker can meet once, at boot (or in a warm standby),
-#     before any camera waits on it.
+#     before any camera waits on it. The pose models pad their batches the same way
+#     (models/pose.py, BatchBuckets and PosePipeline.warm_up).
 MAX_GRAPH_FRAMES = 32
 MAX_GRAPH_FACES = 256
 _PLAN_CACHE_SIZE = 32

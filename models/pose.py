@@ -331,6 +331,30 @@ def _same_person(rect: roi_mod.RotatedRects, others: roi_mod.RotatedRects) -> bo
 # ---------------------------------------------------------------------------------------------
 
 
+class BatchBuckets(torch.nn.Module):
+    """A model whose batch is padded with zeros to a power of two and cut back after: a GPU then
+    meets a handful of batch shapes, each prepared once (Note [Warm shapes] in
+    models/pipeline.py), instead of a new one, and a stall of seconds, per new person count."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @staticmethod
+    def bucket(count: int) -> int:
+        return 1 << max(0, count - 1).bit_length()
+
+    def forward(self, batch: torch.Tensor):
+        count = batch.shape[0]
+        padded = self.bucket(count)
+        if padded != count:
+            batch = torch.cat([batch, batch.new_zeros((padded - count, *batch.shape[1:]))])
+        outputs = self.inner(batch)
+        if isinstance(outputs, torch.Tensor):
+            return outputs[:count]
+        return type(outputs)(output[:count] for output in outputs)
+
+
 class PosePipeline:
     """Body poses of a batch of frames.
 
@@ -369,10 +393,27 @@ class PosePipeline:
         load = load_model or _model_loader(model_dir)
         self.detector = load(POSE_DETECTOR.name).to(self.device).eval()
         self.landmarker = load("pose_landmark_full").to(self.device).eval()
+        if self.device.type == "cuda":  # Note [Warm shapes] in models/pipeline.py
+            self.detector = BatchBuckets(self.detector)
+            self.landmarker = BatchBuckets(self.landmarker)
         self.anchors = anchors_mod.generate_anchors(self.spec.anchors).to(self.device)
         self._cameras: dict[Hashable, _CameraState] = {}
 
     # -- public API ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warm_up(self, max_frames: int) -> None:
+        """Run both models once for every batch bucket a worker with ``max_frames`` cameras can
+        meet (Note [Warm shapes] in models/pipeline.py); only on a GPU, where a new batch size
+        costs seconds."""
+        if self.device.type != "cuda":
+            return
+        size = self.spec.anchors.input_size_px
+        for model, count, side in ((self.detector, max_frames, size),
+                                   (self.landmarker, max_frames * self.max_poses, LANDMARK_INPUT_PX)):
+            for bucket in sorted({BatchBuckets.bucket(n) for n in range(1, count + 1)}):
+                model(torch.zeros(bucket, side, side, 3, device=self.device))
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def __call__(self, frames) -> list[list[Pose]]:

@@ -124,7 +124,10 @@ def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: boo
     if face.cuda_graphs:
         log.info("CUDA graphs of every batch size ready in %.1f s",
                  time.monotonic() - started_monotonic)
-    return Pipelines(face=face, pose=build_pose_pipeline(config, device) if pose else None)
+    body = build_pose_pipeline(config, device) if pose else None
+    if body is not None:
+        body.warm_up(max_frames=len(config.cameras))
+    return Pipelines(face=face, pose=body)
 
 
 def _pipelines_key(config: Config, device: torch.device, blendshapes: bool, pose: bool) -> bytes:

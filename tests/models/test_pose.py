@@ -529,3 +529,20 @@ def test_gpu_as_the_daemon_runs_it_stays_close_to_cpu(gpu_pipeline, frames, cpu_
     tracked = [gpu_pipeline.track([_bgr(frames["astronaut"])], ["cam0"])[0] for _ in range(2)]
     assert [len(p) for p in tracked] == [1, 1] and tracked[1][0].tracked
     gpu_pipeline.reset()
+
+
+def test_batch_buckets_pad_to_a_power_of_two_and_cut_back():
+    """Note [Warm shapes]: on a GPU the pose models see batches padded to a power of two; the real
+    rows' results are the model's own."""
+    seen = []
+
+    class Rows(torch.nn.Module):
+        def forward(self, batch):
+            seen.append(batch.shape[0])
+            return batch.sum(dim=(1, 2, 3)), batch[:, :1, :1, 0]
+
+    batch = torch.arange(3 * 2 * 2 * 3, dtype=torch.float32).reshape(3, 2, 2, 3)
+    sums, corners = pose_mod.BatchBuckets(Rows())(batch)
+    assert seen == [4]
+    assert torch.equal(sums, batch.sum(dim=(1, 2, 3))) and torch.equal(corners, batch[:, :1, :1, 0])
+    assert [pose_mod.BatchBuckets.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
