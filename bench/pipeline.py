@@ -94,21 +94,12 @@ def cores_by_role(first: dict, last: dict, window_s: float) -> dict[str, float]:
 
 def tree_cpu_s(pid: int) -> float:
     """User+system CPU seconds of a process and its children (alive ones, by /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
     pids = [pid]
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        pids += [int(c) for c in children]
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         pass
-    for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
+    return sum(cpu_s for cpu_s in map(process_cpu_s, pids) if cpu_s is not None)
 
 
 class NotifySocket:

@@ -306,10 +306,11 @@ class Supervisor:
                 reason = worker.exit_reason
                 worker.detail = ""
                 standby = self._ready_standby(worker.spec)
-                if standby is None or not self._promote(standby, worker):
+                promoted = standby is not None and self._promote(standby, worker)
+                if not promoted:
                     self._start(worker)
                 self.event("worker_restart", worker=worker.name, reason=reason,
-                           restarts=worker.restarts, warm_standby=standby is not None)
+                           restarts=worker.restarts, warm_standby=promoted)
 
     def _ready_standby(self, spec: WorkerSpec) -> WorkerProcess | None:
         """A booted spare for a worker of this role and device (Note [Warm standby])."""
