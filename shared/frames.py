@@ -104,6 +104,16 @@ def settle_checksums(pending: list[PendingChecksum]) -> list[int]:
     return values
 
 
+def warm_up_checksums(device: torch.device) -> None:
+    """Run the device checksum once on a dummy frame. Its first run on a GPU loads kernels and
+    creates the BLAS handle behind `torch.dot`: hundreds of milliseconds in which a consumer that
+    just attached would fall behind and pass over frames it should have checked."""
+    import torch
+
+    if device.type != "cpu":
+        sparse_checksum_tensor(torch.zeros(SAMPLE_COUNT, dtype=torch.uint8, device=device))
+
+
 def sparse_checksum_tensor(frame: torch.Tensor) -> int:
     """The same checksum computed where the tensor lives (a GPU view of a ring slot, say)."""
     if frame.device.type == "cpu":

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: a capture worker never 
 import zmq
 
 from facecast.shared import endpoints, messages, rings
+from facecast.shared.frames import warm_up_checksums
 from facecast.shared.messages import (
     Ack,
     DescribeRing,
@@ -297,6 +299,7 @@ class FrameSubscriber:
         import torch
 
         self.device = torch.device(device)
+        warm_up_checksums(self.device)
         self.checksum_every = checksum_every
         self._reader_options = reader_options
         self.readers: dict[str, rings.RingReader] = {}
@@ -320,17 +323,22 @@ class FrameSubscriber:
             self.control[camera_id] = dealer
             self._poller.register(dealer, zmq.POLLIN)
 
-    def receive(self, timeout_ms: int = 100) -> list[ReceivedFrame]:
+    def receive(
+        self, timeout_ms: int = 100, wanted: Callable[[str], bool] | None = None
+    ) -> list[ReceivedFrame]:
         """Verified frames, at most one per camera (the newest); [] when nothing came in time.
 
         Blocks in one poll for at most timeout_ms, then takes whatever has arrived without
         blocking again, and reads the newest frame of every camera as one batch (Note [One sync
-        per batch] in rings.py)."""
+        per batch] in rings.py). With `wanted`, only the cameras it accepts are read: the
+        detection worker needs a camera's frame only when a pass is due, and reading the others
+        would cost an event wait, or on shm a whole copy to the device, for nothing. Frames passed
+        over this way are not counted as skipped."""
         newest: dict[str, FrameReady] = {}
         events = self._poller.poll(timeout_ms)
         if events:
             self._drain(events, newest)
-        return self._read_all(newest) if newest else []
+        return self._read_all(newest, wanted) if newest else []
 
     def _drain(self, events, newest: dict[str, FrameReady]) -> None:
         """Stage "receive": everything waiting on the sockets, decoded; only the newest frame of
@@ -345,11 +353,13 @@ class FrameSubscriber:
                 return
             self._handle(self._gate.decode(parts[-1]), newest)
 
-    def _read_all(self, newest: dict[str, FrameReady]) -> list[ReceivedFrame]:
+    def _read_all(
+        self, newest: dict[str, FrameReady], wanted: Callable[[str], bool] | None
+    ) -> list[ReceivedFrame]:
         requests = []
         for message in newest.values():
-            reader = self._reader_for(message)
-            if reader is not None:
+            reader = self._reader_for(message)  # also keeps the ring attached while unwanted
+            if reader is not None and (wanted is None or wanted(message.camera_id)):
                 requests.append((reader, message))
         frames: list[ReceivedFrame] = []
         for (reader, message), read in zip(requests, rings.read_batch(requests)):

@@ -219,10 +219,11 @@ def test_10000_random_1080p_frames_cross_process_with_zero_mismatches(peers):
 
 def test_slot_corrupted_after_publish_falls_back_to_shm_within_one_frame(peers):
     consumer = peers.start("consumer", device="cuda", until_seq=299)
-    producer = peers.start("producer", frames=300, fps=100, transport="cuda_ipc", corrupt_at=100)
+    producer = peers.start("producer", frames=300, fps=100, transport="cuda_ipc", corrupt_at=150)
     produced = Peers.result(producer)
     seen = Peers.result(consumer)
-    assert produced["fallbacks"] == 1 and "checksum mismatch" in produced["fallback_reason"]
+    assert produced["fallbacks"] == 1 and "checksum mismatch" in produced["fallback_reason"], (
+        produced, seen)
     assert seen["counts"].get("checksum_mismatch") == 1, seen
     assert seen["transports"] == ["cuda_ipc", "shm"] and seen["mismatched"] == 0, seen
     assert seen["last_seq"] == 299  # frames kept flowing

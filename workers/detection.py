@@ -67,22 +67,23 @@ class DetectionWorker(Worker):
     def reassign(self, previous_camera_ids: list[str]) -> None:
         self._subscribe()
 
+    def _due(self, camera_id: str) -> bool:
+        """Asked for, or not searched for newcomers within `detect_interval_s`."""
+        if camera_id in self._wanted:
+            return True
+        last_pass = self._last_pass_monotonic.get(camera_id, -math.inf)
+        return time.monotonic() - last_pass >= self.config.daemon.detect_interval_s
+
     def step(self) -> None:
-        received = self.subscriber.receive(timeout_ms=50)
         while self.requests.poll(0):
             request = self._requests_gate.decode(self.requests.recv())
             if isinstance(request, DetectionWanted):
                 self._wanted.update(request.camera_ids)
-        now = time.monotonic()
-        interval_s = self.config.daemon.detect_interval_s
-        due = [
-            frame for frame in received
-            if frame.message.camera_id in self._wanted
-            or now - self._last_pass_monotonic.get(frame.message.camera_id, -math.inf) >= interval_s
-        ]
+        # Only the frames of cameras due for a pass are read from their rings.
+        due = self.subscriber.receive(timeout_ms=50, wanted=self._due)
         if not due:
             return
-        start = time.monotonic()
+        start = now = time.monotonic()
         batch = FrameBatch([frame.tensor for frame in due], self.torch_device)
         found = self.pipeline.detect(batch)
         self.timer.add_ms("detect", (time.monotonic() - start) * 1e3)
