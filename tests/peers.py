@@ -90,7 +90,12 @@ def run_producer(args) -> None:
                 if args.corrupt_at == index:
                     publisher.corrupt_next_frame()
                 publisher.publish(deck[publisher.frame_seq % DECK_SIZE], time.monotonic())
+                # Like a camera, never two frames back to back to make up for a late one: a
+                # consumer handed two frames at once reads only the newer (the first corruption
+                # loads a kernel, which once made frame corrupt_at late and then skipped).
                 next_monotonic += period_s
+                if time.monotonic() > next_monotonic:  # late: a whole period to the next one
+                    next_monotonic = time.monotonic() + period_s
                 while (pause := next_monotonic - time.monotonic()) > 0:
                     publisher.serve_control()
                     time.sleep(min(pause, 0.002))
