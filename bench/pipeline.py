@@ -361,6 +361,13 @@ def plot(json_path: Path, png_path: Path) -> None:
         left.plot(cams, [r["latency_p99_ms"] for r in rows], "o-", label=f"{transport} p99")
         left.plot(cams, [r["latency_p50_ms"] for r in rows], "o--", label=f"{transport} p50")
         right.plot(cams, [r["dropped_pct"] for r in rows], "o-", label=transport)
+    baseline = {r["cameras"]: r["mediapipe"] for r in data["rows"] if r.get("mediapipe")}
+    if baseline:  # --mediapipe-baseline: the same cameras through MediaPipe on the CPU
+        cams = sorted(baseline)
+        left.plot(cams, [baseline[c]["latency_p99_ms"] for c in cams], "s:", color="gray",
+                  label="MediaPipe CPU p99")
+        right.plot(cams, [baseline[c]["dropped_pct"] for c in cams], "s:", color="gray",
+                   label="MediaPipe CPU")
     left.set(xlabel="1080p30 cameras", ylabel="capture → LSL latency (ms)", xscale="log", yscale="log")
     right.set(xlabel="1080p30 cameras", ylabel="frames dropped (%)", xscale="log")
     for axis in (left, right):
