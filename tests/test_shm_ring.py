@@ -405,6 +405,50 @@ def test_one_receive_reads_the_newest_frame_of_every_camera(runtime_dir):
                 publisher.close()
 
 
+def test_receive_reads_only_wanted_cameras_and_counts_no_skip_for_the_rest(runtime_dir):
+    """The detection worker reads a camera's frame only when a pass is due (receive(wanted=));
+    the frames it passes over are neither read (no verdict) nor counted as skipped."""
+    from facecast.shared.transport import FramePublisher, FrameSubscriber
+
+    shape = (8, 8, 3)
+    cameras = ["cam0", "cam1"]
+    with zmq.Context() as context:
+        publishers = {c: FramePublisher(context, runtime_dir, c, slot_count=8, transport="shm")
+                      for c in cameras}
+        subscriber = FrameSubscriber(context, runtime_dir, cameras, checksum_every=1)
+        try:
+            deadline = time.monotonic() + 10
+            while len(subscriber.readers) < 2 and time.monotonic() < deadline:
+                for publisher in publishers.values():
+                    publisher.publish(np.zeros(shape, np.uint8), 0.0)
+                subscriber.receive(timeout_ms=50)
+            assert len(subscriber.readers) == 2, subscriber.status
+            ok_before = {c: subscriber.status[c].counts["ok"] for c in cameras}
+            skipped_before = {c: subscriber.status[c].counts["skipped"] for c in cameras}
+            wanted_now = {"cam1"}
+            got = []
+            for value in range(1, 6):  # one frame per receive: nothing is older than the newest
+                for camera, publisher in publishers.items():
+                    publisher.publish(np.full(shape, value, np.uint8), float(value))
+                time.sleep(0.05)
+                got += subscriber.receive(timeout_ms=1000, wanted=wanted_now.__contains__)
+            assert [f.message.camera_id for f in got] == ["cam1"] * 5
+            assert [int(f.tensor[0, 0, 0]) for f in got] == [1, 2, 3, 4, 5]
+            assert subscriber.status["cam0"].counts["ok"] == ok_before["cam0"]  # never read
+            assert subscriber.status["cam1"].counts["ok"] == ok_before["cam1"] + 5
+            assert {c: subscriber.status[c].counts["skipped"] for c in cameras} == skipped_before
+            # Wanted again: the next frame is read at once, from the ring it stayed attached to.
+            publishers["cam0"].publish(np.full(shape, 9, np.uint8), 9.0)
+            time.sleep(0.05)
+            [frame] = subscriber.receive(timeout_ms=1000)
+            assert frame.message.camera_id == "cam0" and int(frame.tensor[0, 0, 0]) == 9
+            assert subscriber.status["cam0"].counts["skipped"] == skipped_before["cam0"]
+        finally:
+            subscriber.close()
+            for publisher in publishers.values():
+                publisher.close()
+
+
 def test_slot_overwritten_during_the_copy_is_dropped():
     shape = (32, 32, 3)
     producer = ShmRingProducer("race", shape, slot_count=2)
