@@ -330,8 +330,8 @@ def test_not_a_tflite_file(tmp_path):
 # bounds are expected to hold with margin; tighten them from the table of a GPU run.
 FP16_TOLERANCE = 1e-2
 FP16_REFINED_TOLERANCE = 5e-2
-# The body-pose models (not in the face pipeline yet) measured 1.0e-2 and 2.2e-2 in float16 on an
-# H200 (float32: 2e-7): their activations span a wider range. Face models stay at 1e-2.
+# The body-pose models measured 1.0e-2 and 2.2e-2 in float16 on an H200 (float32: 2e-7): their
+# activations span a wider range. Face models stay at 1e-2.
 FP16_POSE_TOLERANCE = 3e-2
 REFINED_OUTPUTS = {"output_lips", "output_left_eye", "output_right_eye", "output_left_iris",
                    "output_right_iris"}
