@@ -106,8 +106,8 @@ def settle_checksums(pending: list[PendingChecksum]) -> list[int]:
 
 def warm_up_checksums(device: torch.device) -> None:
     """Run the device checksum once on a dummy frame. Its first run on a GPU loads kernels and
-    creates the BLAS handle behind `torch.dot`: hundreds of milliseconds in which a consumer that
-    just attached would fall behind and pass over frames it should have checked."""
+    creates the BLAS handle behind `torch.dot`; paid here, at start, that time does not fall on
+    the first frames a consumer reads, while the next ones queue up behind them."""
     import torch
 
     if device.type != "cpu":
