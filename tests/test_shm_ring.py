@@ -428,7 +428,7 @@ def test_receive_reads_only_wanted_cameras_and_counts_no_skip_for_the_rest(runti
             wanted_now = {"cam1"}
             got = []
             for value in range(1, 6):  # one frame per receive: nothing is older than the newest
-                for camera, publisher in publishers.items():
+                for publisher in publishers.values():
                     publisher.publish(np.full(shape, value, np.uint8), float(value))
                 time.sleep(0.05)
                 got += subscriber.receive(timeout_ms=1000, wanted=wanted_now.__contains__)
