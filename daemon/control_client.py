@@ -2,15 +2,18 @@
 
 Runs in the `facecast` command, never in the daemon. A DEALER (not a REQ that wedges after a
 lost reply, STYLE §11), one request, a receive with a timeout, replies matched by `reply_to`.
+Before asking, it checks the supervisor's lock (facecast.daemon.runtime_dir): a socket whose
+lock nobody holds belongs to a supervisor that was killed, and waiting for its answer would
+only end in a timeout.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import zmq
 
+from facecast.daemon import runtime_dir as runtime_dir_mod
 from facecast.shared import endpoints, messages
 from facecast.shared.config import Config
 
@@ -19,30 +22,21 @@ class NotRunning(RuntimeError):
     """No supervisor answered at the runtime directory."""
 
 
-SYSTEM_RUNTIME_DIR = "/run/facecast"  # systemd's RuntimeDirectory=facecast
-
-
 def runtime_dir_of(config: Config | None, runtime_dir: str = "") -> Path:
-    """Where the daemon to talk to lives: given, else the config's, else the first of the places
-    a daemon puts its control socket (this user's, then the system service's) that has one."""
-    if runtime_dir:
-        return Path(runtime_dir)
-    if config is not None and config.daemon.runtime_dir:
-        return Path(config.daemon.runtime_dir)
-    candidates = [Path(p.split(":")[0]) for p in (os.environ.get("RUNTIME_DIRECTORY", ""),) if p]
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        candidates.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "facecast")
-    candidates += [Path(f"/tmp/facecast-{os.getuid()}"), Path(SYSTEM_RUNTIME_DIR)]
-    for candidate in candidates:
-        if endpoints.socket_path(endpoints.control(candidate)).exists():
-            return candidate
-    return candidates[0]
+    """Where the daemon to talk to lives (facecast.daemon.runtime_dir.for_cli)."""
+    return runtime_dir_mod.for_cli(config.daemon.runtime_dir if config is not None else "",
+                                   runtime_dir)
 
 
 def request(runtime_dir: str | Path, message: messages.Message, timeout_s: float = 5.0):
     endpoint = endpoints.control(runtime_dir)
     if not endpoints.socket_path(endpoint).exists():
         raise NotRunning(f"no facecast daemon at {runtime_dir} (no control socket there)")
+    held, pid = runtime_dir_mod.lock_owner(runtime_dir)
+    if not held:
+        owner = f" of supervisor pid {pid}" if pid else ""
+        raise NotRunning(f"facecast is not running at {runtime_dir} (stale control socket{owner}, "
+                         "which was killed; the next `facecast run` cleans it up)")
     with zmq.Context() as context, context.socket(zmq.DEALER) as dealer:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoint)

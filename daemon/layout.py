@@ -8,8 +8,9 @@ without starting anything.
   roi_landmark workers (`roi_landmark:<device>:<k>`), the device's cameras dealt out in config
   order;
 - one output worker (`output`) for all cameras;
-- warm standbys (`standby:<role>:<device>`, `standby_plan`): per device, one booted spare of
-  each role whose boot is slow there (Note [Warm standby] in facecast.daemon.supervisor).
+- warm standbys (`standby:<role>:<device>`, `standby:output`, `standby_plan`): per device, one
+  booted spare of each role whose boot is slow there, and one of the output worker (Note [Warm
+  standby] in facecast.daemon.worker_table).
 
 Cameras go to GPUs as `cameras[].gpu` says, `-1` round-robin; with no GPU, or with
 `models.device = "cpu"`, everything runs on the CPU. CUDA IPC never crosses GPUs (DESIGN §8).
@@ -66,26 +67,28 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
 
 
 def standby_plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
-    """The warm standbys of this config: per device, a spare detection and roi_landmark worker
-    (models loaded and run once), and on a GPU a spare capture worker when one of its cameras
-    may use CUDA IPC (the CUDA context is what makes its boot slow). `daemon.warm_standby`:
-    "auto" keeps them on GPUs only, where a boot takes seconds; "on" on the CPU too."""
+    """The warm standbys of this config (Note [Warm standby] in facecast.daemon.worker_table):
+    per device a spare detection and roi_landmark worker (models loaded and run once), and on a
+    GPU a spare capture worker when one of its cameras may use CUDA IPC (the CUDA context is
+    what makes its boot slow); one spare output worker (its Python, pylsl and numpy imported:
+    about 1.8 s of boot). `daemon.warm_standby`: "auto" keeps these on every device, the CPU
+    included, where a cold start on a busy machine misses the 2 s goal as well; "on" also
+    keeps a capture spare on devices whose cameras all use shared memory; "off" none."""
     mode = config.daemon.warm_standby
     if mode == "off":
         return []
     devices = camera_devices(config, gpu_count)
     specs = []
     for device in dict.fromkeys(devices.values()):
-        on_gpu = device != "cpu"
-        if not on_gpu and mode == "auto":
-            continue
         roles = ["detection", "roi_landmark"]
-        if on_gpu and any(config.transport_for(config.camera(camera_id)) != "shm"
-                          for camera_id, camera_device in devices.items()
-                          if camera_device == device):
+        cuda_ipc_here = device != "cpu" and any(
+            config.transport_for(config.camera(camera_id)) != "shm"
+            for camera_id, camera_device in devices.items() if camera_device == device)
+        if cuda_ipc_here or mode == "on":
             roles.insert(0, "capture")
         for role in roles:
             specs.append(WorkerSpec(f"standby:{role}:{device}", role, (), device, standby=True))
+    specs.append(WorkerSpec("standby:output", "output", (), "cpu", standby=True))
     return specs
 
 

@@ -1,13 +1,31 @@
-"""One worker process as the supervisor sees it: spawn, signal, reap, and the restart policy
-(STYLE §5: exponential backoff reset after a stable uptime; a worker that flaps is given up on;
-a worker that could not boot is not respawned).
+"""One worker process as the supervisor sees it: its state machine, spawn, signal, reap, and the
+restart policy (STYLE §5: exponential backoff reset after a stable uptime; a worker that flaps is
+given up on; a worker that could not boot is not respawned).
 
 Runs in the supervisor only.
+
+Note [Worker states]
+    Every state a worker's record can be in is a `WorkerState`, and every change goes through
+    `WorkerProcess.move_to`, which refuses a change that `TRANSITIONS` does not list (a bug in
+    the supervisor, never a worker's doing): a record cannot go from "failed" to "running"
+    because a late heartbeat arrived, say. The states:
+
+    pending   a process to start when `next_start_monotonic` comes (a spare whose process was
+              promoted, a worker started afresh by a reload);
+    booting   its process runs and has not said it is up;
+    running   it heartbeats from its main loop;
+    standby   a warm spare, booted and waiting (Note [Warm standby] in supervisor.py);
+    backoff   its process ended unexpectedly; it starts again at `next_start_monotonic`;
+    failed    it could not boot (exit code EXIT_BOOT_ERROR): never respawned;
+    flapping  it ended too often within a window: given up on;
+    stopping  the supervisor sent SIGTERM (and maybe SIGKILL) and waits for it to go;
+    stopped   no process, none wanted.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import os
 import signal
@@ -17,11 +35,50 @@ import time
 from dataclasses import dataclass, field
 
 from facecast.daemon.layout import WorkerSpec
+from facecast.shared.exit_codes import EXIT_BOOT_ERROR
 from facecast.shared.messages import CameraReport, StageTiming, WorkerStatus
 
 log = logging.getLogger(__name__)
 
-EXIT_BOOT_ERROR = 3  # facecast.workers.base.EXIT_BOOT_ERROR (not imported: no torch here)
+STUCK_AFTER_KILL_S = 2.0  # a SIGKILLed process still there after this is stuck in the kernel
+
+
+class WorkerState(enum.StrEnum):
+    """Note [Worker states]. The values are what `WorkerStatus.state` carries."""
+
+    PENDING = "pending"
+    BOOTING = "booting"
+    RUNNING = "running"
+    STANDBY = "standby"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    FLAPPING = "flapping"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+S = WorkerState
+_ENDED = {S.BACKOFF, S.FAILED, S.FLAPPING}  # what an unexpected exit leads to
+TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    S.STOPPED: frozenset({S.BOOTING, S.PENDING}),
+    S.PENDING: frozenset({S.BOOTING, S.STOPPED}),
+    # (-> stopped: the process had ended, unreaped, when the stop reached it.)
+    S.BOOTING: frozenset({S.RUNNING, S.STANDBY, S.STOPPING, S.STOPPED} | _ENDED),
+    S.RUNNING: frozenset({S.STOPPING, S.STOPPED} | _ENDED),
+    # A spare's process is handed to a dead worker: the spare's record waits for a new one.
+    S.STANDBY: frozenset({S.PENDING, S.STOPPING, S.STOPPED} | _ENDED),
+    # Restarted cold (booting) or by a promoted spare (booting as well).
+    S.BACKOFF: frozenset({S.BOOTING, S.STOPPED}),
+    S.FAILED: frozenset({S.STOPPED}),
+    S.FLAPPING: frozenset({S.STOPPED}),
+    S.STOPPING: frozenset({S.STOPPED}),
+}
+ALIVE_STATES = frozenset({S.BOOTING, S.RUNNING, S.STANDBY, S.STOPPING})  # a process exists
+GIVEN_UP_STATES = frozenset({S.FAILED, S.FLAPPING})
+
+
+class IllegalTransition(RuntimeError):
+    """The supervisor tried a state change that Note [Worker states] does not allow."""
 
 
 @dataclass(frozen=True)
@@ -53,14 +110,16 @@ class WorkerProcess:
     spec: WorkerSpec
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     popen: subprocess.Popen | None = None
-    # booting, running, standby, backoff, pending (a spare to start), failed, flapping, stopping, stopped
-    state: str = "stopped"
+    state: WorkerState = WorkerState.STOPPED  # change it with move_to (Note [Worker states])
     restarts: int = 0
     consecutive_failures: int = 0
     started_monotonic: float = 0.0
     last_heartbeat_monotonic: float = 0.0
     next_start_monotonic: float = 0.0
+    stop_deadline_monotonic: float = 0.0  # stopping: SIGKILL when this passes
+    abort_sent_monotonic: float | None = None  # hung: SIGABRT first (its stack to the log)
     kill_sent_monotonic: float | None = None
+    stuck_reported: bool = False
     last_exit: str = ""
     detail: str = ""  # why it is in its state (boot error, hang, flapping)
     boot_error: str = ""
@@ -77,11 +136,16 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.popen.pid if self.popen is not None else 0
 
+    def move_to(self, new: WorkerState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"worker {self.name}: {self.state} -> {new} is not allowed")
+        self.state = new
+
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
     def start(self, control_endpoint: str, env: dict[str, str]) -> None:
-        self._begin(subprocess.Popen(
+        self.adopt(subprocess.Popen(
             [sys.executable, "-m", "facecast.workers", self.spec.role, self.name, control_endpoint],
             env=env, stdin=subprocess.DEVNULL, close_fds=True,
         ))
@@ -90,17 +154,19 @@ class WorkerProcess:
     def hand_over(self, successor: WorkerProcess, respawn_delay_s: float) -> None:
         """This warm standby's process becomes `successor`'s (it was told to take the name);
         this spare starts afresh after `respawn_delay_s` (Note [Warm standby])."""
-        successor._begin(self.popen)
-        self.popen = None
-        self.state = "pending"
+        popen, self.popen = self.popen, None
+        self.move_to(WorkerState.PENDING)  # refused unless this is a spare in standby
+        successor.adopt(popen)
         self.next_start_monotonic = time.monotonic() + respawn_delay_s
 
-    def _begin(self, popen: subprocess.Popen) -> None:
+    def adopt(self, popen: subprocess.Popen) -> None:
+        """`popen` is now this worker's process, booting (a fresh one, or a promoted spare)."""
+        self.move_to(WorkerState.BOOTING)
         self.popen = popen
         now = time.monotonic()
-        self.state = "booting"
         self.started_monotonic = self.last_heartbeat_monotonic = now
-        self.kill_sent_monotonic = None
+        self.abort_sent_monotonic = self.kill_sent_monotonic = None
+        self.stuck_reported = False
         self.reports, self.stages, self.boot_error = [], {}, ""
         self.rejected_messages = 0
 
@@ -110,8 +176,49 @@ class WorkerProcess:
                 os.kill(self.popen.pid, signum)
             except ProcessLookupError:
                 return
+            now = time.monotonic()
             if signum == signal.SIGKILL and self.kill_sent_monotonic is None:
-                self.kill_sent_monotonic = time.monotonic()
+                self.kill_sent_monotonic = now
+            elif signum == signal.SIGABRT and self.abort_sent_monotonic is None:
+                self.abort_sent_monotonic = now
+
+    def stuck(self, now_monotonic: float) -> bool:
+        """SIGKILLed long ago and still there: stuck in the kernel (a GPU driver hang, say)."""
+        return (self.kill_sent_monotonic is not None and self.alive()
+                and now_monotonic - self.kill_sent_monotonic > STUCK_AFTER_KILL_S)
+
+    def begin_stop(self, deadline_monotonic: float) -> None:
+        """SIGTERM now; the supervisor's loop SIGKILLs it at the deadline (`advance_stop`)."""
+        if self.state in (WorkerState.STOPPING, WorkerState.STOPPED):
+            return
+        if self.alive():
+            self.move_to(WorkerState.STOPPING)
+            self.stop_deadline_monotonic = deadline_monotonic
+            self.signal(signal.SIGTERM)
+        else:
+            self.popen = None
+            self.move_to(WorkerState.STOPPED)
+
+    def advance_stop(self, now_monotonic: float) -> bool:
+        """One tick of a stop in progress; True once the worker is stopped (or given up on as
+        stuck). Never waits (the supervisor's loop goes on meanwhile)."""
+        if self.state is WorkerState.STOPPED:
+            return True
+        if not self.alive():
+            self.popen = None
+            self.move_to(WorkerState.STOPPED)
+            return True
+        if self.kill_sent_monotonic is None and now_monotonic >= self.stop_deadline_monotonic:
+            log.warning("worker %s did not stop in time; killing it", self.name)
+            self.signal(signal.SIGKILL)
+        elif self.stuck(now_monotonic):
+            log.error("worker %s (pid %d) is stuck even after SIGKILL; leaving it", self.name,
+                      self.pid)
+            self.stuck_reported = True
+            self.popen = None
+            self.move_to(WorkerState.STOPPED)
+            return True
+        return False
 
     def reap(self) -> int | None:
         """The exit code once the process has ended (and is reaped), else None."""
@@ -119,15 +226,15 @@ class WorkerProcess:
             return None
         return self.popen.poll()
 
-    def on_exit(self, returncode: int) -> str:
+    def on_exit(self, returncode: int) -> WorkerState:
         """Decide what happens after an unexpected exit; returns the new state."""
         now = time.monotonic()
         uptime_s = now - self.started_monotonic
         self.last_exit = describe_exit(returncode)
         self.popen = None
         if returncode == EXIT_BOOT_ERROR:
-            self.state = "failed"
             self.detail = self.boot_error or "could not boot (see its log)"
+            self.move_to(WorkerState.FAILED)
             return self.state
         self.consecutive_failures = 1 if uptime_s >= self.policy.stable_uptime_s else (
             self.consecutive_failures + 1)
@@ -135,26 +242,26 @@ class WorkerProcess:
         while self._restart_times and now - self._restart_times[0] > self.policy.flap_window_s:
             self._restart_times.popleft()
         if len(self._restart_times) >= self.policy.flap_restarts:
-            self.state = "flapping"
             self.detail = (f"{len(self._restart_times)} exits within "
                            f"{self.policy.flap_window_s:g} s (last: {self.last_exit}); not restarted")
+            self.move_to(WorkerState.FLAPPING)
             return self.state
-        self.state = "backoff"
         self.next_start_monotonic = now + self.policy.delay_s(self.consecutive_failures)
+        self.move_to(WorkerState.BACKOFF)
         return self.state
 
     @property
     def exit_reason(self) -> str:
         """Why the last run ended, as status and markers say it: a hang or a give-up reason
         when there is one, else how the process exited."""
-        if self.detail.startswith("hung") or self.state in ("failed", "flapping"):
+        if self.detail.startswith("hung") or self.state in GIVEN_UP_STATES:
             return self.detail
         return self.last_exit
 
     def status(self) -> WorkerStatus:
         uptime_s = time.monotonic() - self.started_monotonic if self.alive() else 0.0
-        return WorkerStatus(name=self.name, role=self.spec.role, pid=self.pid, state=self.state,
-                            restarts=self.restarts, uptime_s=round(uptime_s, 1),
-                            last_exit=self.last_exit, detail=self.detail,
-                            rejected_messages=self.rejected_messages,
+        return WorkerStatus(name=self.name, role=self.spec.role, pid=self.pid,
+                            state=self.state.value, restarts=self.restarts,
+                            uptime_s=round(uptime_s, 1), last_exit=self.last_exit,
+                            detail=self.detail, rejected_messages=self.rejected_messages,
                             standby=self.spec.standby)

@@ -5,9 +5,10 @@ than through `multiprocessing.shared_memory`, whose resource tracker (before Pyt
 segment when any *attaching* process exits, which would pull a ring out from under its producer.
 
 Ownership is in the name: ``facecast-<pid>-<epoch>-<camera>-<part>``. The creating process
-unlinks its segments when it closes them; when it dies without closing (SIGKILL), whoever
-supervises it calls `sweep_dead_owners()`, which unlinks every facecast segment whose owner pid is
-gone. Consumers that still have a segment mapped keep their mapping until they close it.
+unlinks its segments when it closes them; when it dies without closing (SIGKILL), the supervisor
+calls `sweep_process(pid)` as soon as it has reaped it, which unlinks that pid's segments (and
+`sweep_dead_owners()` at start and stop catches any other ownerless one). Consumers that still
+have a segment mapped keep their mapping until they close it.
 """
 
 from __future__ import annotations
@@ -101,41 +102,53 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def sweep_dead_owners(camera_id: str | None = None) -> list[str]:
-    """Unlink facecast segments whose creating process is gone; returns the names removed."""
+def sweep_dead_owners(camera_id: str | None = None, owner_pid: int | None = None) -> list[str]:
+    """Unlink facecast segments whose creating process is gone (only `owner_pid`'s, when
+    given); returns the names removed."""
     removed = []
     for path in SHM_DIR.glob(PREFIX + "*"):
         match = _OWNED_NAME.match(path.name)
         if not match or (camera_id is not None and match["camera"] != camera_id):
             continue
-        if not _pid_alive(int(match["pid"])):
+        pid = int(match["pid"])
+        if (owner_pid is None or pid == owner_pid) and not _pid_alive(pid):
             unlink(path.name)
             removed.append(path.name)
     if removed:
-        log.info("removed %d shared-memory segments left by dead processes", len(removed))
+        log.info("removed %d shared-memory segment(s) of processes that are gone", len(removed))
     return removed
 
 
-# The CUDA driver backs interprocess events with /dev/shm/cuda.shm.<n>.<pid, hex>.<n> files that
-# it removes when the process exits; a SIGKILLed worker's stay (seen after the GPU soak).
+# The CUDA driver backs interprocess events with /dev/shm/cuda.shm.<n>.<pid, hex>.<n> files. It
+# leaves them behind when the process ends, whether it was SIGKILLed or exited normally (seen on
+# the H200 with driver 580: every CUDA process of the daemon left one). The supervisor removes a
+# worker's as soon as it has reaped it, and the rest at start and stop.
 _CUDA_IPC_NAME = re.compile(r"cuda\.shm\.\d+\.(?P<pid>[0-9a-f]+)\.\d+")
 
 
-def sweep_dead_cuda_ipc_files() -> list[str]:
-    """Unlink this user's CUDA IPC files whose process is gone; returns the names removed. Run
-    by the supervisor after its workers stopped."""
+def sweep_dead_cuda_ipc_files(owner_pid: int | None = None) -> list[str]:
+    """Unlink this user's CUDA IPC files whose process is gone (only `owner_pid`'s, when given);
+    returns the names removed."""
     removed = []
     uid = os.getuid()
     for path in SHM_DIR.glob("cuda.shm.*"):
         match = _CUDA_IPC_NAME.fullmatch(path.name)
         try:
-            if not match or path.stat().st_uid != uid or _pid_alive(int(match["pid"], 16)):
+            if not match or path.stat().st_uid != uid:
+                continue
+            pid = int(match["pid"], 16)
+            if (owner_pid is not None and pid != owner_pid) or _pid_alive(pid):
                 continue
             path.unlink()
         except OSError:
             continue
         removed.append(path.name)
     return removed
+
+
+def sweep_process(pid: int) -> list[str]:
+    """Everything a reaped process left in /dev/shm: its segments and its CUDA IPC files."""
+    return sweep_dead_owners(owner_pid=pid) + sweep_dead_cuda_ipc_files(owner_pid=pid)
 
 
 def list_segments() -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 from daemon_harness import REPO, Daemon, Recorder
 from facecast.daemon import layout
-from facecast.daemon.process import WorkerProcess
+from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.models import assets
 from facecast.shared import config as config_mod
 
@@ -32,27 +32,31 @@ def _names(specs) -> list[str]:
     return [spec.name for spec in specs]
 
 
-def test_auto_keeps_spares_on_gpus_only():
-    assert layout.standby_plan(_config(), gpu_count=0) == []
+def test_auto_keeps_spares_of_every_slow_role_on_every_device():
+    # On the CPU too: a cold roi_landmark or output worker on a busy 2-core machine misses 2 s.
+    assert _names(layout.standby_plan(_config(), gpu_count=0)) == [
+        "standby:detection:cpu", "standby:roi_landmark:cpu", "standby:output"]
     specs = layout.standby_plan(_config(), gpu_count=1)
     assert _names(specs) == ["standby:capture:cuda:0", "standby:detection:cuda:0",
-                             "standby:roi_landmark:cuda:0"]
-    assert all(spec.standby and spec.camera_ids == () and spec.device == "cuda:0"
-               for spec in specs)
-    # Two GPUs: a set per device (cameras are dealt round-robin).
-    assert len(layout.standby_plan(_config(), gpu_count=2)) == 6
+                             "standby:roi_landmark:cuda:0", "standby:output"]
+    assert all(spec.standby and spec.camera_ids == () for spec in specs)
+    assert [spec.device for spec in specs] == ["cuda:0"] * 3 + ["cpu"]
+    # Two GPUs: a set per device (cameras are dealt round-robin), one output spare.
+    assert len(layout.standby_plan(_config(), gpu_count=2)) == 7
 
 
 def test_no_capture_spare_where_every_camera_uses_shared_memory():
     specs = layout.standby_plan(_config(transports=("shm", "shm")), gpu_count=1)
-    assert _names(specs) == ["standby:detection:cuda:0", "standby:roi_landmark:cuda:0"]
+    assert _names(specs) == ["standby:detection:cuda:0", "standby:roi_landmark:cuda:0",
+                             "standby:output"]
     mixed = layout.standby_plan(_config(transports=("shm", "cuda_ipc")), gpu_count=1)
     assert "standby:capture:cuda:0" in _names(mixed)
 
 
-def test_on_adds_cpu_spares_and_off_has_none():
+def test_on_adds_capture_spares_and_off_has_none():
     assert _names(layout.standby_plan(_config('warm_standby = "on"'), gpu_count=0)) == [
-        "standby:detection:cpu", "standby:roi_landmark:cpu"]
+        "standby:capture:cpu", "standby:detection:cpu", "standby:roi_landmark:cpu",
+        "standby:output"]
     assert layout.standby_plan(_config('warm_standby = "off"'), gpu_count=1) == []
 
 
@@ -72,8 +76,8 @@ def test_hand_over_gives_the_spare_process_to_the_dead_worker():
     spare = WorkerProcess(layout.WorkerSpec("standby:detection:cpu", "detection", (), "cpu",
                                             standby=True))
     dead = WorkerProcess(layout.WorkerSpec("detection:cpu", "detection", ("cam0",), "cpu"))
-    spare.popen, spare.state = FakePopen(), "standby"
-    dead.state = "backoff"
+    spare.popen, spare.state = FakePopen(), WorkerState.STANDBY
+    dead.state = WorkerState.BACKOFF
     spare.hand_over(dead, respawn_delay_s=3.0)
     assert dead.pid == 4242 and dead.state == "booting" and dead.alive()
     assert spare.popen is None and spare.state == "pending" and not spare.alive()
@@ -86,9 +90,8 @@ def test_hand_over_gives_the_spare_process_to_the_dead_worker():
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     assets.install()
-    text = (REPO / "config/default.toml").read_text().replace(
-        "[daemon]\n", '[daemon]\nwarm_standby = "on"\n')
-    daemon = Daemon(tmp_path_factory.mktemp("standby"), config_text=text)
+    # config/default.toml: warm_standby = "auto" keeps CPU spares as well.
+    daemon = Daemon(tmp_path_factory.mktemp("standby"))
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
         yield daemon
@@ -109,7 +112,8 @@ def _wait_for_state(daemon, name: str, state: str, timeout_s: float = 60.0, not_
 def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: str) -> float:
     """SIGKILL `name`; its spare's process must carry on under that name, the camera's first
     Face stream must continue, and a fresh spare must follow. Returns the stream's gap (s)."""
-    spare = _wait_for_state(daemon, f"standby:{role}:{device}", "standby")
+    spare_name = "standby:output" if role == "output" else f"standby:{role}:{device}"
+    spare = _wait_for_state(daemon, spare_name, "standby")
     victim = _wait_for_state(daemon, name, "running")
     records = daemon.resolve("Face", count=4)
     watched = next(r for r in records if r.source_id.endswith("-synth0-face0"))
@@ -129,7 +133,7 @@ def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: 
         print(f"{name}: stream resumed {gap_s:.2f} s after the SIGKILL (warm standby)")
     finally:
         recorder.stop()
-    fresh = _wait_for_state(daemon, f"standby:{role}:{device}", "standby", not_pid=spare.pid)
+    fresh = _wait_for_state(daemon, spare_name, "standby", not_pid=spare.pid)
     assert fresh.pid not in (spare.pid, victim.pid)
     log = (daemon.tmp / "daemon.log").read_text()
     assert f"worker {name}: warm standby pid {spare.pid} takes over" in log
@@ -137,7 +141,8 @@ def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: 
 
 
 @pytest.mark.parametrize("role, name", [("roi_landmark", "roi_landmark:cpu:0"),
-                                        ("detection", "detection:cpu")])
+                                        ("detection", "detection:cpu"),
+                                        ("output", "output")])
 def test_a_killed_worker_is_replaced_by_its_warm_standby(daemon, role, name):
     _kill_and_watch_the_standby_take_over(daemon, role, name, "cpu")
 
@@ -146,7 +151,8 @@ def test_restart_events_say_the_standby_took_over(daemon):
     # The events that went to the Markers stream, as `facecast status` keeps them.
     restarts = [json.loads(line.partition(" ")[2]) for line in daemon.status().recent_events
                 if line.startswith("worker_restart ")]
-    assert {event["worker"] for event in restarts} >= {"roi_landmark:cpu:0", "detection:cpu"}
+    assert {event["worker"] for event in restarts} >= {"roi_landmark:cpu:0", "detection:cpu",
+                                                       "output"}
     assert all(event["warm_standby"] is True for event in restarts), restarts
 
 

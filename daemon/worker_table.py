@@ -1,0 +1,209 @@
+"""The supervisor's workers: who runs, starting and restarting them, warm standbys, liveness,
+and stopping them without ever blocking the supervisor's loop.
+
+Every method is one tick's worth of work: it looks at the clock and the processes, acts, and
+returns. Waiting happens in the supervisor's loop (its poll), never here, so that heartbeats,
+WATCHDOG=1 and the CLI are served while workers boot, stop or are replaced (a reload or a
+shutdown is a state the loop advances, as gunicorn's arbiter does).
+
+Runs in the supervisor only.
+
+Note [Supervisor liveness]
+    A worker is alive when it heartbeats: workers send them from their main loop, so a worker
+    stuck in a read or an inference goes silent. After `daemon.heartbeat_timeout_s` of silence
+    (`daemon.boot_timeout_s` while it boots) it is hung: it gets SIGABRT first, which
+    faulthandler (enabled in every worker) turns into a dump of every thread's stack in the log,
+    then SIGKILL if it is still there ABORT_GRACE_S later (gunicorn's murder_workers), and it is
+    restarted like a worker that died (facecast.daemon.process.RestartPolicy). WATCHDOG=1 goes
+    to systemd from the same loop, so a stuck supervisor is restarted by systemd; it is withheld
+    when a worker we SIGKILLed does not go away (a process stuck in the kernel, typically a GPU
+    driver hang), which only a restart of the whole service can clear.
+
+Note [Warm standby]
+    A restarted worker took seconds to work again (Python, torch, the CUDA context, the models
+    loaded and run once; about 4 s on a GPU, 2 s for roi_landmark on a busy 2-core CPU), against
+    a 2 s goal for every stream. So the supervisor keeps one booted spare of each role whose
+    boot is slow (`layout.standby_plan`, `daemon.warm_standby`): its Assignment says `standby`,
+    it runs `Worker.prepare` and then waits, heartbeating, in state "standby". When a worker of
+    that role and device dies or is killed as hung, the supervisor sends the spare `Promote`
+    with the dead worker's name instead of spawning a process: the spare takes the name
+    (process title, log lines, a new control connection under that identity) and says Hello;
+    its Assignment and boot are then the normal ones, minus what prepare already did. A fresh
+    spare is started STANDBY_RESPAWN_DELAY_S later, so that it does not take the CPU from the
+    promoted worker's boot. Spares are first started once the daemon is READY, so that they do
+    not slow down the boot of the workers that READY waits for. A spare built for a config that
+    a reload changed is replaced; if the config moved on between prepare and boot anyway, boot
+    loads the models again (slow, never wrong).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Callable, Iterator
+
+from facecast.daemon.layout import WorkerSpec
+from facecast.daemon.process import GIVEN_UP_STATES, RestartPolicy, WorkerProcess, WorkerState
+from facecast.shared import shm
+from facecast.shared.config import DaemonConfig
+from facecast.shared.messages import Promote
+
+log = logging.getLogger(__name__)
+
+S = WorkerState
+ABORT_GRACE_S = 1.0  # a hung worker's time to dump its stacks after SIGABRT (Note [Supervisor liveness])
+STANDBY_RESPAWN_DELAY_S = 3.0  # Note [Warm standby]
+
+
+class WorkerTable:
+    def __init__(self, control_endpoint: str, policy: RestartPolicy,
+                 send: Callable[[str, object], bool],
+                 event: Callable[..., None]) -> None:
+        self.control_endpoint = control_endpoint
+        self.policy = policy
+        self._send = send  # (worker name, message) -> delivered
+        self._event = event  # (kind, **fields): to the Markers stream
+        self.log_level = "INFO"
+        self._workers: dict[str, WorkerProcess] = {}
+
+    # -- the table ------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[WorkerProcess]:
+        return iter(list(self._workers.values()))
+
+    def get(self, name: str) -> WorkerProcess | None:
+        return self._workers.get(name)
+
+    def remove(self, name: str) -> None:
+        self._workers.pop(name, None)
+
+    def of_config(self) -> list[WorkerProcess]:
+        """The config's workers, not the spares."""
+        return [w for w in self if not w.spec.standby]
+
+    # -- starting -------------------------------------------------------------------------------
+
+    def start(self, spec: WorkerSpec) -> WorkerProcess:
+        """A new worker for `spec`, its process started now."""
+        worker = WorkerProcess(spec, self.policy)
+        self._workers[spec.name] = worker
+        self._spawn(worker)
+        return worker
+
+    def _spawn(self, worker: WorkerProcess) -> None:
+        env = dict(os.environ)
+        env["FACECAST_LOG_LEVEL"] = self.log_level
+        worker.start(self.control_endpoint, env)
+
+    def start_due(self) -> None:
+        """Spares whose process was promoted get a new one; ended workers are restarted when
+        their backoff is over, by their spare when one is ready (Note [Warm standby])."""
+        now = time.monotonic()
+        for worker in self:
+            if now < worker.next_start_monotonic:
+                continue
+            if worker.state is S.PENDING:
+                self._spawn(worker)
+            elif worker.state is S.BACKOFF:
+                worker.restarts += 1
+                reason = worker.exit_reason
+                worker.detail = ""
+                standby = self._ready_standby(worker.spec)
+                promoted = standby is not None and self._promote(standby, worker)
+                if not promoted:
+                    self._spawn(worker)
+                self._event("worker_restart", worker=worker.name, reason=reason,
+                            restarts=worker.restarts, warm_standby=promoted)
+
+    def _ready_standby(self, spec: WorkerSpec) -> WorkerProcess | None:
+        """A booted spare for a worker of this role and device (Note [Warm standby])."""
+        if spec.standby:
+            return None
+        for worker in self:
+            if (worker.spec.standby and worker.spec.role == spec.role
+                    and worker.spec.device == spec.device and worker.state is S.STANDBY
+                    and worker.alive()):
+                return worker
+        return None
+
+    def _promote(self, standby: WorkerProcess, worker: WorkerProcess) -> bool:
+        if not self._send(standby.name, Promote(worker=worker.name)):
+            log.warning("could not promote %s: it is unreachable", standby.name)
+            return False
+        log.info("worker %s: warm standby pid %d takes over", worker.name, standby.pid)
+        standby.hand_over(worker, STANDBY_RESPAWN_DELAY_S)
+        return True
+
+    # -- watching -------------------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Processes that ended: a stopping one is stopped (advance_stops); any other ended
+        unexpectedly and gets its restart policy. Whatever it left in /dev/shm goes at once."""
+        for worker in self:
+            pid = worker.pid
+            returncode = worker.reap()
+            if returncode is None:
+                continue
+            left = shm.sweep_process(pid)
+            if left:
+                log.info("removed %d file(s) that %s (pid %d) left in /dev/shm", len(left),
+                         worker.name, pid)
+            if worker.state is S.STOPPING:
+                worker.advance_stop(time.monotonic())
+                continue
+            state = worker.on_exit(returncode)
+            reason = worker.exit_reason
+            log.log(logging.ERROR if state in GIVEN_UP_STATES else logging.WARNING,
+                    "worker %s ended (%s): %s", worker.name, worker.last_exit,
+                    {S.BACKOFF: "restarting", S.FAILED: f"not restarted: {reason}",
+                     S.FLAPPING: f"given up: {reason}"}[state])
+            if state in GIVEN_UP_STATES:
+                self._event("worker_failed", worker=worker.name, reason=reason)
+
+    def check_liveness(self, daemon: DaemonConfig) -> None:
+        """Note [Supervisor liveness]: a hung worker gets SIGABRT, then SIGKILL."""
+        now = time.monotonic()
+        for worker in self:
+            if not worker.alive() or worker.kill_sent_monotonic is not None:
+                continue
+            if worker.abort_sent_monotonic is not None:
+                if now - worker.abort_sent_monotonic >= ABORT_GRACE_S:
+                    log.error("worker %s (pid %d) still there %.1f s after SIGABRT; killing it",
+                              worker.name, worker.pid, now - worker.abort_sent_monotonic)
+                    worker.signal(signal.SIGKILL)
+                continue
+            if worker.state is S.BOOTING and now - worker.started_monotonic > daemon.boot_timeout_s:
+                worker.detail = f"hung: did not start within {daemon.boot_timeout_s:g} s"
+            elif (worker.state in (S.RUNNING, S.STANDBY)
+                  and now - worker.last_heartbeat_monotonic > daemon.heartbeat_timeout_s):
+                worker.detail = (f"hung: no heartbeat for "
+                                 f"{now - worker.last_heartbeat_monotonic:.1f} s")
+            else:
+                continue
+            log.error("worker %s (pid %d) %s; SIGABRT for its stacks, then SIGKILL", worker.name,
+                      worker.pid, worker.detail)
+            worker.signal(signal.SIGABRT)
+
+    def stuck(self) -> list[str]:
+        """Workers that survive SIGKILL (Note [Supervisor liveness])."""
+        now = time.monotonic()
+        return [w.name for w in self if w.stuck(now)]
+
+    # -- stopping -------------------------------------------------------------------------------
+
+    def begin_stop(self, workers: list[WorkerProcess], deadline_monotonic: float) -> None:
+        """SIGTERM; `advance_stops` SIGKILLs what is left at the deadline (STYLE §7)."""
+        for worker in workers:
+            worker.begin_stop(deadline_monotonic)
+
+    def advance_stops(self) -> None:
+        now = time.monotonic()
+        for worker in self:
+            if worker.state is S.STOPPING:
+                worker.advance_stop(now)
+
+    @staticmethod
+    def all_stopped(workers: list[WorkerProcess]) -> bool:
+        return all(w.state is S.STOPPED for w in workers)
