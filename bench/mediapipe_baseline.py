@@ -12,16 +12,19 @@ a frame the process is too busy to take is skipped and counted), converts it to 
 `mediapipe.solutions.face_mesh.FaceMesh(static_image_mode=False, refine_landmarks=True,
 max_num_faces=2)` (mediapipe 0.10.21, the legacy solution: its .tflite models ship in the wheel,
 no face_landmarker.task needed; the same models facecast ports to PyTorch). Reported over a
-measurement window after a warm-up, per run:
+window of capture time after a warm-up, the same for every camera, counted as bench/accounting.py
+defines for both sides (Note [One definition for both sides]):
 
-- CPU time of all camera processes (user + system, every thread) per second of wall time, and
+- frames due, frames published (here: `FaceMesh.process` returned on the frame), dropped = due −
+  published (count and %); frames the source skipped while the process was busy, for reference;
+- capture → result latency p50/p99: from the frame's capture stamp (`pylsl.local_clock()` at
+  grab, before rendering, as in the daemon) to `FaceMesh.process` returning; the worst camera's;
+- faces: every processed frame's results (their mesh turned into facecast's detector-style box)
+  against the scene's ground truth, found/true by face width;
+- CPU time of all camera processes (user + system, every thread) per second of the window, and
   the part of it spent rendering the synthetic frames (the daemon's capture workers pay that
-  too); per processed frame as well;
-- frame → result latency p50/p99: from the frame's capture stamp (`pylsl.local_clock()` at grab,
-  before rendering, as in the daemon) to `FaceMesh.process` returning; the worst camera's;
-- frames processed per second, frames dropped (skipped by the source while the process was busy)
-  as a share of the frames due;
-- faces found against the faces present (the scene's ground truth), by face width.
+  too); per published frame as well. The bench's own counting (boxes, matching) is timed and
+  left out.
 
 `--face-px 100 250` replaces the daemon scene's face sizes (about 420 px wide at 1080p, fixed in
 `SyntheticScene`) by these widths, to show which faces MediaPipe's short-range detector misses.
@@ -41,7 +44,6 @@ import argparse
 import base64
 import hashlib
 import json
-import math
 import os
 import resource
 import selectors
@@ -51,14 +53,14 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pylsl
 
-from facecast.workers.sources import FaceTruth, SyntheticScene
+import accounting  # bench/accounting.py: this script's folder is first on sys.path
+from facecast.workers.sources import SyntheticScene
 
 WIDTH, HEIGHT, FPS = 1920, 1080, 30
 MAX_FACES = 2
@@ -66,8 +68,6 @@ MEDIAPIPE_VERSION = "0.10.21"
 PROTOBUF_VERSION = "4.25.9"  # mediapipe 0.10.21 asks for protobuf>=4.25.3,<5
 DESCRIPTION = (f"MediaPipe {MEDIAPIPE_VERSION} FaceMesh(static_image_mode=False, refine_landmarks=True, "
                f"max_num_faces={MAX_FACES}) on the CPU, one process per camera")
-# Face widths (the detector-style box of SyntheticScene's ground truth) are counted in these bins.
-SIZE_BINS_PX = ((0, 150, "<150 px"), (150, 300, "150-300 px"), (300, math.inf, ">=300 px"))
 # Files of the mediapipe wheel that the face mesh opens at run time besides Python modules and
 # the bindings (found with strace on FaceMesh(refine_landmarks=True)).
 FACE_MESH_ASSETS = (
@@ -78,7 +78,8 @@ FACE_MESH_ASSETS = (
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared by both sides: the scene and the face counts (bench/pipeline.py uses them as well).
+# Shared by both sides: the small-face scene (bench/pipeline.py uses it as well; what is counted
+# and how is bench/accounting.py's).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -102,51 +103,6 @@ class FixedSizeScene(SyntheticScene):
             placements.append((sprite, new_scale, center_x - new_scale * (x1 + x2) / 2,
                                center_y - new_scale * (y1 + y2) / 2))
         return placements
-
-
-@dataclass
-class FaceCounts:
-    """Faces present and found, by face width. A face counts as found when one result's nose tip
-    (mesh landmark 1; each result used once) lies inside its ground-truth box."""
-
-    present: dict[str, int] = field(default_factory=dict)
-    found: dict[str, int] = field(default_factory=dict)
-    results: int = 0  # all results, matched or not
-    frames: int = 0
-
-    NOSE_TIP = 1  # index in MediaPipe's 468/478-point face mesh
-
-    def add(self, truths: list[FaceTruth], nose_tips_px: list[tuple[float, float]]) -> None:
-        self.frames += 1
-        self.results += len(nose_tips_px)
-        unused = list(nose_tips_px)
-        for truth in truths:
-            label = next(name for low, high, name in SIZE_BINS_PX if low <= truth.size_px < high)
-            self.present[label] = self.present.get(label, 0) + 1
-            x1, y1, x2, y2 = truth.box_px
-            hit = next((c for c in unused if x1 <= c[0] <= x2 and y1 <= c[1] <= y2), None)
-            if hit is not None:
-                unused.remove(hit)
-                self.found[label] = self.found.get(label, 0) + 1
-
-    def merge(self, other: dict) -> None:
-        for key in ("present", "found"):
-            for label, count in other[key].items():
-                getattr(self, key)[label] = getattr(self, key).get(label, 0) + count
-        self.results += other["results"]
-        self.frames += other["frames"]
-
-    def summary(self) -> dict:
-        """JSON: counts, and found % per width bin and overall."""
-        present, found = sum(self.present.values()), sum(self.found.values())
-        return {
-            "present": self.present, "found": self.found, "results": self.results,
-            "frames": self.frames,
-            "found_pct": round(100.0 * found / present, 1) if present else None,
-            "found_pct_by_width": {label: round(100.0 * self.found.get(label, 0) / n, 1)
-                                   for label, n in self.present.items()},
-            "faces_per_frame": round(found / self.frames, 2) if self.frames else None,
-        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,69 +144,73 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def camera_process(camera_id: str, face_px: list[float] | None, warmup_s: float,
-                   measure_s: float) -> dict:
+def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str) -> dict:
+    """Render and measure frames until the window that "go" names is over; report on it."""
     import importlib.metadata
 
     from facecast.shared.config import CameraConfig
-    from facecast.workers.sources import SyntheticSource
+    from facecast.workers.sources import open_source
 
     face_mesh = import_face_mesh()
     cv2.setNumThreads(1)  # as facecast's capture workers render (workers/capture.py)
-    source = SyntheticSource(CameraConfig(id=camera_id, source="synthetic", width=WIDTH,
-                                          height=HEIGHT, fps=FPS))
+    # The daemon's capture worker of this camera id opens the same source: same frames, paced
+    # the same way ("synthetic-replay": a loop rendered once, Note [Synthetic replay]).
+    source = open_source(CameraConfig(id=camera_id, source=source_kind, width=WIDTH,
+                                      height=HEIGHT, fps=FPS))
     if face_px:
+        if source_kind != "synthetic":
+            raise ValueError(f"--face-px needs the live synthetic source, not {source_kind!r}")
         source.scene = FixedSizeScene(WIDTH, HEIGHT, camera_id, face_px)
     with face_mesh.FaceMesh(static_image_mode=False, refine_landmarks=True, max_num_faces=MAX_FACES,
                             min_detection_confidence=0.5) as mesh:
         # The graph's first call loads the models and sets up XNNPACK: paid before "ready".
         mesh.process(cv2.cvtColor(source.scene.render(0.0), cv2.COLOR_BGR2RGB))
         print("ready", flush=True)
-        sys.stdin.readline()  # "go": every camera starts together
-        start_monotonic = time.monotonic() + warmup_s
-        end_monotonic = start_monotonic + measure_s
+        # "go <start_ts_lsl> <frames per camera>": every camera starts together, and all share
+        # one window of capture time (the frames before it are the warm-up).
+        _, start_ts_lsl, frames_per_camera = sys.stdin.readline().split()
+        window = accounting.Window(float(start_ts_lsl), int(frames_per_camera), FPS)
         latencies_ms: list[float] = []
-        counts = FaceCounts()
-        render_cpu_s = 0.0
-        window_started_monotonic = None  # set when the window starts, with the two below
-        cpu_at_start_s, skipped_at_start = 0.0, 0
+        faces = accounting.FaceTally()
+        render_cpu_s = accounting_cpu_s = 0.0
+        cpu_at_start_s = skipped_at_start = None  # before reading the window's first frame
         while True:
-            now_monotonic = time.monotonic()
-            if now_monotonic >= end_monotonic:
-                break
-            if window_started_monotonic is None and now_monotonic >= start_monotonic:
-                window_started_monotonic = now_monotonic
-                cpu_at_start_s, skipped_at_start = cpu_s(), source.frames_skipped
+            cpu_before_read_s, skipped_before_read = cpu_s(), source.frames_skipped
             render_started_cpu_s = time.thread_time()
             frame, capture_ts_lsl = source.read()  # waits for the frame's turn, then renders it
             render_done_cpu_s = time.thread_time()
+            if capture_ts_lsl >= window.end_ts_lsl:
+                break  # not processed: the window's CPU ends before this frame's read
+            in_window = window.contains(capture_ts_lsl)
+            if in_window and cpu_at_start_s is None:
+                cpu_at_start_s, skipped_at_start = cpu_before_read_s, skipped_before_read
             result = mesh.process(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
             done_ts_lsl = pylsl.local_clock()
-            if window_started_monotonic is None:
+            if not in_window:
                 continue
             render_cpu_s += render_done_cpu_s - render_started_cpu_s
             latencies_ms.append((done_ts_lsl - capture_ts_lsl) * 1e3)
-            nose_tips = [(face.landmark[FaceCounts.NOSE_TIP].x * WIDTH,
-                          face.landmark[FaceCounts.NOSE_TIP].y * HEIGHT)
-                         for face in result.multi_face_landmarks or []]
-            counts.add(source.ground_truth(capture_ts_lsl), nose_tips)
-        window_s = time.monotonic() - (window_started_monotonic or end_monotonic)
-        cpu_in_window_s = cpu_s() - cpu_at_start_s
-        skipped_in_window = source.frames_skipped - skipped_at_start
-    if window_started_monotonic is None:
-        raise RuntimeError("the measurement window never started")
+            counting_started_cpu_s = time.thread_time()
+            boxes = [accounting.mesh_box_px(np.array([(point.x * WIDTH, point.y * HEIGHT)
+                                                      for point in face.landmark]))
+                     for face in result.multi_face_landmarks or []]
+            faces.add(source.ground_truth(capture_ts_lsl), boxes)
+            accounting_cpu_s += time.thread_time() - counting_started_cpu_s
+    if cpu_at_start_s is None:
+        raise RuntimeError(f"camera {camera_id}: no frame was captured inside the window")
     return {
         "camera": camera_id,
         "mediapipe_version": importlib.metadata.version("mediapipe"),
-        "window_s": window_s,
-        "cpu_s": cpu_in_window_s,
+        "window_s": window.length_s,
+        "frames_published": len(latencies_ms),
+        "skipped_by_source": source.frames_skipped - skipped_at_start,
+        # The bench's counting (boxes, matching) ran in this process but is not MediaPipe's cost.
+        "cpu_s": cpu_before_read_s - cpu_at_start_s - accounting_cpu_s,
         "render_cpu_s": render_cpu_s,
-        "frames": len(latencies_ms),
-        "skipped": skipped_in_window,
+        "accounting_cpu_s": accounting_cpu_s,
         "latency_p50_ms": float(np.percentile(latencies_ms, 50)) if latencies_ms else None,
         "latency_p99_ms": float(np.percentile(latencies_ms, 99)) if latencies_ms else None,
-        "faces": {"present": counts.present, "found": counts.found, "results": counts.results,
-                  "frames": counts.frames},
+        "faces": faces.as_dict(),
     }
 
 
@@ -284,19 +244,20 @@ def _read_line_each(procs: list[subprocess.Popen], deadline_monotonic: float) ->
     return [lines[k] for k in range(len(procs))]
 
 
-def run(cameras: int, *, face_px: list[float] | None = None, warmup_s: float = 3.0,
-        measure_s: float = 10.0, boot_timeout_s: float = 120.0, log_dir: Path | None = None,
-        python: str = sys.executable, pythonpath: Sequence[str] = ()) -> dict:
+def run(cameras: int, *, face_px: list[float] | None = None, source: str = "synthetic",
+        warmup_s: float = 3.0, measure_s: float = 10.0, boot_timeout_s: float = 120.0,
+        log_dir: Path | None = None, python: str = sys.executable,
+        pythonpath: Sequence[str] = ()) -> dict:
     """Start `cameras` camera processes (`python`, with `pythonpath` put before $PYTHONPATH),
     run them together, and sum their reports."""
     log_dir = log_dir or Path(tempfile.gettempdir()) / "facecast-bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     sizes = "-" + "-".join(f"{px:g}px" for px in face_px) if face_px else ""
-    log_path = log_dir / f"mediapipe-{cameras}{sizes}.log"
-    result: dict = {"cameras": cameras, "baseline": DESCRIPTION, "face_px": face_px,
-                    "log": str(log_path)}
-    command = [python, str(Path(__file__).resolve()), "--camera-process", "--warmup-s", str(warmup_s),
-               "--measure-s", str(measure_s)] + (["--face-px", *map(str, face_px)] if face_px else [])
+    log_path = log_dir / f"mediapipe-{cameras}-{source}{sizes}.log"
+    result: dict = {"cameras": cameras, "side": "mediapipe", "baseline": DESCRIPTION,
+                    "source": source, "face_px": face_px, "log": str(log_path)}
+    command = [python, str(Path(__file__).resolve()), "--camera-process", "--source", source] + (
+        ["--face-px", *map(str, face_px)] if face_px else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [*pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])]))
     procs: list[subprocess.Popen] = []
@@ -309,11 +270,12 @@ def run(cameras: int, *, face_px: list[float] | None = None, warmup_s: float = 3
             ready = _read_line_each(procs, time.monotonic() + boot_timeout_s)
             if any(line != "ready" for line in ready):
                 raise RuntimeError(f"camera processes did not start: {ready}")
+            window = accounting.Window.starting_at(pylsl.local_clock() + warmup_s, measure_s, FPS)
             for p in procs:
-                p.stdin.write(b"go\n")
+                p.stdin.write(f"go {window.start_ts_lsl!r} {window.frames_per_camera}\n".encode())
                 p.stdin.flush()
             reports = [json.loads(line) for line in
-                       _read_line_each(procs, time.monotonic() + warmup_s + measure_s + 60.0)]
+                       _read_line_each(procs, time.monotonic() + warmup_s + window.length_s + 60.0)]
         except (OSError, RuntimeError, TimeoutError, json.JSONDecodeError) as exc:
             log.flush()
             tail = log_path.read_text(errors="replace").splitlines()[-8:]
@@ -329,29 +291,23 @@ def run(cameras: int, *, face_px: list[float] | None = None, warmup_s: float = 3
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(5)
-    window_s = float(np.mean([r["window_s"] for r in reports]))
-    frames = sum(r["frames"] for r in reports)
-    skipped = sum(r["skipped"] for r in reports)
+    published = sum(r["frames_published"] for r in reports)
     cpu_s_total = sum(r["cpu_s"] for r in reports)
     render_cpu_s = sum(r["render_cpu_s"] for r in reports)
-    counts = FaceCounts()
+    faces = accounting.FaceTally()
     for r in reports:
-        counts.merge(r["faces"])
-    p50s = [r["latency_p50_ms"] for r in reports if r["latency_p50_ms"] is not None]
-    p99s = [r["latency_p99_ms"] for r in reports if r["latency_p99_ms"] is not None]
+        faces.merge(r["faces"])
     result.update({
         "mediapipe_version": reports[0]["mediapipe_version"],
-        "window_s": round(window_s, 1),
-        "processed_fps": round(frames / window_s, 1),
-        "dropped": skipped,
-        "dropped_pct": round(100.0 * skipped / max(frames + skipped, 1), 1),
-        "latency_p50_ms": round(max(p50s), 1) if p50s else None,
-        "latency_p99_ms": round(max(p99s), 1) if p99s else None,
-        "cpu_cores_busy": round(cpu_s_total / window_s, 2),
-        "render_cores_busy": round(render_cpu_s / window_s, 2),
-        "cpu_ms_per_frame": round(1e3 * cpu_s_total / max(frames, 1), 2),
-        "render_cpu_ms_per_frame": round(1e3 * render_cpu_s / max(frames, 1), 2),
-        "faces": counts.summary(),
+        **accounting.frame_counts(cameras, window, published),
+        "skipped_by_source": sum(r["skipped_by_source"] for r in reports),
+        **accounting.worst_camera_latency((r["latency_p50_ms"], r["latency_p99_ms"])
+                                          for r in reports),
+        "cpu_cores_busy": round(cpu_s_total / window.length_s, 2),
+        "render_cores_busy": round(render_cpu_s / window.length_s, 2),
+        "cpu_ms_per_frame": round(1e3 * cpu_s_total / max(published, 1), 2),
+        "render_cpu_ms_per_frame": round(1e3 * render_cpu_s / max(published, 1), 2),
+        "faces": faces.summary(),
         "per_camera": reports,
     })
     return result
@@ -421,6 +377,8 @@ def main() -> int:
     parser.add_argument("--cameras", type=int, default=1)
     parser.add_argument("--face-px", type=float, nargs="+", metavar="PX",
                         help="face widths instead of the daemon scene's (one per face, two faces)")
+    parser.add_argument("--source", choices=("synthetic", "synthetic-replay"), default="synthetic",
+                        help="the cameras' source, as in facecast's config")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--boot-timeout-s", type=float, default=120.0)
@@ -436,10 +394,10 @@ def main() -> int:
             print(f"{wheel} ({wheel.stat().st_size / 2**20:.1f} MiB)")
         return 0
     if args.camera_process:
-        report = camera_process(args.camera_id, args.face_px, args.warmup_s, args.measure_s)
+        report = camera_process(args.camera_id, args.face_px, args.source)
         print(json.dumps(report), flush=True)
         return 0
-    result = run(args.cameras, face_px=args.face_px, warmup_s=args.warmup_s,
+    result = run(args.cameras, face_px=args.face_px, source=args.source, warmup_s=args.warmup_s,
                  measure_s=args.measure_s, boot_timeout_s=args.boot_timeout_s)
     text = json.dumps(result, indent=1)
     if args.out:

@@ -16,7 +16,7 @@ scales; the ROIs are the float32 pipeline's detections, repeated up to B):
 - "stack": crop every ROI (one gather from the uint8 frames on the device), the attention mesh
   with its lips/eye/iris refinement (478 landmarks, irises included), projection to frame pixels,
   blendshapes when a face_landmarker.task is given, head pose; device synchronised;
-- "results": the same through ``FacePipeline._measure``, i.e. until the Face objects are built on
+- "results": the same through ``FaceMeasurer.measure``, i.e. until the Face objects are built on
   the host (one transfer), what the roi_landmark worker waits for.
 *Detection*, per call over C = 1 … 32 1080p frames held as one uint8 (C, 1080, 1920, 3) tensor on
 the device (as the daemon's rings give them): ``FacePipeline.detect``, short-range letterbox plus
@@ -53,7 +53,7 @@ operations per detection call grew by ~190 per frame (1,445 at 1 frame, 4,234 at
 Changes (results unchanged to float rounding: < 3e-3 px on the photos):
 - detection plans (inputs, owners, tile borders, pooling) made once per frame-size list on the
   host; the pass is a fixed sequence of batched operations with one wait at the end (Note
-  [Detection without per-frame work] in models/pipeline.py); the same for measuring and tracking;
+  [Detection without per-frame work] in models/face_detection.py); the same for measuring and tracking;
 - crops sample the frames' uint8 pixels with one gather, no float copy of the frames (Note
   [Sampling the frames where they lie] in models/roi.py);
 - the converter's models: PRELU of an image as one ``F.prelu`` kernel (was three, writing three
@@ -288,13 +288,13 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
                 def stack():
                     with torch.inference_mode():
                         crops = roi.crop_rois(batch, owner_t, rects, 192, border="replicate", dtype=pipe.model_dtype)
-                        landmarks, _, _ = pipe._landmarks(crops, rects)
+                        landmarks, _, _ = pipe.measurer.landmarks(crops, rects)
                         head_pose_deg(landmarks)
                         return landmarks
 
                 def results():
                     with torch.inference_mode():
-                        return pipe._measure(batch, owners, rects, boxes, scores, [False] * size)
+                        return pipe.measurer.measure(batch, owners, rects, boxes, scores, [False] * size)
 
                 row["stack"] = timed(stack, device, args.warmup, args.iters)
                 row["results"] = timed(results, device, args.warmup, args.iters)
@@ -349,7 +349,8 @@ def bench_detection(pipelines, scenes, cameras_list, args, budget) -> list[dict]
                         with torch.inference_mode():
                             batch = roi.FrameBatch(frames, device)
                             index = torch.arange(cameras, device=device)
-                            found = pipe._detect_core(batch, index, pipe._plans_for(tuple(batch.sizes_hw)), on_stage)
+                            found = pipe.detector.core(batch, index, pipe.detector.plans_for(tuple(batch.sizes_hw)),
+                                                       on_stage)
                             found.valid.sum(dim=1).tolist()
 
                     row["stages_ms"] = stage_times(run, device, max(1, args.warmup // 2), args.iters,
@@ -659,7 +660,7 @@ def main() -> int:
     reference = pipelines["fp32"]
     task_reason = reference.blendshapes_unavailable_reason
     data = {"machine": machine_info(device), "command": shlex.join(["python3", "bench/models.py", *sys.argv[1:]]),
-            "blendshapes": "measured" if reference.blendshapes is not None else f"absent: {task_reason}",
+            "blendshapes": "measured" if reference.measurer.blendshapes is not None else f"absent: {task_reason}",
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "docs")},
             "litert": [], "faces": [], "detection": []}
 
@@ -675,18 +676,18 @@ def main() -> int:
         owners, boxes, keypoints, _ = pool
         rects = roi.rects_from_detections(boxes, keypoints)
         crops = roi.crop_rois(batch8, torch.tensor(owners, device=device), rects, 192).cpu().numpy()
-        plans = reference._plans_for((FRAME_HW,) * 2)
+        plans = reference.detector.plans_for((FRAME_HW,) * 2)
         index2 = torch.arange(2, device=device)
-        short_inputs = reference._detector_crops(batch8, index2, plans[0], _spec("short")).float().cpu().numpy()
-        full_inputs = reference._detector_crops(batch8, index2, plans[1], _spec("full")).float().cpu().numpy()
+        short_inputs = reference.detector.crops(batch8, index2, plans[0], _spec("short")).float().cpu().numpy()
+        full_inputs = reference.detector.crops(batch8, index2, plans[1], _spec("full")).float().cpu().numpy()
     print(f"{len(owners)} faces in 8 frames; LiteRT baseline ...", file=sys.stderr, flush=True)
     face_crops = list(crops)
     eye_crops = [c[60:124, 30:94] for c in crops]  # 64x64 around an eye: input only matters for timing
     blend_inputs = None
-    if reference.blendshapes is not None:
+    if reference.measurer.blendshapes is not None:
         bundle = assets.blendshape_model(args.face_landmarker_task)
         with torch.inference_mode():
-            measured = reference._measure(batch8, owners, rects, boxes, pool[3], [False] * len(owners))
+            measured = reference.measurer.measure(batch8, owners, rects, boxes, pool[3], [False] * len(owners))
         subset = [np.asarray(f.landmarks)[list(_blendshape_subset()), :2] for frame in measured.faces for f in frame]
         blend_inputs = (bundle.face_blendshapes, subset)
     data["litert"] = bench_litert(face_crops, eye_crops, (list(short_inputs), list(full_inputs)), blend_inputs,
@@ -721,7 +722,7 @@ def _spec(which: str):
 
 
 def _blendshape_subset():
-    from facecast.models.pipeline import BLENDSHAPE_LANDMARK_SUBSET
+    from facecast.models.face_mesh import BLENDSHAPE_LANDMARK_SUBSET
 
     return BLENDSHAPE_LANDMARK_SUBSET
 

@@ -3,28 +3,34 @@
     python bench/pipeline.py [--cameras 1 4 8 16 32] [--transports cuda_ipc shm]
                              [--warmup-s 15] [--measure-s 20] [--out docs/benchmarks-pipeline.json]
                              [--mediapipe-baseline [--mediapipe-path /tmp/mp] [--mediapipe-python PY]]
+    python bench/pipeline.py --cameras 32,64 --transports cuda_ipc --boot-stop-only [--hold-s 5]
 
 For every camera count and transport, in the same run, it starts the real daemon (supervisor and
-workers) with its own runtime directory, waits for READY=1 and a warm-up, then reads the
-supervisor's status (the control socket `facecast status` uses) at the start and the end of a
-measurement window and reports, per configuration:
+workers) with its own runtime directory and notify socket, and measures (the definitions, the
+same for facecast and the MediaPipe baseline, are bench/accounting.py's DEFINITIONS and
+BOOT_STOP_DEFINITIONS below; the JSON carries them, the table's legend repeats them):
 
-- frames captured and published per second (all cameras), frames dropped (captured but never
-  published: skipped by a worker that fell behind, or lost), as a count and a percentage;
-- capture → LSL push latency p50/p99 (the output worker measures it against the capture
-  timestamp of each frame; the worst camera's p99 is reported);
-- per-stage latency p50/p99 (detection forward pass, ROI/mesh batch);
-- CPU time of the whole process tree per second of wall time (cores busy), from /proc;
+- boot: `facecast run` → READY=1 on a real NOTIFY_SOCKET socket, and workers killed as hung while
+  booting; stop: SIGTERM → the supervisor's exit, and workers it had to SIGKILL (from its log);
+- after a warm-up, a window of capture time read by real pylsl inlets on every Face stream:
+  frames due, frames published (a sample an inlet read), dropped = due − published, never
+  clamped; faces of every published frame against the synthetic scene's ground truth;
+- capture → result latency p50/p99 (the output worker, right after its LSL push; the worst
+  camera's), and capture → bench inlet for reference; per-stage latency p50/p99;
+- CPU time of the daemon's process tree per second of the window (cores busy), by process role;
 - GPU utilisation and memory from NVML (through the supervisor's status).
+
+`--boot-stop-only` measures boot and stop only (boot, READY=1, hold `--hold-s`, stop): the mode
+for 32 and 64 cameras, where the question is whether the daemon starts and stops cleanly.
 
 With `--mediapipe-baseline`, the baseline issue 5 asks for runs after the daemon at every camera
 count, on the same machine: MediaPipe's face mesh on the CPU, one process per camera, on the
 same synthetic frames (bench/mediapipe_baseline.py; its processes run under
 `--mediapipe-python` with `--mediapipe-path` put before $PYTHONPATH, where mediapipe 0.10.21
 and protobuf 4.25 are installed). Each daemon row then gets ratios against it: CPU cores busy
-(and CPU per frame handled), p99 latency, faces per frame. The daemon's scene has ~420 px faces,
-which MediaPipe finds too; so a second scene with faces of `--small-face-px` (100 and 250 px
-wide) is run once, by MediaPipe (one camera, real time) and by facecast's FacePipeline (the
+(and CPU per frame published), p99 latency, faces per frame. The daemon's scene has ~420 px
+faces, which MediaPipe finds too; so a second scene with faces of `--small-face-px` (100 and 250
+px wide) is run once, by MediaPipe (one camera, real time) and by facecast's FacePipeline (the
 daemon's models and tracking, in this process, on the GPU when there is one), counting the faces
 each finds by width. Without the option the JSON says that the baseline was not measured.
 Prints a table; writes JSON; `--plot` turns a JSON into a PNG (needs matplotlib).
@@ -33,32 +39,55 @@ Prints a table; writes JSON; `--plot` turns a JSON into a PNG (needs matplotlib)
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
+import inspect
 import json
+import math
 import os
 import platform
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
+
+import numpy as np
+
+import accounting  # bench/accounting.py: this script's folder is first on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 WIDTH, HEIGHT, FPS = 1920, 1080, 30
+MAX_FACES = 2
+
+
+def _output_latency_frames() -> int:
+    """How many frames per camera the output worker's latency percentiles cover."""
+    from facecast.shared.stats import LatencyWindow
+
+    return inspect.signature(LatencyWindow).parameters["size"].default
+
+
+OUTPUT_LATENCY_FRAMES = _output_latency_frames()
 
 
 def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int,
-                cuda_graphs: bool = True, half: bool = False) -> str:
+                cuda_graphs: bool, half: bool, host: str, source: str) -> str:
+    # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
-        'host_name = "bench"', "checksum_every = 30", f"roi_landmark_workers = {roi_workers}",
-        'log_level = "warning"', "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
-        f"half = {str(half).lower()}", "", "[output]", "max_faces = 2", "",
+        f'host_name = "{host}"', "checksum_every = 30", f"roi_landmark_workers = {roi_workers}",
+        'log_level = "info"', "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
+        f"half = {str(half).lower()}", "", "[output]", f"max_faces = {MAX_FACES}", "",
     ]
     for k in range(cameras):
-        lines += ["[[cameras]]", f'id = "cam{k:02d}"', 'source = "synthetic"',
+        lines += ["[[cameras]]", f'id = "cam{k:02d}"', f'source = "{source}"',
                   f"width = {WIDTH}", f"height = {HEIGHT}", f"fps = {FPS}", ""]
     return "\n".join(lines)
 
@@ -103,117 +132,380 @@ def tree_cpu_s(pid: int) -> float:
 
 
 class NotifySocket:
+    """systemd's side of sd_notify: a bound AF_UNIX datagram socket (the daemon's real
+    $NOTIFY_SOCKET), read all the time by a thread as systemd does (a listener that stops
+    reading fills its queue and loses datagrams), each line kept with its arrival time on the
+    monotonic clock."""
+
     def __init__(self, path: Path) -> None:
         self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.setblocking(False)
-        self.lines: list[str] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._sock.settimeout(0.1)
+        self.lines: list[tuple[float, str]] = []  # (arrival monotonic, KEY=VALUE)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="notify-socket", daemon=True)
+        self._thread.start()
 
-    def ready(self) -> bool:
-        while True:
+    def _run(self) -> None:
+        while not self._stop.is_set():
             try:
-                self.lines += self.sock.recv(65536).decode().splitlines()
-            except BlockingIOError:
-                break
-        return "READY=1" in self.lines
+                data = self._sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            arrived_monotonic = time.monotonic()
+            self.lines += [(arrived_monotonic, text) for text in data.decode().splitlines()]
+
+    def arrival(self, line: str) -> float | None:
+        """When `line` (e.g. "READY=1") first arrived, None if it has not."""
+        return next((t for t, text in list(self.lines) if text == line), None)
+
+    def wait_for(self, line: str, deadline_monotonic: float, alive) -> float | None:
+        """Arrival time of `line`, waiting until the deadline or until `alive()` is False."""
+        while (arrived := self.arrival(line)) is None:
+            if time.monotonic() > deadline_monotonic or not alive():
+                return self.arrival(line)
+            time.sleep(0.02)
+        return arrived
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close()
 
 
-def output_faces(status) -> list[int]:
-    """Faces in each camera's newest published frame (the output workers' reports)."""
-    return [report.faces for reports in status.cameras.values() for report in reports
+def output_reports(status) -> list:
+    """The output worker's report of each camera (the one that carries latency)."""
+    return [report for reports in status.cameras.values() for report in reports
             if report.latency_ms is not None]
 
 
-def totals(status) -> dict:
-    captured = published = 0
-    for reports in status.cameras.values():
-        for report in reports:
-            if report.source:  # the capture worker's report
-                captured += report.frames
-            elif report.latency_ms is not None:  # the output worker's
-                published += report.frames
-    return {"captured": captured, "published": published}
+def captured_total(status) -> int:
+    """Frames the capture workers report, all cameras (their counters, sent with heartbeats)."""
+    return sum(report.frames for reports in status.cameras.values() for report in reports
+               if report.source)
+
+
+# ---------------------------------------------------------------------------------------------
+# The daemon: boot to READY=1, stop, and what its log says about both
+# ---------------------------------------------------------------------------------------------
+
+# Note [Boot and stop, measured]
+#     Boot: from starting `facecast run` (the Popen) to READY=1 arriving on a real NOTIFY_SOCKET
+#     datagram socket, which the supervisor sends once every worker of the config has booted and
+#     every camera has a frame (daemon/supervisor.py `_tick_systemd`). Stop: from SIGTERM to the
+#     supervisor's exit (waitpid). The supervisor logs each worker it has to kill; those lines are
+#     counted from its log: "did not stop in time; killing it" (SIGKILL at stop), "stuck even after
+#     SIGKILL", and "did not start within" (killed as hung while booting; before the "ready:" line
+#     at boot, after it when a restarted worker hung).
+LOG_SIGKILLED_AT_STOP = "did not stop in time; killing it"
+LOG_STUCK_AFTER_SIGKILL = "stuck even after SIGKILL"
+LOG_HUNG_BOOTING = "did not start within"
+LOG_READY = re.compile(r"facecast\.daemon\.supervisor: ready\b")  # "ready in 9.6 s: ..."
+
+BOOT_STOP_DEFINITIONS = {
+    "boot_to_ready_s": "from starting `facecast run` to READY=1 arriving on the bench's "
+                       "NOTIFY_SOCKET datagram socket",
+    "workers_hung_at_boot": f"supervisor log lines '{LOG_HUNG_BOOTING}' before its 'ready:' "
+                            "line (a worker killed as hung while booting); "
+                            "workers_hung_booting_later: the same after it",
+    "stop_s": "from SIGTERM to the supervisor's exit (stopping_sent_after_s: to STOPPING=1 "
+              "arriving on the notify socket)",
+    "workers_sigkilled_at_stop": f"supervisor log lines '{LOG_SIGKILLED_AT_STOP}'",
+    "workers_stuck_after_sigkill": f"supervisor log lines '{LOG_STUCK_AFTER_SIGKILL}'",
+    "supervisor_killed_by_bench": "the supervisor had not exited --stop-timeout-s after SIGTERM "
+                                  "and the bench SIGKILLed it",
+}
+
+
+class DaemonUnderTest:
+    """`facecast run` with its own runtime directory and notify socket, timed (Note [Boot and
+    stop, measured])."""
+
+    def __init__(self, tmp: Path, config: str, log_path: Path) -> None:
+        self.runtime_dir = tmp / "run"
+        self.log_path = log_path
+        config_path = tmp / "bench.toml"
+        config_path.write_text(config)
+        self.notify = NotifySocket(tmp / "notify")
+        env = dict(os.environ, NOTIFY_SOCKET=self.notify.path)
+        env.pop("WATCHDOG_USEC", None)
+        self._log = open(log_path, "w")
+        self.started_monotonic = time.monotonic()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "facecast.daemon.cli", "run", "--config", str(config_path)],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.boot: dict = {}
+        self.stop_result: dict = {}
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        ready_monotonic = self.notify.wait_for("READY=1", self.started_monotonic + timeout_s,
+                                               lambda: self.process.poll() is None)
+        self.boot = {"boot_to_ready_s": None if ready_monotonic is None
+                     else round(ready_monotonic - self.started_monotonic, 2)}
+        return ready_monotonic is not None
+
+    def status(self, timeout_s: float = 30.0):
+        from facecast.daemon.control_client import request
+        from facecast.shared.messages import StatusRequest
+
+        return request(self.runtime_dir, StatusRequest(), timeout_s)
+
+    def log_tail(self, lines: int = 20) -> str:
+        self._log.flush()
+        return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float) -> dict:
+        """SIGTERM, wait for the supervisor's exit (SIGKILL after `timeout_s`), count the log's
+        kills. Idempotent."""
+        if self.stop_result:
+            return self.stop_result
+        killed_by_bench = False
+        sigterm_monotonic = time.monotonic()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                killed_by_bench = True
+                self.process.kill()
+                self.process.wait()
+        stop_s = time.monotonic() - sigterm_monotonic
+        stopping_monotonic = self.notify.arrival("STOPPING=1")
+        self._log.close()
+        self.notify.close()
+        counts = kills_in_log(self.log_path.read_text(errors="replace"))
+        self.stop_result = {
+            "stop_s": round(stop_s, 2),
+            "stopping_sent_after_s": None if stopping_monotonic is None
+            else round(stopping_monotonic - sigterm_monotonic, 3),
+            "exit_code": self.process.returncode,
+            "workers_sigkilled_at_stop": counts["workers_sigkilled_at_stop"],
+            "workers_stuck_after_sigkill": counts["workers_stuck_after_sigkill"],
+            "supervisor_killed_by_bench": killed_by_bench,
+        }
+        self.boot.update({key: counts[key] for key in ("workers_hung_at_boot",
+                                                       "workers_hung_booting_later")})
+        return self.stop_result
+
+
+def kills_in_log(text: str) -> dict[str, int]:
+    """The supervisor's kills, counted from its log (Note [Boot and stop, measured])."""
+    ready = LOG_READY.search(text)
+    booting, later = (text, "") if ready is None else (text[:ready.start()], text[ready.start():])
+    return {"workers_hung_at_boot": booting.count(LOG_HUNG_BOOTING),
+            "workers_hung_booting_later": later.count(LOG_HUNG_BOOTING),
+            "workers_sigkilled_at_stop": text.count(LOG_SIGKILLED_AT_STOP),
+            "workers_stuck_after_sigkill": text.count(LOG_STUCK_AFTER_SIGKILL)}
+
+
+# ---------------------------------------------------------------------------------------------
+# facecast's published frames, as a consumer sees them: real pylsl inlets on every Face stream
+# ---------------------------------------------------------------------------------------------
+
+
+class FaceStreamReader:
+    """Every sample of every Face stream of one daemon (one per camera and face slot), pulled
+    from real pylsl inlets by a thread, with its arrival time; only the box channels are kept."""
+
+    def __init__(self, host: str, streams: int, timeout_s: float) -> None:
+        import pylsl
+
+        from facecast.workers.lsl_output import face_channels
+
+        labels = [label for label, _, _ in face_channels(landmarks=False)]
+        self.box_channels = [labels.index(n) for n in ("box_x1", "box_y1", "box_x2", "box_y2")]
+        prefix = f"facecast-{host}-"
+        infos = pylsl.resolve_bypred(f"type='Face' and starts-with(source_id,'{prefix}')",
+                                     minimum=streams, timeout=timeout_s)
+        if len(infos) < streams:
+            raise RuntimeError(f"{len(infos)} of {streams} Face streams of {host} resolved in "
+                               f"{timeout_s:g} s")
+        # source id facecast-<host>-<camera>-face<slot>: the camera is what is between.
+        self.camera_of = [info.source_id()[len(prefix):].rsplit("-", 1)[0] for info in infos]
+        self.inlets = [pylsl.StreamInlet(info, max_buflen=120) for info in infos]
+        for inlet in self.inlets:
+            inlet.open_stream(timeout=timeout_s)
+        self._chunks: list[list[tuple[np.ndarray, np.ndarray, float]]] = [[] for _ in infos]
+        self._newest_ts_lsl = [-math.inf] * len(infos)
+        self._local_clock = pylsl.local_clock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="face-stream-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for index, inlet in enumerate(self.inlets):
+                samples, stamps = inlet.pull_chunk(timeout=0.0, max_samples=4096, as_numpy=True)
+                if len(stamps):
+                    arrival_ts_lsl = self._local_clock()
+                    self._chunks[index].append((np.asarray(stamps, np.float64),
+                                                samples[:, self.box_channels].astype(np.float64),
+                                                arrival_ts_lsl))
+                    self._newest_ts_lsl[index] = float(stamps[-1])
+            time.sleep(0.005)
+
+    def every_stream_has_data(self) -> bool:
+        return all(ts > -math.inf for ts in self._newest_ts_lsl)
+
+    def newest_ts_lsl_by_camera(self) -> dict[str, float]:
+        newest: dict[str, float] = {}
+        for camera, ts in zip(self.camera_of, self._newest_ts_lsl):
+            newest[camera] = max(newest.get(camera, -math.inf), ts)
+        return newest
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for inlet in self.inlets:
+            inlet.close_stream()
+
+    def by_camera(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """camera → (capture timestamps, boxes (n, 4), arrival times) of its slots' samples."""
+        parts: dict[str, list] = {}
+        for camera, chunks in zip(self.camera_of, self._chunks):
+            for stamps, boxes, arrival_ts_lsl in chunks:
+                parts.setdefault(camera, []).append((stamps, boxes,
+                                                     np.full(len(stamps), arrival_ts_lsl)))
+        return {camera: tuple(np.concatenate([part[k] for part in chunks]) for k in range(3))
+                for camera, chunks in parts.items()}
+
+
+def published_frames(samples, window: accounting.Window, camera_ids: list[str],
+                     source: str = "synthetic") -> dict:
+    """Frames published in the window, faces against the ground truth and capture → inlet
+    latency, from every sample the inlets got (Note [One definition for both sides])."""
+    from facecast.shared.config import CameraConfig
+    from facecast.workers.sources import synthetic_truth
+
+    faces = accounting.FaceTally()
+    published = 0
+    per_camera_inlet: list[tuple[float, float]] = []
+    for camera in camera_ids:
+        if camera not in samples:
+            continue  # nothing published: all its frames are due and dropped
+        stamps, boxes, arrivals = samples[camera]
+        inside = (stamps >= window.start_ts_lsl) & (stamps < window.end_ts_lsl)
+        stamps, boxes, arrivals = stamps[inside], boxes[inside], arrivals[inside]
+        # One frame, one capture timestamp, on every face slot's stream: a frame counts once.
+        frame_ts, frame_of_sample = np.unique(stamps, return_inverse=True)
+        published += len(frame_ts)
+        if not len(frame_ts):
+            continue
+        # Each frame's faces: its samples' boxes that are not NaN (an empty slot is all NaN).
+        order = np.argsort(frame_of_sample, kind="stable")
+        boxes_by_frame = np.split(boxes[order], np.cumsum(np.bincount(frame_of_sample))[:-1])
+        truth = synthetic_truth(CameraConfig(id=camera, source=source, width=WIDTH,
+                                             height=HEIGHT, fps=FPS))
+        for capture_ts_lsl, frame_boxes in zip(frame_ts, boxes_by_frame):
+            faces.add(truth.faces_at(capture_ts_lsl),
+                      [tuple(b) for b in frame_boxes[np.isfinite(frame_boxes).all(axis=1)]])
+        # The frame's first sample to arrive, on any slot: when a consumer could have had it.
+        first_arrival = np.full(len(frame_ts), np.inf)
+        np.minimum.at(first_arrival, frame_of_sample, arrivals)
+        per_camera_inlet.append(tuple(np.percentile((first_arrival - frame_ts) * 1e3, [50, 99])))
+    return {"published": published, "faces": faces,
+            "inlet_latency": accounting.worst_camera_latency(per_camera_inlet)}
 
 
 def run_one(cameras: int, transport: str, args) -> dict:
-    from facecast.daemon.control_client import request
-    from facecast.shared.messages import StatusRequest
-
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = args.log_dir / f"daemon-{cameras}-{transport}-{args.source}.log"
+    host = f"bench{uuid.uuid4().hex[:8]}"  # stream ids of this run only
+    result = {"cameras": cameras, "transport": transport, "side": "facecast",
+              "source": args.source,
+              "models": "fp16" if args.half else "fp32", "cuda_graphs": args.cuda_graphs,
+              "log": str(log_path)}
     with tempfile.TemporaryDirectory(prefix="fcb-") as tmp:
         tmp = Path(tmp)
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = args.log_dir / f"daemon-{cameras}-{transport}.log"
-        runtime_dir = tmp / "run"
-        config = tmp / "bench.toml"
-        config.write_text(config_text(cameras, transport, runtime_dir, args.roi_workers,
-                                      args.cuda_graphs, args.half))
-        notify = NotifySocket(tmp / "notify")
-        env = dict(os.environ, NOTIFY_SOCKET=notify.path)
-        log = open(log_path, "w")
-        daemon = subprocess.Popen([sys.executable, "-m", "facecast.daemon.cli", "run", "--config",
-                                   str(config)], env=env, stdout=log, stderr=subprocess.STDOUT)
-        result = {"cameras": cameras, "transport": transport,
-                  "models": "fp16" if args.half else "fp32",
-                  "cuda_graphs": args.cuda_graphs}
+        config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
+                             args.half, host, args.source)
+        daemon = DaemonUnderTest(tmp, config, log_path)
         try:
-            deadline = time.monotonic() + args.boot_timeout_s
-            while not notify.ready():
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    tail = log_path.read_text().splitlines()[-20:]
-                    result["error"] = "daemon did not become ready: " + " | ".join(tail)
-                    return result
-                time.sleep(0.2)
-            time.sleep(args.warmup_s)
-            first = request(runtime_dir, StatusRequest(), 30)
-            cpu_first, wall_first = tree_cpu_s(daemon.pid), time.monotonic()
-            roles_first = role_cpu_s(first)
-            time.sleep(args.measure_s)
-            last = request(runtime_dir, StatusRequest(), 30)
-            cpu_last, wall_last = tree_cpu_s(daemon.pid), time.monotonic()
-            roles_last = role_cpu_s(last)
+            if not daemon.wait_ready(args.boot_timeout_s):
+                result["error"] = "daemon did not become ready: " + daemon.log_tail()
+                return result
+            at_ready = daemon.status()
+            result["workers_at_ready"] = len([w for w in at_ready.workers if not w.standby])
+            result["standbys_at_ready"] = len([w for w in at_ready.workers if w.standby])
+            if args.boot_stop_only:
+                time.sleep(args.hold_s)
+                held = daemon.status()
+                result["not_running_after_hold"] = [f"{w.name}:{w.state}" for w in held.workers
+                                                    if w.state not in ("running", "standby")]
+                return result
+            measure(daemon, host, cameras, args, result)
+            return result
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            result["error"] = f"{type(exc).__name__}: {exc} | {daemon.log_tail(8)}"
+            return result
         finally:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-            log.close()
-        window_s = wall_last - wall_first
-        a, b = totals(first), totals(last)
-        captured = b["captured"] - a["captured"]
-        published = b["published"] - a["published"]
-        p99s = [r.latency_ms.p99_ms for reports in last.cameras.values() for r in reports
-                if r.latency_ms is not None]
-        p50s = [r.latency_ms.p50_ms for reports in last.cameras.values() for r in reports
-                if r.latency_ms is not None]
-        faces = output_faces(first) + output_faces(last)
-        transports = sorted({r.transport for reports in last.cameras.values() for r in reports
-                             if r.transport})
-        reasons = sorted({r.fallback_reason for reports in last.cameras.values() for r in reports
-                          if r.fallback_reason})
-        result.update({
-            "window_s": round(window_s, 1),
-            "captured_fps": round(captured / window_s, 1),
-            "published_fps": round(published / window_s, 1),
-            "dropped": max(0, captured - published),
-            "dropped_pct": round(100.0 * max(0, captured - published) / max(captured, 1), 1),
-            "latency_p50_ms": round(max(p50s), 1) if p50s else None,
-            "latency_p99_ms": round(max(p99s), 1) if p99s else None,
-            "stages": {name: {"p50_ms": t.p50_ms, "p99_ms": t.p99_ms}
-                       for name, t in last.stages.items()},
-            "cpu_cores_busy": round((cpu_last - cpu_first) / window_s, 2),
-            # Where the CPU goes: capture renders (synthetic) or decodes, the rest is our cost.
-            "cpu_cores_by_role": cores_by_role(roles_first, roles_last, window_s),
-            # Sampled, not counted per frame: the newest frame's faces at the window's two ends.
-            "faces_per_frame": round(sum(faces) / len(faces), 2) if faces else None,
-            "gpus": [{"name": g.name, "utilization_pct": g.utilization_pct,
-                      "memory_used_mib": g.memory_used_mib} for g in last.gpus],
-            "transports_seen": transports, "fallback_reasons": reasons,
-            "workers": [f"{w.name}:{w.state}:{w.restarts}" for w in last.workers],
-        })
-        return result
+            result["stop"] = daemon.stop(args.stop_timeout_s)
+            result["boot"] = daemon.boot  # with the log's hung-at-boot counts, known after stop
+
+
+def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict) -> None:
+    """Warm up, read every Face stream through a window of capture time, fill `result`."""
+    import pylsl
+
+    camera_ids = [f"cam{k:02d}" for k in range(cameras)]
+    time.sleep(args.warmup_s)
+    reader = FaceStreamReader(host, cameras * MAX_FACES, timeout_s=60.0)
+    try:
+        deadline_monotonic = time.monotonic() + 30.0
+        while not reader.every_stream_has_data():
+            if time.monotonic() > deadline_monotonic:
+                raise RuntimeError("some Face streams sent nothing for 30 s after the warm-up")
+            time.sleep(0.05)
+        # Every inlet is connected and receiving: every sample captured from now on reaches it.
+        window = accounting.Window.starting_at(pylsl.local_clock(), args.measure_s, FPS)
+        first = daemon.status()
+        cpu_first = tree_cpu_s(daemon.process.pid)
+        roles_first = role_cpu_s(first)
+        time.sleep(max(0.0, window.end_ts_lsl - pylsl.local_clock()))
+        last = daemon.status()
+        cpu_last = tree_cpu_s(daemon.process.pid)
+        roles_last = role_cpu_s(last)
+        # Drain: frames captured before the window's end may still be in the pipeline.
+        drain_deadline_monotonic = time.monotonic() + args.drain_s
+        while (min(reader.newest_ts_lsl_by_camera().values()) < window.end_ts_lsl
+               and time.monotonic() < drain_deadline_monotonic):
+            time.sleep(0.05)
+        drained = daemon.status()
+    finally:
+        reader.close()
+    counted = published_frames(reader.by_camera(), window, camera_ids, args.source)
+    reports = output_reports(drained)
+    transports = sorted({r.transport for reports_ in last.cameras.values() for r in reports_
+                         if r.transport})
+    reasons = sorted({r.fallback_reason for reports_ in last.cameras.values() for r in reports_
+                      if r.fallback_reason})
+    status_window_s = window.length_s  # the status reads bracket the window
+    result.update({
+        "window_start_ts_lsl": window.start_ts_lsl,
+        **accounting.frame_counts(cameras, window, counted["published"]),
+        # For reference, not part of "dropped": the capture workers' own counters (sent with
+        # heartbeats, so exact to about one heartbeat per camera).
+        "captured_fps": round((captured_total(last) - captured_total(first)) / status_window_s, 1),
+        **accounting.worst_camera_latency((r.latency_ms.p50_ms, r.latency_ms.p99_ms)
+                                          for r in reports),
+        # The output worker's latency covers its last OUTPUT_LATENCY_FRAMES frames per camera:
+        # how many of those were captured before the window (0 when the window is long enough).
+        "latency_frames_before_window": max(0, OUTPUT_LATENCY_FRAMES - window.frames_per_camera),
+        "latency_to_inlet": counted["inlet_latency"],
+        "faces": counted["faces"].summary(),
+        "stages": {name: {"p50_ms": t.p50_ms, "p99_ms": t.p99_ms}
+                   for name, t in drained.stages.items()},
+        "cpu_cores_busy": round((cpu_last - cpu_first) / window.length_s, 2),
+        # Where the CPU goes: capture renders (synthetic) or decodes, the rest is our cost.
+        "cpu_cores_by_role": cores_by_role(roles_first, roles_last, window.length_s),
+        "gpus": [{"name": g.name, "utilization_pct": g.utilization_pct,
+                  "memory_used_mib": g.memory_used_mib} for g in last.gpus],
+        "transports_seen": transports, "fallback_reasons": reasons,
+        "workers": [f"{w.name}:{w.state}:{w.restarts}" for w in drained.workers],
+    })
 
 
 def versus(row: dict, baseline: dict | None) -> dict | None:
@@ -236,96 +528,149 @@ def versus(row: dict, baseline: dict | None) -> dict | None:
             row["cpu_cores_busy"] - render_cores,
             baseline["cpu_cores_busy"] - baseline["render_cores_busy"]),
         "p99_ratio": ratio(row["latency_p99_ms"], baseline["latency_p99_ms"]),
-        "faces_per_frame": row["faces_per_frame"],
+        "faces_per_frame": row["faces"]["faces_per_frame"],
         "mediapipe_faces_per_frame": baseline["faces"]["faces_per_frame"],
     }
 
 
 def facecast_small_faces(face_px: list[float], seconds: float) -> dict:
     """Faces found by facecast's FacePipeline (the daemon's models, detection and tracking) on
-    frames of the small-face scene, one after another, by face width."""
+    frames of the small-face scene, one after another, by face width (counted as MediaPipe's
+    are: bench/accounting.py)."""
     import torch
 
     from facecast.models.pipeline import FacePipeline
-    from mediapipe_baseline import FaceCounts, FixedSizeScene
+    from mediapipe_baseline import FixedSizeScene
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pipeline = FacePipeline(device=device, max_faces=2)
+    pipeline = FacePipeline(device=device, max_faces=MAX_FACES)
     scene = FixedSizeScene(WIDTH, HEIGHT, "cam00", face_px)
-    counts = FaceCounts()
+    faces = accounting.FaceTally()
     for k in range(max(1, round(seconds * FPS))):
         t_s = k / FPS
-        faces = pipeline.track([scene.render(t_s)], ["cam00"])[0]
-        counts.add(scene.faces_at(t_s), [tuple(f.landmarks[FaceCounts.NOSE_TIP, :2]) for f in faces])
-    return {"what": f"facecast FacePipeline(max_faces=2) on {device}, in the bench process",
-            **counts.summary()}
+        found = pipeline.track([scene.render(t_s)], ["cam00"])[0]
+        faces.add(scene.faces_at(t_s), [face.box for face in found])
+    return {"what": f"facecast FacePipeline(max_faces={MAX_FACES}) on {device}, in the bench "
+                    "process", "faces": faces.summary()}
 
 
-def print_table(rows: list[dict], small_faces: dict | None = None) -> str:
-    header = ("| cameras | transport | captured fps | published fps | dropped | latency p50 / p99 "
-              "(ms) | slowest stage p99 (ms) | CPU cores busy | GPU util / mem |")
-    columns = 9
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+
+def _faces_cell(faces: dict | None) -> str:
+    if not faces or not faces.get("frames"):
+        return "-"
+    return f"{faces['found_of_true']} ({faces['found_pct']}%), {faces['extra']} extra"
+
+
+def _boot_stop_cells(r: dict) -> list[str]:
+    boot, stop = r.get("boot", {}), r.get("stop", {})
+    hung = boot.get("workers_hung_at_boot", "-")
+    return [f"{boot.get('boot_to_ready_s', '-')} ({hung})",
+            f"{stop.get('stop_s', '-')} ({stop.get('workers_sigkilled_at_stop', '-')} / "
+            f"{stop.get('workers_stuck_after_sigkill', '-')})"
+            + (" supervisor SIGKILLed" if stop.get("supervisor_killed_by_bench") else "")]
+
+
+def _row(cells: list) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def print_table(rows: list[dict], small_faces: dict | None = None,
+                boot_stop_only: bool = False) -> str:
+    if boot_stop_only:
+        header = ["cameras", "transport", "workers (+ standbys)",
+                  "boot → READY=1 s (hung at boot)", "stop s (SIGKILLed / stuck after SIGKILL)",
+                  "exit code",
+                  "not running after the hold"]
+        lines = [_row(header), "|" + "---|" * len(header)]
+        for r in rows:
+            if "error" in r:
+                lines.append(_row([r["cameras"], r["transport"], f"failed: {r['error'][:160]}",
+                                   *_boot_stop_cells(r), r.get("stop", {}).get("exit_code"), ""]))
+                continue
+            lines.append(_row([r["cameras"], r["transport"],
+                               f"{r['workers_at_ready']} (+ {r['standbys_at_ready']})",
+                               *_boot_stop_cells(r), r["stop"]["exit_code"],
+                               ", ".join(r["not_running_after_hold"]) or "none"]))
+        lines += ["", *legend(BOOT_STOP_DEFINITIONS)]
+        text = "\n".join(lines)
+        print(text)
+        return text
+    header = ["cameras", "transport (used)", "frames due", "published fps",
+              "dropped = due − published", "capture→result p50 / p99 ms", "faces found/true", "slowest stage p99 ms",
+              "CPU cores busy", "GPU util / mem", "boot s (hung)", "stop s (SIGKILLed / stuck)"]
     with_baseline = any("mediapipe" in r for r in rows)
     if with_baseline:
-        header += (" MediaPipe CPU cores busy | CPU ratio fc/mp (per frame) | MediaPipe p50 / p99 (ms)"
-                   " | p99 ratio fc/mp | MediaPipe dropped | faces per frame fc / mp |")
-        columns += 6
-    lines = [header, "|" + "---|" * columns]
+        header += ["MediaPipe published fps", "MediaPipe dropped", "MediaPipe p50 / p99 ms",
+                   "MediaPipe faces found/true", "MediaPipe CPU cores",
+                   "CPU ratio fc/mp (per frame)", "p99 ratio fc/mp"]
+    lines = [_row(header), "|" + "---|" * len(header)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['cameras']} | {r['transport']} | failed: {r['error'][:120]} |"
-                         + " |" * (columns - 3))
+            lines.append(_row([r["cameras"], r["transport"], f"failed: {r['error'][:160]}"]
+                              + [""] * (len(header) - 3)))
             continue
         stage = max(r["stages"].items(), key=lambda kv: kv[1]["p99_ms"], default=("-", {"p99_ms": 0}))
         gpu = r["gpus"][0] if r["gpus"] else None
-        line = (
-            f"| {r['cameras']} | {r['transport']} ({'/'.join(r['transports_seen'])}) | "
-            f"{r['captured_fps']} | {r['published_fps']} | {r['dropped']} ({r['dropped_pct']}%) | "
-            f"{r['latency_p50_ms']} / {r['latency_p99_ms']} | {stage[0]} {stage[1]['p99_ms']:.0f} | "
-            f"{r['cpu_cores_busy']} | "
-            + (f"{gpu['utilization_pct']:.0f}% / {gpu['memory_used_mib']:.0f} MiB |" if gpu else "- |"))
+        source = "" if r.get("source", "synthetic") == "synthetic" else f", {r['source']}"
+        cells = [r["cameras"], f"{r['transport']} ({'/'.join(r['transports_seen'])}){source}",
+                 r["frames_due"], r["published_fps"], f"{r['dropped']} ({r['dropped_pct']}%)",
+                 f"{r['latency_p50_ms']} / {r['latency_p99_ms']}", _faces_cell(r["faces"]),
+                 f"{stage[0]} {stage[1]['p99_ms']:.0f}", r["cpu_cores_busy"],
+                 f"{gpu['utilization_pct']:.0f}% / {gpu['memory_used_mib']:.0f} MiB" if gpu else "-",
+                 *_boot_stop_cells(r)]
         if with_baseline:
             v, b = r.get("vs_mediapipe"), r.get("mediapipe")
-            if v is None:
-                line += " - |" * 6 if b is None else f" failed: {b.get('error', '')[:120]} |" + " |" * 5
+            if b is None:
+                cells += ["-"] * 7
+            elif v is None:
+                cells += [f"failed: {b.get('error', '')[:160]}"] + [""] * 6
             else:
-                line += (f" {b['cpu_cores_busy']} | {v['cpu_ratio']} ({v['cpu_per_frame_ratio']}) | "
-                         f"{b['latency_p50_ms']} / {b['latency_p99_ms']} | {v['p99_ratio']} | "
-                         f"{b['dropped']} ({b['dropped_pct']}%) | {v['faces_per_frame']} / "
-                         f"{v['mediapipe_faces_per_frame']} |")
-        lines.append(line)
+                cells += [b["published_fps"], f"{b['dropped']} ({b['dropped_pct']}%)",
+                          f"{b['latency_p50_ms']} / {b['latency_p99_ms']}", _faces_cell(b["faces"]),
+                          b["cpu_cores_busy"], f"{v['cpu_ratio']} ({v['cpu_per_frame_ratio']})",
+                          v["p99_ratio"]]
+        lines.append(_row(cells))
     roles = sorted({role for r in rows for role in r.get("cpu_cores_by_role", {})})
     if roles:
         lines += ["", "CPU cores busy by process role (capture includes rendering the synthetic "
-                  "frames):", "", "| cameras | transport | " + " | ".join(roles) + " |",
+                  "frames):", "", _row(["cameras", "transport", *roles]),
                   "|" + "---|" * (2 + len(roles))]
         for r in rows:
             by_role = r.get("cpu_cores_by_role", {})
             if by_role:
-                lines.append(f"| {r['cameras']} | {r['transport']} | "
-                             + " | ".join(str(by_role.get(role, "-")) for role in roles) + " |")
+                lines.append(_row([r["cameras"], r["transport"],
+                                   *(by_role.get(role, "-") for role in roles)]))
     if small_faces:
         lines += ["", *small_faces_table(small_faces)]
+    lines += ["", *legend({**accounting.DEFINITIONS, **BOOT_STOP_DEFINITIONS})]
     text = "\n".join(lines)
     print(text)
     return text
 
 
-def small_faces_table(small_faces: dict) -> list[str]:
-    from mediapipe_baseline import SIZE_BINS_PX
+def legend(definitions: dict[str, str]) -> list[str]:
+    return ["Definitions (the same for facecast and MediaPipe; JSON: \"definitions\"):", ""] + [
+        f"- {name}: {text}" for name, text in definitions.items()]
 
-    lines = [f"Faces found, 1920x1080, two faces of {small_faces['face_px']} px:", "",
-             "| face width | present (fc / mp) | facecast found | MediaPipe found |",
+
+def small_faces_table(small_faces: dict) -> list[str]:
+    lines = [f"Faces found, 1920x1080, two faces of {small_faces['face_px']} px "
+             f"(box IoU >= {accounting.MIN_IOU} with the true face):", "",
+             "| face width | true (fc / mp) | facecast found | MediaPipe found |",
              "|---|---|---|---|"]
-    fc, mp = small_faces["facecast"], small_faces["mediapipe"]
+    fc, mp = small_faces["facecast"]["faces"], small_faces["mediapipe"]
     if "error" in mp:
         return lines + [f"| MediaPipe failed: {mp['error'][:160]} | | | |"]
     mp = mp["faces"]
-    for _, _, label in SIZE_BINS_PX:
-        if label in fc["present"] or label in mp["present"]:
-            lines.append(f"| {label} | {fc['present'].get(label, 0)} / {mp['present'].get(label, 0)} | "
-                         f"{fc['found_pct_by_width'].get(label)}% | "
-                         f"{mp['found_pct_by_width'].get(label)}% |")
+    for _, _, label in accounting.SIZE_BINS_PX:
+        if label in fc["true"] or label in mp["true"]:
+            lines.append(f"| {label} | {fc['true'].get(label, 0)} / {mp['true'].get(label, 0)} | "
+                         f"{fc['found'].get(label, 0)} ({fc['found_pct_by_width'].get(label)}%) | "
+                         f"{mp['found'].get(label, 0)} ({mp['found_pct_by_width'].get(label)}%) |")
     return lines
 
 
@@ -354,6 +699,10 @@ def plot(json_path: Path, png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     data = json.loads(json_path.read_text())
+    if data.get("definitions_version") != DEFINITIONS_VERSION:
+        raise SystemExit(f"{json_path} was written with other definitions (definitions_version "
+                         f"{data.get('definitions_version')}, this bench writes "
+                         f"{DEFINITIONS_VERSION})")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for transport in sorted({r["transport"] for r in data["rows"]}):
         rows = [r for r in data["rows"] if r["transport"] == transport and "error" not in r]
@@ -361,15 +710,18 @@ def plot(json_path: Path, png_path: Path) -> None:
         left.plot(cams, [r["latency_p99_ms"] for r in rows], "o-", label=f"{transport} p99")
         left.plot(cams, [r["latency_p50_ms"] for r in rows], "o--", label=f"{transport} p50")
         right.plot(cams, [r["dropped_pct"] for r in rows], "o-", label=transport)
-    baseline = {r["cameras"]: r["mediapipe"] for r in data["rows"] if r.get("mediapipe")}
+    baseline = {r["cameras"]: r["mediapipe"] for r in data["rows"]
+                if r.get("mediapipe") and "error" not in r["mediapipe"]}
     if baseline:  # --mediapipe-baseline: the same cameras through MediaPipe on the CPU
         cams = sorted(baseline)
         left.plot(cams, [baseline[c]["latency_p99_ms"] for c in cams], "s:", color="gray",
                   label="MediaPipe CPU p99")
         right.plot(cams, [baseline[c]["dropped_pct"] for c in cams], "s:", color="gray",
                    label="MediaPipe CPU")
-    left.set(xlabel="1080p30 cameras", ylabel="capture → LSL latency (ms)", xscale="log", yscale="log")
-    right.set(xlabel="1080p30 cameras", ylabel="frames dropped (%)", xscale="log")
+    left.set(xlabel="1080p30 cameras", ylabel="capture → result latency (ms)", xscale="log",
+             yscale="log")
+    right.set(xlabel="1080p30 cameras", ylabel="dropped: (due − published) / due (%)",
+              xscale="log")
     for axis in (left, right):
         axis.grid(True, alpha=0.3)
         axis.legend()
@@ -380,21 +732,75 @@ def plot(json_path: Path, png_path: Path) -> None:
     fig.savefig(png_path, dpi=110)
 
 
+# The meaning of the JSON's columns: 2 = bench/accounting.py's (before: dropped = captured −
+# published clamped at 0, faces per frame sampled from status;
+# `git show 1cc25b8:bench/pipeline.py`).
+DEFINITIONS_VERSION = 2
+
+
+def use_loopback_lsl() -> None:
+    """Keep this bench's LSL streams on this machine and out of any other LSL session: the bench
+    and the daemon it starts (which inherits $LSLAPICFG) resolve each other through 127.0.0.1
+    only, as tests/conftest.py arranges for the tests. Call before anything loads pylsl; a
+    $LSLAPICFG already set wins."""
+    if "LSLAPICFG" in os.environ:
+        return
+    config_dir = Path(tempfile.mkdtemp(prefix="facecast-bench-lsl-"))
+    atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
+    path = config_dir / "lsl_api.cfg"
+    path.write_text("[ports]\nIPv6 = disable\n[multicast]\nResolveScope = machine\n[lab]\n"
+                    f"KnownPeers = {{127.0.0.1}}\nSessionID = facecast-bench-{uuid.uuid4().hex}\n")
+    os.environ["LSLAPICFG"] = str(path)
+
+
+def camera_counts(values: list[str]) -> list[int]:
+    """`--cameras 1 4 8` or `--cameras 32,64`: positive camera counts."""
+    counts = []
+    for value in values:
+        for part in filter(None, value.split(",")):
+            try:
+                count = int(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"--cameras: {part!r} is not a whole number") from None
+            if count < 1:
+                raise argparse.ArgumentTypeError(f"--cameras: {count} is not a positive count")
+            counts.append(count)
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cameras", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--cameras", nargs="+", default=["1", "4", "8", "16", "32"],
+                        help="camera counts, space- or comma-separated (1 4 8, or 32,64)")
     parser.add_argument("--transports", nargs="+", default=["cuda_ipc", "shm"])
+    parser.add_argument("--source", choices=("synthetic", "synthetic-replay"), default="synthetic",
+                        help="the cameras' source (and the MediaPipe baseline's): rendered live "
+                             "(costs a core per 1080p30 camera), or a loop rendered once "
+                             "(Note [Synthetic replay] in workers/sources.py)")
     parser.add_argument("--roi-workers", type=int, default=1)
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
     parser.add_argument("--warmup-s", type=float, default=15.0)
-    parser.add_argument("--measure-s", type=float, default=20.0)
+    parser.add_argument("--measure-s", type=float, default=20.0,
+                        help=f"the window, rounded to whole frames; at least "
+                             f"{OUTPUT_LATENCY_FRAMES / FPS:.1f} s for the output worker's "
+                             f"latency ({OUTPUT_LATENCY_FRAMES} frames) to lie inside it")
+    parser.add_argument("--drain-s", type=float, default=10.0,
+                        help="after the window, how long to wait for frames captured in it")
     parser.add_argument("--boot-timeout-s", type=float, default=240.0)
+    parser.add_argument("--stop-timeout-s", type=float, default=60.0,
+                        help="after SIGTERM, how long before the bench SIGKILLs the supervisor")
+    parser.add_argument("--boot-stop-only", action="store_true",
+                        help="only boot to READY=1, hold --hold-s, stop: boot and stop figures")
+    parser.add_argument("--hold-s", type=float, default=5.0, help="with --boot-stop-only")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-pipeline.json",
                         help="JSON results")
     parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "facecast-bench",
                         help="each run's daemon log")
+    parser.add_argument("--append", action="store_true",
+                        help="add this run's rows to the JSON at --out (same definitions and mode)")
     parser.add_argument("--plot", type=Path, metavar="PNG",
                         help="only plot the JSON given by --out into this PNG")
     baseline = parser.add_argument_group("MediaPipe CPU baseline (bench/mediapipe_baseline.py)")
@@ -410,26 +816,55 @@ def main() -> int:
     baseline.add_argument("--baseline-measure-s", type=float, default=10.0)
     baseline.add_argument("--small-face-px", type=float, nargs=2, default=[100.0, 250.0])
     baseline.add_argument("--small-face-s", type=float, default=3.0,
-                          help="seconds of frames of the small-face scene (30 per second)")
+                          help="seconds of frames of the small-face scene (30 per second); 0: "
+                               "do not run it")
     args = parser.parse_args()
+    try:
+        args.cameras = camera_counts(args.cameras)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    if args.boot_stop_only and args.mediapipe_baseline:
+        parser.error("--boot-stop-only measures the daemon's boot and stop: no baseline with it")
     if args.plot:
         plot(args.out, args.plot)
         return 0
-    rows: list[dict] = []
+    use_loopback_lsl()
+    mode = "boot_stop_only" if args.boot_stop_only else "full"
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     results = {"machine": machine(), "roi_workers": args.roi_workers,
+               "definitions_version": DEFINITIONS_VERSION,
+               "definitions": ({} if args.boot_stop_only else accounting.DEFINITIONS)
+               | BOOT_STOP_DEFINITIONS,
+               "mode": mode, "commands": [command],
                "baseline": "MediaPipe CPU face landmarker: not measured (run with --mediapipe-baseline)",
-               "rows": rows}
+               "rows": []}
+    if args.append and args.out.exists():
+        # One sweep split over several invocations (each under a machine's time limit per
+        # command): only results counted the same way may share a file.
+        previous = json.loads(args.out.read_text())
+        held = (previous.get("definitions_version"), previous.get("mode"))
+        if held != (DEFINITIONS_VERSION, mode):
+            parser.error(f"--append: {args.out} holds {held[1]} results of definitions version "
+                         f"{held[0]}; this run writes {mode} results of version "
+                         f"{DEFINITIONS_VERSION}")
+        results["commands"] = previous["commands"] + [command]
+        results["rows"] = previous["rows"]
+        results["baseline"] = previous["baseline"]
+    rows: list[dict] = results["rows"]
     if args.mediapipe_baseline:
         import mediapipe_baseline  # bench/ is this script's folder, first on sys.path
 
-        results["baseline"] = {"description": mediapipe_baseline.DESCRIPTION,
-                               "python": args.mediapipe_python, "path": args.mediapipe_path,
-                               "warmup_s": args.baseline_warmup_s, "measure_s": args.baseline_measure_s,
-                               "rows": []}  # in full, per camera too; the daemon rows get summaries
+        if not isinstance(results["baseline"], dict):
+            results["baseline"] = {
+                "description": mediapipe_baseline.DESCRIPTION, "python": args.mediapipe_python,
+                "path": args.mediapipe_path, "warmup_s": args.baseline_warmup_s,
+                "measure_s": args.baseline_measure_s,
+                "rows": []}  # in full, per camera too; the daemon rows get summaries
 
         def run_baseline(cameras: int, face_px=None, measure_s=args.baseline_measure_s) -> dict:
             return mediapipe_baseline.run(
-                cameras, face_px=face_px, warmup_s=args.baseline_warmup_s, measure_s=measure_s,
+                cameras, face_px=face_px, source="synthetic" if face_px else args.source,
+                warmup_s=args.baseline_warmup_s, measure_s=measure_s,
                 boot_timeout_s=args.boot_timeout_s, log_dir=args.log_dir,
                 python=args.mediapipe_python, pythonpath=args.mediapipe_path)
 
@@ -450,7 +885,7 @@ def main() -> int:
                 row["mediapipe"] = {k: v for k, v in base.items() if k != "per_camera"}
                 row["vs_mediapipe"] = versus(row, base)
             args.out.write_text(json.dumps(results, indent=1))
-    if args.mediapipe_baseline:
+    if args.mediapipe_baseline and args.small_face_s > 0:
         print("running the small-face scene ...", file=sys.stderr, flush=True)
         small_faces = {"face_px": args.small_face_px,
                        "mediapipe": run_baseline(1, args.small_face_px, args.small_face_s),
@@ -458,7 +893,9 @@ def main() -> int:
         small_faces["mediapipe"].pop("per_camera", None)
         results["baseline"]["small_faces"] = small_faces
         args.out.write_text(json.dumps(results, indent=1))
-    print_table(rows, results["baseline"].get("small_faces") if args.mediapipe_baseline else None)
+    baseline_results = results["baseline"]
+    small_faces = baseline_results.get("small_faces") if isinstance(baseline_results, dict) else None
+    print_table(rows, small_faces, boot_stop_only=args.boot_stop_only)
     return 0
 
 

@@ -15,8 +15,10 @@ def _check_config(args) -> int:
     except config.ConfigError as exc:
         print(f"facecast: {exc}", file=sys.stderr)
         return 2
-    cameras = ", ".join(f"{c.id} ({c.source}, {loaded.transport_for(c)})" for c in loaded.cameras)
-    print(f"{args.config}: ok; cameras: {cameras or 'none'}")
+    # The source may hold an RTSP password: shown masked, as in the log and `facecast status`.
+    cameras = ", ".join(f"{c.id} ({config.redact_url(str(c.source))}, {loaded.transport_for(c)})"
+                        for c in loaded.cameras)
+    print(f"{args.config}: ok; cameras: {cameras}")
     return 0
 
 
@@ -44,6 +46,29 @@ def _streams(args) -> int:
     return streams.main(args)
 
 
+def _cameras(args) -> int:
+    from facecast.daemon import cameras
+
+    return cameras.main(args)
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show liblsl's, OpenCV's and FFmpeg's own log lines "
+                        "(hidden by default: facecast reports what they are about itself)")
+
+
+def _quiet_third_party_logs(args) -> None:
+    """Before the command touches LSL or OpenCV (`run` does it itself, in its runtime
+    directory, once its config is read)."""
+    if getattr(args, "verbose", None) is None or args.command == "run":
+        return
+    from facecast.daemon import runtime_dir
+    from facecast.shared import third_party_logs
+
+    third_party_logs.quiet(runtime_dir.for_daemon(""), verbose=args.verbose)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="facecast", description=__doc__)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -68,20 +93,30 @@ def main(argv: list[str] | None = None) -> int:
                            choices=["auto", "cuda_ipc", "shm"])
     transport.set_defaults(handler=_transport_check)
 
-    from facecast.daemon import doctor, run, status, streams
+    from facecast.daemon import cameras, doctor, run, status, streams
 
     doctor_parser = commands.add_parser(
         "doctor", help="check this machine: GPU, NVML, CUDA IPC, LSL loopback, models")
     doctor.add_arguments(doctor_parser)
+    _add_verbose(doctor_parser)
     doctor_parser.set_defaults(handler=_doctor)
 
     streams_parser = commands.add_parser(
         "streams", help="list facecast's LSL streams visible here, with measured rates")
     streams.add_arguments(streams_parser)
+    _add_verbose(streams_parser)
     streams_parser.set_defaults(handler=_streams)
+
+    cameras_parser = commands.add_parser(
+        "cameras", help="list this machine's video devices and their capture modes, or "
+        "--probe a stream URL or file")
+    cameras.add_arguments(cameras_parser)
+    _add_verbose(cameras_parser)
+    cameras_parser.set_defaults(handler=_cameras)
 
     run_parser = commands.add_parser("run", help="run the daemon in the foreground")
     run.add_arguments(run_parser)
+    _add_verbose(run_parser)
     run_parser.set_defaults(handler=run.main)
 
     for name, handler, text in (
@@ -97,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level_explicit = args.log_level
     logging.basicConfig(level=(args.log_level or "warning").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_third_party_logs(args)
     return args.handler(args)
 
 

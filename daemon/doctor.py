@@ -38,9 +38,6 @@ LSL_LOOPBACK_SAMPLES = 5
 # loopback stream must not appear there when both run at once.
 LSL_LOOPBACK_SOURCE_PREFIX = "fcdoctor-"
 
-# Where liblsl looks for its configuration when $LSLAPICFG is unset or unreadable, in its order
-# (liblsl api_config.cpp); the first readable file wins, else built-in defaults.
-LSL_CONFIG_SEARCH_PATH = ("lsl_api.cfg", "~/lsl_api/lsl_api.cfg", "/etc/lsl_api/lsl_api.cfg")
 
 
 @dataclass(frozen=True)
@@ -199,21 +196,22 @@ def lsl_config_in_effect() -> tuple[str, str | None]:
     """(which lsl_api.cfg liblsl reads in this process, a problem with $LSLAPICFG or None).
 
     liblsl reads its configuration once per process, at first use: this describes what a fresh
-    facecast process (doctor, or the daemon started with the same environment) will read.
+    facecast process (doctor, or the daemon started with the same environment) will read. The
+    copy that facecast makes to quiet liblsl (Note [liblsl's log level]) is named with what it
+    copies.
     """
-    problem = None
-    env_path = os.environ.get("LSLAPICFG")
-    if env_path:
-        if os.access(env_path, os.R_OK) and Path(env_path).is_file():
-            return f"{env_path} (from $LSLAPICFG)", None
-        problem = f"$LSLAPICFG={env_path} is not a readable file, so liblsl ignores it"
-    for candidate in LSL_CONFIG_SEARCH_PATH:
-        path = Path(candidate).expanduser()
-        if path.is_file() and os.access(path, os.R_OK):
-            found = f"{path.resolve()} (no usable $LSLAPICFG; found on liblsl's search path)"
-            return found, problem
-    return ("none: liblsl's defaults ($LSLAPICFG unset or unusable, and no lsl_api.cfg in ./, "
-            "~/lsl_api/ or /etc/lsl_api/)"), problem
+    from facecast.shared.third_party_logs import generated_from, lsl_config_file
+
+    path, problem = lsl_config_file()
+    if path is None:
+        return ("none: liblsl's defaults ($LSLAPICFG unset or unusable, and no lsl_api.cfg in ./, "
+                "~/lsl_api/ or /etc/lsl_api/)"), problem
+    origin = generated_from(path)
+    if origin is not None:
+        return f"{path} ({origin})", problem
+    if os.environ.get("LSLAPICFG") and Path(os.environ["LSLAPICFG"]) == path:
+        return f"{path} (from $LSLAPICFG)", problem
+    return f"{path} (no usable $LSLAPICFG; found on liblsl's search path)", problem
 
 
 def check_lsl_loopback(timeout_s: float = LSL_TIMEOUT_S,

@@ -130,10 +130,14 @@ def _needs_restart(spec: WorkerSpec, old: Config, new: Config) -> bool:
         return (old.camera(spec.camera_ids[0]) != new.camera(spec.camera_ids[0])
                 or old.transport_for(old.camera(spec.camera_ids[0]))
                 != new.transport_for(new.camera(spec.camera_ids[0]))
-                or old.daemon.ring_slots != new.daemon.ring_slots)
+                or old.daemon.ring_slots != new.daemon.ring_slots
+                # The producer decides what its frames' checksum covers (RingDescription).
+                or old.daemon.checksum != new.daemon.checksum)
     if spec.role in ("detection", "roi_landmark"):
         return old.models != new.models or old.output != new.output
-    return old.output != new.output or old.host() != new.host()
+    # The output worker: its channels, host name, and whether blendshapes can be filled (the
+    # models section names the face_landmarker bundle).
+    return old.output != new.output or old.host() != new.host() or old.models != new.models
 
 
 def _config_for(spec: WorkerSpec, config: Config) -> object:

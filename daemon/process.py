@@ -123,6 +123,7 @@ class WorkerProcess:
     last_exit: str = ""
     detail: str = ""  # why it is in its state (boot error, hang, flapping)
     boot_error: str = ""
+    trouble: str = ""  # from its heartbeats: what keeps it from doing its work, if anything
     rejected_messages: int = 0  # from its heartbeats: malformed messages it refused
     reports: list[CameraReport] = field(default_factory=list)
     stages: dict[str, StageTiming] = field(default_factory=dict)
@@ -167,7 +168,7 @@ class WorkerProcess:
         self.started_monotonic = self.last_heartbeat_monotonic = now
         self.abort_sent_monotonic = self.kill_sent_monotonic = None
         self.stuck_reported = False
-        self.reports, self.stages, self.boot_error = [], {}, ""
+        self.reports, self.stages, self.boot_error, self.trouble = [], {}, "", ""
         self.rejected_messages = 0
 
     def signal(self, signum: int) -> None:
@@ -263,5 +264,5 @@ class WorkerProcess:
         return WorkerStatus(name=self.name, role=self.spec.role, pid=self.pid,
                             state=self.state.value, restarts=self.restarts,
                             uptime_s=round(uptime_s, 1), last_exit=self.last_exit,
-                            detail=self.detail, rejected_messages=self.rejected_messages,
+                            detail=self.detail or self.trouble, rejected_messages=self.rejected_messages,
                             standby=self.spec.standby)

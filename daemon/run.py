@@ -72,6 +72,12 @@ def main(args) -> int:
         return 2
     level = getattr(args, "log_level_explicit", None) or config.daemon.log_level
     logging.getLogger().setLevel(level.upper())
+    # Before any worker starts: they inherit the environment that quiets liblsl and OpenCV.
+    from facecast.daemon import runtime_dir
+    from facecast.shared import third_party_logs
+
+    third_party_logs.quiet(runtime_dir.for_daemon(config.daemon.runtime_dir),
+                           verbose=getattr(args, "verbose", False))
     # Under systemd the daemon never downloads (DESIGN §3): only an interactive run installs.
     under_systemd = bool(os.environ.get("NOTIFY_SOCKET") or os.environ.get("INVOCATION_ID"))
     problem = _ensure_models(config, allow_install=not (args.no_install or under_systemd))

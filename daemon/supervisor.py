@@ -50,6 +50,7 @@ from facecast.daemon.layout import ROLES_IN_STOP_ORDER, ReloadRefused, WorkerSpe
 from facecast.daemon.process import GIVEN_UP_STATES, RestartPolicy, WorkerProcess, WorkerState
 from facecast.daemon.runtime_dir import AlreadyRunning, RuntimeDir  # noqa: F401 (re-exported)
 from facecast.daemon.sd_notify import Notifier
+from facecast.daemon.track_ids import TrackIdAllocator
 from facecast.daemon.worker_table import WorkerTable
 from facecast.shared import config as config_mod
 from facecast.shared import endpoints, messages, shm
@@ -66,6 +67,7 @@ from facecast.shared.messages import (
     ReloadRequest,
     StatusRequest,
     StopRequest,
+    TrackIdsWanted,
 )
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,8 @@ class _Shutdown:
     deadline_monotonic: float
     started_monotonic: float = field(default_factory=time.monotonic)
     next_role: int = 0
-    group: list[WorkerProcess] = field(default_factory=list)
+    group: list[WorkerProcess] = field(default_factory=list)  # the role being stopped
+    group_deadline_monotonic: float = 0.0  # its SIGKILL time
     terminate_at_monotonic: float = 0.0  # the output worker gets OUTPUT_FLUSH_S first
     done: bool = False
 
@@ -129,6 +132,7 @@ class Supervisor:
         self.runtime_dir = self.runtime.path
         self.control_endpoint = endpoints.control(self.runtime_dir)
         self.events = MarkerEvents()
+        self.track_ids = TrackIdAllocator()  # Note [Track id blocks]: one for the daemon's life
         self.workers = WorkerTable(self.control_endpoint, policy or RestartPolicy(),
                                    send=self._send_to, event=self.event)
         self.workers.log_level = config.daemon.log_level
@@ -166,13 +170,16 @@ class Supervisor:
             self.control.bind(self.control_endpoint)
             poller = zmq.Poller()
             poller.register(self.control, zmq.POLLIN)
-            poller.register(wakeup_read, zmq.POLLIN)
+            # By its fd: zmq.Poller reports a plain socket by fd, and an unread wakeup byte
+            # would make every later poll return at once (a busy loop after the first signal).
+            wakeup_fd = wakeup_read.fileno()
+            poller.register(wakeup_fd, zmq.POLLIN)
             self._start_workers()
             deadline = None if self.duration_s is None else time.monotonic() + self.duration_s
             try:
                 while not (self._shutdown is not None and self._shutdown.done):
                     events = dict(poller.poll(LOOP_TICK_MS))
-                    if wakeup_read in events:
+                    if wakeup_fd in events:
                         wakeup_read.recv(4096)
                     if deadline is not None and time.monotonic() >= deadline:
                         log.info("--duration reached; stopping")
@@ -202,9 +209,9 @@ class Supervisor:
         log.info("facecast supervisor %d: runtime dir %s, %d camera(s), %s", os.getpid(),
                  self.runtime_dir, len(self.config.cameras),
                  f"{self.gpu_count} GPU(s)" if self.gpu_count else "no GPU")
-        for spec in layout.plan(self.config, self.gpu_count):
+        for spec in layout.plan(self.config, self.gpu_count) + layout.standby_plan(
+                self.config, self.gpu_count):
             self.workers.start(spec)
-        # The spares start once the daemon is READY (Note [Warm standby]).
 
     def _tick(self, serve: bool) -> None:
         """One turn of the loop: never blocks."""
@@ -264,7 +271,10 @@ class Supervisor:
                 if shutdown.terminate_at_monotonic > now:
                     return  # the output worker pushes the stop marker first
                 shutdown.terminate_at_monotonic = 0.0
-                self.workers.begin_stop(shutdown.group, shutdown.deadline_monotonic)
+                self.workers.begin_stop(shutdown.group, shutdown.group_deadline_monotonic)
+            # Again every tick: a worker of the group that ended by itself meanwhile (reaped as
+            # an unexpected exit) is marked stopped instead of being waited for.
+            self.workers.begin_stop(shutdown.group, shutdown.group_deadline_monotonic)
             if shutdown.group and not self.workers.all_stopped(shutdown.group):
                 return
             if shutdown.next_role == len(ROLES_IN_STOP_ORDER):
@@ -274,14 +284,14 @@ class Supervisor:
             role = ROLES_IN_STOP_ORDER[shutdown.next_role]
             shutdown.next_role += 1
             shutdown.group = [w for w in self.workers if w.spec.role == role]
+            roles_after = len(ROLES_IN_STOP_ORDER) - shutdown.next_role
+            shutdown.group_deadline_monotonic = min(shutdown.deadline_monotonic, max(
+                now + 0.3, shutdown.deadline_monotonic - STOP_RESERVE_PER_ROLE_S * roles_after))
             if role == "output":
                 self._flush_events(settled=True)
                 shutdown.terminate_at_monotonic = now + OUTPUT_FLUSH_S
                 continue
-            roles_after = len(ROLES_IN_STOP_ORDER) - shutdown.next_role
-            deadline = max(now + 0.3, shutdown.deadline_monotonic
-                           - STOP_RESERVE_PER_ROLE_S * roles_after)
-            self.workers.begin_stop(shutdown.group, min(deadline, shutdown.deadline_monotonic))
+            self.workers.begin_stop(shutdown.group, shutdown.group_deadline_monotonic)
 
     def _finish_stop_log(self, shutdown: _Shutdown) -> None:
         # Anything a worker left that reaping did not catch (DESIGN §5: nothing left in /dev/shm).
@@ -337,6 +347,10 @@ class Supervisor:
                 self._stop_requested = True
             elif isinstance(message, InjectFault):
                 self._reply(identity, self._inject_fault(message))
+            elif isinstance(message, TrackIdsWanted):
+                if (identity == message.worker.encode()
+                        and self.workers.get(message.worker) is not None):
+                    self._reply(identity, self.track_ids.answer(message))
 
     def _send_to(self, worker_name: str, message: messages.Message) -> bool:
         """To a worker over its control connection; False when it is not connected."""
@@ -361,9 +375,13 @@ class Supervisor:
         self._reply(identity, self._assignment(worker.spec))
 
     def _assignment(self, spec: WorkerSpec) -> Assignment:
+        # Only a worker that publishes faces gets track ids; a spare gets its block with the
+        # Assignment of the worker it replaces (Note [Track id blocks]).
+        track_ids = (self.track_ids.grant(spec.name)
+                     if spec.role == "roi_landmark" and not spec.standby else None)
         return Assignment(worker=spec.name, config=msgspec.json.encode(self.config),
                           camera_ids=list(spec.camera_ids), device=spec.device,
-                          standby=spec.standby)
+                          standby=spec.standby, track_ids=track_ids)
 
     def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
         worker = self.workers.get(heartbeat.worker)
@@ -372,6 +390,10 @@ class Supervisor:
         worker.last_heartbeat_monotonic = time.monotonic()
         worker.reports, worker.stages = heartbeat.cameras, heartbeat.stages
         worker.rejected_messages = heartbeat.rejected_messages
+        if heartbeat.trouble != worker.trouble:
+            log.log(logging.ERROR if heartbeat.trouble else logging.INFO, "worker %s: %s",
+                    worker.name, heartbeat.trouble or "no trouble any more")
+            worker.trouble = heartbeat.trouble
         if heartbeat.state in (S.RUNNING, S.STANDBY) and worker.state is S.BOOTING:
             worker.move_to(S(heartbeat.state))
             log.info("worker %s %s (pid %d, boot %.1f s)", worker.name, heartbeat.state,
@@ -454,8 +476,7 @@ class Supervisor:
             self.workers.remove(name)
         for spec in reload.start:
             self.workers.start(spec)
-        if self.ready:
-            self._start_missing_standbys()
+        self._start_missing_standbys()
         self._reload = None
         log.info("reloaded %s: %s", self.config_path, reload.summary)
         self.event("reload", config=self.config_path, result=reload.summary)
@@ -479,11 +500,13 @@ class Supervisor:
     # ============================================================================================
 
     def _workers_up(self) -> bool:
-        """Every worker of the config (not the spares) has booted, or was given up on: READY=1
-        then means the streams carry measurements. (On a GPU the inference workers prepare their
-        CUDA graphs at boot, Note [Warm shapes], which takes seconds after the first frames.)"""
-        return all(w.state is S.RUNNING or w.state in GIVEN_UP_STATES
-                   for w in self.workers.of_config())
+        """Every worker has booted (the spares too), or was given up on: READY=1 then means the
+        streams carry measurements and the daemon is in its steady state, a dead worker replaced
+        within the 2 s of Note [Warm standby]. (On a GPU the inference workers prepare their
+        CUDA graphs at boot, Note [Warm shapes], which takes seconds after the first frames; a
+        spare booting after READY would take the CPU from the streams just when they start.)"""
+        return all(w.state in (S.RUNNING, S.STANDBY) or w.state in GIVEN_UP_STATES
+                   for w in self.workers)
 
     def _cameras_settled(self) -> bool:
         """Every camera has produced a frame or been reported unavailable (DESIGN §5)."""
@@ -502,7 +525,6 @@ class Supervisor:
             self.ready = True
             log.info("ready in %.1f s: %s", now - self.started_monotonic, self.summary())
             self.notifier.ready(self.summary())
-            self._start_missing_standbys()
         interval_s = self.notifier.watchdog_interval_s()
         if interval_s is not None and now >= self._next_watchdog_monotonic:
             stuck = self.workers.stuck()

@@ -26,14 +26,15 @@ Note [Warm standby]
     boot is slow (`layout.standby_plan`, `daemon.warm_standby`): its Assignment says `standby`,
     it runs `Worker.prepare` and then waits, heartbeating, in state "standby". When a worker of
     that role and device dies or is killed as hung, the supervisor sends the spare `Promote`
-    with the dead worker's name instead of spawning a process: the spare takes the name
-    (process title, log lines, a new control connection under that identity) and says Hello;
-    its Assignment and boot are then the normal ones, minus what prepare already did. A fresh
-    spare is started STANDBY_RESPAWN_DELAY_S later, so that it does not take the CPU from the
-    promoted worker's boot. Spares are first started once the daemon is READY, so that they do
-    not slow down the boot of the workers that READY waits for. A spare built for a config that
-    a reload changed is replaced; if the config moved on between prepare and boot anyway, boot
-    loads the models again (slow, never wrong).
+    with the dead worker's name instead of spawning a process: the spare takes the name (process
+    title, log lines, a new control connection under that identity) and says Hello; its
+    Assignment and boot are then the normal ones, minus what prepare already did. A fresh spare
+    is started STANDBY_RESPAWN_DELAY_S later, so that it does not take the CPU from the promoted
+    worker's boot. Spares start with the other workers and READY=1 waits for them: one booting
+    after READY (3 spares on a 2-core CPU) took so much CPU from the streams that the published
+    rate fell to half the camera's. A spare built for a config that a reload changed is
+    replaced; if the config moved on between prepare and boot anyway, boot loads the models
+    again (slow, never wrong).
 """
 
 from __future__ import annotations
@@ -78,10 +79,6 @@ class WorkerTable:
 
     def remove(self, name: str) -> None:
         self._workers.pop(name, None)
-
-    def of_config(self) -> list[WorkerProcess]:
-        """The config's workers, not the spares."""
-        return [w for w in self if not w.spec.standby]
 
     # -- starting -------------------------------------------------------------------------------
 

@@ -13,13 +13,19 @@ best detection not yet in a cluster. There are at most ``max_detections`` steps,
 captured in a CUDA graph) for any number of frames or tiles.
 
 IoU is invariant under scaling each axis, so boxes may be in pixels or in normalized units.
+:func:`box_iou` is facecast's one IoU (the detectors, the trackers, the duplicate filter of
+:func:`drop_overlapping`, and workers/tracking.py's track ids).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
 
+import numpy as np
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,21 +52,46 @@ class Detections:
         )
 
 
-def box_iou(boxes_a: torch.Tensor, boxes_b: torch.Tensor) -> torch.Tensor:
-    """Pairwise IoU of x1,y1,x2,y2 boxes: ``(..., N, 4) x (..., M, 4) -> (..., N, M)``.
+def box_iou(boxes_a, boxes_b):
+    """Pairwise IoU of x1,y1,x2,y2 boxes: ``(..., N, 4) x (..., M, 4) -> (..., N, M)``, torch
+    tensors (on any device, inside a CUDA graph too) or numpy arrays (the same operations, for
+    code on the host); both arguments of one kind.
 
     Boxes without area or without overlap give 0 (never NaN), as in MediaPipe's
     ``OverlapSimilarity``.
     """
+    xp = torch if isinstance(boxes_a, torch.Tensor) else np
     a = boxes_a[..., :, None, :]
     b = boxes_b[..., None, :, :]
-    inter_w = (torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0])).clamp(min=0)
-    inter_h = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1])).clamp(min=0)
+    inter_w = xp.clip(xp.minimum(a[..., 2], b[..., 2]) - xp.maximum(a[..., 0], b[..., 0]), 0, None)
+    inter_h = xp.clip(xp.minimum(a[..., 3], b[..., 3]) - xp.maximum(a[..., 1], b[..., 1]), 0, None)
     intersection = inter_w * inter_h
-    area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)
-    area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
+    area_a = xp.clip(a[..., 2] - a[..., 0], 0, None) * xp.clip(a[..., 3] - a[..., 1], 0, None)
+    area_b = xp.clip(b[..., 2] - b[..., 0], 0, None) * xp.clip(b[..., 3] - b[..., 1], 0, None)
     union = area_a + area_b - intersection
-    return torch.where(union > 0, intersection / union.clamp(min=1e-12), torch.zeros_like(union))
+    return xp.where(union > 0, intersection / xp.clip(union, 1e-12, None), xp.zeros_like(union))
+
+
+def box_pair_iou(box_a, box_b) -> float:
+    """IoU of two single x1,y1,x2,y2 boxes (numpy arrays or sequences), by :func:`box_iou`."""
+    return float(box_iou(np.asarray(box_a)[None], np.asarray(box_b)[None])[0, 0])
+
+
+def drop_overlapping(items: Iterable[T], box_of: Callable[[T], object], score_of: Callable[[T], float],
+                     max_iou: float) -> list[T]:
+    """Greedy suppression of whole objects: the items best first by ``score_of``, each kept
+    unless its box (``box_of``: x1,y1,x2,y2, a numpy array or a tensor, one kind per call)
+    overlaps a kept one's by an IoU above ``max_iou``. Two ROIs that converged on one face or
+    person (a track and a detection, or two tracks) → the more present one stays."""
+    kept: list[T] = []
+    kept_boxes: list = []
+    for item in sorted(items, key=score_of, reverse=True):
+        box = box_of(item)
+        if any(box_iou(box[None], other[None])[0, 0] > max_iou for other in kept_boxes):
+            continue
+        kept.append(item)
+        kept_boxes.append(box)
+    return kept
 
 
 def weighted_nms(

@@ -47,7 +47,8 @@ import torch
 
 from facecast.models import anchors as anchors_mod
 from facecast.models import roi as roi_mod
-from facecast.models.nms import box_iou, weighted_nms
+from facecast.models.cuda_graphs import BatchBuckets, buckets_up_to
+from facecast.models.nms import box_iou, drop_overlapping, weighted_nms
 
 log = logging.getLogger(__name__)
 
@@ -331,30 +332,6 @@ def _same_person(rect: roi_mod.RotatedRects, others: roi_mod.RotatedRects) -> bo
 # ---------------------------------------------------------------------------------------------
 
 
-class BatchBuckets(torch.nn.Module):
-    """A model whose batch is padded with zeros to a power of two and cut back after: a GPU then
-    meets a handful of batch shapes, each prepared once (Note [Warm shapes] in
-    models/pipeline.py), instead of a new one, and a stall of seconds, per new person count."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    @staticmethod
-    def bucket(count: int) -> int:
-        return 1 << max(0, count - 1).bit_length()
-
-    def forward(self, batch: torch.Tensor):
-        count = batch.shape[0]
-        padded = self.bucket(count)
-        if padded != count:
-            batch = torch.cat([batch, batch.new_zeros((padded - count, *batch.shape[1:]))])
-        outputs = self.inner(batch)
-        if isinstance(outputs, torch.Tensor):
-            return outputs[:count]
-        return type(outputs)(output[:count] for output in outputs)
-
-
 class PosePipeline:
     """Body poses of a batch of frames.
 
@@ -393,7 +370,7 @@ class PosePipeline:
         load = load_model or _model_loader(model_dir)
         self.detector = load(POSE_DETECTOR.name).to(self.device).eval()
         self.landmarker = load("pose_landmark_full").to(self.device).eval()
-        if self.device.type == "cuda":  # Note [Warm shapes] in models/pipeline.py
+        if self.device.type == "cuda":  # Note [Warm shapes] in models/cuda_graphs.py
             self.detector = BatchBuckets(self.detector)
             self.landmarker = BatchBuckets(self.landmarker)
         self.anchors = anchors_mod.generate_anchors(self.spec.anchors).to(self.device)
@@ -404,14 +381,14 @@ class PosePipeline:
     @torch.inference_mode()
     def warm_up(self, max_frames: int) -> None:
         """Run both models once for every batch bucket a worker with ``max_frames`` cameras can
-        meet (Note [Warm shapes] in models/pipeline.py); only on a GPU, where a new batch size
+        meet (Note [Warm shapes] in models/cuda_graphs.py); only on a GPU, where a new batch size
         costs seconds."""
         if self.device.type != "cuda":
             return
         size = self.spec.anchors.input_size_px
         for model, count, side in ((self.detector, max_frames, size),
                                    (self.landmarker, max_frames * self.max_poses, LANDMARK_INPUT_PX)):
-            for bucket in sorted({BatchBuckets.bucket(n) for n in range(1, count + 1)}):
+            for bucket in buckets_up_to(count):
                 model(torch.zeros(bucket, side, side, 3, device=self.device))
         torch.cuda.synchronize(self.device)
 
@@ -604,23 +581,19 @@ class PosePipeline:
                 )
                 found.append((pose, aux_np[k], k - start))
             start += count
-            measured.append(_drop_duplicates(found)[: self.max_poses])
+            # Two ROIs that converged on one person (two tracks, or a track and a detection):
+            # the more present stays.
+            measured.append(drop_overlapping(found, _roi_box, _presence, SAME_PERSON_ROI_IOU)[: self.max_poses])
         return measured
 
 
-def _drop_duplicates(found: list[tuple]) -> list[tuple]:
-    """Two ROIs that converged on one person (two tracks, or a track and a detection) → keep the
-    more present. ``found``: (pose, ...) tuples; returned best first."""
-    kept: list[tuple] = []
-    for item in sorted(found, key=lambda item: item[0].presence, reverse=True):
-        rect = _rect_of(item[0])
-        if any(_same_person(rect, _rect_of(other[0])) for other in kept):
-            continue
-        kept.append(item)
-    return kept
-
-
-def _rect_of(pose: Pose) -> roi_mod.RotatedRects:
-    centre_x, centre_y, side, rotation = pose.roi
-    return roi_mod.RotatedRects(torch.tensor([[centre_x, centre_y]]), torch.tensor([[side, side]]),
+def _roi_box(found: tuple) -> torch.Tensor:
+    """x1, y1, x2, y2 of the ROI of a (pose, ...) tuple, ignoring its rotation (as _same_person)."""
+    centre_x, centre_y, side, rotation = found[0].roi
+    rect = roi_mod.RotatedRects(torch.tensor([[centre_x, centre_y]]), torch.tensor([[side, side]]),
                                 torch.tensor([rotation]))
+    return _axis_aligned(rect)[0]
+
+
+def _presence(found: tuple) -> float:
+    return found[0].presence

@@ -163,6 +163,16 @@ def tile_rects(height_px: int, width_px: int, tile_px: int, min_overlap_px: int)
     return [(cx, cy, float(tile_px)) for cy in centers_y for cx in centers_x]
 
 
+def from_host(values, device: torch.device) -> torch.Tensor:
+    """A small table from the host on the device, copied without waiting for the device's
+    queued work (pinned, non-blocking; the caching host allocator keeps the pinned buffer
+    until the copy is done)."""
+    table = torch.as_tensor(np.asarray(values))
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
 class FrameBatch:
     """A batch of frames on one device, ready for :func:`crop_rois` (see Note [Sampling the
     frames where they lie]).

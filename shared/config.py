@@ -54,17 +54,24 @@ class DaemonConfig(_Strict):
     ring_slots: Annotated[
         int, msgspec.Meta(ge=2, le=64, description="frames kept per camera ring")
     ] = 8
+    checksum: Annotated[
+        Literal["full", "sampled"],
+        msgspec.Meta(
+            description='what proves a frame is the camera\'s: "full", a checksum of every byte '
+            'checked on every frame (host and GPU compute the same value); "sampled", a sparse '
+            "sample of 4096 bytes checked on 1 frame in checksum_every (cheaper, and blind to a "
+            "changed patch or byte between its samples)"
+        ),
+    ] = "full"
     checksum_every: Annotated[
         int,
         msgspec.Meta(
             ge=1,
             le=10_000,
-            description="consumers re-check the sparse checksum of 1 in N frames on the GPU",
+            description='checksum = "sampled" only: consumers check 1 frame in N ("full" checks '
+            "every frame)",
         ),
     ] = 30
-    handshake_timeout_s: Annotated[
-        float, msgspec.Meta(gt=0, le=60, description="how long a CUDA IPC handshake may take")
-    ] = 5.0
     log_level: LogLevel = "info"
     roi_landmark_workers: Annotated[
         int, msgspec.Meta(ge=1, le=16, description="roi_landmark worker processes per device")
@@ -88,8 +95,10 @@ class DaemonConfig(_Strict):
     warm_standby: Annotated[
         Literal["auto", "on", "off"],
         msgspec.Meta(
-            description="keep a booted spare of each GPU worker role per device, so that a dead "
-            "worker is replaced in well under a second; auto: on GPUs only, on: on the CPU too"
+            description="keep a booted spare of each slow-booting worker role per device and of "
+            "the output worker, so that a dead worker is replaced in well under 2 s; auto: "
+            "detection, roi_landmark and output everywhere, capture on GPUs with CUDA IPC; on: a "
+            "capture spare on every device too; off: none"
         ),
     ] = "auto"
 
@@ -139,8 +148,10 @@ class CameraConfig(_Strict):
     source: Annotated[
         str | int,
         msgspec.Meta(
-            description='"synthetic", a V4L2 index or /dev/video path, an rtsp:// or http:// URL, '
-            "or a video file"
+            description='"synthetic" (two real faces on a known path, rendered per frame), '
+            '"synthetic-replay" (the same scene as a 30-frame loop rendered once and replayed '
+            "back and forth: next to no CPU, 187 MB of memory per 1080p camera), a V4L2 index or "
+            "/dev/video path, an rtsp:// or http:// URL, or a video file"
         ),
     ]
     width: Annotated[int, msgspec.Meta(ge=16, le=8192)] = 1280
@@ -162,11 +173,9 @@ class Config(_Strict):
     cameras: list[CameraConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        seen: set[str] = set()
-        for camera in self.cameras:
-            if camera.id in seen:
-                raise ValueError(f"camera id {camera.id!r} appears twice; ids must be unique")
-            seen.add(camera.id)
+        problems = _camera_list_problems([camera.id for camera in self.cameras])
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def camera(self, camera_id: str) -> CameraConfig:
         return next(c for c in self.cameras if c.id == camera_id)
@@ -191,12 +200,82 @@ def load(path: str | Path) -> Config:
 
 
 def loads(data: bytes | str, origin: str = "<config>") -> Config:
+    """Decode and validate; a ConfigError lists every problem of the file, not only the first."""
+    try:
+        raw = msgspec.toml.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{origin}: not valid TOML: {exc}") from None
+    problems = _problems(raw, Config, "")
+    if isinstance(raw, dict) and isinstance(raw.get("cameras", []), list):
+        camera_ids = [camera.get("id") for camera in raw.get("cameras", [])
+                      if isinstance(camera, dict) and isinstance(camera.get("id"), str)]
+        problems += _camera_list_problems(camera_ids)
+    if len(problems) == 1:
+        raise ConfigError(f"{origin}: {problems[0]}")
+    if problems:
+        listed = "\n".join(f"  {problem}" for problem in problems)
+        raise ConfigError(f"{origin}: {len(problems)} problems:\n{listed}")
+    # The walk above only collects messages; the typed decode stays the one source of truth.
     try:
         return msgspec.toml.decode(data, type=Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{origin}: {_explain(str(exc))}") from None
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{origin}: not valid TOML: {exc}") from None
+
+
+def _camera_list_problems(camera_ids: list[str]) -> list[str]:
+    """The whole-file rules on `[[cameras]]`, shared by Config.__post_init__ and `loads`."""
+    if not camera_ids:
+        # Zero cameras used to start a daemon that measured nothing and said nothing about it.
+        return ["cameras: no camera configured: add at least one [[cameras]] table with an id and "
+                'a source (config/default.toml has two with source = "synthetic")']
+    repeated = sorted({camera_id for camera_id in camera_ids if camera_ids.count(camera_id) > 1})
+    return [f"camera id {camera_id!r} appears twice; ids must be unique" for camera_id in repeated]
+
+
+# Keys that facecast once read and no longer does: a clearer word than "unknown key".
+_REMOVED_KEYS = {
+    "daemon.handshake_timeout_s": "removed: nothing waited on it (a consumer validates a CUDA "
+    "ring in one synchronous check, Note [Probe slot]); delete the line",
+}
+
+
+def _problems(value: object, annotation: object, json_path: str) -> list[str]:
+    """Every error in `value` (decoded TOML) against `annotation`, each as `_explain` words it.
+
+    msgspec stops at the first error of a document, so the walk goes down the structs and lists
+    itself and lets msgspec judge each leaf: one message per bad key, with its path.
+    """
+    base = _strip_annotated(annotation)
+    if isinstance(base, type) and issubclass(base, msgspec.Struct) and isinstance(value, dict):
+        hints = typing.get_type_hints(base, include_extras=True)
+        problems = []
+        for key, item in value.items():
+            key_path = f"{json_path}.{key}"
+            if key not in hints:
+                removed = _REMOVED_KEYS.get(key_path.removeprefix("."))
+                unknown = f"Object contains unknown field `{key}` - at `${json_path}`"
+                problems.append(f"{key_path.removeprefix('.')}: {removed}" if removed
+                                else _explain(unknown))
+            else:
+                problems += _problems(item, hints[key], key_path)
+        for field in msgspec.structs.fields(base):
+            if field.required and field.encode_name not in value:
+                problems.append(_explain(f"Object missing required field `{field.encode_name}` - "
+                                         f"at `${json_path}`"))
+        return problems
+    if typing.get_origin(base) is list and isinstance(value, list):
+        (item_type,) = typing.get_args(base) or (object,)
+        problems = []
+        for index, item in enumerate(value):
+            problems += _problems(item, item_type, f"{json_path}[{index}]")
+        return problems
+    try:
+        msgspec.convert(value, type=annotation)
+    except msgspec.ValidationError as exc:
+        match = _AT_PATH.match(str(exc))
+        return [_explain(f"{match['what']} - at `${json_path}{match['path'] or ''}`")]
+    return []
+
 
 
 _AT_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -278,3 +357,19 @@ def _literal_values(tp: object) -> list[object]:
             values.extend(_literal_values(_strip_annotated(arg)))
         return values
     return []
+
+
+# --- secrets -------------------------------------------------------------------------------------
+
+
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]+):[^@/\s]*@")
+
+
+def redact_url(text: str) -> str:
+    """`text` with the password of every `scheme://user:password@host` in it masked (`***`).
+
+    A camera's `source` may carry its RTSP credentials: whatever shows a source (log lines,
+    reasons in `facecast status` and on the Markers stream, `check-config`, `cameras --probe`)
+    passes it through here first.
+    """
+    return _URL_PASSWORD.sub(r"\1:***@", text)

@@ -4,13 +4,28 @@ PyCUDA links libcuda.so.1 at import, so on a machine without the NVIDIA driver t
 fails: every entry point here turns that, and every other reason CUDA IPC cannot be used, into a
 `TransportUnavailable` whose text is the reason that status and the log show.
 
+Note [Driver access]
+    PyCUDA is the project's named way to the driver: IPC memory handles, the ring's own
+    allocation and its address range, the primary context, the driver version. Two calls it
+    does not offer go to libcuda.so.1 directly through ctypes (`_libcuda`), in this module and
+    nowhere else:
+    - cuDevicePrimaryCtxSetFlags (Note [Blocking waits]): PyCUDA 2026.1 has no binding for it
+      (its _driver module references no such symbol), and it must run before PyCUDA or torch
+      creates the primary context.
+    - cuMemHostRegister / cuMemHostUnregister of a shm ring's mapping (Note [Pinned shm
+      mappings] in rings.py): PyCUDA's register_host_memory refused a numpy view of shared
+      memory on the H200 host ("returned a result with an exception set"). This used to go
+      through torch's cudart binding (cudaHostRegister, which calls cuMemHostRegister in the
+      same primary context); one raw binding for both calls is one fewer way in.
+    Each ctypes call's CUresult is checked and turned into an error that names the call.
+
 Note [One context]
     Every facecast process uses the device's *primary* context, the one the CUDA runtime (and so
     PyTorch) uses: PyCUDA retains it and pushes it on the thread that uses it. A pointer that
     cuIpcOpenMemHandle returns is only valid in the context that opened it, so opening in a
     context made with `make_context()` hands PyTorch an address its context has never mapped
     (DESIGN.md §2 rule 5). `require_primary_context()` refuses any other current context; guarded
-    by tests/gpu/test_cuda_rules.py::test_rule5_*.
+    by tests/test_cuda_rules.py::test_rule5_*.
 
 Note [Blocking waits]
     By default (CU_CTX_SCHED_AUTO with fewer contexts than cores) a thread that waits for the GPU
@@ -26,13 +41,14 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import threading
 from typing import Any
 
 import torch
 
-from facecast.shared.rings import TransportUnavailable
+from facecast.shared.ring_errors import TransportUnavailable
 
 _pushed = threading.local()
 log = logging.getLogger(__name__)
@@ -46,9 +62,8 @@ def wait_by_blocking(device_index: int) -> None:
     if device_index in _blocking_devices:
         return
     _blocking_devices.add(device_index)
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    libcuda = _libcuda()
+    if libcuda is None:
         return  # no driver: nothing will wait for a GPU here
     device = ctypes.c_int()
     set_flags = getattr(libcuda, "cuDevicePrimaryCtxSetFlags_v2", None) or getattr(
@@ -63,6 +78,35 @@ def wait_by_blocking(device_index: int) -> None:
             log.info("GPU %d: %s returned CUDA error %d; waits for the GPU will spin",
                      device_index, step, code)
             return
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL | None:
+    """libcuda.so.1 for the calls PyCUDA lacks (Note [Driver access]); None without a driver."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def register_host_range(device_index: int, pointer: int, nbytes: int) -> None:
+    """Page-lock host memory that PyTorch did not allocate (a shm mapping), in the device's
+    primary context, so that copies from it are asynchronous DMAs (Note [Pinned shm mappings]
+    in rings.py). Raises TransportUnavailable or RuntimeError with the reason."""
+    driver(device_index)  # the primary context, current on this thread (Note [One context])
+    libcuda = _libcuda()
+    register = getattr(libcuda, "cuMemHostRegister_v2", None) or libcuda.cuMemHostRegister
+    code = register(ctypes.c_void_p(pointer), ctypes.c_size_t(nbytes), ctypes.c_uint(0))
+    if code != 0:
+        raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes returned CUDA error {code}")
+
+
+def unregister_host_range(device_index: int, pointer: int) -> None:
+    """Undo `register_host_range` (before the memory is unmapped)."""
+    driver(device_index)
+    code = _libcuda().cuMemHostUnregister(ctypes.c_void_p(pointer))
+    if code != 0:
+        raise RuntimeError(f"cuMemHostUnregister returned CUDA error {code}")
 
 
 def cuda_unavailable_reason() -> str | None:

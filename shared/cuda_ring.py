@@ -2,7 +2,7 @@
 
 Note [CUDA IPC rules]
     DESIGN.md §2 lists seven ways CUDA IPC silently delivers stale, shifted or empty frames. This
-    module obeys them as follows; each is guarded by a test in tests/gpu/test_cuda_rules.py that
+    module obeys them as follows; each is guarded by a test in tests/test_cuda_rules.py that
     runs the broken variant (the `CudaFaults` knobs below) and shows it is caught.
 
     1. Handles name whole allocations. The ring is its own cuMemAlloc allocation, rounded up to
@@ -28,6 +28,23 @@ Note [Events order slots]
     re-read every frame. The frame gets into the staging buffer by a copy, or is made there
     (Note [Staged writes] in rings.py); either way a slot's staging buffer is handed out again only
     once that slot's event has completed.
+
+Note [Producer checksum]
+    The producer computes a frame's checksum (Note [Frame checksum] in frames.py) on the host,
+    from the pinned staging bytes, after the upload to the slot was issued, so that the host
+    work overlaps the DMA. It could instead compute it on the GPU from the slot once the upload
+    is done. The host is chosen for what the value means: it must say what the camera handed
+    over. A value computed from the slot certifies whatever the slot holds, a bad upload or a
+    third process's write that landed first included, and consumers would then accept exactly
+    the frames this check exists to refuse; a value from the staged bytes is independent of
+    everything on the GPU path, which is what the consumers check. The slot form would also
+    put a host sync per frame into the capture thread (the value must be in the FrameReady
+    before it is sent): the whole upload's latency, 184 us at 1080p and 522 us at 4K on the H200
+    host (upload + sync, bench/checksum.py). Its price is CPU: on the H200 host 399 us per 1080p
+    frame for bytes the source has just written, 781 us when the frames cycle through memory
+    while the DMA reads them (the bench's worst case), i.e. 1.2-2.3% of a core per 1080p30
+    camera. The slot form's own GPU cost was not measured validly in that run (the bench fetched
+    its value on another stream; fixed since, not re-run).
 """
 
 from __future__ import annotations
@@ -43,7 +60,8 @@ import torch
 
 from facecast.shared import cuda_driver, frames
 from facecast.shared.messages import CudaRingHandles, FrameReady, RingDescription
-from facecast.shared.rings import RingProducer, RingReader, TransportUnavailable, aligned
+from facecast.shared.ring_errors import TransportUnavailable
+from facecast.shared.rings import RingProducer, RingReader, aligned
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +99,13 @@ class CudaRingProducer(RingProducer):
         slot_count: int,
         device_index: int = 0,
         faults: CudaFaults = CudaFaults(),
+        checksum_kind: frames.ChecksumKind = "full",
     ) -> None:
         cuda = cuda_driver.driver(device_index)  # raises TransportUnavailable with the reason
         self.device_index = device_index
         self.faults = faults
         self.device_uuid, self.driver_version = cuda_driver.device_identity(device_index)
-        super().__init__(camera_id, frame_shape, slot_count)
+        super().__init__(camera_id, frame_shape, slot_count, checksum_kind=checksum_kind)
         ring_bytes = self.slot_bytes * (slot_count + 1)  # + the probe slot
         try:
             self._allocate(cuda, ring_bytes)
@@ -152,7 +171,8 @@ class CudaRingProducer(RingProducer):
     def _commit(self, slot: int, pixels: np.ndarray) -> int:
         self.header.begin_write(slot)
         self._upload(slot)
-        # Host work from here on overlaps the DMA: the consumer waits for the copy anyway.
+        # Host work from here on overlaps the DMA: the consumer waits for the copy anyway
+        # (Note [Producer checksum]).
         return self._checksum(pixels)
 
     def _upload(self, slot: int) -> None:
@@ -290,7 +310,8 @@ class CudaRingReader(RingReader):
         return self._views[message.slot]
 
     def _checksum_start(self, message: FrameReady, read) -> frames.PendingChecksum:
-        return frames.sparse_checksum_start(read.tensor)  # settled with the batch
+        # On the slot, in place, after the event wait; settled with the batch.
+        return frames.checksum_start(read.tensor, self.checksum_kind)
 
     def close(self) -> None:
         self.slots = self._views = None

@@ -64,7 +64,8 @@ class FrameReady(Message, tag="frame"):
     dtype: str
     strides_bytes: tuple[int, ...]
     pixel_format: str  # "bgr24"
-    checksum: int  # facecast.shared.frames.sparse_checksum of the frame's bytes
+    checksum: int  # facecast.shared.frames.checksum of the frame's bytes (uint64), of the
+                   # ring's RingDescription.checksum_kind
 
 
 class CudaRingHandles(msgspec.Struct, frozen=True):
@@ -94,6 +95,10 @@ class RingDescription(Message, tag="ring"):
     cuda: CudaRingHandles | None = None
     producer_pid: int = 0
     fallback_reason: str = ""  # why this camera is on shm although cuda_ipc was asked for
+    # What FrameReady.checksum covers (facecast.shared.frames): "full", every byte, checked on
+    # every frame; "sampled", a sparse sample, checked on 1 frame in daemon.checksum_every.
+    # The producer chooses (daemon.checksum), so its consumers can never disagree with it.
+    checksum_kind: Literal["full", "sampled"] = "full"
 
 
 # --- control between a frame consumer and the capture worker --------------------------------------
@@ -139,8 +144,13 @@ class Detections(Message, tag="detections"):
     scores: list[float]
 
 
+# Track ids travel in a float32 LSL channel, which holds every integer exactly up to 2**24: an id
+# is at least 1 and below this (Note [Track id blocks] in facecast.daemon.track_ids).
+TRACK_ID_LIMIT = 1 << 24
+
+
 class FaceResult(msgspec.Struct, frozen=True, kw_only=True):
-    track_id: int
+    track_id: int  # unique for the daemon's life: from a TrackIdBlock granted to the sender
     presence: float
     score: float
     box_px: tuple[float, float, float, float]
@@ -229,6 +239,19 @@ class Hello(Message, tag="hello"):
     pid: int
 
 
+class TrackIdBlock(msgspec.Struct, frozen=True, kw_only=True):
+    """Track ids `start` .. `start + count - 1`, granted by the supervisor to one roi_landmark
+    worker and to no one else, ever (Note [Track id blocks] in facecast.daemon.track_ids)."""
+
+    start: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        """One past the last id of the block."""
+        return self.start + self.count
+
+
 class Assignment(Message, tag="assignment"):
     """What a worker is to do: the validated config and its share of the cameras. Sent in reply
     to Hello and again after a reload that changes this worker's cameras."""
@@ -240,6 +263,25 @@ class Assignment(Message, tag="assignment"):
     # A warm standby: load what a worker of this role needs on this device, then wait for
     # Promote (Note [Warm standby] in facecast.daemon.supervisor).
     standby: bool = False
+    # roi_landmark workers: a first block of track ids (None from a supervisor that predates
+    # it, and for a standby): the worker then asks with TrackIdsWanted.
+    track_ids: TrackIdBlock | None = None
+
+
+class TrackIdsWanted(Message, tag="track_ids_wanted"):
+    """A roi_landmark worker has used half of its track ids: the supervisor answers with a
+    TrackIdGrant (Note [Track id blocks] in facecast.daemon.track_ids)."""
+
+    worker: str
+
+
+class TrackIdGrant(Message, tag="track_id_grant"):
+    """The answer to TrackIdsWanted: the next block, or none and why (the daemon's id space is
+    used up). A worker keeps every block it is granted, asked for or not."""
+
+    reply_to: str
+    block: TrackIdBlock | None = None
+    error: str = ""  # why there is no block
 
 
 class Promote(Message, tag="promote"):
@@ -279,6 +321,9 @@ class Heartbeat(Message, tag="heartbeat"):
     cameras: list[CameraReport] = msgspec.field(default_factory=list)
     stages: dict[str, StageTiming] = msgspec.field(default_factory=dict)
     rejected_messages: int = 0  # malformed messages its sockets refused (MessageGate), in total
+    # What is wrong with this worker now, in one line for `facecast status` ("" when nothing):
+    # e.g. a roi_landmark worker with no track id left for a new face.
+    trouble: str = ""
 
 
 class BootFailed(Message, tag="boot_failed"):
@@ -362,7 +407,7 @@ class DaemonStatus(Message, tag="daemon_status"):
 AnyMessage = Union[
     FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
     DetectionWanted, Detections, FaceResults,
-    Hello, Assignment, Promote, Heartbeat, BootFailed, Event,
+    Hello, Assignment, Promote, Heartbeat, BootFailed, Event, TrackIdsWanted, TrackIdGrant,
     StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,
 ]
 

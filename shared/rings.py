@@ -14,7 +14,7 @@ Note [Slot generations]
     and again after it has finished using the data (for a GPU view: after its stream has
     finished). Any difference means the frame was overwritten: the result is dropped and counted,
     never handed on. DESIGN.md §2 rule 4; guarded by tests/test_shm_ring.py and
-    tests/gpu/test_cuda_rules.py::test_rule4_*.
+    tests/test_cuda_rules.py::test_rule4_*.
 
 Note [Probe slot]
     Slot `slot_count` (one past the last frame slot) never carries frames. The producer fills it
@@ -32,15 +32,17 @@ Note [Staged writes]
     generation odd before handing it out (a consumer never reads a half-made frame); on CUDA the
     view is the slot's pinned staging buffer, private to the producer, handed out only once the
     slot's previous upload from it has finished (its event), and the generation goes odd when
-    the upload is issued. The checksum is taken from the staged bytes in both cases; on CUDA
-    after the upload was issued, so that the host work overlaps the DMA.
+    the upload is issued. The checksum is taken from the staged bytes in both cases, on the host;
+    on CUDA after the upload was issued, so that the host work overlaps the DMA (Note [Producer
+    checksum] in cuda_ring.py says why the host and not the slot).
 
 Note [One sync per batch]
-    Reading a frame ends with checks that need the GPU's work done: a sampled checksum computed
-    on the GPU (CUDA rings), or an asynchronous copy to the GPU (pinned shm mappings) that must be
-    finished before the generation is checked again. One host sync per frame costs more than it
-    seems when many processes share the GPU (the driver time-slices their contexts, so a sync can
-    wait for other processes' work): a consumer of 32 cameras paid it 960 times a second.
+    Reading a frame ends with checks that need the GPU's work done: a checksum computed on the
+    GPU (CUDA rings; shm frames copied to a GPU, Note [Pinned shm mappings]), or an asynchronous
+    copy to the GPU that must be finished before the generation is checked again. One host sync
+    per frame costs more than it seems when many processes share the GPU (the driver
+    time-slices their contexts, so a sync can wait for other processes' work): a consumer of 32
+    cameras paid it 960 times a second.
     `read_batch` therefore reads in three passes: every frame up to its sync (`_start`: verdict,
     event wait, tensor, checksum queued on the device), then one device-to-host transfer of all
     queued checksums per device (`settle`), then every frame's late checks (`_finish`: checksum
@@ -71,6 +73,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: a capture worker never 
 
 from facecast.shared import frames, shm
 from facecast.shared.messages import FrameReady, RingDescription
+from facecast.shared.ring_errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +81,6 @@ SLOT_ALIGN_BYTES = 4096
 _HEADER_MAGIC = 0xFACECA57
 _GEN_STRIDE = 8  # uint64 words per slot: one cache line, so slots don't share lines
 _HEADER_FIXED_WORDS = 8  # magic, epoch, slot_count, reserved
-
-
-class TransportUnavailable(RuntimeError):
-    """This process cannot use a ring of this transport; the message is the reason (for status)."""
 
 
 class Verdict(enum.Enum):
@@ -166,9 +165,11 @@ class RingProducer(ABC):
     transport: str
 
     def __init__(
-        self, camera_id: str, frame_shape: tuple[int, ...], slot_count: int, fallback_reason: str = ""
+        self, camera_id: str, frame_shape: tuple[int, ...], slot_count: int,
+        fallback_reason: str = "", checksum_kind: frames.ChecksumKind = "full",
     ) -> None:
         self.camera_id = camera_id
+        self.checksum_kind = frames.check_kind(checksum_kind)
         self.frame_shape = tuple(frame_shape)
         self.frame_dtype = np.dtype(np.uint8)
         self.frame_bytes = int(np.prod(frame_shape))
@@ -244,6 +245,7 @@ class RingProducer(ABC):
             header_name=self.header.segment.name,
             producer_pid=os.getpid(),
             fallback_reason=self.fallback_reason,
+            checksum_kind=self.checksum_kind,
             **self._description_fields(),
         )
 
@@ -254,8 +256,9 @@ class RingProducer(ABC):
         np.copyto(staging, frame)
 
     def _checksum(self, pixels: np.ndarray) -> int:
-        """Stage "checksum": Note [Sparse checksum] in frames.py."""
-        return frames.sparse_checksum(pixels)
+        """Stage "checksum", on the host: Note [Frame checksum] (or [Sparse checksum]) in
+        frames.py."""
+        return frames.checksum(pixels, self.checksum_kind)
 
     @abstractmethod
     def _claim(self, slot: int) -> np.ndarray:
@@ -287,8 +290,9 @@ class ShmRingProducer(RingProducer):
 
     transport = "shm"
 
-    def __init__(self, camera_id, frame_shape, slot_count, fallback_reason: str = "") -> None:
-        super().__init__(camera_id, frame_shape, slot_count, fallback_reason)
+    def __init__(self, camera_id, frame_shape, slot_count, fallback_reason: str = "",
+                 checksum_kind: frames.ChecksumKind = "full") -> None:
+        super().__init__(camera_id, frame_shape, slot_count, fallback_reason, checksum_kind)
         try:
             self.data = shm.SharedSegment.create(
                 shm.segment_name(camera_id, self.ring_epoch, "data"),
@@ -342,9 +346,9 @@ class SlotRead:
         self.tensor = tensor
         self._reader = reader
         self._message = message
-        # Between RingReader._start and _finish: the sampled checksum (an int, or a
-        # frames.PendingChecksum still on the device), and whether a copy to the device is in
-        # flight (Note [One sync per batch]).
+        # Between RingReader._start and _finish: the checksum (an int, or a
+        # frames.PendingChecksum still on the device; None when this frame is not checked), and
+        # whether a copy to the device is in flight (Note [One sync per batch]).
         self._checksum = None
         self._needs_sync = False
 
@@ -365,7 +369,8 @@ class RingReader(ABC):
     """A consumer's mapping of one ring epoch. Attach once per epoch; close when it changes.
 
     `read()` reads one frame; `read_batch()` reads the newest frame of several cameras with one
-    host sync in all (Note [One sync per batch]).
+    host sync in all (Note [One sync per batch]). The ring's description says which checksum its
+    frames carry: "full" is checked on every frame; "sampled" on 1 frame in `checksum_every`.
     """
 
     zero_copy: bool  # True: read() returns a view of the slot, valid only while the slot is
@@ -373,7 +378,8 @@ class RingReader(ABC):
     def __init__(self, description: RingDescription, checksum_every: int = 30) -> None:
         self.description = description
         self.ring_epoch = description.ring_epoch
-        self.checksum_every = max(1, checksum_every)
+        self.checksum_kind = frames.check_kind(description.checksum_kind)
+        self.checksum_every = max(1, checksum_every)  # "sampled" rings only
         self.frame_shape = tuple(description.frame_shape)
         self.frame_bytes = int(np.prod(description.frame_shape))
         self.counts = {verdict: 0 for verdict in Verdict}
@@ -394,7 +400,7 @@ class RingReader(ABC):
         self._wait_for_slot(message.slot)
         read.tensor = self._slot_tensor(message, read)
         self._frames_seen += 1
-        if self._frames_seen % self.checksum_every == 0:
+        if self.checksum_kind == "full" or self._frames_seen % self.checksum_every == 0:
             read._checksum = self._checksum_start(message, read)
         return read
 
@@ -462,7 +468,7 @@ def settle(reads: list[SlotRead]) -> None:
     if pending:
         values = frames.settle_checksums([read._checksum for read in pending])
         for read, value in zip(pending, values):
-            synced.add(read._checksum.dot.device)
+            synced.add(read._checksum.device_value.device)
             read._checksum = value
     for read in reads:
         if read._needs_sync:
@@ -485,11 +491,12 @@ class ShmRingReader(RingReader):
         pinned-memory speed instead of a synchronous pageable copy through the driver's bounce
         buffers. The copy is in flight until the batch's sync (Note [One sync per batch]); the
         generation check comes after it, so an overwrite during the DMA is still caught. The
-        sampled checksum is taken on the host from the slot itself, between the two generation
-        checks: with the generation unchanged over the copy and the checksum, the slot's bytes
-        did not change, so they are the bytes copied. Registration is best effort: where it
-        fails (no PyCUDA, a driver that refuses) frames take the pageable copy, and the log and
-        `pin_failure` say why. The registration is undone before the mapping is closed.
+        checksum is computed on the copy, where it is (queued on the GPU after the DMA, or with
+        numpy on a CPU consumer's copy): what is checked is exactly what is handed on, and a
+        third process that changed the slot after publishing is caught whatever the generation
+        says. Registration is best effort: where it fails (no driver, a driver that refuses)
+        frames take the pageable copy, and the log and `pin_failure` say why. The registration
+        is undone before the mapping is closed.
     """
 
     zero_copy = False
@@ -532,21 +539,14 @@ class ShmRingReader(RingReader):
     def _pin(self) -> None:
         """Note [Pinned shm mappings]."""
         try:
+            # Imported here: cuda_driver imports torch, which a capture worker never needs.
             from facecast.shared import cuda_driver
 
-            import torch
-
-            cuda_driver.driver(self.device.index or 0)  # the primary context (Note [One context])
-            # cudaHostRegister on the mapping's address: PyCUDA's register_host_memory refused a
-            # numpy view of shared memory on the H200 host ("returned a result with an exception
-            # set"), and torch treats registered pages as pinned for its asynchronous copies.
             pointer = self._slots.ctypes.data
-            error = torch.cuda.cudart().cudaHostRegister(pointer, self._slots.nbytes, 0)
-            if int(error) != 0:
-                raise RuntimeError(f"cudaHostRegister failed ({error})")
+            cuda_driver.register_host_range(self.device.index or 0, pointer, self._slots.nbytes)
             self._registered = pointer
             self.pinned = True
-        except Exception as exc:  # TransportUnavailable, pycuda's errors: take the pageable copy
+        except Exception as exc:  # TransportUnavailable, the driver's error: the pageable copy
             self.pin_failure = str(exc) or type(exc).__name__
             log.info("shm ring of %s: pageable copies to %s (pinning the mapping failed: %s)",
                      self.description.camera_id, self.device, exc)
@@ -565,9 +565,11 @@ class ShmRingReader(RingReader):
         read._needs_sync = True
         return tensor
 
-    def _checksum_start(self, message: FrameReady, read: SlotRead) -> int:
-        # On the host, from the slot, between the generation checks (Note [Pinned shm mappings]).
-        return frames.sparse_checksum(self._slot_arrays[message.slot])
+    def _checksum_start(self, message: FrameReady, read: SlotRead):
+        # On the copy, where it is (Note [Pinned shm mappings]).
+        if read.tensor.device.type == "cpu":
+            return frames.checksum(read.tensor.numpy(), self.checksum_kind)
+        return frames.checksum_start(read.tensor, self.checksum_kind)  # settled with the batch
 
     def _finish(self, read: SlotRead) -> None:
         # The copy is complete (settled): if the generation held all along, the copy is the frame.
@@ -578,23 +580,12 @@ class ShmRingReader(RingReader):
     def close(self) -> None:
         if self._registered is not None:
             try:
-                import torch
+                from facecast.shared import cuda_driver
 
-                torch.cuda.cudart().cudaHostUnregister(self._registered)
+                cuda_driver.unregister_host_range(self.device.index or 0, self._registered)
             except Exception as exc:
                 log.debug("unregistering shm ring mapping: %s", exc)
             self._registered = None
         self._slots = self._slot_arrays = self._slot_tensors = None
         self.data.close()
         super().close()
-
-
-def open_reader(
-    description: RingDescription, device: str | torch.device = "cpu", checksum_every: int = 30, **options
-) -> RingReader:
-    """Attach the ring a description names; raises TransportUnavailable with the reason."""
-    if description.transport == "shm":
-        return ShmRingReader(description, device=device, checksum_every=checksum_every)
-    from facecast.shared.cuda_ring import CudaRingReader  # only where CUDA is used
-
-    return CudaRingReader(description, checksum_every=checksum_every, **options)

@@ -18,12 +18,20 @@ Note [Transport fallback]
     its description before the next frame: the camera is on shm from the next frame on. The
     reason is logged, kept in `TransportStatus` (for `facecast status` and the marker stream), and
     never turned into "no faces". Explicit `cuda_ipc` behaves the same way, logged as a warning.
+
+Note [Transport reasons]
+    Every ring a camera gets has a reason, in `TransportStatus.reason`, and the capture worker's
+    `transport` marker carries it: why CUDA IPC ('transport "auto": a CUDA IPC ring on GPU 0'),
+    why shared memory (asked for in the config, the capture worker's own reason such as models
+    running on the CPU, CUDA unusable here, a consumer's fault), and why a new ring at all (the
+    frame size changed). `fallback_reason` stays what it was: set only while a camera is on shm
+    although CUDA IPC was asked for. A marker with an empty reason was a camera switching rings
+    without saying why; `FramePublisher._ring_reason` never returns one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -37,7 +45,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: a capture worker never 
     import torch
 import zmq
 
-from facecast.shared import endpoints, messages, rings
+from facecast.shared import endpoints, frames, messages, rings
 from facecast.shared.frames import warm_up_checksums
 from facecast.shared.messages import (
     Ack,
@@ -47,7 +55,8 @@ from facecast.shared.messages import (
     RingDescription,
     TransportFault,
 )
-from facecast.shared.rings import RingProducer, ShmRingProducer, TransportUnavailable, Verdict
+from facecast.shared.ring_errors import TransportUnavailable
+from facecast.shared.rings import RingProducer, RingReader, ShmRingProducer, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +86,7 @@ def make_producer(
     slot_count: int,
     requested: str,
     device_index: int = 0,
+    checksum_kind: frames.ChecksumKind = "full",
     **cuda_options,
 ) -> RingProducer:
     """The camera's ring: CUDA when asked for and possible, else shm with the reason attached."""
@@ -90,13 +100,29 @@ def make_producer(
         try:
             from facecast.shared.cuda_ring import CudaRingProducer
 
-            return CudaRingProducer(camera_id, frame_shape, slot_count, device_index, **cuda_options)
+            return CudaRingProducer(camera_id, frame_shape, slot_count, device_index,
+                                    checksum_kind=checksum_kind, **cuda_options)
         except TransportUnavailable as exc:
             reason = str(exc)
     if reason:
         level = logging.WARNING if requested == "cuda_ipc" else logging.INFO
         log.log(level, "camera %s uses shared memory: %s", camera_id, reason)
-    return ShmRingProducer(camera_id, frame_shape, slot_count, fallback_reason=reason)
+    return ShmRingProducer(camera_id, frame_shape, slot_count, fallback_reason=reason,
+                           checksum_kind=checksum_kind)
+
+
+def open_reader(
+    description: RingDescription, device: str | torch.device = "cpu", checksum_every: int = 30,
+    **options,
+) -> RingReader:
+    """Attach the ring a description names; raises TransportUnavailable with the reason. The
+    consumer's counterpart of `make_producer`, here above both ring modules so that rings.py
+    need not import cuda_ring.py (facecast.shared.ring_errors says why)."""
+    if description.transport == "shm":
+        return rings.ShmRingReader(description, device=device, checksum_every=checksum_every)
+    from facecast.shared.cuda_ring import CudaRingReader  # only where CUDA is used
+
+    return CudaRingReader(description, checksum_every=checksum_every, **options)
 
 
 @dataclass
@@ -106,6 +132,7 @@ class TransportStatus:
     camera_id: str
     transport: str = ""
     ring_epoch: int = 0
+    reason: str = ""  # why the camera is on this ring (Note [Transport reasons]); "" before one
     fallback_reason: str = ""
     fallbacks: int = 0
     counts: Counter = field(default_factory=Counter)
@@ -121,7 +148,9 @@ class FramePublisher:
 
     `publish(frame)` copies a finished frame in; a source that can make the frame where it is
     told to takes `staging_view(shape)`, fills it, and calls `publish_staged(ts)`, which saves
-    that copy (Note [Staged writes] in rings.py).
+    that copy (Note [Staged writes] in rings.py). `checksum_kind` is what every frame's checksum
+    covers (frames.py; consumers follow the ring's description); `transport_reason` says why
+    `transport` was asked for, when the caller chose it for a reason of its own.
     """
 
     def __init__(
@@ -132,12 +161,16 @@ class FramePublisher:
         slot_count: int = 8,
         transport: str = "auto",
         device_index: int = 0,
+        checksum_kind: frames.ChecksumKind = "full",
+        transport_reason: str = "",
         **cuda_options,
     ) -> None:
         self.camera_id = camera_id
         self.slot_count = slot_count
         self.requested = transport
+        self.transport_reason = transport_reason
         self.device_index = device_index
+        self.checksum_kind = frames.check_kind(checksum_kind)
         self._cuda_options = cuda_options
         self.producer: RingProducer | None = None
         self.status = TransportStatus(camera_id)
@@ -195,10 +228,24 @@ class FramePublisher:
     def _ensure_ring(self, frame_shape: tuple[int, ...]) -> None:
         self.serve_control()
         if self.producer is None or self.producer.frame_shape != frame_shape:
-            self._replace_ring(make_producer(
+            previous_shape = self.producer.frame_shape if self.producer is not None else None
+            producer = make_producer(
                 self.camera_id, frame_shape, self.slot_count, self.requested,
-                self.device_index, **self._cuda_options,
-            ))
+                self.device_index, self.checksum_kind, **self._cuda_options,
+            )
+            reason = self._ring_reason(producer)
+            if previous_shape is not None:
+                reason = (f"frames changed from {'x'.join(map(str, previous_shape))} to "
+                          f"{'x'.join(map(str, frame_shape))}: a new ring; {reason}")
+            self._replace_ring(producer, reason)
+
+    def _ring_reason(self, producer: RingProducer) -> str:
+        """Why `make_producer` gave this camera this ring (Note [Transport reasons])."""
+        if producer.fallback_reason:
+            return producer.fallback_reason  # shm although CUDA IPC was asked for: why
+        if producer.transport == "cuda_ipc":
+            return f'transport "{self.requested}": a CUDA IPC ring on GPU {self.device_index}'
+        return self.transport_reason or 'transport "shm" was asked for'
 
     def _arm_corruption(self) -> None:
         if self.corrupt_pending:
@@ -234,13 +281,15 @@ class FramePublisher:
         if producer.transport != "cuda_ipc":
             log.error("camera %s: shm ring reported faulty: %s", self.camera_id, fault.reason)
             return
-        log.warning("camera %s falls back to shared memory: %s", self.camera_id, fault.reason)
+        reason = fault.reason or "a consumer reported a fault and gave no reason"
+        log.warning("camera %s falls back to shared memory: %s", self.camera_id, reason)
         self.status.fallbacks += 1
         self._replace_ring(ShmRingProducer(
-            self.camera_id, producer.frame_shape, self.slot_count, fallback_reason=fault.reason
-        ))
+            self.camera_id, producer.frame_shape, self.slot_count, fallback_reason=reason,
+            checksum_kind=self.checksum_kind,
+        ), reason)
 
-    def _replace_ring(self, producer: RingProducer) -> None:
+    def _replace_ring(self, producer: RingProducer, reason: str) -> None:
         if self.producer is not None:
             if self._staged and self.producer.frame_shape == producer.frame_shape:
                 # A fallback served while a frame was staged: carry the frame over (rare: once).
@@ -251,6 +300,7 @@ class FramePublisher:
         self.producer = producer
         self.status.transport = producer.transport
         self.status.ring_epoch = producer.ring_epoch
+        self.status.reason = reason
         self.status.fallback_reason = producer.fallback_reason
         # In band, before the first frame of the new epoch: consumers switch without a round trip.
         self.frames.send_multipart([self._topic, messages.encode(producer.description())])
@@ -385,7 +435,7 @@ class FrameSubscriber:
             del self.readers[camera_id]
         status = self.status[camera_id]
         try:
-            reader = rings.open_reader(
+            reader = open_reader(
                 description, device=self.device, checksum_every=self.checksum_every,
                 **(self._reader_options if description.transport == "cuda_ipc" else {}),
             )
@@ -395,6 +445,8 @@ class FrameSubscriber:
         self.readers[camera_id] = reader
         self._describe_sent.pop(camera_id, None)
         status.transport, status.ring_epoch = description.transport, description.ring_epoch
+        status.reason = description.fallback_reason or (
+            f"the camera publishes on a {description.transport} ring")
         if description.fallback_reason:
             status.fallback_reason = description.fallback_reason
         log.info("attached %s ring of camera %s (epoch %x)", description.transport, camera_id,
@@ -461,17 +513,3 @@ class FrameSubscriber:
         self.frames.close()
         for dealer in self.control.values():
             dealer.close()
-
-
-def runtime_dir_for(configured: str) -> Path:
-    """The runtime directory: configured, else systemd's, else the user's, else /tmp."""
-    if configured:
-        path = Path(configured)
-    elif os.environ.get("RUNTIME_DIRECTORY"):
-        path = Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "facecast"
-    else:
-        path = Path(f"/tmp/facecast-{os.getuid()}")
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path

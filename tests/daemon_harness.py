@@ -4,7 +4,10 @@ NOTIFY_SOCKET datagram socket, the control socket, and real pylsl inlets recordi
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,9 +23,39 @@ import numpy as np
 import pylsl
 
 from facecast.daemon.control_client import request
+from facecast.shared import shm
 from facecast.shared.messages import StatusRequest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Note [A test's own shared memory]
+#     Other daemons and other test runs use /dev/shm at the same time as a test (CI runs test
+#     files in parallel; a developer's daemon may be up), so a test that diffs the whole of
+#     /dev/shm, or every facecast-* segment, fails for what it does not own. A daemon's own
+#     entries are named after the processes that made them: facecast-<pid>-<epoch>-<camera>-<part>
+#     (shared/shm.py) and the CUDA driver's cuda.shm.<n>.<pid in hex>.<n>. Its processes are the
+#     supervisor and every worker it ever started: the supervisor logs each start ("started
+#     <name> (pid <pid>)", daemon/process.py, at the default log level "info"), and `status`
+#     reports the live ones; `Daemon.own_pids()` is the union of both, and refuses to answer when
+#     a worker that status reported is missing from the log (the log's wording changed: the check
+#     would otherwise silently look at too few processes). A leak check then compares only those
+#     entries, and still fails when its own daemon leaks one.
+_STARTED_LINE = re.compile(r"\bstarted (?P<name>\S+) \(pid (?P<pid>\d+)\)")
+_CUDA_IPC_FILE = re.compile(r"cuda\.shm\.\d+\.(?P<pid>[0-9a-f]+)\.\d+")
+
+
+def shm_entries_of(pids: set[int]) -> list[str]:
+    """Names in /dev/shm made by these processes: facecast segments and CUDA IPC files."""
+    names = []
+    for path in shm.SHM_DIR.iterdir():
+        name = path.name
+        if name.startswith(shm.PREFIX):
+            owner = name[len(shm.PREFIX):].split("-", 1)[0]
+            if owner.isdigit() and int(owner) in pids:
+                names.append(name)
+        elif (match := _CUDA_IPC_FILE.fullmatch(name)) and int(match["pid"], 16) in pids:
+            names.append(name)
+    return sorted(names)
 
 
 class NotifyListener:
@@ -101,6 +135,65 @@ class Recorder:
         self._thread.join(5)
 
 
+# --- face boxes against a synthetic camera's ground truth ----------------------------------------
+
+BOX_TOLERANCE = 0.10  # of the true face's size
+
+
+def frames_of(slots: list[StreamRecord]) -> tuple[dict[float, list[np.ndarray]], np.ndarray]:
+    """One camera's Face streams (one per face slot) as frames: every sample by its capture
+    timestamp, and the sorted timestamps of the span over which every slot's inlet recorded."""
+    frames: dict[float, list[np.ndarray]] = {}
+    for record in slots:
+        for stamp, sample in zip(record.timestamps, record.samples):
+            frames.setdefault(stamp, []).append(sample)
+    first = max(record.timestamps[0] for record in slots)
+    last = min(record.timestamps[-1] for record in slots)
+    return frames, np.asarray(sorted(stamp for stamp in frames if first <= stamp <= last))
+
+
+@dataclass
+class TruthScore:
+    frames: int
+    good: int  # as many boxes as true faces, and every true face has a box close to it
+    wrong_count: int  # frames with more or fewer boxes than true faces
+    misplaced: list  # the first five frames where a true face has no box close to it
+
+    def describe(self) -> str:
+        return (f"{self.good} of {self.frames} frames right; {self.wrong_count} with a wrong "
+                f"number of faces; first misplaced: {self.misplaced}")
+
+
+def score_against_truth(frames: dict[float, list[np.ndarray]], stamps: np.ndarray,
+                        faces_at: Callable[[float], list], tolerance: float = BOX_TOLERANCE,
+                        ) -> TruthScore:
+    """Face-stream samples (box_x1..box_y2 in channels 2..5; NaN: the slot has no face) of
+    the frames at `stamps` against `faces_at(capture_ts_lsl)`, a synthetic camera's ground truth
+    (facecast.workers.sources.synthetic_truth)."""
+    good, wrong_count, misplaced = 0, 0, []
+    for stamp in stamps:
+        truth = faces_at(stamp)
+        boxes = [s[2:6] for s in frames[stamp] if not math.isnan(s[2])]
+        close = all(box_close(face.box_px, boxes, tolerance) for face in truth)
+        good += len(boxes) == len(truth) and close
+        wrong_count += len(boxes) != len(truth)
+        if not close and len(misplaced) < 5:
+            misplaced.append((stamp, [face.box_px for face in truth], boxes))
+    return TruthScore(len(stamps), good, wrong_count, misplaced)
+
+
+def box_close(truth_box, boxes, tolerance: float = BOX_TOLERANCE) -> bool:
+    """Whether one of `boxes` has the true box's centre and size within `tolerance` of its size."""
+    tx1, ty1, tx2, ty2 = truth_box
+    size = tx2 - tx1
+    for x1, y1, x2, y2 in boxes:
+        if (abs((x1 + x2) / 2 - (tx1 + tx2) / 2) <= tolerance * size
+                and abs((y1 + y2) / 2 - (ty1 + ty2) / 2) <= tolerance * size
+                and abs((x2 - x1) - size) <= tolerance * size):
+            return True
+    return False
+
+
 class Daemon:
     """`facecast run` with its own runtime directory, host name and notify socket."""
 
@@ -123,9 +216,33 @@ class Daemon:
             [sys.executable, "-m", "facecast.daemon.cli", "run", "--config", str(self.config_path)],
             env=environment, stdout=self._log, stderr=subprocess.STDOUT, cwd=tmp,
         )
+        # Every worker pid that status reported (Note [A test's own shared memory]).
+        self.status_pids: set[int] = set()
 
     def status(self, timeout_s: float = 5.0):
-        return request(self.runtime_dir, StatusRequest(), timeout_s)
+        status = request(self.runtime_dir, StatusRequest(), timeout_s)
+        self.status_pids.update(w.pid for w in status.workers if w.pid)
+        self.status_pids.add(status.pid)
+        return status
+
+    def own_pids(self) -> set[int]:
+        """The supervisor and every worker it started (Note [A test's own shared memory])."""
+        if not self._log.closed:
+            self._log.flush()
+        logged = {int(m["pid"]) for m in _STARTED_LINE.finditer(self.log_path.read_text())}
+        missing = self.status_pids - logged - {self.process.pid}
+        if missing:
+            raise AssertionError(
+                f"workers {sorted(missing)} reported by status have no 'started <name> (pid "
+                f"<pid>)' line in {self.log_path}: a log level above info, or the line's wording "
+                "changed (daemon/process.py); the shared-memory check cannot know this daemon's "
+                "processes")
+        return {self.process.pid} | logged | self.status_pids
+
+    def own_shm(self) -> list[str]:
+        """This daemon's entries in /dev/shm, whoever else uses it (Note [A test's own shared
+        memory])."""
+        return shm_entries_of(self.own_pids())
 
     def worker(self, name: str):
         return next(w for w in self.status().workers if w.name == name)
@@ -163,3 +280,16 @@ class Daemon:
         self.stop()
         self.notify.close()
         self._log.close()
+
+
+@contextlib.contextmanager
+def ready_daemon(tmp: Path, config_text: str | None = None, ready_timeout_s: float = 120.0,
+                 **options) -> Iterator[Daemon]:
+    """A `Daemon` (options as its) that has sent READY=1, closed on the way out; a daemon that
+    does not get ready in time fails the test with its log."""
+    daemon = Daemon(tmp, config_text=config_text, **options)
+    try:
+        assert daemon.notify.wait_for("READY=1", timeout_s=ready_timeout_s), daemon.log_tail()
+        yield daemon
+    finally:
+        daemon.close()

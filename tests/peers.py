@@ -2,6 +2,7 @@
 
     python tests/peers.py producer --runtime-dir D --camera cam0 --frames 1000 --fps 200 ...
     python tests/peers.py consumer --runtime-dir D --camera cam0 --until-seq 999 ...
+    python tests/peers.py tamper --description F --slot 3 --change patch   # a third process
 
 Frames are drawn from a small deck of random frames made from a seed, so a consumer in another
 process can check every byte of every frame it receives against what the producer wrote. The
@@ -76,7 +77,7 @@ def run_producer(args) -> None:
     with zmq.Context() as context:
         publisher = FramePublisher(
             context, args.runtime_dir, args.camera, slot_count=args.slots,
-            transport=args.transport, **cuda_options,
+            transport=args.transport, checksum_kind=args.checksum_kind, **cuda_options,
         )
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
@@ -172,12 +173,14 @@ def _ipc_opens() -> int:
 
 def run_attach(args) -> None:
     """Open the ring described in a file, as a fresh process would; report the verdict."""
-    from facecast.shared import messages, rings
+    from facecast.shared import messages
+    from facecast.shared.ring_errors import TransportUnavailable
+    from facecast.shared.transport import open_reader
 
     description = messages.decode(open(args.description, "rb").read())
     try:
-        reader = rings.open_reader(description, device=args.device)
-    except rings.TransportUnavailable as exc:
+        reader = open_reader(description, device=args.device)
+    except TransportUnavailable as exc:
         cause = exc.__cause__ or exc.__context__
         detail = "".join(traceback.format_exception(cause)) if cause else ""
         print(json.dumps({"ok": False, "reason": str(exc), "detail": detail}), flush=True)
@@ -186,9 +189,78 @@ def run_attach(args) -> None:
     reader.close()
 
 
+TAMPER_CHANGES = ("byte", "patch", "whole")
+PATCH_SIDE = 16
+
+
+def tampered(pixels, change: str, position: int, seed: int):
+    """What a third process writes over a published frame (`pixels`: the slot's frame bytes as a
+    frame-shaped uint8 array or tensor, changed in place): one byte at `position` (of the frame's
+    bytes) inverted; a 16x16 patch whose first pixel is that byte's pixel, every byte changed; or
+    the whole frame replaced by other random bytes. Returns the (row, column) of a patch."""
+    flat = pixels.reshape(-1)
+    if change == "byte":
+        flat[position] = 255 - int(flat[position])
+        return None
+    if change == "patch":
+        height, width = pixels.shape[:2]
+        pixel = position // pixels.shape[2]
+        row = min(pixel // width, height - PATCH_SIDE)
+        column = min(pixel % width, width - PATCH_SIDE)
+        patch = pixels[row:row + PATCH_SIDE, column:column + PATCH_SIDE]
+        patch[...] = 255 - patch  # every byte differs from what was published
+        return row, column
+    other = np.random.default_rng(seed).integers(0, 256, flat.shape[0], dtype=np.uint8)
+    other[0] = 255 - int(flat[0])  # certainly not the frame that was there
+    if isinstance(flat, np.ndarray):
+        flat[...] = other
+    else:
+        import torch
+
+        flat.copy_(torch.from_numpy(other))
+    return None
+
+
+def run_tamper(args) -> None:
+    """A third process: attach the ring described in a file through its shm name or its CUDA IPC
+    handle (never the producer's pointer), change a published slot, and say so once the change
+    is in memory. It reads no message: what a buggy or hostile process with the handle can do."""
+    from facecast.shared import messages
+
+    description = messages.decode(open(args.description, "rb").read())
+    shape = tuple(description.frame_shape)
+    frame_bytes = int(np.prod(shape))
+    if description.transport == "shm":
+        from facecast.shared import shm
+
+        size_bytes = description.slot_bytes * (description.slot_count + 1)
+        segment = shm.SharedSegment.attach(description.data_name, size_bytes)
+        try:
+            slots = np.frombuffer(segment.buffer, np.uint8).reshape(description.slot_count + 1, -1)
+            tampered(slots[args.slot, :frame_bytes].reshape(shape), args.change, args.position,
+                     args.seed)
+            del slots
+        finally:
+            segment.close()
+    else:
+        import torch
+
+        from facecast.shared.cuda_ring import CudaRingReader
+
+        reader = CudaRingReader(description)  # opens the IPC handle: another process (rule 6)
+        try:
+            assert CudaRingReader.opens_total == 1, "the tamperer must map the ring through IPC"
+            tampered(reader.slots[args.slot, :frame_bytes].view(shape), args.change,
+                     args.position, args.seed)
+            torch.cuda.synchronize(reader.device_index)
+        finally:
+            reader.close()
+    print(json.dumps({"tampered": args.change, "slot": args.slot}), flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["producer", "consumer", "attach"])
+    parser.add_argument("role", choices=["producer", "consumer", "attach", "tamper"])
     parser.add_argument("--description", help="attach: file holding an encoded RingDescription")
     parser.add_argument("--runtime-dir", default="")
     parser.add_argument("--camera", default="cam0")
@@ -205,12 +277,18 @@ def main(argv=None) -> None:
     parser.add_argument("--corrupt-at", type=int, default=-1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checksum-every", type=int, default=1)
+    parser.add_argument("--checksum-kind", choices=["full", "sampled"], default="full")
     parser.add_argument("--until-seq", type=int, default=10**9)
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--skip-event-wait", action="store_true")
+    parser.add_argument("--slot", type=int, default=0, help="tamper: the slot to change")
+    parser.add_argument("--change", choices=TAMPER_CHANGES, default="byte")
+    parser.add_argument("--position", type=int, default=0,
+                        help="tamper: the frame byte changed (byte), or the patch's first pixel's")
     args = parser.parse_args(argv)
-    {"producer": run_producer, "consumer": run_consumer, "attach": run_attach}[args.role](args)
+    {"producer": run_producer, "consumer": run_consumer, "attach": run_attach,
+     "tamper": run_tamper}[args.role](args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Config decoding: typed, strict, errors that name the key and what is allowed (DESIGN.md §6)."""
+"""Config decoding: typed, strict, errors that name the key and what is allowed, all of them at
+once (DESIGN §6)."""
 
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def test_default_config_loads_with_two_synthetic_cameras():
         ('[[cameras]]\nid = "a"\nsource = 0\n[[cameras]]\nid = "a"\nsource = 1', "camera id 'a' appears twice"),
         ("[daemon\n", "not valid TOML"),
         ('[[cameras]]\nsource = 0', "cameras[0]: Object missing required field `id`"),
+        ('[daemon]\nhandshake_timeout_s = 5.0\n[[cameras]]\nid = "a"\nsource = 0',
+         "daemon.handshake_timeout_s: removed: nothing waited on it"),
         ('[output]\npose = "yes"', "output.pose: Expected `bool`, got `str` (allowed: bool; measure body pose"),
         ("[output]\nbody_pose = true", "output.body_pose: unknown key (allowed here: max_faces, landmarks, pose)"),
     ],
@@ -47,3 +50,60 @@ def test_camera_transport_overrides_the_daemon_default():
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(config.ConfigError, match="cannot read config file"):
         config.load(tmp_path / "nope.toml")
+
+
+CAMERA = '[[cameras]]\nid = "a"\nsource = 0\n'
+
+
+def test_every_problem_is_reported_at_once_each_with_its_key_path():
+    text = ('[daemon]\ntransport = "gpu"\nring_slots = 1\nring_slot = 8\n'
+            '[output]\npose = "yes"\n'
+            '[[cameras]]\nid = "a b"\nfps = 0\n'
+            '[[cameras]]\nid = "c"\nsource = 0\n[[cameras]]\nid = "c"\nsource = 1\n'
+            '[extras]\nx = 1\n')
+    with pytest.raises(config.ConfigError) as error:
+        config.loads(text, origin="lab.toml")
+    head, *problems = str(error.value).splitlines()
+    assert head == f"lab.toml: {len(problems)} problems:"
+    keys = [problem.strip().split(": ", 1)[0] for problem in problems]
+    assert keys == ["daemon.transport", "daemon.ring_slots", "daemon.ring_slot", "output.pose",
+                    "cameras[0].id", "cameras[0].fps", "cameras[0]", "extras",
+                    "camera id 'c' appears twice; ids must be unique"]
+    assert "(allowed: 'auto', 'cuda_ipc', 'shm'" in problems[0]
+    assert "Object missing required field `source`" in problems[6]
+
+
+def test_one_problem_is_one_line_as_before():
+    with pytest.raises(config.ConfigError) as error:
+        config.loads('[daemon]\nring_slots = 1\n' + CAMERA, origin="lab.toml")
+    assert str(error.value).startswith("lab.toml: daemon.ring_slots: Expected `int` >= 2")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("text", ["", "[daemon]\nring_slots = 4\n", "cameras = []\n"])
+def test_a_config_without_cameras_is_refused_with_the_reason(text):
+    with pytest.raises(config.ConfigError) as error:
+        config.loads(text, origin="lab.toml")
+    assert str(error.value) == (
+        "lab.toml: cameras: no camera configured: add at least one [[cameras]] table with an id "
+        'and a source (config/default.toml has two with source = "synthetic")')
+
+
+def test_check_config_masks_an_rtsp_password(tmp_path, capsys):
+    from facecast.daemon import cli
+
+    path = tmp_path / "lab.toml"
+    path.write_text('[[cameras]]\nid = "ip0"\nsource = "rtsp://lab:pa55word@10.1.2.3:554/s1"\n')
+    assert cli.main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out == f"{path}: ok; cameras: ip0 (rtsp://lab:***@10.1.2.3:554/s1, auto)\n"
+
+
+@pytest.mark.parametrize("text, masked", [
+    ("rtsp://user:pw@host:554/x", "rtsp://user:***@host:554/x"),
+    ("cannot open rtsps://u:p%40ss@cam/a in 5 s", "cannot open rtsps://u:***@cam/a in 5 s"),
+    ("http://cam.local/video.mjpg", "http://cam.local/video.mjpg"),
+    ("rtsp://onlyuser@host/x", "rtsp://onlyuser@host/x"),
+])
+def test_redact_url_masks_only_the_password(text, masked):
+    assert config.redact_url(text) == masked

@@ -18,10 +18,12 @@ import pytest
 import torch
 import zmq
 
-from facecast.shared import messages
+from facecast.shared import frames, messages
 from facecast.shared.cuda_driver import cuda_unavailable_reason
-from facecast.shared.rings import TransportUnavailable, Verdict, read_batch
+from facecast.shared.ring_errors import TransportUnavailable
+from facecast.shared.rings import Verdict, read_batch
 from peers import Peers
+from test_frames import SHM_CASES, tamper_after_publish
 from test_shm_ring import staged_round_trip
 
 _REASON = cuda_unavailable_reason()
@@ -374,3 +376,45 @@ def test_shm_reader_on_the_gpu_pins_its_mapping_and_checks_the_generation_after_
     finally:
         reader.close()
         producer.close()
+
+
+# --- the frame checksum on the GPU (Note [Frame checksum] in shared/frames.py) -------------------
+
+
+def test_gpu_checksums_equal_the_host_checksums_on_frames_of_odd_sizes():
+    rng = np.random.default_rng(12)
+    for shape in [(1, 1, 3), (5, 7, 3), (33, 47, 3), (721, 1279, 3), (1080, 1920, 3),
+                  (2160, 3840, 3)]:
+        frame = rng.integers(0, 256, shape, dtype=np.uint8)
+        on_gpu = torch.from_numpy(frame).cuda()
+        for kind in frames.CHECKSUM_KINDS:
+            assert frames.checksum_tensor(on_gpu, kind) == frames.checksum(frame, kind), (shape,
+                                                                                         kind)
+        unaligned = torch.empty(frame.nbytes + 1, dtype=torch.uint8, device="cuda")[1:]
+        unaligned.copy_(on_gpu.reshape(-1))  # storage offset 1: no int64 view in place
+        assert frames.checksum_tensor(unaligned) == frames.checksum(frame)
+        on_gpu.view(-1)[frame.nbytes // 2] ^= 1  # one byte, on the device
+        assert frames.checksum_tensor(on_gpu) != frames.checksum(frame)
+
+
+@pytest.mark.parametrize("change, position", SHM_CASES)
+def test_a_third_process_writing_through_the_ipc_handle_is_never_accepted_and_the_camera_falls_back(
+        runtime_dir, change, position):
+    """At the default config: the tamperer opens the ring's CUDA IPC handle in its own process
+    and changes one byte, a 16x16 patch or the whole slot after the frame was published."""
+    outcome = tamper_after_publish(runtime_dir, "cuda_ipc", "cuda", change, position)
+    assert outcome["ring_transport"] == "cuda_ipc", outcome
+    assert not outcome["accepted"] and outcome["checksum_mismatch"] == 1, outcome
+    assert outcome["transport_after"] == "shm", outcome
+    assert "checksum mismatch" in outcome["fallback_reason"], outcome
+    assert outcome["reason_after"] == outcome["fallback_reason"], outcome  # the marker's reason
+    assert outcome["clean_frame_accepted"], outcome
+
+
+@pytest.mark.parametrize("change, position", SHM_CASES)
+def test_a_shm_slot_changed_by_a_third_process_is_caught_on_the_gpu_copy(runtime_dir, change,
+                                                                         position):
+    """A consumer on a GPU checks the copy it made (Note [Pinned shm mappings]), on the GPU."""
+    outcome = tamper_after_publish(runtime_dir, "shm", "cuda", change, position)
+    assert not outcome["accepted"] and outcome["checksum_mismatch"] == 1, outcome
+    assert outcome["clean_frame_accepted"], outcome

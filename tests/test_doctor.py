@@ -67,6 +67,19 @@ def test_lsl_config_reports_an_unreadable_lslapicfg(monkeypatch, tmp_path):
     assert text.startswith(f"{tmp_path / 'lsl_api.cfg'} (no usable $LSLAPICFG")
 
 
+def test_lsl_config_names_what_facecasts_quiet_copy_was_made_from(monkeypatch, tmp_path):
+    from facecast.shared import third_party_logs
+
+    original = tmp_path / "lab_lsl_api.cfg"
+    original.write_text("[lab]\nKnownPeers = {127.0.0.1}\n")
+    monkeypatch.setenv("LSLAPICFG", str(original))
+    copy = third_party_logs.quiet_lsl(tmp_path)
+    text, problem = doctor.lsl_config_in_effect()
+    assert problem is None
+    assert text == (f"{copy} (copy of {original}, with [log] level = -2 added (facecast "
+                    "--verbose shows liblsl's own lines))")
+
+
 # --- models ---------------------------------------------------------------------------------------
 
 
@@ -217,7 +230,8 @@ def test_doctor_fails_without_models_and_says_which_check(tmp_path, capsys):
 def test_doctor_passes_with_lsl_and_the_installed_models(tmp_path, capsys, monkeypatch):
     directory = _installed_model_dir()
     path = tmp_path / "lab.toml"
-    path.write_text(f'[models]\ndir = "{directory}"\n')
+    path.write_text(f'[models]\ndir = "{directory}"\n'
+                    '[[cameras]]\nid = "cam0"\nsource = "synthetic"\n')
     # The IPC proof already ran for real above; here only the verdict's effect on the exit code
     # matters, so a stand-in keeps the test quick.
     monkeypatch.setattr(doctor, "check_cuda_ipc",

@@ -143,3 +143,44 @@ def test_pose_arrays_are_checked_on_both_sides():
     truncated = msgspec.structs.replace(_pose_result(), world_landmarks_m=b"\x00" * 12)
     with pytest.raises(ValueError, match="world_landmarks_m has 12 bytes, expected 396"):
         truncated.world_landmarks_array()
+
+
+# --- track ids (Note [Track id blocks] in facecast.daemon.track_ids) ------------------------------
+
+
+def test_track_id_request_and_grant_round_trip_and_the_grant_echoes_the_request():
+    request = messages.TrackIdsWanted(worker="roi_landmark:cpu:0")
+    assert messages.decode(messages.encode(request)) == request
+    block = messages.TrackIdBlock(start=1025, count=1024)
+    grant = messages.TrackIdGrant(reply_to=request.id, block=block)
+    received = messages.decode(messages.encode(grant))
+    assert received == grant and received.reply_to == request.id
+    assert (received.block.start, received.block.end) == (1025, 2049)
+    refused = messages.TrackIdGrant(reply_to=request.id, error="used up")
+    assert messages.decode(messages.encode(refused)) == refused
+
+
+def test_an_assignment_carries_a_first_block_and_one_from_an_older_supervisor_has_none():
+    sent = messages.Assignment(worker="roi_landmark:cpu:0", config=b"{}", camera_ids=["cam0"],
+                               track_ids=messages.TrackIdBlock(start=1, count=1024))
+    assert messages.decode(messages.encode(sent)) == sent
+    old = msgspec.msgpack.decode(messages.encode(sent))
+    del old["track_ids"]
+    assert messages.decode(msgspec.msgpack.encode(old)).track_ids is None
+
+
+def test_a_heartbeat_reports_trouble_and_one_from_an_older_worker_has_none():
+    sent = messages.Heartbeat(worker="roi_landmark:cpu:0", state="running",
+                              trouble="no track ids (used up): 3 new face(s) not published")
+    assert messages.decode(messages.encode(sent)) == sent
+    old = msgspec.msgpack.decode(messages.encode(sent))
+    del old["trouble"]
+    assert messages.decode(msgspec.msgpack.encode(old)).trouble == ""
+
+
+def test_a_malformed_grant_is_refused_by_the_gate_with_a_reason():
+    gate = MessageGate("supervisor (to roi_landmark:cpu:0)")
+    for bad in ({"start": "one", "count": 4}, {"start": 1}):
+        raw = {"type": "track_id_grant", "v": 1, "id": "1-1", "reply_to": "1-0", "block": bad}
+        assert gate.decode(msgspec.msgpack.encode(raw)) is None
+    assert gate.rejected == 2 and "invalid 'track_id_grant' message" in gate.last_reason

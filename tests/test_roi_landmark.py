@@ -1,7 +1,23 @@
-"""The roi_landmark worker's handling of what the detection worker sends."""
+"""The roi_landmark worker's handling of what the detection worker sends, and its side of the
+track id protocol with the supervisor."""
 
-from facecast.shared.messages import Detections
-from facecast.workers.roi_landmark import _as_tensors
+import logging
+
+import msgspec
+import pytest
+import zmq
+
+from facecast.daemon.track_ids import TrackIdAllocator
+from facecast.shared import config as config_mod
+from facecast.shared import messages
+from facecast.shared.messages import Assignment, Detections, Event, TrackIdBlock, TrackIdsWanted
+from facecast.workers.roi_landmark import (
+    TRACK_IDS_ASK_AGAIN_AFTER_REFUSAL_S,
+    TRACK_IDS_ASK_AGAIN_S,
+    RoiLandmarkWorker,
+    _as_tensors,
+)
+from facecast.workers.tracking import TrackIds
 
 
 def test_a_detection_pass_that_found_no_face_is_usable():
@@ -16,3 +32,116 @@ def test_a_detection_pass_that_found_no_face_is_usable():
                      scores=[0.9])
     boxes, keypoints, scores = _as_tensors(one)
     assert boxes.shape == (1, 4) and keypoints.shape == (1, 6, 2) and scores.shape == (1,)
+
+
+# --- track ids from the supervisor (Note [Track id blocks] in facecast.daemon.track_ids) ----------
+# The worker's side of the protocol against a ROUTER playing the supervisor, answering with the
+# supervisor's own allocator (no models: the track id half of the worker needs none).
+
+WORKER = "roi_landmark:cpu:0"
+
+
+@pytest.fixture
+def control(runtime_dir):
+    """(worker, supervisor's ROUTER) on a real ipc:// control socket."""
+    endpoint = f"ipc://{runtime_dir}/control"
+    with zmq.Context() as context:
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        worker = RoiLandmarkWorker(WORKER, endpoint, context)
+        try:
+            yield worker, router
+        finally:
+            worker.control.close(linger=0)
+            router.close()
+
+
+def _receive(router, timeout_ms: int = 5000):
+    assert router.poll(timeout_ms), "the worker sent nothing"
+    identity, payload = router.recv_multipart()
+    return identity, messages.decode(payload)
+
+
+def _next_is_not_a_request(worker, router) -> None:
+    """What the worker sent last was no TrackIdsWanted: a probe it sends now comes first."""
+    worker.event("probe")
+    _, message = _receive(router)
+    assert isinstance(message, Event) and message.kind == "probe", message
+
+
+def _answer(worker, router, allocator: TrackIdAllocator) -> None:
+    identity, request = _receive(router)
+    assert isinstance(request, TrackIdsWanted), request
+    assert identity == WORKER.encode() and request.worker == WORKER
+    router.send_multipart([identity, messages.encode(allocator.answer(request))])
+    assert worker.control.poll(5000), "no grant reached the worker"
+    worker.serve_control()
+
+
+def test_the_first_block_comes_with_the_assignment(control):
+    worker, router = control
+    worker.event("probe")  # the connection is up once the supervisor hears from the worker
+    identity, _ = _receive(router)
+    config = config_mod.loads('[[cameras]]\nid = "cam0"\nsource = "synthetic"\n')
+    router.send_multipart([identity, messages.encode(Assignment(
+        worker=WORKER, config=msgspec.json.encode(config), camera_ids=["cam0"],
+        track_ids=TrackIdBlock(start=4097, count=1024)))])
+    assert worker.wait_for_assignment()
+    assert isinstance(_receive(router)[1], messages.Hello)
+    assert worker.track_id_source.take() == 4097
+    worker._ask_for_track_ids_if_low()
+    _next_is_not_a_request(worker, router)
+
+
+def test_the_worker_asks_at_half_a_block_and_never_before(control):
+    worker, router = control
+    allocator = TrackIdAllocator(block_size=4)
+    worker._ask_for_track_ids_if_low()  # nothing granted yet (a supervisor that predates it)
+    _answer(worker, router, allocator)
+    assert worker.track_id_source.remaining == 4
+    worker._ask_for_track_ids_if_low()
+    _next_is_not_a_request(worker, router)
+    assert [worker.track_id_source.take() for _ in range(2)] == [1, 2]
+    worker._ask_for_track_ids_if_low()
+    _answer(worker, router, allocator)
+    assert [worker.track_id_source.take() for _ in range(6)] == [3, 4, 5, 6, 7, 8]
+    worker._ask_for_track_ids_if_low()
+    worker._ask_for_track_ids_if_low()  # asked already: no second request while it is on its way
+    _receive(router)
+    _next_is_not_a_request(worker, router)
+
+
+def test_a_dry_worker_says_so_asks_again_and_recovers(control, caplog):
+    worker, router = control
+    used_up = TrackIdAllocator(block_size=2, limit=3)
+    used_up.grant("an earlier worker")
+    worker._ask_for_track_ids_if_low()
+    _answer(worker, router, used_up)  # refused: the space is used up
+    assert TrackIds(worker.track_id_source).assign([(0.0, 0.0, 50.0, 50.0)], 1.0) == [None]
+    with caplog.at_level(logging.ERROR):
+        worker._no_track_id_for("cam0", 1)
+        worker._no_track_id_for("cam0", 2)
+    _, event = _receive(router)  # once per dry spell, on the Markers stream
+    assert event.kind == "track_ids_dry" and event.fields["camera"] == "cam0"
+    assert "used up" in event.fields["reason"]
+    assert "3 new face(s) not published" in worker.trouble() and "used up" in worker.trouble()
+    assert [r.getMessage() for r in caplog.records if "no track id left" in r.getMessage()]
+    worker._ask_for_track_ids_if_low()  # a refusal is not asked again at once
+    _next_is_not_a_request(worker, router)
+    worker._track_ids_asked_monotonic -= TRACK_IDS_ASK_AGAIN_AFTER_REFUSAL_S
+    worker._ask_for_track_ids_if_low()
+    _answer(worker, router, TrackIdAllocator(first_id=100))  # say, a fresh space
+    assert worker.trouble() == "" and worker.track_id_source.take() == 100
+
+
+def test_an_unanswered_request_is_asked_again(control):
+    worker, router = control
+    worker._ask_for_track_ids_if_low()
+    _receive(router)  # lost: never answered
+    worker._ask_for_track_ids_if_low()
+    _next_is_not_a_request(worker, router)
+    worker._track_ids_asked_monotonic -= TRACK_IDS_ASK_AGAIN_S
+    worker._ask_for_track_ids_if_low()
+    _answer(worker, router, TrackIdAllocator())
+    assert worker.track_id_source.take() == 1

@@ -15,7 +15,6 @@ import logging
 import math
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,9 +38,9 @@ from facecast.workers.sources import (
     StreamSource,
     SyntheticScene,
     SyntheticSource,
+    ReopenBackoff,
     V4L2Source,
     open_source,
-    reopen_with_backoff,
     source_kind,
 )
 
@@ -75,10 +74,16 @@ def test_source_kind(source: str | int, kind: str) -> None:
 def test_impossible_sources_are_config_errors(source: str | int) -> None:
     with pytest.raises(SourceConfigError):
         source_kind(source)
-    # ...and reopening does not retry them.
+    # ...and opening says so (not SourceLost, which the capture worker would retry).
     camera = CameraConfig(id="bad", source="ftp://cam/x.mp4")
     with pytest.raises(SourceConfigError, match="unsupported URL scheme 'ftp'"):
-        reopen_with_backoff(lambda: open_source(camera), initial_delay_s=0.001)
+        open_source(camera)
+
+
+def test_a_password_in_an_impossible_source_is_masked_in_the_error() -> None:
+    with pytest.raises(SourceConfigError) as caught:
+        source_kind("ftp://lab:s3cret@cam/x.mp4")
+    assert "s3cret" not in str(caught.value) and "ftp://lab:***@cam/x.mp4" in str(caught.value)
 
 
 # --- synthetic ------------------------------------------------------------------------------------
@@ -319,32 +324,45 @@ def test_v4l2_requests_in_order_and_logs_what_was_granted(
 # --- backoff --------------------------------------------------------------------------------------
 
 
-def test_reopen_with_backoff_grows_caps_and_stops() -> None:
-    delays: list[float] = []
-    attempts = iter(range(100))
+def test_reopen_backoff_grows_caps_resets_and_never_sleeps() -> None:
+    backoff = ReopenBackoff(first_delay_s=1.0, max_delay_s=4.0, jitter_fraction=0.0)
+    assert backoff.wait_s() == 0.0  # a first open is never delayed
+    delays = [backoff.failed() for _ in range(5)]
+    assert delays == [1.0, 2.0, 4.0, 4.0, 4.0]
+    assert backoff.failures == 5
+    assert 3.0 < backoff.wait_s() <= 4.0  # due a capped delay after the last failure
+    backoff.succeeded()
+    assert (backoff.wait_s(), backoff.failures) == (0.0, 0)
+    assert backoff.failed() == 1.0  # a new loss starts over
 
-    def flaky_open() -> SyntheticSource:
-        if next(attempts) < 5:
-            raise SourceLost("cam", "not yet")
-        return SyntheticSource(CameraConfig(id="cam", source="synthetic", width=64, height=64))
+    jittered = ReopenBackoff(first_delay_s=1.0, max_delay_s=1.0, jitter_fraction=0.1)
+    spread = [jittered.failed() for _ in range(200)]
+    assert all(0.9 <= delay_s <= 1.1 for delay_s in spread)
+    assert max(spread) - min(spread) > 0.05  # cameras lost together do not retry in lockstep
 
-    source = reopen_with_backoff(
-        flaky_open,
-        initial_delay_s=0.001,
-        max_delay_s=0.004,
-        jitter_fraction=0.0,
-        on_failure=lambda attempt, error, delay_s: delays.append(delay_s),
-    )
-    assert isinstance(source, SyntheticSource)
-    assert delays == [0.001, 0.002, 0.004, 0.004, 0.004]
 
-    stop = threading.Event()
+@pytest.mark.parametrize("arguments", [
+    dict(first_delay_s=0.0), dict(first_delay_s=5.0, max_delay_s=1.0), dict(factor=0.5),
+    dict(jitter_fraction=1.0),
+])
+def test_reopen_backoff_refuses_settings_that_would_spin_or_shrink(arguments: dict) -> None:
+    with pytest.raises(ValueError, match="backoff needs"):
+        ReopenBackoff(**arguments)
 
-    def never_opens() -> SyntheticSource:
-        stop.set()  # e.g. SIGTERM arrives while the camera is down
-        raise SourceLost("cam", "down")
 
-    assert reopen_with_backoff(never_opens, stop=stop, initial_delay_s=10.0) is None
+def _reopen(open_fn, backoff: ReopenBackoff, on_failure=None) -> sources.FrameSource:
+    """The capture worker's reconnect loop (workers/capture.py), without its control socket."""
+    while True:
+        time.sleep(backoff.wait_s())
+        try:
+            source = open_fn()
+        except SourceLost as error:
+            backoff.failed()
+            if on_failure is not None:
+                on_failure(backoff.failures, error)
+            continue
+        backoff.succeeded()
+        return source
 
 
 # --- network peers --------------------------------------------------------------------------------
@@ -409,14 +427,14 @@ def test_rtsp_peer_goes_away_and_comes_back(rtsp_peer: RtspPeer) -> None:
     # The capture worker's loop: retry with backoff; the peer comes back after the first failure.
     failures: list[str] = []
 
-    def peer_returns(attempt: int, error: SourceLost, delay_s: float) -> None:
+    def peer_returns(attempt: int, error: SourceLost) -> None:
         failures.append(error.reason)
         if attempt == 1:
             rtsp_peer.start()
 
-    reopened = reopen_with_backoff(
+    reopened = _reopen(
         lambda: open_source(camera, open_timeout_s=PEER_TIMEOUT_S, read_timeout_s=3.0),
-        initial_delay_s=0.2,
+        ReopenBackoff(first_delay_s=0.2),
         on_failure=peer_returns,
     )
     assert reopened is not None and len(failures) == 1
@@ -446,10 +464,9 @@ def test_http_mjpeg_peer_goes_away_and_comes_back(ffmpeg: str, tmp_path: Path) -
     # Until ffmpeg listens, opening fails at once (connection refused) and is retried.
     peer = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     try:
-        source = reopen_with_backoff(
+        source = _reopen(
             lambda: open_source(camera, open_timeout_s=5.0, read_timeout_s=3.0),
-            initial_delay_s=0.1,
-            max_delay_s=0.5,
+            ReopenBackoff(first_delay_s=0.1, max_delay_s=0.5),
         )
         assert isinstance(source, StreamSource)
         _check_live_frames(source, 10, (120, 160, 3))
@@ -461,10 +478,9 @@ def test_http_mjpeg_peer_goes_away_and_comes_back(ffmpeg: str, tmp_path: Path) -
         source.close()
 
         peer = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-        reopened = reopen_with_backoff(
+        reopened = _reopen(
             lambda: open_source(camera, open_timeout_s=5.0, read_timeout_s=3.0),
-            initial_delay_s=0.1,
-            max_delay_s=0.5,
+            ReopenBackoff(first_delay_s=0.1, max_delay_s=0.5),
         )
         assert reopened is not None
         with reopened:

@@ -2,6 +2,15 @@
 
 Only the supervisor starts workers this way (facecast.daemon.supervisor); see
 facecast.workers.base for what a worker does with its life.
+
+Note [Quick exit]
+    Once `run` returns, the worker has closed everything it owns: rings unlinked, GPU memory
+    freed, sockets closed with their linger, outlets gone. What Python's interpreter teardown
+    would still do (destroy torch's and the CUDA caching allocator's state module by module,
+    run every finaliser) saves nothing the kernel and the driver don't reclaim at process exit,
+    and with 32 CUDA processes ending at once it took seconds, past the daemon's stop deadline,
+    so that the supervisor had to SIGKILL them. So the process ends with `os._exit` after the
+    logs and stdio are flushed.
 """
 
 from __future__ import annotations
@@ -36,13 +45,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name")
     parser.add_argument("control", help="the supervisor's control endpoint (ipc://...)")
     args = parser.parse_args(argv)
+    from facecast.workers.base import (
+        enable_stack_dumps,
+        run,
+        set_log_format,
+        set_process_name,
+    )
+
+    # Before the role's imports (torch, a driver), which can be slow or hang themselves: a
+    # SIGABRT from the supervisor shows where (Note [Stack dumps of a hung worker]), and `ps`
+    # names the process meanwhile.
+    enable_stack_dumps()
+    set_process_name(args.name)
     logging.basicConfig(level=os.environ.get("FACECAST_LOG_LEVEL", "INFO").upper())
-    from facecast.workers.base import run, set_log_format
-
     set_log_format(args.name)
-
     return run(_worker_class(args.role), args.name, args.control)
 
 
+def exit_now(code: int) -> None:
+    """Note [Quick exit]: everything the worker owns is closed by now (`run`'s finally)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

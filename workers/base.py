@@ -9,8 +9,8 @@ A worker is started by the supervisor as ``python -m facecast.workers <role> <na
    context, models run once), then waits, heartbeating, until `Promote` gives it the name of a
    worker that died; it says Hello again under that name and goes on (Note [Warm standby]);
 3. boots (`Worker.boot`): opens sources, loads models. A `BootError` is reported as `BootFailed`
-   and the process exits with `EXIT_BOOT_ERROR`: the supervisor does not respawn it ("could not
-   boot" is not "crashed", STYLE §5);
+   and the process exits with `EXIT_BOOT_ERROR` (facecast.shared.exit_codes): the supervisor does
+   not respawn it ("could not boot" is not "crashed", STYLE §5);
 4. loops on `Worker.step` (each step waits at most ~100 ms), sending a `Heartbeat` about twice a
    second *from the loop itself*: a step that hangs silences the worker and the supervisor kills
    it (liveness is progress, STYLE §6);
@@ -19,22 +19,39 @@ A worker is started by the supervisor as ``python -m facecast.workers <role> <na
 Signal handlers only set a flag (STYLE §2). SIGINT is ignored: a Ctrl-C in the terminal of a
 foreground `facecast run` reaches every process of the group, and it is the supervisor's job to
 stop the workers in order.
+
+A worker's process title is `facecast.<name>`, e.g. `facecast.capture:cam0` (STYLE §12), and a
+promoted standby's follows its new name (`set_process_name`).
+
+Note [Stack dumps of a hung worker]
+    A worker that stops heartbeating is hung somewhere: a read that never returns, a driver
+    call, a deadlock. Killing it outright loses the one fact that matters, where. So every
+    worker enables `faulthandler` first thing (`enable_stack_dumps`), and the supervisor sends
+    a hung worker SIGABRT, waits a short grace, and only then SIGKILL (gunicorn's
+    `murder_workers` does the same). faulthandler's handler is C code: it prints every Python
+    thread's stack to the worker's stderr, which is the daemon's log, even while the main
+    thread is stuck in C holding the GIL, where no Python signal handler could ever run; then
+    the process dies of the SIGABRT. tests/test_worker_process.py proves both cases.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import time
 from typing import ClassVar
 
 import msgspec
+import setproctitle
 import zmq
 
 from facecast.shared import config as config_mod
 from facecast.shared import messages
+from facecast.shared.exit_codes import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from facecast.shared.messages import (
     Assignment,
     BootFailed,
@@ -46,18 +63,20 @@ from facecast.shared.messages import (
     MessageGate,
     Promote,
     StageTiming,
+    TrackIdBlock,
+    TrackIdGrant,
 )
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_CRASH = 1
-EXIT_BOOT_ERROR = 3
 HEARTBEAT_INTERVAL_S = 0.5
 ASSIGNMENT_TIMEOUT_S = 30.0
 
-_PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
+COMM_BYTES = 15  # what the kernel keeps of a name for `top`, `ps -o comm`, `pgrep`
+# Role abbreviations for that short name, so that the camera's part of it fits.
+_COMM_ROLES = {"capture": "cap", "detection": "det", "roi_landmark": "roi", "output": "out",
+               "standby": "sb"}
 
 
 class BootError(RuntimeError):
@@ -122,6 +141,21 @@ class Worker:
     def stage_timings(self) -> dict[str, StageTiming]:
         return {}
 
+    def trouble(self) -> str:
+        """What is wrong with this worker now, in one line for its heartbeat ("": nothing)."""
+        return ""
+
+    def accept_track_ids(self, block: TrackIdBlock) -> None:
+        """Track ids the supervisor granted this worker (roi_landmark only: Note [Track id
+        blocks] in facecast.daemon.track_ids)."""
+        log.warning("%s: track ids %d..%d granted to a %s worker, which has no use for them",
+                    self.name, block.start, block.end - 1, self.role)
+
+    def on_track_id_grant(self, grant: TrackIdGrant) -> None:
+        """The supervisor's answer to this worker's TrackIdsWanted."""
+        if grant.block is not None:
+            self.accept_track_ids(grant.block)
+
     def close(self) -> None:
         """Release everything (rings, sockets, outlets). Called once, also after a failed boot."""
 
@@ -146,7 +180,8 @@ class Worker:
         self.send(Heartbeat(worker=self.name, state=self.state,
                             cameras=self.camera_reports() if booted else [],
                             stages=self.stage_timings() if booted else {},
-                            rejected_messages=MessageGate.rejected_in_process))
+                            rejected_messages=MessageGate.rejected_in_process,
+                            trouble=self.trouble() if booted else ""))
 
     def serve_control(self) -> None:
         """Handle what the supervisor sent, without blocking."""
@@ -161,12 +196,16 @@ class Worker:
                 self.on_event(message)
             elif isinstance(message, InjectFault):
                 self.inject_fault(message)
+            elif isinstance(message, TrackIdGrant):
+                self.on_track_id_grant(message)
 
     def _apply(self, assignment: Assignment) -> None:
         self.config = msgspec.json.decode(assignment.config, type=config_mod.Config)
         self.camera_ids = list(assignment.camera_ids)
         self.device = assignment.device
         self.standby = assignment.standby
+        if assignment.track_ids is not None:
+            self.accept_track_ids(assignment.track_ids)
 
     def wait_for_assignment(self) -> bool:
         self.send(Hello(worker=self.name, role=self.role, pid=os.getpid()))
@@ -229,13 +268,40 @@ def set_log_format(name: str) -> None:
         handler.setFormatter(formatter)
 
 
+def process_titles(name: str) -> tuple[str, str]:
+    """The worker's titles: (the full one for `ps`, the short one for `top`).
+
+    The full one is `facecast.<name>`, i.e. `facecast.<role>:<camera or device>` (STYLE §12).
+    The short one is the kernel's 15-byte "comm": the role abbreviated and the name's tail kept
+    rather than its head, since names differ at the end: `fc.cap:synth0` and `fc.cap:synth1`,
+    where the head would give `fc.capture:synt` twice."""
+    head, _, tail = name.partition(":")
+    prefix = "fc." + _COMM_ROLES.get(head, head)
+    if head == "standby":  # standby:<role>:<device>
+        role, _, tail = tail.partition(":")
+        prefix += "." + _COMM_ROLES.get(role, role)
+    short = prefix if not tail else f"{prefix}:{tail}"
+    if len(short.encode()) > COMM_BYTES:
+        room = COMM_BYTES - len(prefix.encode()) - 1
+        short = prefix[:COMM_BYTES] if room <= 0 else (
+            f"{prefix}:" + tail.encode()[-room:].decode(errors="ignore"))
+    return f"facecast.{name}", short
+
+
 def set_process_name(name: str) -> None:
-    """What `ps -o comm`/`top` show (15 bytes), e.g. `fc.capture:cam0` (STYLE §12)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"fc.{name}".encode()[:15]), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    """What `ps` (the full title) and `top` (the short one) show for this worker
+    (`process_titles`). setproctitle rewrites the command line in place; it also sets the
+    kernel's name to the title's first 15 bytes, which setthreadtitle then makes unique."""
+    title, short = process_titles(name)
+    setproctitle.setproctitle(title)
+    setproctitle.setthreadtitle(short)  # the main thread's name is the process's name
+
+
+def enable_stack_dumps() -> None:
+    """Note [Stack dumps of a hung worker]: SIGABRT (and a crash in native code: SIGSEGV,
+    SIGBUS, SIGFPE, SIGILL) prints every thread's Python stack to stderr before the process
+    dies."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 def _die_with_parent() -> None:
@@ -248,8 +314,8 @@ def _die_with_parent() -> None:
 
 
 def run(worker_class: type[Worker], name: str, control_endpoint: str) -> int:
-    """The whole life of a worker process; returns its exit code."""
-    set_process_name(name)
+    """The whole life of a worker process after its entry point (facecast.workers.__main__)
+    set its title and stack dumps up; returns its exit code."""
     parent_pid = os.getppid()
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -4,15 +4,15 @@ stays with its camera.
 It reads the camera's frames (facecast.workers.sources), stamps them at grab with
 `pylsl.local_clock()`, writes them into the camera's ring and publishes them
 (facecast.shared.transport.FramePublisher). It never waits for consumers. A lost source is
-reported (`camera_lost` marker), retried with exponential backoff, and reported again when it is
-back (`camera_back`); a source that can never work as written (`SourceConfigError`) is a boot
-error, which the supervisor does not respawn.
+reported (`camera_lost` marker), retried with exponential backoff (sources.ReopenBackoff, the
+one reconnect policy), and reported again when it is back (`camera_back`); a source that can
+never work as written (`SourceConfigError`) is a boot error, which the supervisor does not
+respawn.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import sys
 import time
 
@@ -24,6 +24,7 @@ from facecast.shared.transport import FramePublisher
 from facecast.workers.base import BootError, Worker
 from facecast.workers.sources import (
     FrameSource,
+    ReopenBackoff,
     SourceConfigError,
     SourceLost,
     open_source,
@@ -78,25 +79,29 @@ class CaptureWorker(Worker):
             raise BootError(f"camera {self.camera_config.id}: {exc}") from None
         requested = self.config.transport_for(self.camera_config)
         device_index = 0
+        transport_reason = ""
         if self.device.startswith("cuda"):
             device_index = int(self.device.partition(":")[2] or 0)
         elif requested != "shm":
             # Models run on the CPU: a GPU ring would only add a copy back.
+            transport_reason = (f'transport "{requested}", but models run on the CPU: shared '
+                                "memory saves a copy to the GPU and back")
             log.info("camera %s: models run on the CPU, so its frames use shared memory",
                      self.camera_config.id)
             requested = "shm"
         self.publisher = FramePublisher(
             self.context, self.runtime_dir, self.camera_config.id,
             slot_count=self.config.daemon.ring_slots, transport=requested,
-            device_index=device_index,
+            device_index=device_index, checksum_kind=self.config.daemon.checksum,
+            transport_reason=transport_reason,
         )
         one_thread_per_camera()  # after FramePublisher: on the CUDA path it imported torch
         self.source: FrameSource | None = None
         self.source_state = "opening"
         self.lost_reason = ""
         self.rate = RateMeter()
-        self._reopen_delay_s = REOPEN_FIRST_DELAY_S
-        self._reopen_at_monotonic = 0.0
+        self.reopen = ReopenBackoff(first_delay_s=REOPEN_FIRST_DELAY_S,
+                                    max_delay_s=REOPEN_MAX_DELAY_S)
         self._was_lost = False
         self._seen_epoch = 0
         self._seen_fallbacks = 0
@@ -116,21 +121,19 @@ class CaptureWorker(Worker):
         if self.source is not None:
             self.source.close()
             self.source = None
+        retry_in_s = self.reopen.failed()
         if not self._was_lost or reason != self.lost_reason:
             log.warning("camera %s lost: %s; retrying in %.1f s", self.camera_config.id, reason,
-                        self._reopen_delay_s)
+                        retry_in_s)
             self.event("camera_lost", camera=self.camera_config.id, reason=reason)
         self._was_lost = True
         self.lost_reason = reason
         self.source_state = f"lost: {reason}"
-        jitter = 1.0 + 0.1 * (2.0 * random.random() - 1.0)
-        self._reopen_at_monotonic = time.monotonic() + self._reopen_delay_s * jitter
-        self._reopen_delay_s = min(REOPEN_MAX_DELAY_S, self._reopen_delay_s * 2.0)
 
     def step(self) -> None:
         self.publisher.serve_control()
         if self.source is None:
-            wait_s = self._reopen_at_monotonic - time.monotonic()
+            wait_s = self.reopen.wait_s()
             if wait_s > 0:
                 time.sleep(min(wait_s, 0.1))
                 return
@@ -156,7 +159,7 @@ class CaptureWorker(Worker):
                 self.event("camera_back", camera=self.camera_config.id)
             self._was_lost = False
             self.source_state = "ok"
-            self._reopen_delay_s = REOPEN_FIRST_DELAY_S
+            self.reopen.succeeded()
         self._report_transport_changes()
 
     def inject_fault(self, fault: InjectFault) -> None:
@@ -178,7 +181,7 @@ class CaptureWorker(Worker):
         if status.ring_epoch != self._seen_epoch:
             self._seen_epoch = status.ring_epoch
             self.event("transport", camera=self.camera_config.id, transport=status.transport,
-                       reason=status.fallback_reason)
+                       reason=status.reason)  # never empty (Note [Transport reasons])
 
     def camera_reports(self) -> list[CameraReport]:
         status = self.publisher.status

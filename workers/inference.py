@@ -114,7 +114,7 @@ def pipelines_for(prepared: tuple[bytes, Pipelines] | None, config: Config,
 def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: bool) -> Pipelines:
     started_monotonic = time.monotonic()
     face = build_pipeline(config, device, blendshapes=blendshapes)
-    # Note [Warm shapes] in models/pipeline.py. The detection worker (no blendshapes) meets
+    # Note [Warm shapes] in models/cuda_graphs.py. The detection worker (no blendshapes) meets
     # batches of frames, a roi_landmark worker batches of faces; any camera may be theirs.
     sizes = [(camera.height, camera.width) for camera in config.cameras]
     if blendshapes:

@@ -29,6 +29,9 @@ from facecast.shared.messages import (
     FaceResults,
     MessageGate,
     PoseResult,
+    TrackIdBlock,
+    TrackIdGrant,
+    TrackIdsWanted,
 )
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport import FrameSubscriber
@@ -40,7 +43,7 @@ from facecast.workers.inference import (
     prepare_pipelines,
     torch_device,
 )
-from facecast.workers.tracking import TrackIds
+from facecast.workers.tracking import TrackIds, TrackIdSource
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,28 @@ log = logging.getLogger(__name__)
 MAX_DETECTION_AGE_S = 0.3
 # Faces are held in their track id (and their LSL slot) this long while unseen.
 TRACK_HOLD_S = 1.0
+# A request for track ids with no answer after this long was lost (a full control socket drops
+# it, STYLE §11): ask again. A refusal (the daemon's ids are used up) is asked again far later.
+TRACK_IDS_ASK_AGAIN_S = 2.0
+TRACK_IDS_ASK_AGAIN_AFTER_REFUSAL_S = 60.0
 
 
 class RoiLandmarkWorker(Worker):
+    """Track ids: Note [Track id blocks] in facecast.daemon.track_ids. The blocks the supervisor
+    grants (the Assignment's first, then one per TrackIdsWanted) feed one TrackIdSource for all
+    this worker's cameras; a face that needs a new id while it is dry is not published."""
+
     role = "roi_landmark"
+
+    def __init__(self, name: str, control_endpoint: str, context: zmq.Context) -> None:
+        # Before the Assignment, which brings the first block; kept across a promotion.
+        self.track_id_source = TrackIdSource()
+        self._track_ids_asked_monotonic: float | None = None  # a request not answered yet
+        self._track_ids_unanswered_warned = False
+        self._track_ids_refused = ""  # the supervisor's reason when it had no block for us
+        self._track_ids_dry = False  # a new face found no id since the last grant
+        self.faces_without_track_id = 0  # measured but not published: no id for them
+        super().__init__(name, control_endpoint, context)
 
     def prepare(self) -> None:
         self.torch_device = torch_device(self.device)
@@ -74,7 +95,8 @@ class RoiLandmarkWorker(Worker):
         self.track_ids: dict[str, TrackIds] = {}
         self.dropped_overwritten = 0
         self._pending: dict[str, Detections] = {}
-        self._gate = MessageGate("detections")
+        # Not self._gate: that one is the control socket's (Worker.serve_control).
+        self._detections_gate = MessageGate("detections")
         self.detections = self.context.socket(zmq.SUB)
         self.detections.setsockopt(zmq.LINGER, 0)
         self.detections.connect(endpoints.detections(self.runtime_dir, self.device))
@@ -103,6 +125,7 @@ class RoiLandmarkWorker(Worker):
         self._subscribe(previous_camera_ids)
 
     def step(self) -> None:
+        self._ask_for_track_ids_if_low()
         received = self.subscriber.receive(timeout_ms=50)
         self._drain_detections()
         if not received:
@@ -136,7 +159,7 @@ class RoiLandmarkWorker(Worker):
     def _drain_detections(self) -> None:
         while self.detections.poll(0):
             parts = self.detections.recv_multipart()
-            found = self._gate.decode(parts[-1])
+            found = self._detections_gate.decode(parts[-1])
             if not isinstance(found, Detections) or found.camera_id not in self.camera_ids:
                 continue
             newest = self._pending.get(found.camera_id)
@@ -163,8 +186,14 @@ class RoiLandmarkWorker(Worker):
             self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
             self._reset(camera_id)
             return
-        ids = self.track_ids.setdefault(camera_id, TrackIds(hold_s=TRACK_HOLD_S)).assign(
-            [face.box for face in faces], message.capture_ts_lsl)
+        tracker = self.track_ids.get(camera_id)
+        if tracker is None:
+            tracker = self.track_ids[camera_id] = TrackIds(self.track_id_source,
+                                                           hold_s=TRACK_HOLD_S)
+        ids = tracker.assign([face.box for face in faces], message.capture_ts_lsl)
+        named = [(track_id, face) for track_id, face in zip(ids, faces) if track_id is not None]
+        if len(named) < len(faces):
+            self._no_track_id_for(camera_id, len(faces) - len(named))
         with_landmarks = self.config.output.landmarks
         results = [
             FaceResult(
@@ -174,7 +203,7 @@ class RoiLandmarkWorker(Worker):
                 landmarks_px=(np.ascontiguousarray(face.landmarks, dtype="<f4").tobytes()
                               if with_landmarks else None),
             )
-            for track_id, face in zip(ids, faces)
+            for track_id, face in named
         ]
         reason = self.pipeline.blendshapes_unavailable_reason or ""
         self.results.send(messages.encode(FaceResults(
@@ -189,6 +218,74 @@ class RoiLandmarkWorker(Worker):
         )))
         self.rates.setdefault(camera_id, RateMeter()).tick()
         self.faces[camera_id] = len(results)
+
+    # -- track ids (Note [Track id blocks]) ---------------------------------------------------
+
+    def accept_track_ids(self, block: TrackIdBlock) -> None:
+        try:
+            self.track_id_source.add(block.start, block.count)
+        except ValueError as exc:
+            log.error("%s: refused a track id block from the supervisor: %s", self.name, exc)
+            return
+        log.debug("%s: track ids %d..%d", self.name, block.start, block.end - 1)
+        self._track_ids_asked_monotonic = None
+        self._track_ids_unanswered_warned = False
+        self._track_ids_refused = ""
+        if self._track_ids_dry:
+            self._track_ids_dry = False
+            log.warning("%s: track ids again; %d new face(s) went unpublished meanwhile",
+                        self.name, self.faces_without_track_id)
+
+    def on_track_id_grant(self, grant: TrackIdGrant) -> None:
+        if grant.block is None:
+            self._track_ids_refused = grant.error or "the supervisor gave no reason"
+            log.error("%s: the supervisor has no track ids for us: %s", self.name,
+                      self._track_ids_refused)
+            return
+        self.accept_track_ids(grant.block)
+
+    def _ask_for_track_ids_if_low(self) -> None:
+        """Ask for the next block while half of the newest is left (never wait for it)."""
+        if not self.track_id_source.wants_more():
+            return
+        now = time.monotonic()
+        if self._track_ids_asked_monotonic is not None:
+            wait_s = (TRACK_IDS_ASK_AGAIN_AFTER_REFUSAL_S if self._track_ids_refused
+                      else TRACK_IDS_ASK_AGAIN_S)
+            if now - self._track_ids_asked_monotonic < wait_s:
+                return
+            if not self._track_ids_refused and not self._track_ids_unanswered_warned:
+                self._track_ids_unanswered_warned = True
+                log.warning("%s: no answer to a request for track ids within %.0f s; asking "
+                            "again (%d id(s) left)", self.name, wait_s,
+                            self.track_id_source.remaining)
+        self.send(TrackIdsWanted(worker=self.name))
+        self._track_ids_asked_monotonic = now
+
+    def _no_track_id_for(self, camera_id: str, count: int) -> None:
+        """`count` new faces of this frame got no id: they are left out (never a used id)."""
+        self.faces_without_track_id += count
+        if self._track_ids_dry:
+            return
+        self._track_ids_dry = True
+        reason = self._track_ids_reason()
+        log.error("%s: no track id left for a new face on camera %s (%s): new faces are not "
+                  "published until ids come, rather than get an id used before (Note [Track id "
+                  "blocks])", self.name, camera_id, reason)
+        self.event("track_ids_dry", camera=camera_id, reason=reason)
+
+    def _track_ids_reason(self) -> str:
+        if self._track_ids_refused:
+            return self._track_ids_refused
+        if self.track_id_source.blocks_granted == 0:
+            return "the supervisor has granted this worker no track ids yet"
+        return "the next block of track ids has not come from the supervisor yet"
+
+    def trouble(self) -> str:
+        if not self._track_ids_dry:
+            return ""
+        return (f"no track ids ({self._track_ids_reason()}): {self.faces_without_track_id} new "
+                "face(s) not published")
 
     def camera_reports(self) -> list[CameraReport]:
         return consumer_reports(self.camera_ids, self.subscriber, self.rates, self.faces)

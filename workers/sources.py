@@ -3,8 +3,8 @@
 Runs in the capture worker (one process per camera). `open_source(camera)` returns a
 `FrameSource` whose `read()` gives `(frame_bgr, capture_ts_lsl)`: a C-contiguous uint8 HxWx3 BGR
 frame and the `pylsl.local_clock()` time taken right at grab. A source that stops delivering
-raises `SourceLost` with the reason; reopening it with backoff is the capture worker's job
-(`reopen_with_backoff` below). A source spec that can never work (an unknown URL scheme) is a
+raises `SourceLost` with the reason; the capture worker reopens it when `ReopenBackoff` (below)
+says a try is due. A source spec that can never work (an unknown URL scheme) is a
 `SourceConfigError`, which must not be retried.
 
 Kinds, chosen from `CameraConfig.source`:
@@ -12,6 +12,9 @@ Kinds, chosen from `CameraConfig.source`:
 - `"synthetic"`: real face photos (scikit-image's astronaut, matplotlib's grace_hopper) moving on
   a known smooth path over a plain background, paced in real time; its ground truth (face boxes
   as a function of capture time) is `SyntheticScene.faces_at()`, computable in any process.
+- `"synthetic-replay"`: the same scene, a short loop rendered once at open and replayed back and
+  forth at the camera's fps for next to no CPU (Note [Synthetic replay]); its ground truth is
+  `SyntheticReplay.faces_at()`, also a pure function of the capture time.
 - a V4L2 device: an index (`0`, `"0"`) or a `/dev/video*` path, through OpenCV's V4L2 backend
   with the requested size, fps and fourcc; what the driver granted is logged and kept.
 - an `rtsp://`, `rtsps://`, `http://` or `https://` URL: OpenCV's FFMPEG backend, with open and
@@ -32,7 +35,6 @@ import re
 import threading
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +42,7 @@ import cv2
 import numpy as np
 import pylsl
 
-from facecast.shared.config import CameraConfig
+from facecast.shared.config import CameraConfig, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +107,15 @@ class FrameSource:
 
 
 def source_kind(source: str | int) -> str:
-    """"synthetic", "v4l2", "stream" or "file" for a `CameraConfig.source` value."""
+    """"synthetic", "synthetic-replay", "v4l2", "stream" or "file" for a `CameraConfig.source`."""
     if isinstance(source, bool):
         raise SourceConfigError(f"source must be a string or a V4L2 index, got {source!r}")
     if isinstance(source, int):
         if source < 0:
             raise SourceConfigError(f"a V4L2 index must be >= 0, got {source}")
         return "v4l2"
-    if source == "synthetic":
-        return "synthetic"
+    if source in ("synthetic", "synthetic-replay"):
+        return source
     if source.isdigit() or source.startswith("/dev/"):
         return "v4l2"
     url = _URL.match(source)
@@ -124,9 +126,9 @@ def source_kind(source: str | int) -> str:
         if scheme == "file":
             return "file"
         raise SourceConfigError(
-            f"source {source!r}: unsupported URL scheme {scheme!r} "
+            f"source {redact_url(repr(source))}: unsupported URL scheme {scheme!r} "
             f"(allowed: {', '.join(_STREAM_SCHEMES)}, file, a /dev/video path, an index, "
-            "or \"synthetic\")"
+            "\"synthetic\" or \"synthetic-replay\")"
         )
     if not source.strip():
         raise SourceConfigError("source is empty")
@@ -140,6 +142,8 @@ def open_source(
     kind = source_kind(camera.source)
     if kind == "synthetic":
         return SyntheticSource(camera)
+    if kind == "synthetic-replay":
+        return SyntheticReplaySource(camera)
     if kind == "v4l2":
         return V4L2Source(camera)
     if kind == "stream":
@@ -147,40 +151,48 @@ def open_source(
     return FileSource(camera)
 
 
-def reopen_with_backoff(
-    open_fn: Callable[[], FrameSource],
-    *,
-    stop: threading.Event | None = None,
-    initial_delay_s: float = 0.5,
-    max_delay_s: float = 30.0,
-    factor: float = 2.0,
-    jitter_fraction: float = 0.1,
-    on_failure: Callable[[int, SourceLost, float], None] | None = None,
-) -> FrameSource | None:
-    """Call `open_fn` until it succeeds, sleeping with exponential backoff between tries.
+class ReopenBackoff:
+    """When a capture worker tries to reopen its lost source: the one reconnect policy.
 
-    Only SourceLost is retried (SourceConfigError and bugs propagate). `on_failure(attempt,
-    error, delay_s)` is called before each sleep, e.g. to report the camera as lost. Returns
-    None when `stop` is set while waiting.
+    Exponential backoff with jitter: the first retry after `first_delay_s`, each further one
+    `factor` times later, capped at `max_delay_s`; a frame read resets it (`succeeded`). It never
+    sleeps: the capture worker's loop keeps answering the supervisor (heartbeats, ring control)
+    while its camera is down, and asks `wait_s()` how long until the next try.
     """
-    delay_s = initial_delay_s
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return open_fn()
-        except SourceLost as error:
-            sleep_s = delay_s * (1.0 + jitter_fraction * (2.0 * random.random() - 1.0))
-            if on_failure is not None:
-                on_failure(attempt, error, sleep_s)
-            else:
-                log.warning("%s; retrying in %.1f s (attempt %d)", error, sleep_s, attempt)
-            if stop is not None:
-                if stop.wait(sleep_s):
-                    return None
-            else:
-                time.sleep(sleep_s)
-            delay_s = min(max_delay_s, delay_s * factor)
+
+    def __init__(self, *, first_delay_s: float = 0.5, max_delay_s: float = 30.0,
+                 factor: float = 2.0, jitter_fraction: float = 0.1) -> None:
+        if not 0 < first_delay_s <= max_delay_s or factor < 1 or not 0 <= jitter_fraction < 1:
+            raise ValueError(
+                "backoff needs 0 < first_delay_s <= max_delay_s, factor >= 1 and "
+                f"0 <= jitter_fraction < 1; got {first_delay_s}, {max_delay_s}, {factor}, "
+                f"{jitter_fraction}")
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+        self.factor = factor
+        self.jitter_fraction = jitter_fraction
+        self.failures = 0  # since the last success
+        self._next_delay_s = first_delay_s
+        self._retry_at_monotonic = 0.0
+
+    def failed(self) -> float:
+        """The source was lost or a reopen failed: schedule the next try; returns its delay (s)."""
+        jitter = 1.0 + self.jitter_fraction * (2.0 * random.random() - 1.0)
+        delay_s = self._next_delay_s * jitter
+        self._retry_at_monotonic = time.monotonic() + delay_s
+        self._next_delay_s = min(self.max_delay_s, self._next_delay_s * self.factor)
+        self.failures += 1
+        return delay_s
+
+    def wait_s(self) -> float:
+        """Seconds until the next try is due (0: now)."""
+        return max(0.0, self._retry_at_monotonic - time.monotonic())
+
+    def succeeded(self) -> None:
+        """The source delivers again: the next loss starts from `first_delay_s`."""
+        self.failures = 0
+        self._next_delay_s = self.first_delay_s
+        self._retry_at_monotonic = 0.0
 
 
 # --- pacing --------------------------------------------------------------------------------------
@@ -417,7 +429,7 @@ class SyntheticSource(FrameSource):
         self.scene = SyntheticScene.for_camera(camera)
         self.granted = Granted(camera.width, camera.height, camera.fps, "BGR3", "synthetic")
         self._pacer = _Pacer(camera.fps)
-        log.info("camera %s: synthetic source, %s", camera.id, self.granted.describe())
+        log.info("camera %s: %s source, %s", camera.id, self.kind, self.granted.describe())
 
     @property
     def frames_skipped(self) -> int:
@@ -426,19 +438,124 @@ class SyntheticSource(FrameSource):
     def read(self) -> tuple[np.ndarray, float]:
         self._pacer.wait()
         capture_ts_lsl = pylsl.local_clock()
-        frame = self.scene.render(capture_ts_lsl)
+        frame = self._frame_at(capture_ts_lsl)
         self.frames_read += 1
         return frame, capture_ts_lsl
+
+    def _frame_at(self, capture_ts_lsl: float) -> np.ndarray:
+        return self.scene.render(capture_ts_lsl)
 
     def ground_truth(self, capture_ts_lsl: float) -> list[FaceTruth]:
         """The faces in the frame that was captured at `capture_ts_lsl`."""
         return self.scene.faces_at(capture_ts_lsl)
 
 
+class SyntheticReplay:
+    """Which frame of a short rendered loop of `scene` a synthetic-replay camera shows at a
+    capture time, and its ground truth: pure functions of the capture timestamp, like the live
+    scene's, and computable in any process without rendering anything.
+
+    Note [Synthetic replay]
+        The live synthetic camera renders each frame when it is grabbed: 13-17 ms of one core
+        per 1080p frame, so 32 cameras at 30 fps need ~15 cores for rendering alone, which on a
+        16-core host starves the daemon they are meant to measure. `source = "synthetic-replay"`
+        renders `LOOP_FRAMES` frames of the same scene once, when the source opens, and then
+        only hands them out: a frame costs the capture worker's one copy into its ring.
+        Which frame: the capture clock's tick, `floor(capture_ts_lsl * fps)`, walks the loop
+        back and forth (0, 1, .., L-1, L-2, .., 1, 0, 1, ..), so the faces move on the scene's
+        smooth path and turn round at the ends, never jumping. Loop frame i shows the scene at
+        `i / fps`; `faces_at(capture_ts_lsl)` is the scene's truth there. A capture is stamped
+        when grabbed and paced like the live source's (`_Pacer`), with its schedule put half a
+        period into a tick: a wake-up late by less than half a period still shows its own
+        tick's frame, where a schedule on the ticks' edges would show frames twice or skip them
+        with the scheduler's jitter.
+        Memory: L x width x height x 3 bytes per camera, 30 x 6.2 MB = 187 MB at 1080p (6 GB
+        for 32 cameras); rendering it takes about half a second of one core at open.
+    """
+
+    LOOP_FRAMES = 30  # 1 s each way at 30 fps
+
+    def __init__(self, scene: SyntheticScene, fps: float, loop_frames: int = LOOP_FRAMES) -> None:
+        if loop_frames < 2:
+            raise ValueError(f"a replayed loop needs at least 2 frames, got {loop_frames}")
+        if not fps > 0:
+            raise ValueError(f"a replayed loop needs fps > 0, got {fps}")
+        self.scene = scene
+        self.fps = fps
+        self.loop_frames = loop_frames
+
+    @classmethod
+    def for_camera(cls, camera: CameraConfig) -> SyntheticReplay:
+        return cls(SyntheticScene.for_camera(camera), camera.fps)
+
+    def loop_index(self, capture_ts_lsl: float) -> int:
+        """The loop frame shown at `capture_ts_lsl` (Note [Synthetic replay])."""
+        cycle_frames = 2 * (self.loop_frames - 1)
+        position = math.floor(capture_ts_lsl * self.fps) % cycle_frames
+        return position if position < self.loop_frames else cycle_frames - position
+
+    def scene_time_s(self, capture_ts_lsl: float) -> float:
+        """The scene time of the frame shown at `capture_ts_lsl`."""
+        return self.loop_index(capture_ts_lsl) / self.fps
+
+    def faces_at(self, capture_ts_lsl: float) -> list[FaceTruth]:
+        """The faces' boxes (frame pixels) in the frame captured at `capture_ts_lsl`."""
+        return self.scene.faces_at(self.scene_time_s(capture_ts_lsl))
+
+    def render_loop(self) -> np.ndarray:
+        """Every loop frame, (loop_frames, height, width, 3) BGR uint8, read-only."""
+        frames = np.empty((self.loop_frames, self.scene.height, self.scene.width, 3), np.uint8)
+        for index in range(self.loop_frames):
+            frames[index] = self.scene.render(index / self.fps)
+        frames.flags.writeable = False  # every read hands out a view: nobody may draw on it
+        return frames
+
+
+def synthetic_truth(camera: CameraConfig) -> SyntheticScene | SyntheticReplay:
+    """The ground truth of a synthetic camera: its `faces_at(capture_ts_lsl)` gives the faces
+    in the frame captured at that time, for "synthetic" and "synthetic-replay" alike."""
+    kind = source_kind(camera.source)
+    if kind == "synthetic":
+        return SyntheticScene.for_camera(camera)
+    if kind == "synthetic-replay":
+        return SyntheticReplay.for_camera(camera)
+    raise ValueError(f"camera {camera.id}: source {camera.source!r} is not synthetic; only "
+                     '"synthetic" and "synthetic-replay" have a ground truth')
+
+
+class SyntheticReplaySource(SyntheticSource):
+    """`SyntheticReplay`: a loop of `SyntheticScene` rendered at open, replayed in real time at
+    the camera's fps, back and forth (Note [Synthetic replay])."""
+
+    kind = "synthetic-replay"
+
+    def __init__(self, camera: CameraConfig) -> None:
+        super().__init__(camera)
+        self.replay = SyntheticReplay(self.scene, camera.fps)
+        started_s = time.monotonic()
+        self._loop = self.replay.render_loop()
+        log.info("camera %s: replays a %d-frame loop back and forth (%.0f MB, rendered in %.2f s)",
+                 camera.id, self.replay.loop_frames, self._loop.nbytes / 1e6,
+                 time.monotonic() - started_s)
+        # Captures half a period into a tick (Note [Synthetic replay]); the pacer runs on the
+        # monotonic clock, the ticks on the capture clock.
+        lsl_minus_monotonic_s = pylsl.local_clock() - time.monotonic()
+        tick = math.floor((time.monotonic() + lsl_minus_monotonic_s) * camera.fps)
+        self._pacer.next_due_monotonic = (tick + 1.5) / camera.fps - lsl_minus_monotonic_s
+
+    def _frame_at(self, capture_ts_lsl: float) -> np.ndarray:
+        return self._loop[self.replay.loop_index(capture_ts_lsl)]
+
+    def ground_truth(self, capture_ts_lsl: float) -> list[FaceTruth]:
+        """The faces in the frame that was captured at `capture_ts_lsl`."""
+        return self.replay.faces_at(capture_ts_lsl)
+
+
 # --- OpenCV-backed sources -----------------------------------------------------------------------
 
 
-def _fourcc_text(code: float) -> str:
+def fourcc_text(code: float) -> str:
+    """OpenCV's CAP_PROP_FOURCC value as text, e.g. "MJPG"; "" when the backend does not say."""
     value = int(code) if math.isfinite(code) else 0
     if value <= 0:
         return ""
@@ -528,7 +645,7 @@ class V4L2Source(_OpenCVSource):
             width=int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)),
             height=int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)),
             fps=float(fps) if math.isfinite(fps) and fps > 0 else camera.fps,
-            fourcc=_fourcc_text(capture.get(cv2.CAP_PROP_FOURCC)),
+            fourcc=fourcc_text(capture.get(cv2.CAP_PROP_FOURCC)),
             backend=self.backend,
         )
         self._capture = capture
@@ -582,11 +699,6 @@ def _open_ffmpeg(url: str, open_timeout_s: float, read_timeout_s: float) -> cv2.
                 del os.environ[name]
 
 
-def _redact(url: str) -> str:
-    """A URL without its password, for logs and reasons."""
-    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
-
-
 class StreamSource(_OpenCVSource):
     """An RTSP or HTTP stream through OpenCV's FFMPEG backend; frames as fast as they come."""
 
@@ -603,7 +715,7 @@ class StreamSource(_OpenCVSource):
         if not capture.isOpened():
             capture.release()
             raise self._lost(
-                f"cannot open stream {_redact(self.url)} within {open_timeout_s:g} s "
+                f"cannot open stream {redact_url(self.url)} within {open_timeout_s:g} s "
                 "(peer down, wrong path or credentials, or no video track)"
             )
         fps = capture.get(cv2.CAP_PROP_FPS)
@@ -611,14 +723,14 @@ class StreamSource(_OpenCVSource):
             width=int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)),
             height=int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)),
             fps=float(fps) if math.isfinite(fps) and 0 < fps <= 1000 else camera.fps,
-            fourcc=_fourcc_text(capture.get(cv2.CAP_PROP_FOURCC)),
+            fourcc=fourcc_text(capture.get(cv2.CAP_PROP_FOURCC)),
             backend=self.backend,
         )
         self._capture = capture
         log.info(
             "camera %s: stream %s delivers %s",
             camera.id,
-            _redact(self.url),
+            redact_url(self.url),
             self.granted.describe(),
         )
 
@@ -627,7 +739,7 @@ class StreamSource(_OpenCVSource):
 
     def _grab_failure(self) -> str:
         return (
-            f"stream {_redact(self.url)} ended or sent nothing for {self.read_timeout_s:g} s "
+            f"stream {redact_url(self.url)} ended or sent nothing for {self.read_timeout_s:g} s "
             "(peer gone?)"
         )
 
@@ -660,7 +772,7 @@ class FileSource(_OpenCVSource):
             width=int(self._capture.get(cv2.CAP_PROP_FRAME_WIDTH)),
             height=int(self._capture.get(cv2.CAP_PROP_FRAME_HEIGHT)),
             fps=float(fps),
-            fourcc=_fourcc_text(self._capture.get(cv2.CAP_PROP_FOURCC)),
+            fourcc=fourcc_text(self._capture.get(cv2.CAP_PROP_FOURCC)),
             backend=self.backend,
         )
         self._pacer = _Pacer(self.granted.fps)

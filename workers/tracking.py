@@ -9,16 +9,23 @@ again).
 Matching is by geometry: the box overlap (IoU) with the face's box in the last frame it was seen;
 a face that was not seen in the previous frame (occluded, or lost and re-detected) may also be
 matched by its centre lying within `max_shift_fraction` of its size from where it was. Greedy,
-best match first. Ids start at 1 per camera and are unique for the life of the worker process;
-they travel in a float32 LSL channel, exact up to 2**24.
+best match first.
+
+Ids are unique for the daemon's life, across its cameras and its workers' restarts: they come
+from blocks the supervisor grants (`TrackIdSource`, one per worker, shared by its cameras; Note
+[Track id blocks] in facecast.daemon.track_ids), never from a counter of this process.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from facecast.models.nms import box_pair_iou
+from facecast.shared.messages import TRACK_ID_LIMIT
 
 Box = tuple[float, float, float, float]
 
@@ -31,33 +38,73 @@ class _Known:
     seen_in_last_frame: bool = True
 
 
-def box_iou(a: np.ndarray, b: np.ndarray) -> float:
-    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
-    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
-    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return float(inter / union) if union > 0 else 0.0
+class TrackIdSource:
+    """The track ids one worker may hand out: the blocks the supervisor granted it, used in
+    order (Note [Track id blocks] in facecast.daemon.track_ids). It never waits and never makes
+    an id up: `take` says None when it is dry, and `wants_more` says when to ask for the next
+    block, early enough (half of the newest block left) that the answer comes before that."""
+
+    def __init__(self, limit: int = TRACK_ID_LIMIT) -> None:
+        self.limit = limit  # ids are below this (float32-exact)
+        self.blocks_granted = 0
+        self._blocks: deque[list[int]] = deque()  # [next id, end] per block, oldest first
+        self._reserve = 0  # ask for more when this many ids or fewer are left
+        self._granted_end = 1  # one past the highest id granted so far
+
+    def add(self, start: int, count: int) -> None:
+        """Ids start .. start + count - 1 are this worker's. ValueError (nothing added) for a
+        block that is empty, out of range, or overlaps ids granted before: a supervisor bug
+        that would repeat ids."""
+        end = start + count
+        if count < 1 or start < 1 or end > self.limit:
+            raise ValueError(f"track id block {start}+{count} is not within 1 .. {self.limit - 1}")
+        if start < self._granted_end:
+            raise ValueError(f"track id block {start}..{end - 1} overlaps ids granted before "
+                             f"(up to {self._granted_end - 1}): refused, ids must never repeat")
+        self._blocks.append([start, end])
+        self._granted_end = end
+        self._reserve = count // 2
+        self.blocks_granted += 1
+
+    @property
+    def remaining(self) -> int:
+        return sum(end - next_id for next_id, end in self._blocks)
+
+    def wants_more(self) -> bool:
+        """Half of the newest block is used (or nothing was granted yet): time to ask."""
+        return self.remaining <= self._reserve
+
+    def take(self) -> int | None:
+        """The next unused id, or None when every granted id is used."""
+        while self._blocks:
+            block = self._blocks[0]
+            if block[0] < block[1]:
+                block[0] += 1
+                return block[0] - 1
+            self._blocks.popleft()
+        return None
 
 
 class TrackIds:
-    """Stable ids for the faces of one camera."""
+    """Stable ids for the faces of one camera, taken from the worker's `TrackIdSource`."""
 
-    def __init__(self, hold_s: float = 1.0, min_iou: float = 0.2,
+    def __init__(self, ids: TrackIdSource, hold_s: float = 1.0, min_iou: float = 0.2,
                  max_shift_fraction: float = 0.75) -> None:
+        self.ids = ids
         self.hold_s = hold_s
         self.min_iou = min_iou
         self.max_shift_fraction = max_shift_fraction
         self._known: list[_Known] = []
-        self._next_id = 1
 
-    def assign(self, boxes_px: Sequence[Box], capture_ts_lsl: float) -> list[int]:
-        """The id of each box of this frame, in order."""
+    def assign(self, boxes_px: Sequence[Box], capture_ts_lsl: float) -> list[int | None]:
+        """The id of each box of this frame, in order. None for a new face when the source is
+        dry: the face has no name (yet) and must not be published; the next frame tries again."""
         self._known = [k for k in self._known if capture_ts_lsl - k.last_seen_ts_lsl <= self.hold_s]
         boxes = [np.asarray(box, dtype=np.float64) for box in boxes_px]
         candidates = []  # (overlapping?, similarity, face index, known index): overlaps first
         for i, box in enumerate(boxes):
             for j, known in enumerate(self._known):
-                iou = box_iou(box, known.box_px)
+                iou = box_pair_iou(box, known.box_px)
                 if iou >= self.min_iou:
                     candidates.append((True, iou, i, j))
                 elif not known.seen_in_last_frame:
@@ -74,14 +121,14 @@ class TrackIds:
             known.seen_in_last_frame = j in matched_known
         for i, box in enumerate(boxes):
             if ids[i] is None:
-                ids[i] = self._next_id
-                self._next_id += 1
-                self._known.append(_Known(ids[i], box, capture_ts_lsl))
+                ids[i] = self.ids.take()
+                if ids[i] is not None:
+                    self._known.append(_Known(ids[i], box, capture_ts_lsl))
             else:
                 known = next(k for k in self._known if k.track_id == ids[i])
                 known.box_px, known.last_seen_ts_lsl = box, capture_ts_lsl
                 known.seen_in_last_frame = True
-        return [int(track_id) for track_id in ids]
+        return [None if track_id is None else int(track_id) for track_id in ids]
 
     def _closeness(self, box: np.ndarray, old_box: np.ndarray) -> float:
         """In (0, 1] for a face whose centre is near where an occluded one was, else 0."""

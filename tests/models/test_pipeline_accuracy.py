@@ -2,8 +2,9 @@
 scripts/make_mediapipe_fixtures.py with mediapipe 0.10.21; versions in the fixture's JSON) and
 against the known placement of faces pasted into 1080p canvases.
 
-Needs the converted MediaPipe models (`facecast models install`); skipped with the reason
-otherwise.
+The pipelines' fixtures request ``installed_models`` (tests/models/conftest.py), which installs
+the MediaPipe models on first use ($FACECAST_MODEL_DIR or the user's cache), so that this file
+runs alone too.
 """
 
 from __future__ import annotations
@@ -50,24 +51,19 @@ def reference():
 
 
 def _pipeline(device: str):
-    from facecast.models import assets
     from facecast.models.pipeline import FacePipeline
 
-    missing = [n for n in ("face_detection_short_range", "face_detection_full_range", "face_landmark_with_attention")
-               if n not in assets.installed()]
-    if missing:
-        pytest.skip(f"MediaPipe models not installed ({', '.join(missing)}); run `facecast models install`")
-    return FacePipeline(device, max_faces=4)
+    return FacePipeline(device, max_faces=4)  # its models: where installed_models put them
 
 
 @pytest.fixture(scope="module")
-def cpu_pipeline():
+def cpu_pipeline(installed_models):
     torch.set_num_threads(2)
     return _pipeline("cpu")
 
 
 @pytest.fixture(scope="module")
-def gpu_pipeline():
+def gpu_pipeline(installed_models):
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device on this machine")
     return _pipeline("cuda")
@@ -224,9 +220,9 @@ def test_tracking_runs_the_detector_only_when_needed(cpu_pipeline, reference):
         frame[50 + 3 * step: 450 + 3 * step, 100 + 6 * step: 500 + 6 * step] = face
         moving.append(frame)
     detected_each_frame = [cpu_pipeline([frame])[0][0] for frame in moving]
-    counter = CountingModule(cpu_pipeline.short_range)
-    original = cpu_pipeline.short_range
-    cpu_pipeline.short_range = counter
+    counter = CountingModule(cpu_pipeline.detector.short_range)
+    original = cpu_pipeline.detector.short_range
+    cpu_pipeline.detector.short_range = counter
     try:
         tracked = [cpu_pipeline.track([frame], ["cam0"])[0] for frame in moving]
         assert counter.calls == 1, "the detector ran on a frame where the track held"
@@ -243,7 +239,7 @@ def test_tracking_runs_the_detector_only_when_needed(cpu_pipeline, reference):
         assert len(cpu_pipeline.track([moving[0]], ["cam0"])[0]) == 1
         assert counter.calls == 2
     finally:
-        cpu_pipeline.short_range = original
+        cpu_pipeline.detector.short_range = original
         cpu_pipeline.reset()
 
 

@@ -8,7 +8,9 @@ projection back. It shares with facecast only the photos and the reading of Medi
 the plausibility tests (nose in MediaPipe's own face box, left/right order, shoulders below the
 eyes, rotated and letterboxed frames) do not depend on that reading.
 
-Needs the installed MediaPipe models (``facecast models install`` or $FACECAST_MODEL_DIR).
+The models come from the ``installed_models`` and ``model_dir`` fixtures (tests/models/conftest.py),
+which install them on first use ($FACECAST_MODEL_DIR or the user's cache): this file runs alone
+too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from facecast.models import cuda_graphs
 from facecast.models import pose as pose_mod
 
 from counting import CountingModule  # tests/models/counting.py
@@ -170,25 +173,16 @@ def litert_pose(rgb: np.ndarray, detector, landmarker, roi=None) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pipeline(device: str) -> pose_mod.PosePipeline:
-    from facecast.models import assets
-
-    missing = [n for n in ("pose_detection", "pose_landmark_full") if n not in assets.installed()]
-    if missing:
-        pytest.skip(f"MediaPipe models not installed ({', '.join(missing)}); run `facecast models install`")
-    return pose_mod.PosePipeline(device, max_poses=1)
+@pytest.fixture(scope="module")
+def cpu_pipeline(model_dir):
+    return pose_mod.PosePipeline("cpu", max_poses=1, model_dir=model_dir)
 
 
 @pytest.fixture(scope="module")
-def cpu_pipeline():
-    return _pipeline("cpu")
-
-
-@pytest.fixture(scope="module")
-def gpu_pipeline():
+def gpu_pipeline(model_dir):
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device on this machine")
-    return _pipeline("cuda")
+    return pose_mod.PosePipeline("cuda", max_poses=1, model_dir=model_dir)
 
 
 # A photo pasted into a larger grey canvas: (canvas height, width, paste x, paste y). Wide and
@@ -542,7 +536,7 @@ def test_batch_buckets_pad_to_a_power_of_two_and_cut_back():
             return batch.sum(dim=(1, 2, 3)), batch[:, :1, :1, 0]
 
     batch = torch.arange(3 * 2 * 2 * 3, dtype=torch.float32).reshape(3, 2, 2, 3)
-    sums, corners = pose_mod.BatchBuckets(Rows())(batch)
+    sums, corners = cuda_graphs.BatchBuckets(Rows())(batch)
     assert seen == [4]
     assert torch.equal(sums, batch.sum(dim=(1, 2, 3))) and torch.equal(corners, batch[:, :1, :1, 0])
-    assert [pose_mod.BatchBuckets.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [cuda_graphs.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]

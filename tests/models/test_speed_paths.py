@@ -21,8 +21,6 @@ judged, 2% median in test_pipeline_accuracy.py):
 
 from __future__ import annotations
 
-import math
-
 import cv2
 import numpy as np
 import pytest
@@ -30,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from facecast.models import anchors, pipeline as pipeline_mod, roi, tflite_convert, tflite_ops
+from facecast.models import anchors, cuda_graphs, face_detection, face_mesh, roi, tflite_convert, tflite_ops
 from facecast.models.nms import box_iou, weighted_nms
 from facecast.models.pipeline import FacePipeline
 
@@ -74,8 +72,9 @@ def cpu_pipeline(installed_models):
 
 
 def test_buckets_are_powers_of_two_up_to_the_cap():
-    assert [pipeline_mod._bucket(n, 32) for n in (1, 2, 3, 4, 5, 17, 32)] == [1, 2, 4, 4, 8, 32, 32]
-    assert pipeline_mod._bucket(200, 256) == 256 and pipeline_mod._bucket(64, 256) == 64
+    assert [cuda_graphs.bucket(n, 32) for n in (1, 2, 3, 4, 5, 17, 32)] == [1, 2, 4, 4, 8, 32, 32]
+    assert cuda_graphs.bucket(200, 256) == 256 and cuda_graphs.bucket(64, 256) == 64
+    assert cuda_graphs.buckets_up_to(5, 4) == [1, 2, 4] and cuda_graphs.buckets_up_to(9) == [1, 2, 4, 8, 16]
 
 
 def _touches_inner_border(box, tile, frame_h, frame_w, margin_px=4.0) -> bool:
@@ -94,8 +93,8 @@ def test_tile_border_test_matches_the_per_tile_rule(frame_hw):
     centres = torch.rand(len(tiles) + 1, 500, 2, generator=gen) * torch.tensor([width, height])
     sizes = 10 + torch.rand(len(tiles) + 1, 500, 1, generator=gen) * 200
     boxes = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)
-    edges = torch.tensor([pipeline_mod._NO_CUT] + [pipeline_mod._tile_cut_edges(t, height, width) for t in tiles])
-    cut = pipeline_mod._cut_by_tile_border(boxes, edges)
+    edges = torch.tensor([face_detection.NO_CUT] + [face_detection.tile_cut_edges(t, height, width) for t in tiles])
+    cut = face_detection.cut_by_tile_border(boxes, edges)
     assert not cut[0].any()  # the letterbox row: no inner border
     for row, tile in enumerate(tiles, start=1):
         expected = [_touches_inner_border(b.tolist(), tile, height, width) for b in boxes[row]]
@@ -104,7 +103,7 @@ def test_tile_border_test_matches_the_per_tile_rule(frame_hw):
 
 def test_detector_plan_lists_each_frames_inputs_in_order(cpu_pipeline):
     sizes = ((1080, 1920), (360, 640), (720, 1280))
-    plan = cpu_pipeline._make_plan(sizes, tiles=True)
+    plan = cpu_pipeline.detector.make_plan(sizes, tiles=True)
     per_frame = [1 + len(roi.tile_rects(h, w, 720, 200)) for h, w in sizes]
     assert per_frame == [9, 1, 4]
     assert plan.owner.tolist() == [0] * 9 + [1] + [2] * 4
@@ -116,7 +115,7 @@ def test_detector_plan_lists_each_frames_inputs_in_order(cpu_pipeline):
     assert plan.rects.center_xy_px[9].tolist() == [320.0, 180.0] and plan.rects.size_wh_px[9, 0] == 640
     assert plan.rects.center_xy_px[10].tolist() == [640.0, 360.0]
     assert plan.rects.center_xy_px[11:14].tolist() == [[t[0], t[1]] for t in roi.tile_rects(720, 1280, 720, 200)]
-    short = cpu_pipeline._make_plan(sizes, tiles=False)
+    short = cpu_pipeline.detector.make_plan(sizes, tiles=False)
     assert short.owner.tolist() == [0, 1, 2] and short.pool_rows.shape == (3, 1)
 
 
@@ -230,8 +229,8 @@ def _reference_detect(pipeline: FacePipeline, frame_bgr: np.ndarray):
         rects = roi.RotatedRects(table[:, :2], table[:, 2:3].expand(-1, 2).contiguous(), torch.zeros(len(inputs)))
         size = spec.anchors.input_size_px
         crops = roi.crop_rois(batch, torch.zeros(len(inputs)), rects, size, border="zero") * 2 - 1
-        raw_boxes, raw_scores = pipeline._detector_outputs(tiles, crops)
-        decoded = anchors.decode(raw_boxes, raw_scores, pipeline.anchors[spec.name], spec)
+        raw_boxes, raw_scores = pipeline.detector.outputs(tiles, crops)
+        decoded = anchors.decode(raw_boxes, raw_scores, pipeline.detector.anchors[spec.name], spec)
         boxes = roi.project_boxes(decoded.boxes * size, rects, size)
         keypoints = roi.project_points((decoded.keypoints * size).reshape(len(inputs), -1, 2), rects,
                                        size).reshape(decoded.keypoints.shape)
@@ -276,7 +275,7 @@ def test_tracking_with_detections_from_elsewhere_including_an_empty_frame(cpu_pi
     try:
         faces = cpu_pipeline.track(frames, ["a", "b"], detections={0: found[0], 1: empty})
         assert len(faces[0]) == 3 and faces[1] == []
-        assert cpu_pipeline._cameras["b"].frames_since_detection == 0
+        assert cpu_pipeline.tracks.cameras["b"].frames_since_detection == 0
         again = cpu_pipeline.track(frames, ["a", "b"], detections={0: found[0]})  # all three already tracked
         assert len(again[0]) == 3 and all(face.tracked for face in again[0])
     finally:
@@ -287,7 +286,7 @@ def test_tracking_with_detections_from_elsewhere_including_an_empty_frame(cpu_pi
 
 
 class _CallInsteadOfReplay:
-    """Stands in for pipeline._Captured: same statics/outputs contract, ``fn`` run at replay."""
+    """Stands in for cuda_graphs.Captured: same statics/outputs contract, ``fn`` run at replay."""
 
     made: list = []
 
@@ -302,6 +301,15 @@ class _CallInsteadOfReplay:
         for static, value in zip(_flat(self.outputs), _flat(fresh)):
             static.copy_(value)
         return self.outputs
+
+
+def _graphs_on_the_cpu(pipeline, monkeypatch, capture) -> None:
+    """The pipeline's CUDA-graph logic switched on, with ``capture`` in place of a real capture
+    and no graph or fallback yet."""
+    monkeypatch.setattr(pipeline.graphs, "enabled", True)
+    monkeypatch.setattr(pipeline.graphs, "capture", capture)
+    monkeypatch.setattr(pipeline.graphs, "captured", {})
+    monkeypatch.setattr(pipeline.graphs, "fallbacks", {})
 
 
 def _flat(outputs):
@@ -330,19 +338,17 @@ def _same_faces(expected, got, atol_px):
 def test_graph_bookkeeping_gives_the_eager_results(cpu_pipeline, photos, monkeypatch):
     frames = [scene_1080p(photos, shift) for shift in (0, 10, 20)]
     expected = cpu_pipeline(frames)
-    monkeypatch.setattr(pipeline_mod, "MAX_GRAPH_FRAMES", 4)  # 3 frames: padded to 4
-    monkeypatch.setattr(pipeline_mod, "MAX_GRAPH_FACES", 4)  # 9 faces: chunks of 4, 4 and 1
-    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", True)
-    monkeypatch.setattr(cpu_pipeline, "_capture", _CallInsteadOfReplay)
-    monkeypatch.setattr(cpu_pipeline, "_graphs", {})
+    monkeypatch.setattr(face_detection, "MAX_GRAPH_FRAMES", 4)  # 3 frames: padded to 4
+    monkeypatch.setattr(face_mesh, "MAX_GRAPH_FACES", 4)  # 9 faces: chunks of 4, 4 and 1
+    _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
     _CallInsteadOfReplay.made = []
     _same_faces(expected, cpu_pipeline(frames), atol_px=1e-2)
-    assert sorted(cpu_pipeline._graphs) == [("detect", (1080, 1920, 4, True)), ("mesh", (1, torch.float32)),
+    assert sorted(cpu_pipeline.graphs.captured) == [("detect", (1080, 1920, 4, True)), ("mesh", (1, torch.float32)),
                                             ("mesh", (4, torch.float32))]
     # One frame: a new detection graph; its 3 faces replay the 4-face graph, one row padded with
     # the previous call's data, which must not leak into the results.
     _same_faces(expected[2:], cpu_pipeline(frames[2:]), atol_px=1e-2)
-    assert ("detect", (1080, 1920, 1, True)) in cpu_pipeline._graphs and len(_CallInsteadOfReplay.made) == 4
+    assert ("detect", (1080, 1920, 1, True)) in cpu_pipeline.graphs.captured and len(_CallInsteadOfReplay.made) == 4
     assert cpu_pipeline.graph_fallbacks == {}
 
 
@@ -352,10 +358,7 @@ def test_a_stage_that_cannot_be_captured_runs_eagerly_and_says_why(cpu_pipeline,
 
     frames = [scene_1080p(photos)]
     expected = cpu_pipeline(frames)
-    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", True)
-    monkeypatch.setattr(cpu_pipeline, "_capture", refuse)
-    monkeypatch.setattr(cpu_pipeline, "_graphs", {})
-    monkeypatch.setattr(cpu_pipeline, "graph_fallbacks", {})
+    _graphs_on_the_cpu(cpu_pipeline, monkeypatch, refuse)
     _same_faces(expected, cpu_pipeline(frames), atol_px=1e-3)
     assert cpu_pipeline.graph_fallbacks == {
         "detect": "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
@@ -398,9 +401,9 @@ class _HostWork(TorchDispatchMode):
 
 def _warm_detection(pipeline, frames):
     batch = roi.FrameBatch(frames, "cpu")
-    plans = pipeline._plans_for(tuple(batch.sizes_hw))
+    plans = pipeline.detector.plans_for(tuple(batch.sizes_hw))
     index = torch.arange(len(frames))
-    pipeline._detect_core(batch, index, plans)  # caches made on first use stay out, as in the warm-up
+    pipeline.detector.core(batch, index, plans)  # caches made on first use stay out, as in the warm-up
     return batch, index, plans
 
 
@@ -408,7 +411,7 @@ def test_the_detection_stage_can_be_captured(cpu_pipeline, photos):
     with torch.inference_mode():
         batch, index, plans = _warm_detection(cpu_pipeline, [scene_1080p(photos)] * 2)
         with _HostWork() as spy:
-            cpu_pipeline._detect_core(batch, index, plans)
+            cpu_pipeline.detector.core(batch, index, plans)
     assert spy.found == []
 
 
@@ -418,9 +421,9 @@ def test_the_mesh_stage_can_be_captured(cpu_pipeline, photos):
                                            torch.full((2, 2), 200.0), torch.zeros(2)), 192)
     rects = roi.RotatedRects(torch.zeros(2, 2), torch.full((2, 2), 200.0), torch.zeros(2))
     with torch.inference_mode():
-        cpu_pipeline._landmarks_core(crops, rects)
+        cpu_pipeline.measurer.landmarks_core(crops, rects)
         with _HostWork() as spy:
-            cpu_pipeline._landmarks_core(crops, rects)
+            cpu_pipeline.measurer.landmarks_core(crops, rects)
     assert spy.found == [], spy.found
 
 
@@ -517,7 +520,7 @@ def test_fast_detection_of_32_cameras_matches_float32(gpu_pipelines, photos, var
 @needs_cuda
 def test_cuda_convolution_weights_are_channels_last(gpu_pipelines):
     for pipe in gpu_pipelines.values():
-        for model in (pipe.short_range, pipe.full_range, pipe.mesh):
+        for model in (pipe.detector.short_range, pipe.detector.full_range, pipe.measurer.mesh):
             convs = [m for m in model.modules() if isinstance(m, tflite_ops.Conv2d)]
             assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
             assert all(c.weight.dtype == pipe.model_dtype for c in convs)
@@ -525,14 +528,12 @@ def test_cuda_convolution_weights_are_channels_last(gpu_pipelines):
 
 def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypatch):
     """Note [Warm shapes]: after warm_up, no batch of 1..max frames or faces meets a new shape."""
-    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", True)
-    monkeypatch.setattr(cpu_pipeline, "_capture", _CallInsteadOfReplay)
-    monkeypatch.setattr(cpu_pipeline, "_graphs", {})
+    _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
     cpu_pipeline.warm_up([(360, 640), (360, 640)], max_frames=3, max_faces=5)
-    assert sorted(cpu_pipeline._graphs) == [
+    assert sorted(cpu_pipeline.graphs.captured) == [
         ("detect", (360, 640, 1, True)), ("detect", (360, 640, 2, True)),
         ("detect", (360, 640, 4, True)),
         ("mesh", (1, torch.float32)), ("mesh", (2, torch.float32)), ("mesh", (4, torch.float32)),
         ("mesh", (8, torch.float32))]
-    monkeypatch.setattr(cpu_pipeline, "cuda_graphs", False)
+    monkeypatch.setattr(cpu_pipeline.graphs, "enabled", False)
     cpu_pipeline.warm_up([(360, 640)], max_frames=3, max_faces=5)  # eager: nothing to prepare

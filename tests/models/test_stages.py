@@ -14,7 +14,7 @@ import skimage.data
 import torch
 
 from facecast.models import anchors, head_pose, nms, roi
-from facecast.models.pipeline import (
+from facecast.models.face_mesh import (
     LEFT_EYE_TO_MESH,
     LIPS_TO_MESH,
     RIGHT_EYE_TO_MESH,
@@ -168,6 +168,36 @@ def test_weighted_nms_caps_the_number_of_detections():
 def test_box_iou_degenerate_boxes_are_zero_not_nan():
     iou = nms.box_iou(torch.tensor([[0.0, 0.0, 0.0, 0.0]]), torch.tensor([[0.0, 0.0, 0.0, 0.0], [0, 0, 1, 1.0]]))
     assert iou.tolist() == [[0.0, 0.0]]
+    assert nms.box_iou(np.zeros((1, 4)), np.array([[0.0, 0.0, 0.0, 0.0], [0, 0, 1, 1]])).tolist() == [[0.0, 0.0]]
+
+
+def test_box_iou_on_the_host_is_the_tensor_one():
+    """One IoU for tensors and numpy arrays (the trackers' and the duplicate filter's), equal to
+    the areas worked out by hand and bitwise equal between the two kinds."""
+    a = np.array([[0.0, 0.0, 10.0, 10.0], [5.0, 5.0, 15.0, 25.0]], np.float32)
+    b = np.array([[5.0, 0.0, 15.0, 10.0], [20.0, 20.0, 30.0, 30.0], [0.0, 0.0, 10.0, 10.0]], np.float32)
+    on_host = nms.box_iou(a, b)
+    assert on_host.dtype == np.float32 and on_host.shape == (2, 3)
+    assert on_host[0].tolist() == pytest.approx([50 / 150, 0.0, 1.0])
+    assert on_host[1].tolist() == pytest.approx([50 / 250, 0.0, 25 / 275])
+    assert np.array_equal(on_host, nms.box_iou(torch.from_numpy(a), torch.from_numpy(b)).numpy())
+    assert nms.box_pair_iou((0, 0, 10, 10), np.array([5.0, 0.0, 15.0, 10.0])) == pytest.approx(1 / 3)
+
+
+def test_drop_overlapping_keeps_the_more_present_of_each_overlapping_group():
+    # (name, box, presence): a and b overlap by IoU 0.6, c overlaps b alone by 1/3, d is apart.
+    items = [("a", (0, 0, 10, 10), 0.7), ("b", (2.5, 0, 12.5, 10), 0.9), ("c", (7.5, 0, 17.5, 10), 0.8),
+             ("d", (50, 50, 60, 60), 0.6)]
+
+    def kept(max_iou, as_tensor):
+        box_of = (lambda item: torch.tensor(item[1])) if as_tensor else (lambda item: np.array(item[1], np.float32))
+        return [name for name, _, _ in nms.drop_overlapping(items, box_of, lambda item: item[2], max_iou)]
+
+    for as_tensor in (False, True):
+        assert kept(0.5, as_tensor) == ["b", "c", "d"]  # best first; a goes with b
+        assert kept(0.2, as_tensor) == ["b", "d"]  # now c goes with b too
+        assert kept(0.7, as_tensor) == ["b", "c", "a", "d"]  # nothing overlaps by more
+    assert nms.drop_overlapping([], np.array, lambda item: 0.0, 0.5) == []
 
 
 # -- ROI ------------------------------------------------------------------------------------------

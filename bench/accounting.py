@@ -1,0 +1,235 @@
+"""What the whole-daemon bench counts, and how: one set of definitions for both sides.
+
+bench/pipeline.py (facecast: the real daemon, read by real pylsl inlets) and
+bench/mediapipe_baseline.py (MediaPipe's face mesh, one CPU process per camera) both import
+this module, so that a column of the table means the same thing on both sides
+(Note [One definition for both sides]). Nothing here imports torch or mediapipe: it also runs
+inside the baseline's camera processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Note [One definition for both sides]
+#     Before, facecast's "dropped" was frames captured minus frames published, clamped at 0,
+#     while MediaPipe's was frames its source skipped: at 32 cameras facecast's sources made
+#     862 of the 960 frames/s asked for, so by MediaPipe's definition facecast dropped ~9% of
+#     what the table showed as 0. Faces per frame came from two status samples on one side and
+#     every frame on the other. Now both sides count against what was *due*, from every frame:
+#
+#     - the window is a span of capture time, [start_ts_lsl, start_ts_lsl + N / fps), N whole
+#       frame periods, the same for every camera; whatever its phase, a camera paced at fps has
+#       exactly N frames due in it (a frame stamped a little late at one edge is balanced by one
+#       at the other; the count is exact to ±1 per camera, usually 0);
+#     - published = frames captured in the window that produced a result: for facecast a sample
+#       read by a real pylsl inlet (a frame counts once whatever the number of face slots; an
+#       all-NaN sample, "no face in this frame", is a result); for MediaPipe `FaceMesh.process`
+#       returning on the frame;
+#     - dropped = due - published, a count and a share of due, never clamped (a negative value
+#       would be a counting error on display, not hidden);
+#     - faces: every published frame against the synthetic scene's ground truth (its capture
+#       timestamp gives the faces' boxes, workers/sources.py SyntheticScene.faces_at);
+#     - latency: capture timestamp → result available in the process that produced it (facecast:
+#       the output worker, right after the LSL push; MediaPipe: `FaceMesh.process` returned),
+#       p50 and p99 per camera, the worst camera's reported.
+
+MIN_IOU = 0.5  # a result's box matches a true face when their IoU is at least this
+# Face widths (the detector-style box of SyntheticScene's ground truth) are counted in these bins.
+SIZE_BINS_PX = ((0, 150, "<150 px"), (150, 300, "150-300 px"), (300, math.inf, ">=300 px"))
+
+DEFINITIONS = {
+    "window": "a span of capture time of N whole frame periods (N = round(measure_s x fps)), "
+              "the same for every camera of a run",
+    "frames_due": "cameras x N: the frames the cameras were asked to capture in the window",
+    "frames_published": "frames captured in the window that produced a result: facecast, a "
+                        "sample read by a real pylsl inlet (once per frame, any face slot; an "
+                        "all-NaN 'no face' sample counts); MediaPipe, FaceMesh.process returned",
+    "dropped": "frames_due - frames_published, and as % of frames_due; never clamped (skipped "
+               "by the source, by a worker that fell behind, or lost)",
+    "published_fps": "frames_published / window length",
+    "latency_ms": "capture timestamp -> result available in the producing process (facecast: "
+                  "the output worker right after its LSL push, its last 512 frames per camera "
+                  "read after the window; MediaPipe: FaceMesh.process returned, every frame of "
+                  "the window); p50 and p99 per camera, the worst camera's",
+    "faces": f"every published frame against the synthetic scene's ground truth: a result "
+             f"counts as a found face when its detector-style box has IoU >= {MIN_IOU} with a "
+             f"true face's box (each used once); found/true by face width; extra = results "
+             f"matching no true face; faces_per_frame = found / frames_published",
+    "cpu_cores_busy": "user+system CPU seconds of the side's processes per second of the window "
+                      "(facecast: the daemon's process tree, not the bench's inlets; MediaPipe: "
+                      "its camera processes); both include rendering the synthetic frames",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The window and the frame counts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A span of capture time (`pylsl.local_clock()`), a whole number of frame periods long."""
+
+    start_ts_lsl: float
+    frames_per_camera: int
+    fps: float
+
+    @classmethod
+    def starting_at(cls, start_ts_lsl: float, measure_s: float, fps: float) -> Window:
+        frames = round(measure_s * fps)
+        if frames < 1:
+            raise ValueError(f"a window of {measure_s} s holds no frame at {fps} fps")
+        return cls(start_ts_lsl, frames, fps)
+
+    @property
+    def length_s(self) -> float:
+        return self.frames_per_camera / self.fps
+
+    @property
+    def end_ts_lsl(self) -> float:
+        return self.start_ts_lsl + self.length_s
+
+    def contains(self, capture_ts_lsl: float) -> bool:
+        return self.start_ts_lsl <= capture_ts_lsl < self.end_ts_lsl
+
+
+def frame_counts(cameras: int, window: Window, published: int) -> dict:
+    """frames_due, frames_published, dropped (count and % of due, never clamped), published_fps."""
+    due = cameras * window.frames_per_camera
+    dropped = due - published
+    return {
+        "window_s": round(window.length_s, 3),
+        "frames_due": due,
+        "frames_published": published,
+        "dropped": dropped,
+        "dropped_pct": round(100.0 * dropped / due, 2),
+        "published_fps": round(published / window.length_s, 1),
+    }
+
+
+def worst_camera_latency(per_camera_ms: Iterable[tuple[float, float]]) -> dict:
+    """(p50, p99) of each camera → the worst camera's p50 and p99 (each the max over cameras)."""
+    pairs = [(p50, p99) for p50, p99 in per_camera_ms if p50 is not None and p99 is not None]
+    if not pairs:
+        return {"latency_p50_ms": None, "latency_p99_ms": None}
+    return {"latency_p50_ms": round(max(p for p, _ in pairs), 1),
+            "latency_p99_ms": round(max(p for _, p in pairs), 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Faces against the ground truth
+# ---------------------------------------------------------------------------------------------
+
+Box = Sequence[float]  # x1, y1, x2, y2 in frame pixels
+
+# Note [Box of a tracked face] in models/face_mesh.py: how facecast turns a face's mesh into the
+# box MediaPipe's detector would draw. The baseline's results are meshes only, so their boxes are
+# made the same way, with facecast's constants (tests/test_bench_accounting.py checks that they and
+# mesh_box_px agree with models/face_mesh.py, which cannot be imported here: it needs torch).
+TRACKED_BOX_CENTER_OFFSET = (0.016, 0.059)
+TRACKED_BOX_SIDE = 0.924
+NUM_MESH_POINTS = 468
+
+
+def mesh_box_px(landmarks_px: np.ndarray) -> tuple[float, float, float, float]:
+    """The detector-style box (x1, y1, x2, y2), in pixels, of one face's landmarks (≥468, 2+)."""
+    mesh = np.asarray(landmarks_px, dtype=np.float64)[:NUM_MESH_POINTS, :2]
+    low, high = mesh.min(axis=0), mesh.max(axis=0)
+    side = float((high - low).max())
+    centre = (low + high) / 2 + side * np.asarray(TRACKED_BOX_CENTER_OFFSET)
+    half = side * TRACKED_BOX_SIDE / 2
+    return (float(centre[0] - half), float(centre[1] - half),
+            float(centre[0] + half), float(centre[1] + half))
+
+
+def box_iou(a: Box, b: Box) -> float:
+    inter_w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    inter_h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    intersection = inter_w * inter_h
+    union = ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - intersection)
+    return intersection / union if union > 0 else 0.0
+
+
+def match(truth_boxes: Sequence[Box], result_boxes: Sequence[Box]) -> list[tuple[int, int]]:
+    """(truth index, result index) pairs with IoU >= MIN_IOU, best IoU first, each used once."""
+    candidates = sorted(((box_iou(t, r), ti, ri) for ti, t in enumerate(truth_boxes)
+                         for ri, r in enumerate(result_boxes)), reverse=True)
+    pairs, used_truths, used_results = [], set(), set()
+    for iou, ti, ri in candidates:
+        if iou < MIN_IOU:
+            break
+        if ti not in used_truths and ri not in used_results:
+            pairs.append((ti, ri))
+            used_truths.add(ti)
+            used_results.add(ri)
+    return pairs
+
+
+def width_bin(size_px: float) -> str:
+    return next(label for low, high, label in SIZE_BINS_PX if low <= size_px < high)
+
+
+@dataclass
+class FaceTally:
+    """True faces and the found ones, by face width, over published frames (Note [One
+    definition for both sides]). `add` once per published frame; `merge` sums another's dict."""
+
+    true: dict[str, int] = field(default_factory=dict)
+    found: dict[str, int] = field(default_factory=dict)
+    results: int = 0  # all result boxes, matched or not
+    extra: int = 0  # result boxes that matched no true face
+    frames: int = 0
+    iou_sum: float = 0.0  # of the matched pairs: how close the found boxes are
+    iou_min: float = 1.0
+
+    def add(self, truths, result_boxes: Sequence[Box]) -> None:
+        """truths: FaceTruth (box_px, size_px) of the frame; result_boxes: x1, y1, x2, y2."""
+        pairs = match([t.box_px for t in truths], result_boxes)
+        self.frames += 1
+        self.results += len(result_boxes)
+        self.extra += len(result_boxes) - len(pairs)
+        for truth in truths:
+            label = width_bin(truth.size_px)
+            self.true[label] = self.true.get(label, 0) + 1
+        for ti, ri in pairs:
+            label = width_bin(truths[ti].size_px)
+            self.found[label] = self.found.get(label, 0) + 1
+            iou = box_iou(truths[ti].box_px, result_boxes[ri])
+            self.iou_sum += iou
+            self.iou_min = min(self.iou_min, iou)
+
+    def as_dict(self) -> dict:
+        return {"true": dict(self.true), "found": dict(self.found), "results": self.results,
+                "extra": self.extra, "frames": self.frames, "iou_sum": self.iou_sum,
+                "iou_min": self.iou_min}
+
+    def merge(self, other: dict) -> None:
+        for key in ("true", "found"):
+            mine = getattr(self, key)
+            for label, count in other[key].items():
+                mine[label] = mine.get(label, 0) + count
+        for key in ("results", "extra", "frames", "iou_sum"):
+            setattr(self, key, getattr(self, key) + other[key])
+        self.iou_min = min(self.iou_min, other["iou_min"])
+
+    def summary(self) -> dict:
+        """JSON: the counts, found/true overall and per width bin, faces per published frame."""
+        true, found = sum(self.true.values()), sum(self.found.values())
+        counts = self.as_dict()
+        del counts["iou_sum"], counts["iou_min"]
+        return {
+            **counts,
+            "matched_iou_mean": round(self.iou_sum / found, 3) if found else None,
+            "matched_iou_min": round(self.iou_min, 3) if found else None,
+            "found_of_true": f"{found}/{true}",
+            "found_pct": round(100.0 * found / true, 1) if true else None,
+            "found_pct_by_width": {label: round(100.0 * self.found.get(label, 0) / n, 1)
+                                   for label, n in self.true.items()},
+            "faces_per_frame": round(found / self.frames, 3) if self.frames else None,
+            "true_faces_per_frame": round(true / self.frames, 3) if self.frames else None,
+        }

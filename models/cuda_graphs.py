@@ -1,0 +1,144 @@
+"""Bounded batch shapes on a GPU: power-of-two batch buckets, and the CUDA graphs of the face
+pipeline's fixed-shape stages (Note [CUDA graphs of the pipeline], Note [Warm shapes]).
+
+Shared by :mod:`facecast.models.pipeline` (whose detection and mesh stages replay graphs, one
+per bucket) and :mod:`facecast.models.pose` (whose models pad their batches to a bucket).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Note [CUDA graphs of the pipeline]
+#     With ``cuda_graphs=True`` the two fixed-shape stages are captured once per shape and then
+#     replayed, which removes the launch of each of their ~1,000 (detection) and ~400 (mesh)
+#     kernels from the host:
+#     - detection (crops, both detectors, decode, NMS, merge) for B frames of one size, B rounded
+#       up to a power of two (at most MAX_GRAPH_FRAMES per graph, models/face_detection.py; more
+#       frames are split); its input is a static uint8 frame buffer that the call's frames are
+#       copied into;
+#     - the mesh stage (mesh model, refinement, projection, blendshapes) for N faces rounded up to
+#       a power of two (at most MAX_GRAPH_FACES per graph, models/face_mesh.py); its inputs are
+#       the crops and rects.
+#     Padding rows hold stale data and their results are dropped. Outputs are copied out of the
+#     graph's static tensors before anything else replays, which is what lets all graphs of a
+#     pipeline share one memory pool (replays never overlap: one stream, one caller). A stage
+#     whose capture fails (an operation in it copies from host memory or waits for the device)
+#     runs eagerly from then on; the reason is logged and kept in ``graph_fallbacks``. Frames of
+#     different sizes in one call run eagerly too. Head pose (float64) and the Face objects are
+#     computed after the replay, eagerly.
+#
+# Note [Warm shapes]
+#     On the H200 (torch 2.11, CUDA 13) the first detection pass over a new number of frames took
+#     3.7-4.2 s, the first mesh pass over a new number of faces ~1.5 s (the GPU libraries preparing
+#     that shape; the same with or without channels_last weights); later passes ~10 ms. In the
+#     daemon the batch sizes change all the time (cameras due for detection, faces in view), so
+#     eager passes kept stalling for seconds. The graphs' power-of-two buckets bound the shapes,
+#     and ``warm_up`` runs every bucket a worker can meet once, at boot (or in a warm standby),
+#     before any camera waits on it. The pose models pad their batches the same way
+#     (BatchBuckets below, and PosePipeline.warm_up in models/pose.py).
+
+
+def bucket(count: int, largest: int | None = None) -> int:
+    """The power of two a batch of ``count`` (1..largest) is padded to (Note [Warm shapes])."""
+    padded = 1 << max(0, count - 1).bit_length()
+    return padded if largest is None else min(largest, padded)
+
+
+def buckets_up_to(count: int, largest: int | None = None) -> list[int]:
+    """Every bucket a batch of 1..count can be padded to."""
+    return sorted({bucket(n, largest) for n in range(1, count + 1)})
+
+
+class BatchBuckets(torch.nn.Module):
+    """A model whose batch is padded with zeros to a power of two and cut back after: a GPU then
+    meets a handful of batch shapes, each prepared once (Note [Warm shapes]), instead of a new
+    one, and a stall of seconds, per new person count."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch: torch.Tensor):
+        count = batch.shape[0]
+        padded = bucket(count)
+        if padded != count:
+            batch = torch.cat([batch, batch.new_zeros((padded - count, *batch.shape[1:]))])
+        outputs = self.inner(batch)
+        if isinstance(outputs, torch.Tensor):
+            return outputs[:count]
+        return type(outputs)(output[:count] for output in outputs)
+
+
+class Captured:
+    """One CUDA graph: ``fn`` (no arguments: it reads the static tensors ``statics``, which the
+    caller fills before each replay) captured after two warm-up runs on a side stream."""
+
+    def __init__(self, fn: Callable[[], object], statics: dict, device: torch.device, pool):
+        self.statics = statics
+        # The graph reads every tensor it was captured with by address, also those only ``fn``'s
+        # closure holds (a static batch's offset tables, the frame index): they must live as long
+        # as the graph. Dropping ``fn`` freed them, the allocator handed their memory out again,
+        # and replays indexed with whatever was there (a device-side "index out of bounds" on the
+        # H200, for the first detection graph of a pipeline).
+        self.fn = fn
+        previous = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(previous)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation (cuDNN plans, cached index tensors) stays out of the graph
+                fn()
+        previous.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn()
+        finally:
+            torch.cuda.set_stream(previous)
+
+    def replay(self):
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphCache:
+    """The CUDA graphs of one pipeline's stages, one per stage and shape, in one memory pool
+    (Note [CUDA graphs of the pipeline]); empty and unused unless ``enabled``."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device = device
+        self.enabled = enabled
+        self.captured: dict[tuple, Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if enabled else None
+        self.capture: Callable[..., Captured] = Captured  # tests replace it to run the graph logic on the CPU
+        self.fallbacks: dict[str, str] = {}  # stage → why it runs eagerly
+
+    def replays(self, stage: str) -> bool:
+        """Whether the stage is to be replayed from graphs (enabled, and not fallen back)."""
+        return self.enabled and stage not in self.fallbacks
+
+    def get(self, stage: str, key: tuple, build) -> Captured | None:
+        """The CUDA graph of a stage for one shape, captured on first use; None when the stage
+        runs eagerly (Note [CUDA graphs of the pipeline])."""
+        if stage in self.fallbacks:
+            return None
+        captured = self.captured.get((stage, key))
+        if captured is None:
+            try:
+                fn, statics = build()
+                captured = self.capture(fn, statics, self.device, self.pool)
+            except RuntimeError as error:
+                lines = str(error).strip().splitlines()
+                self.fallbacks[stage] = lines[0] if lines else type(error).__name__
+                log.warning("the %s stage cannot be captured in a CUDA graph (%s); it runs eagerly",
+                            stage, self.fallbacks[stage])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                return None
+            self.captured[(stage, key)] = captured
+        return captured

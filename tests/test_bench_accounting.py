@@ -1,0 +1,143 @@
+"""bench/accounting.py: what the whole-daemon bench counts for facecast and for the MediaPipe
+baseline alike (Note [One definition for both sides]), and bench/pipeline.py's use of it on
+samples as pylsl inlets deliver them. No daemon, no MediaPipe: the counting itself."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import accounting  # noqa: E402 (bench/ is not a package)
+import pipeline  # noqa: E402
+
+from facecast.shared.config import CameraConfig  # noqa: E402
+from facecast.workers.sources import SyntheticScene, synthetic_truth  # noqa: E402
+
+
+def test_mesh_box_is_facecasts_box_of_a_tracked_face():
+    """The baseline's meshes get the box facecast gives a tracked face (Note [Box of a tracked
+    face] in models/face_mesh.py): same constants, same box to float32 precision."""
+    torch = pytest.importorskip("torch")
+    from facecast.models import face_mesh
+
+    assert accounting.TRACKED_BOX_CENTER_OFFSET == face_mesh.TRACKED_BOX_CENTER_OFFSET
+    assert accounting.TRACKED_BOX_SIDE == face_mesh.TRACKED_BOX_SIDE
+    assert accounting.NUM_MESH_POINTS == face_mesh.NUM_MESH_POINTS
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        landmarks = rng.uniform(100, 900, size=(478, 3)).astype(np.float32)
+        expected = face_mesh.boxes_from_landmarks(torch.from_numpy(landmarks)[None])[0].numpy()
+        np.testing.assert_allclose(accounting.mesh_box_px(landmarks), expected, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("phase_s", [0.0, 0.004, 0.0165, 0.0333])
+def test_a_window_of_n_frame_periods_holds_n_frames_of_any_camera(phase_s):
+    fps = 30.0
+    window = accounting.Window.starting_at(1000.0, measure_s=2.0, fps=fps)
+    assert window.frames_per_camera == 60 and window.length_s == pytest.approx(2.0)
+    grid = 990.0 + phase_s + np.arange(1000) / fps  # a camera paced at fps, any phase
+    assert sum(window.contains(ts) for ts in grid) == 60
+
+
+def test_dropped_is_due_minus_published_never_clamped():
+    window = accounting.Window.starting_at(0.0, measure_s=1.0, fps=30.0)
+    short = accounting.frame_counts(cameras=2, window=window, published=45)
+    assert (short["frames_due"], short["dropped"], short["dropped_pct"]) == (60, 15, 25.0)
+    assert short["published_fps"] == 45.0
+    # More published than due is a counting error and must show, not be hidden at 0.
+    over = accounting.frame_counts(cameras=2, window=window, published=61)
+    assert over["dropped"] == -1 and over["dropped_pct"] < 0
+
+
+def test_faces_count_when_their_box_overlaps_a_true_face_enough():
+    truths = SyntheticScene(1920, 1080, seed="cam00").faces_at(12.5)
+    exact = [t.box_px for t in truths]
+    x1, y1, x2, y2 = exact[0]
+    width = x2 - x1
+    moved_far = (x1 + 0.6 * width, y1, x2 + 0.6 * width, y2)  # IoU 0.25: not this face
+    tally = accounting.FaceTally()
+    tally.add(truths, exact)  # both found
+    tally.add(truths, [moved_far])  # none found, one extra
+    tally.add(truths, [exact[1], exact[1]])  # one found, the duplicate is extra
+    tally.add(truths, [])  # a frame with no result: its faces count as not found
+    summary = tally.summary()
+    assert summary["frames"] == 4
+    assert summary["found_of_true"] == "3/8" and summary["extra"] == 2
+    assert summary["faces_per_frame"] == 0.75 and summary["true_faces_per_frame"] == 2.0
+    assert summary["matched_iou_min"] == 1.0
+    merged = accounting.FaceTally()
+    merged.merge(tally.as_dict())
+    merged.merge(tally.as_dict())
+    assert merged.summary()["found_of_true"] == "6/16" and merged.summary()["frames"] == 8
+
+
+@pytest.mark.parametrize("source", ["synthetic", "synthetic-replay"])
+def test_published_frames_count_each_frame_once_from_every_slot_sample(source):
+    """What the bench's inlets got, per camera: a frame is published once whatever the number
+    of face slots, an all-NaN sample is a published frame without a face, samples captured
+    outside the window do not count; faces against the camera's source's own truth."""
+    fps = 30.0
+    window = accounting.Window.starting_at(100.0, measure_s=1.0, fps=fps)
+    scene = synthetic_truth(CameraConfig(id="cam00", source=source, width=pipeline.WIDTH,
+                                         height=pipeline.HEIGHT, fps=fps))
+    stamps, boxes = [], []
+    frame_ts = 100.001 + np.arange(-3, 33) / fps  # 3 before the window, 3 after
+    published_in_window = [ts for ts in frame_ts if window.contains(ts)][:-2]  # 2 never came
+    for k, ts in enumerate(published_in_window + [frame_ts[0], frame_ts[-1]]):
+        truth = [t.box_px for t in scene.faces_at(ts)]
+        slot0 = truth[0]
+        slot1 = truth[1] if k % 2 == 0 else (np.nan,) * 4  # a face missed on odd frames
+        stamps += [ts, ts]
+        boxes += [slot0, slot1]
+    samples = {"cam00": (np.array(stamps), np.array(boxes, np.float64),
+                         np.array(stamps) + 0.030)}
+    counted = pipeline.published_frames(samples, window, ["cam00", "cam01"], source)
+    assert counted["published"] == len(published_in_window) == 28
+    faces = counted["faces"].summary()
+    assert faces["frames"] == 28 and faces["found_of_true"] == f"{28 + 14}/56"
+    assert faces["extra"] == 0
+    assert counted["inlet_latency"]["latency_p99_ms"] == pytest.approx(30.0, abs=0.01)
+    # cam01 published nothing: all its frames are due and dropped.
+    counts = accounting.frame_counts(2, window, counted["published"])
+    assert counts["dropped"] == 60 - 28
+
+
+def test_kills_are_counted_from_the_supervisors_log_lines():
+    log = "\n".join([
+        "x INFO facecast.daemon.process: started capture:cam00 (pid 11)",
+        "x ERROR facecast.daemon.worker_table: worker capture:cam00 (pid 11) hung: did not start "
+        "within 120 s; killing it",
+        "x INFO facecast.daemon.supervisor: ready in 9.6 s: 1 camera",
+        "x ERROR facecast.daemon.worker_table: worker detection:cpu (pid 12) hung: did not start "
+        "within 120 s; killing it",
+        "x WARNING facecast.daemon.process: worker output did not stop in time; killing it",
+        "x ERROR facecast.daemon.process: worker output (pid 13) is stuck even after SIGKILL",
+    ])
+    assert pipeline.kills_in_log(log) == {
+        "workers_hung_at_boot": 1, "workers_hung_booting_later": 1,
+        "workers_sigkilled_at_stop": 1, "workers_stuck_after_sigkill": 1}
+
+
+def test_the_log_lines_the_bench_counts_are_the_ones_the_daemon_writes():
+    """The bench counts kills by the supervisor's wording: a rewording must fail here, not
+    silently count 0."""
+    source = "\n".join(path.read_text() for path in (REPO / "daemon").glob("*.py"))
+    for line in (pipeline.LOG_SIGKILLED_AT_STOP, pipeline.LOG_STUCK_AFTER_SIGKILL,
+                 pipeline.LOG_HUNG_BOOTING):
+        assert line in source, line
+    assert re.search(r'log\.info\("ready\b', source), "the supervisor's 'ready' line moved"
+    assert pipeline.LOG_READY.search("x INFO facecast.daemon.supervisor: ready in 9.6 s: ok")
+
+
+def test_camera_counts_take_spaces_or_commas():
+    assert pipeline.camera_counts(["32,64"]) == [32, 64]
+    assert pipeline.camera_counts(["1", "4", "8,16"]) == [1, 4, 8, 16]
+    with pytest.raises(Exception, match="positive"):
+        pipeline.camera_counts(["0"])
