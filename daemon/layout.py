@@ -18,11 +18,28 @@ Cameras go to GPUs as `cameras[].gpu` says, `-1` round-robin; with no GPU, or wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from facecast.shared.config import Config
 
 ROLES_IN_STOP_ORDER = ("capture", "detection", "roi_landmark", "output")
+# Note [Capture groups]
+#     One capture process per camera isolates a hung driver or a dead stream in the kernel's
+#     way: the other cameras cannot even see it. On a GPU it also costs a CUDA context per
+#     camera, and contexts are what the driver serialises: measured on the H200 (16 cores,
+#     driver 580, 64 synthetic cameras, cuda_ipc), capture processes took 37-40 s to reach their
+#     first frame and 64 processes took 67-93 s to READY, with detection's CUDA graphs taking
+#     45 s to prepare among 67 contexts time-slicing the GPU; at SIGTERM the processes ending
+#     together needed SIGKILL, 31 of them still there 2 s after it. So on a GPU a capture worker
+#     serves a group of cameras, one thread each (Note [Camera threads] in
+#     facecast.workers.capture), sharing one context: `daemon.cameras_per_capture_worker`,
+#     "auto" keeping at most MAX_CAPTURE_WORKERS_PER_GPU capture processes per GPU (so a lab with
+#     up to 8 cameras keeps one process per camera) and one per camera on the CPU. A camera
+#     whose source fails is retried by its thread while the others go on; a group's process that
+#     dies comes back with all its cameras through its warm spare. A group of one camera is
+#     named `capture:<camera>`, a larger one `capture:<device>:<k>`.
+MAX_CAPTURE_WORKERS_PER_GPU = 8
 
 
 @dataclass(frozen=True)
@@ -61,9 +78,27 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
             specs.append(WorkerSpec(f"roi_landmark:{device}:{k}", "roi_landmark", share, device))
     for device, camera_ids in by_device.items():
         specs.append(WorkerSpec(f"detection:{device}", "detection", tuple(camera_ids), device))
-    for camera in config.cameras:
-        specs.append(WorkerSpec(f"capture:{camera.id}", "capture", (camera.id,), devices[camera.id]))
+    for device, camera_ids in by_device.items():
+        groups = capture_groups(config, device, camera_ids)
+        for k, group in enumerate(groups):
+            name = f"capture:{group[0]}" if len(group) == 1 else f"capture:{device}:{k}"
+            specs.append(WorkerSpec(name, "capture", group, device))
     return specs
+
+
+def capture_groups(config: Config, device: str, camera_ids: list[str]) -> list[tuple[str, ...]]:
+    """Note [Capture groups]: the device's cameras, in config order, dealt into capture workers."""
+    per_worker = config.daemon.cameras_per_capture_worker
+    if per_worker == "auto":
+        on_gpu = device != "cpu"
+        per_worker = (math.ceil(len(camera_ids) / MAX_CAPTURE_WORKERS_PER_GPU) if on_gpu else 1)
+    per_worker = max(1, per_worker)
+    return [tuple(camera_ids[i:i + per_worker]) for i in range(0, len(camera_ids), per_worker)]
+
+
+def capture_worker_of(specs: list[WorkerSpec], camera_id: str) -> str:
+    """The name of the capture worker of a camera in a plan."""
+    return next(s.name for s in specs if s.role == "capture" and camera_id in s.camera_ids)
 
 
 def standby_plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
@@ -115,7 +150,7 @@ def reload_plan(old: Config, new: Config, gpu_count: int) -> ReloadPlan:
         before = old_specs.get(name)
         if before is None:
             result.start.append(spec)
-        elif before.device != spec.device or _needs_restart(spec, old, new):
+        elif before.device != spec.device or _needs_restart(before, spec, old, new):
             result.restart.append(spec)
         elif before.camera_ids != spec.camera_ids or _config_for(spec, old) != _config_for(spec, new):
             result.reassign.append(spec)
@@ -125,11 +160,13 @@ def reload_plan(old: Config, new: Config, gpu_count: int) -> ReloadPlan:
     return result
 
 
-def _needs_restart(spec: WorkerSpec, old: Config, new: Config) -> bool:
+def _needs_restart(before: WorkerSpec, spec: WorkerSpec, old: Config, new: Config) -> bool:
     if spec.role == "capture":
-        return (old.camera(spec.camera_ids[0]) != new.camera(spec.camera_ids[0])
-                or old.transport_for(old.camera(spec.camera_ids[0]))
-                != new.transport_for(new.camera(spec.camera_ids[0]))
+        # A capture worker's cameras are fixed for its life (their threads and rings).
+        return (before.camera_ids != spec.camera_ids
+                or any(old.camera(c) != new.camera(c)
+                       or old.transport_for(old.camera(c)) != new.transport_for(new.camera(c))
+                       for c in spec.camera_ids)
                 or old.daemon.ring_slots != new.daemon.ring_slots
                 # The producer decides what its frames' checksum covers (RingDescription).
                 or old.daemon.checksum != new.daemon.checksum)

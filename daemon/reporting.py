@@ -42,7 +42,7 @@ def camera_lines(config: Config, workers) -> list[str]:
 def camera_views(config: Config, workers) -> dict[str, dict]:
     views = {}
     for camera in config.cameras:
-        capture = _report(workers.get(f"capture:{camera.id}"), camera.id)
+        capture = _report(workers.capture_of(camera.id), camera.id)
         output = _report(workers.get("output"), camera.id)
         views[camera.id] = {
             "fps": output.fps if output else 0.0,

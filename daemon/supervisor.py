@@ -401,7 +401,7 @@ class Supervisor:
 
     def _inject_fault(self, fault: InjectFault) -> Ack:
         """Note [Fault injection]."""
-        worker = self.workers.get(f"capture:{fault.camera_id}")
+        worker = self.workers.capture_of(fault.camera_id)
         if not self.allow_fault_injection:
             error = (f"fault injection is off: start the daemon with {FAULT_INJECTION_ENV}=1 "
                      "to allow it (tests only)")
@@ -511,10 +511,10 @@ class Supervisor:
     def _cameras_settled(self) -> bool:
         """Every camera has produced a frame or been reported unavailable (DESIGN §5)."""
         for camera in self.config.cameras:
-            worker = self.workers.get(f"capture:{camera.id}")
+            worker = self.workers.capture_of(camera.id)
             if worker is None or worker.state in GIVEN_UP_STATES:
                 continue
-            report = next(iter(worker.reports), None)
+            report = next((r for r in worker.reports if r.camera_id == camera.id), None)
             if report is None or not (report.frames > 0 or report.source.startswith("lost")):
                 return False
         return True

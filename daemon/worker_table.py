@@ -77,6 +77,11 @@ class WorkerTable:
     def get(self, name: str) -> WorkerProcess | None:
         return self._workers.get(name)
 
+    def capture_of(self, camera_id: str) -> WorkerProcess | None:
+        """The capture worker of a camera (Note [Capture groups] in facecast.daemon.layout)."""
+        return next((w for w in self if w.spec.role == "capture" and not w.spec.standby
+                     and camera_id in w.spec.camera_ids), None)
+
     def remove(self, name: str) -> None:
         self._workers.pop(name, None)
 

@@ -76,6 +76,15 @@ class DaemonConfig(_Strict):
     roi_landmark_workers: Annotated[
         int, msgspec.Meta(ge=1, le=16, description="roi_landmark worker processes per device")
     ] = 1
+    cameras_per_capture_worker: Annotated[
+        Annotated[int, msgspec.Meta(ge=1, le=256)] | Literal["auto"],
+        msgspec.Meta(
+            description="cameras one capture process serves, a thread each (Note [Capture "
+            "groups] in facecast.daemon.layout); auto: one per camera on the CPU and up to 8 "
+            "cameras per GPU, beyond that groups so that a GPU has at most 8 capture processes "
+            "(CUDA contexts)"
+        ),
+    ] = "auto"
     detect_interval_s: Annotated[
         float,
         msgspec.Meta(gt=0, le=60, description="a camera with faces is searched for newcomers this often"),
