@@ -2,8 +2,12 @@
 # no package index) from the repository root:   . bench/gpu_host_env.sh
 #
 # It expects two git-ignored folders carried along with the working tree:
-#   .whl/     the wheels that host lacks (../shared/gpu-host-wheels/README.md, plus ai-edge-litert
-#             and flatbuffers for the LiteRT parity tests), installed into /tmp/fc/site;
+#   .whl/     the cp312 wheels that host lacks (pyzmq, pylsl, pycuda built against CUDA 13 with its
+#             pytools, platformdirs, mako and siphash24, msgspec, tflite, setproctitle, and
+#             ai-edge-litert and flatbuffers for the LiteRT parity tests: `pip download --no-deps
+#             --only-binary=:all: --python-version 3.12 --abi cp312 --platform manylinux_2_28_x86_64
+#             NAME` on a machine with an index; pycuda has no wheel there and is built on such a
+#             host from its sdist), installed into /tmp/fc/site;
 #   .models/  MediaPipe's .tflite files (`facecast models install` puts them in the model cache)
 #             and test_photos.npz (the astronaut and grace_hopper photos: that host has neither
 #             scikit-image nor matplotlib; tests/models/conftest.py reads $FACECAST_TEST_PHOTOS).

@@ -209,9 +209,9 @@ class Supervisor:
         log.info("facecast supervisor %d: runtime dir %s, %d camera(s), %s", os.getpid(),
                  self.runtime_dir, len(self.config.cameras),
                  f"{self.gpu_count} GPU(s)" if self.gpu_count else "no GPU")
-        for spec in layout.plan(self.config, self.gpu_count) + layout.standby_plan(
-                self.config, self.gpu_count):
+        for spec in layout.plan(self.config, self.gpu_count):
             self.workers.start(spec)
+        # The spares start once the daemon is READY (Note [Warm standby]).
 
     def _tick(self, serve: bool) -> None:
         """One turn of the loop: never blocks."""
@@ -476,7 +476,8 @@ class Supervisor:
             self.workers.remove(name)
         for spec in reload.start:
             self.workers.start(spec)
-        self._start_missing_standbys()
+        if self.ready:
+            self._start_missing_standbys()
         self._reload = None
         log.info("reloaded %s: %s", self.config_path, reload.summary)
         self.event("reload", config=self.config_path, result=reload.summary)
@@ -500,13 +501,11 @@ class Supervisor:
     # ============================================================================================
 
     def _workers_up(self) -> bool:
-        """Every worker has booted (the spares too), or was given up on: READY=1 then means the
-        streams carry measurements and the daemon is in its steady state, a dead worker replaced
-        within the 2 s of Note [Warm standby]. (On a GPU the inference workers prepare their
-        CUDA graphs at boot, Note [Warm shapes], which takes seconds after the first frames; a
-        spare booting after READY would take the CPU from the streams just when they start.)"""
-        return all(w.state in (S.RUNNING, S.STANDBY) or w.state in GIVEN_UP_STATES
-                   for w in self.workers)
+        """Every worker of the config (not the spares) has booted, or was given up on: READY=1
+        then means the streams carry measurements. (On a GPU the inference workers prepare their
+        CUDA graphs at boot, Note [Warm shapes], which takes seconds after the first frames.)"""
+        return all(w.state is S.RUNNING or w.state in GIVEN_UP_STATES
+                   for w in self.workers if not w.spec.standby)
 
     def _cameras_settled(self) -> bool:
         """Every camera has produced a frame or been reported unavailable (DESIGN §5)."""
@@ -525,6 +524,7 @@ class Supervisor:
             self.ready = True
             log.info("ready in %.1f s: %s", now - self.started_monotonic, self.summary())
             self.notifier.ready(self.summary())
+            self._start_missing_standbys()
         interval_s = self.notifier.watchdog_interval_s()
         if interval_s is not None and now >= self._next_watchdog_monotonic:
             stuck = self.workers.stuck()

@@ -30,11 +30,13 @@ Note [Warm standby]
     title, log lines, a new control connection under that identity) and says Hello; its
     Assignment and boot are then the normal ones, minus what prepare already did. A fresh spare
     is started STANDBY_RESPAWN_DELAY_S later, so that it does not take the CPU from the promoted
-    worker's boot. Spares start with the other workers and READY=1 waits for them: one booting
-    after READY (3 spares on a 2-core CPU) took so much CPU from the streams that the published
-    rate fell to half the camera's. A spare built for a config that a reload changed is
-    replaced; if the config moved on between prepare and boot anyway, boot loads the models
-    again (slow, never wrong).
+    worker's boot. Spares start once the daemon is READY: booting with the config's workers, a
+    GPU's spares prepared the same CUDA graphs at the same time as the workers READY waits for
+    (64 cameras on the H200: READY after 60 s, the detection worker's graphs taking 45 s among 4
+    processes preparing theirs). The price is on small CPUs: on 2 cores the spares' first
+    seconds after READY take CPU from the streams. A spare built for a config that a reload
+    changed is replaced; if the config moved on between prepare and boot anyway, boot loads the
+    models again (slow, never wrong).
 """
 
 from __future__ import annotations

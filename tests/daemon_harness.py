@@ -247,6 +247,19 @@ class Daemon:
     def worker(self, name: str):
         return next(w for w in self.status().workers if w.name == name)
 
+    def wait_for_spares(self, timeout_s: float = 90.0) -> None:
+        """The warm spares start at READY (Note [Warm standby]); the daemon's steady state, with
+        its 2 s restart promise, begins once each has booted."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            spares = [w for w in self.status().workers if w.standby]
+            if all(w.state == "standby" for w in spares):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"spares not booted within {timeout_s} s: {spares}\n"
+                                     f"{self.log_tail()}")
+            time.sleep(0.1)
+
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()
         return "\n".join(self.log_path.read_text().splitlines()[-lines:])
@@ -290,6 +303,7 @@ def ready_daemon(tmp: Path, config_text: str | None = None, ready_timeout_s: flo
     daemon = Daemon(tmp, config_text=config_text, **options)
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=ready_timeout_s), daemon.log_tail()
+        daemon.wait_for_spares()  # steady state (Note [Warm standby])
         yield daemon
     finally:
         daemon.close()

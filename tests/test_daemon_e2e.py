@@ -43,6 +43,7 @@ def daemon(models, tmp_path_factory):
     daemon = Daemon(tmp_path_factory.mktemp("e2e"))
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=90), daemon.log_tail()
+        daemon.wait_for_spares()  # the measurements below are of the steady state
         yield daemon
     finally:
         daemon.close()

@@ -51,6 +51,7 @@ def test_daemon_end_to_end_over_cuda_ipc(gpu, tmp_path):
     daemon = Daemon(tmp_path, config_text=text)
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
+        daemon.wait_for_spares()  # steady state (Note [Warm standby])
         records = daemon.resolve("Face", count=4)
         recorder = Recorder(records)
         time.sleep(15)

@@ -36,6 +36,7 @@ def daemon(tmp_path_factory):
     daemon = Daemon(tmp_path_factory.mktemp("pose"), config_text=CONFIG)
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
+        daemon.wait_for_spares()  # steady state (Note [Warm standby])
         yield daemon
     finally:
         daemon.close()

@@ -2,7 +2,8 @@
 
 The LSL check runs on the loopback-only configuration that tests/conftest.py puts in $LSLAPICFG.
 The GPU/IPC expectations are this CPU machine's (no GPU: auto uses shm, and says why); on a GPU
-machine those tests skip, with the reason, and tests/gpu covers the CUDA path.
+machine those tests skip, with the reason, and the `gpu` tests (tests/test_cuda_rules.py,
+tests/test_daemon_gpu.py) cover the CUDA path.
 """
 
 from __future__ import annotations

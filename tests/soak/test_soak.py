@@ -259,6 +259,7 @@ class Soak:
         self.daemon = Daemon(self.tmp, config_text=soak_config(self.peer and self.peer.url),
                              env={"FACECAST_ALLOW_FAULT_INJECTION": "1"})
         assert self.daemon.notify.wait_for("READY=1", timeout_s=180), self.daemon.log_tail()
+        self.daemon.wait_for_spares()  # steady state (Note [Warm standby])
         self.supervisor_pid = self.daemon.status().pid
         self.our_pids.add(self.supervisor_pid)
         self.face_records = self.daemon.resolve("Face", count=len(self.cameras) * MAX_FACES)
