@@ -146,6 +146,23 @@ def driver(device_index: int) -> Any:
     return cuda
 
 
+def release_thread() -> None:
+    """Pop the primary contexts `driver` pushed on this thread. A thread that ends with contexts
+    on PyCUDA's (thread-local) stack makes PyCUDA abort the whole process ("The context stack
+    was not empty upon module cleanup"): a capture worker's camera thread calls this last."""
+    pushed = getattr(_pushed, "devices", None)
+    if not pushed:
+        return
+    import pycuda.driver as cuda
+
+    for _ in range(len(pushed)):
+        try:
+            cuda.Context.pop()
+        except Exception:  # noqa: BLE001 - nothing current any more: nothing to pop
+            break
+    pushed.clear()
+
+
 def _pop_quietly(context) -> None:
     try:
         context.pop()

@@ -189,3 +189,16 @@ def test_sigabrt_dumps_every_thread_of_a_process_stuck_in_c_holding_the_gil(tmp_
     current = stderr.index("Current thread")
     assert "in hang_in_native_code_holding_the_gil" in stderr[current:], stderr
     assert "in beside_the_hang" in stderr[:current], stderr  # the other thread, too
+
+
+def test_sigterm_before_the_loop_ends_the_boot_at_once(supervisor, tmp_path):
+    # A boot has no loop to look at the stop flag and may take tens of seconds (CUDA graphs on
+    # a busy GPU); here the worker waits for an Assignment (ASSIGNMENT_TIMEOUT_S) that never
+    # comes. SIGTERM must end it now, cleanly, so the supervisor never needs SIGKILL.
+    router, start, receive = supervisor
+    stderr_path = tmp_path / "stderr.txt"
+    worker = start("capture", "capture:cam0", stderr_path)
+    receive()  # its Hello
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=base.ASSIGNMENT_TIMEOUT_S / 3) == 0, stderr_path.read_text()
+    assert "stopped while booting" in stderr_path.read_text()

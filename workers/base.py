@@ -79,6 +79,11 @@ _COMM_ROLES = {"capture": "cap", "detection": "det", "roi_landmark": "roi", "out
                "standby": "sb"}
 
 
+class StopWhileBooting(BaseException):
+    """SIGTERM arrived before the worker's loop began (`run`). A BaseException, so that no
+    `except Exception` in the boot path swallows it."""
+
+
 class BootError(RuntimeError):
     """The worker cannot start with this config on this machine; the message says why."""
 
@@ -323,8 +328,14 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str) -> int:
     with zmq.Context() as context:
         worker = worker_class(name, control_endpoint, context)
 
-        def request_stop(signum, frame):  # only a flag: the loop does the work
+        def request_stop(signum, frame):
+            # A flag for the loop (STYLE §2)... except while booting, which has no loop to look
+            # at it and can take tens of seconds (CUDA graphs for every batch size on a busy
+            # GPU): a stop then ends the boot where it is, so the supervisor's stop deadline
+            # is kept without SIGKILL. Everything the boot made is closed on the way out.
             worker.stopping = True
+            if worker.state == "booting":
+                raise StopWhileBooting
 
         signal.signal(signal.SIGTERM, request_stop)
         try:
@@ -349,6 +360,9 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str) -> int:
                 if os.getppid() != parent_pid:
                     log.warning("%s: the supervisor is gone; stopping", worker.name)
                     break
+            return EXIT_OK
+        except StopWhileBooting:
+            log.info("%s: stopped while booting", worker.name)
             return EXIT_OK
         finally:
             worker.close()

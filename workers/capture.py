@@ -99,6 +99,7 @@ class CameraCapture:
     def _run(self) -> None:
         try:
             self._boot()
+            self.progress_monotonic = time.monotonic()  # booting is not a hang (rendering, CUDA)
             self.first_open_done.set()
             while not self.worker.stopping:
                 self.step()
@@ -110,6 +111,24 @@ class CameraCapture:
             self.error = exc
         finally:
             self.first_open_done.set()
+            self._close_in_thread()
+
+    def _close_in_thread(self) -> None:
+        """The thread's last act: its camera's source and ring are closed where their CUDA work
+        ran, then the thread lets go of the primary context (cuda_driver.release_thread)."""
+        try:
+            if self.source is not None:
+                self.source.close()
+                self.source = None
+            if self.publisher is not None:
+                self.publisher.close()
+        except Exception:  # noqa: BLE001 - closing on the way out: say so, go on
+            log.exception("camera %s: closing its source or ring failed", self.camera.id)
+        finally:
+            if self.worker.device.startswith("cuda"):
+                from facecast.shared import cuda_driver
+
+                cuda_driver.release_thread()
 
     def _boot(self) -> None:
         requested = self.config.transport_for(self.camera)
@@ -213,12 +232,6 @@ class CameraCapture:
             fallback_reason=status.fallback_reason if status else "",
         )
 
-    def close(self) -> None:
-        """After the thread has ended (or been given up on)."""
-        if self.source is not None:
-            self.source.close()
-        if self.publisher is not None:
-            self.publisher.close()
 
 
 class CaptureWorker(Worker):
@@ -311,8 +324,9 @@ class CaptureWorker(Worker):
                 capture.thread.join(max(0.0, deadline - time.monotonic()))
         for capture in cameras.values():
             if capture.thread.is_alive():
-                log.warning("camera %s: its capture thread is still in a read; closing around "
-                            "it", capture.camera.id)
-            capture.close()
+                # Its ring goes with the process (the supervisor sweeps what is left in
+                # /dev/shm once it has reaped it); closing it under the thread could crash.
+                log.warning("camera %s: its capture thread is still in a read; leaving it",
+                            capture.camera.id)
         if hasattr(self, "_events"):
             self._forward_events()
