@@ -20,6 +20,16 @@ Note [Supervisor loop]
     the loop is logged with its traceback and leads to the same ordered shutdown (exit code 1),
     never to workers left running.
 
+Note [Boot order]
+    On the CPU every worker starts at once. On a GPU, a device's capture workers start once its
+    detection and roi_landmark workers have booted. Those prepare a CUDA graph for every batch
+    size they can meet (Note [Warm shapes]): thousands of short kernels and syncs, each of which
+    waits for the GPU's time slice among every context on the device. With the capture workers
+    already streaming (64 cameras on the H200: 8 capture contexts, 2 inference workers), the
+    detection worker's graphs took 45 s and READY came after 51 s. Started on a quiet GPU, the
+    inference workers are then there for the first frames; nothing is lost, since no frame
+    exists before capture starts.
+
 Note [Fault injection]
     The soak test (tests/soak) spoils frames on purpose to prove that checksums catch them. The
     hook is an `InjectFault` control message, which no CLI verb sends, and the supervisor obeys
@@ -142,6 +152,7 @@ class Supervisor:
         self._pending_signals: collections.deque[int] = collections.deque()
         self._stop_requested = False
         self._reload: _Reload | None = None
+        self._captures_to_start: list[WorkerSpec] = []  # Note [Boot order]
         self._shutdown: _Shutdown | None = None
         self._gate = MessageGate("control socket")
         self._next_status_monotonic = 0.0
@@ -209,8 +220,12 @@ class Supervisor:
         log.info("facecast supervisor %d: runtime dir %s, %d camera(s), %s", os.getpid(),
                  self.runtime_dir, len(self.config.cameras),
                  f"{self.gpu_count} GPU(s)" if self.gpu_count else "no GPU")
-        for spec in layout.plan(self.config, self.gpu_count):
-            self.workers.start(spec)
+        specs = layout.plan(self.config, self.gpu_count)
+        # Note [Boot order]: on a GPU, capture starts once the device's inference workers are up.
+        self._captures_to_start = [s for s in specs if s.role == "capture" and s.device != "cpu"]
+        for spec in specs:
+            if spec not in self._captures_to_start:
+                self.workers.start(spec)
         # The spares start once the daemon is READY (Note [Warm standby]).
 
     def _tick(self, serve: bool) -> None:
@@ -226,11 +241,27 @@ class Supervisor:
             self._advance_shutdown()
             return
         self.workers.check_liveness(self.config.daemon)
+        self._start_captures_when_inference_is_up()
         self.workers.start_due()
         self._advance_reload()
         self._flush_events()
         self._tick_systemd()
         self._print_live_status()
+
+    def _start_captures_when_inference_is_up(self) -> None:
+        """Note [Boot order]."""
+        if not self._captures_to_start:
+            return
+        inference_devices = {w.spec.device for w in self.workers
+                             if w.spec.role in ("detection", "roi_landmark") and not w.spec.standby
+                             and w.state is not S.RUNNING and w.state not in GIVEN_UP_STATES}
+        waiting = []
+        for spec in self._captures_to_start:
+            if spec.device in inference_devices:
+                waiting.append(spec)
+            else:
+                self.workers.start(spec)
+        self._captures_to_start = waiting
 
     def _install_signal_handlers(self, wakeup_write: socket.socket) -> dict:
         def enqueue(signum, frame):  # nothing else here: the loop does the work (STYLE §2)
