@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from facecast.daemon.streams import positive_seconds
 from facecast.shared.config import CameraConfig, redact_url
 
 log = logging.getLogger(__name__)
@@ -255,18 +256,11 @@ def probe(source: str, timeout_s: float) -> tuple[bool, str]:
 # --- the command ----------------------------------------------------------------------------------
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", metavar="SOURCE",
                         help="open an rtsp://, http:// URL or a video file (any camera source) "
                         "as a capture worker would and read one frame; exit 1 if that fails")
-    parser.add_argument("--timeout", metavar="S", type=_positive_seconds,
+    parser.add_argument("--timeout", metavar="S", type=positive_seconds,
                         default=DEFAULT_PROBE_TIMEOUT_S,
                         help="--probe: seconds to open the source and to read a frame "
                         "(default: %(default)s)")

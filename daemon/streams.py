@@ -119,7 +119,8 @@ def format_table(rows: list[StreamRate]) -> str:
     return "\n".join(text)
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
+    """argparse type: seconds, > 0 (also for `facecast cameras`)."""
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
@@ -127,9 +128,9 @@ def _positive_seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--wait", metavar="S", type=_positive_seconds, default=DEFAULT_WAIT_S,
+    parser.add_argument("--wait", metavar="S", type=positive_seconds, default=DEFAULT_WAIT_S,
                         help="seconds to count samples on each stream (default: %(default)s)")
-    parser.add_argument("--resolve-wait", metavar="S", type=_positive_seconds,
+    parser.add_argument("--resolve-wait", metavar="S", type=positive_seconds,
                         default=DEFAULT_RESOLVE_WAIT_S,
                         help="seconds to look for streams on the network (default: %(default)s)")
 

@@ -39,7 +39,6 @@ if "LSLAPICFG" not in os.environ:
 
 # --- real producer/consumer processes for the transport tests (tests/peers.py) ---
 
-import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -58,3 +57,14 @@ def peers(runtime_dir):
     peers = Peers(runtime_dir)
     yield peers
     peers.kill_all()
+
+
+@pytest.fixture(scope="module")
+def gst_python() -> str:
+    """The Python that runs tests/rtsp_peer.py's GStreamer RTSP server; skip where it is missing."""
+    import rtsp_peer
+
+    python = rtsp_peer.gst_python()
+    if python is None:
+        pytest.skip(rtsp_peer.MISSING_REASON)
+    return python

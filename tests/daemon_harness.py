@@ -247,6 +247,19 @@ class Daemon:
     def worker(self, name: str):
         return next(w for w in self.status().workers if w.name == name)
 
+    def wait_for_worker(self, name: str, state: str, timeout_s: float = 60.0, not_pid: int = 0):
+        """The worker `name` once it is in `state` with a process (other than `not_pid`: the
+        one just killed); its WorkerStatus."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            worker = self.worker(name)
+            if worker.state == state and worker.pid not in (0, not_pid):
+                return worker
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} not {state} within {timeout_s} s: {worker}\n"
+                                     f"{self.log_tail()}")
+            time.sleep(0.1)
+
     def wait_for_spares(self, timeout_s: float = 90.0) -> None:
         """The warm spares start at READY (Note [Warm standby]); the daemon's steady state, with
         its 2 s restart promise, begins once each has booted."""

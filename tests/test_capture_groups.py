@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-import rtsp_peer as rtsp_peer_mod
 from daemon_harness import Daemon, Recorder
 from facecast.daemon import layout
 from facecast.models import assets
@@ -68,14 +67,6 @@ def test_a_changed_group_restarts_its_capture_worker_on_reload():
 
 
 # --- a real daemon --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gst_python() -> str:
-    python = rtsp_peer_mod.gst_python()
-    if python is None:
-        pytest.skip(rtsp_peer_mod.MISSING_REASON)
-    return python
 
 
 def test_one_camera_of_a_group_lost_and_back_while_the_other_publishes(gst_python, tmp_path):

@@ -24,7 +24,6 @@ import numpy as np
 import pylsl
 import pytest
 
-import rtsp_peer as rtsp_peer_mod
 from rtsp_peer import RtspPeer
 from rtsp_peer import free_port as _free_port
 from rtsp_peer import stop as _stop
@@ -387,14 +386,6 @@ def _check_live_frames(
         assert frame.shape == shape and frame.dtype == np.uint8
         assert previous_ts < capture_ts_lsl <= pylsl.local_clock()
         previous_ts = capture_ts_lsl
-
-
-@pytest.fixture(scope="module")
-def gst_python() -> str:
-    python = rtsp_peer_mod.gst_python()
-    if python is None:
-        pytest.skip(rtsp_peer_mod.MISSING_REASON)
-    return python
 
 
 @pytest.fixture

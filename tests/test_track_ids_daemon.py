@@ -68,16 +68,6 @@ def _wait_for_every_face(daemon, records, after_ts: float, timeout_s: float = 60
     raise AssertionError(f"not every face got an id after {after_ts}: {ids}\n{daemon.log_tail()}")
 
 
-def _wait_for_state(daemon, name: str, state: str, timeout_s: float = 120.0, not_pid: int = 0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        worker = daemon.worker(name)
-        if worker.state == state and worker.pid not in (0, not_pid):
-            return worker
-        time.sleep(0.1)
-    raise AssertionError(f"{name} not {state} within {timeout_s} s: {worker}\n{daemon.log_tail()}")
-
-
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
@@ -107,14 +97,14 @@ def test_no_track_id_is_reused_after_the_roi_landmark_worker_is_killed(daemon):
     assert len(records) == len(CAMERAS) * 2, daemon.log_tail()
     recorder = Recorder(records)
     try:
-        spare = _wait_for_state(daemon, SPARE, "standby")
-        victim = _wait_for_state(daemon, WORKER, "running")
+        spare = daemon.wait_for_worker(SPARE, "standby", timeout_s=120.0)
+        victim = daemon.wait_for_worker(WORKER, "running", timeout_s=120.0)
         _wait_for_every_face(daemon, records, after_ts=-math.inf)
 
         # 1. Warm: the spare takes the dead worker's name (and gets its own blocks).
         killed_lsl, dead_lsl = _kill(victim.pid)
         before = _ids(daemon, records, before_ts=killed_lsl)
-        promoted = _wait_for_state(daemon, WORKER, "running", not_pid=victim.pid)
+        promoted = daemon.wait_for_worker(WORKER, "running", not_pid=victim.pid, timeout_s=120.0)
         assert promoted.pid == spare.pid, (promoted, spare, daemon.log_tail())
         after_warm = _wait_for_every_face(daemon, records, after_ts=dead_lsl)
 
@@ -124,7 +114,7 @@ def test_no_track_id_is_reused_after_the_roi_landmark_worker_is_killed(daemon):
             _kill(spare_now.pid)
         killed_again_lsl, dead_again_lsl = _kill(promoted.pid)
         between = _ids(daemon, records, after_ts=dead_lsl, before_ts=killed_again_lsl)
-        restarted = _wait_for_state(daemon, WORKER, "running", not_pid=promoted.pid)
+        restarted = daemon.wait_for_worker(WORKER, "running", not_pid=promoted.pid, timeout_s=120.0)
         assert restarted.pid not in (promoted.pid, spare.pid, spare_now.pid)
         after_cold = _wait_for_every_face(daemon, records, after_ts=dead_again_lsl)
     finally:

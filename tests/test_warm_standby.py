@@ -99,29 +99,19 @@ def daemon(tmp_path_factory):
         daemon.close()
 
 
-def _wait_for_state(daemon, name: str, state: str, timeout_s: float = 60.0, not_pid: int = 0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        worker = daemon.worker(name)
-        if worker.state == state and worker.pid not in (0, not_pid):
-            return worker
-        time.sleep(0.1)
-    raise AssertionError(f"{name} not {state} within {timeout_s} s: {worker}\n{daemon.log_tail()}")
-
-
 def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: str) -> float:
     """SIGKILL `name`; its spare's process must carry on under that name, the camera's first
     Face stream must continue, and a fresh spare must follow. Returns the stream's gap (s)."""
     spare_name = "standby:output" if role == "output" else f"standby:{role}:{device}"
-    spare = _wait_for_state(daemon, spare_name, "standby")
-    victim = _wait_for_state(daemon, name, "running")
+    spare = daemon.wait_for_worker(spare_name, "standby", timeout_s=60.0)
+    victim = daemon.wait_for_worker(name, "running", timeout_s=60.0)
     records = daemon.resolve("Face", count=4)
     watched = next(r for r in records if r.source_id.endswith("-synth0-face0"))
     recorder = Recorder([watched])
     try:
         killed_at = pylsl.local_clock()
         os.kill(victim.pid, signal.SIGKILL)
-        promoted = _wait_for_state(daemon, name, "running", timeout_s=30, not_pid=victim.pid)
+        promoted = daemon.wait_for_worker(name, "running", timeout_s=30, not_pid=victim.pid)
         assert promoted.pid == spare.pid, (promoted, spare, daemon.log_tail())
         assert promoted.restarts == victim.restarts + 1
         deadline = time.monotonic() + 30
@@ -133,7 +123,7 @@ def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: 
         print(f"{name}: stream resumed {gap_s:.2f} s after the SIGKILL (warm standby)")
     finally:
         recorder.stop()
-    fresh = _wait_for_state(daemon, spare_name, "standby", not_pid=spare.pid)
+    fresh = daemon.wait_for_worker(spare_name, "standby", not_pid=spare.pid, timeout_s=60.0)
     assert fresh.pid not in (spare.pid, victim.pid)
     log = (daemon.tmp / "daemon.log").read_text()
     assert f"worker {name}: warm standby pid {spare.pid} takes over" in log
