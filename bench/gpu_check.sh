@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU machine's checklist in one background run, for a device whose commands stop after
+# 10 minutes: `bench/gpu_check.sh start` launches it (setsid) and returns; `bench/gpu_check.sh
+# wait S` waits up to S seconds for it and copies what it has so far to $OUT. Call `wait` again
+# at once (the machine goes back when idle) until it prints "gpu_check: done".
+#
+# What it runs, in order (each step's log in $OUT/gpu_check/): boot and stop of 32 and 64
+# cameras on cuda_ipc; the `gpu` tests; the whole daemon against MediaPipe at 8 and 32 cameras (same
+# definitions on both sides, bench/accounting.py); the models bench. Run from the repository
+# root, with .whl/, .models/ and .mp/ carried (bench/gpu_host_env.sh).
+set -u
+STATE=/tmp/gpu_check
+case "${1:-}" in
+start)
+    rm -rf "$STATE" && mkdir -p "$STATE"
+    setsid nohup bash "$0" run > "$STATE/run.log" 2>&1 < /dev/null &
+    echo "gpu_check: started"
+    ;;
+run)
+    . bench/gpu_host_env.sh
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mp .mp/*.whl
+    step() {  # name, command...
+        local name=$1; shift
+        echo "$(date -u +%H:%M:%S) start $name" >> "$STATE/steps.txt"
+        "$@" > "$STATE/$name.log" 2>&1
+        echo "$(date -u +%H:%M:%S) end $name rc=$?" >> "$STATE/steps.txt"
+    }
+    step boot_stop python3 bench/pipeline.py --boot-stop-only --cameras 32 64 \
+        --transports cuda_ipc --source synthetic-replay --hold-s 5 \
+        --out "$STATE/boot-stop.json" --log-dir "$STATE/logs"
+    step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests
+    step pipeline python3 bench/pipeline.py --cameras 8 32 --transports cuda_ipc \
+        --warmup-s 5 --measure-s 18 --mediapipe-baseline --mediapipe-path /tmp/mp \
+        --baseline-warmup-s 3 --baseline-measure-s 10 --small-face-s 2 \
+        --out "$STATE/benchmarks-pipeline.json" --log-dir "$STATE/logs"
+    step models python3 bench/models.py --budget-s 90 --out "$STATE/benchmarks-models.json"
+    echo "gpu_check: done" >> "$STATE/steps.txt"
+    ;;
+wait)
+    deadline=$((SECONDS + ${2:-540}))
+    while [ $SECONDS -lt $deadline ] && ! grep -q "gpu_check: done" "$STATE/steps.txt" 2>/dev/null; do
+        sleep 5
+    done
+    mkdir -p "$OUT/gpu_check" && cp -r "$STATE"/* "$OUT/gpu_check/" 2>/dev/null
+    cat "$STATE/steps.txt" 2>/dev/null
+    ;;
+*)
+    echo "usage: $0 start | wait [SECONDS]" >&2
+    exit 2
+    ;;
+esac
