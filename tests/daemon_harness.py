@@ -201,6 +201,7 @@ class Daemon:
                  env: dict[str, str] | None = None):
         self.tmp = tmp
         self.host = f"e2e{uuid.uuid4().hex[:8]}"
+        self._records: list[StreamRecord] = []  # the inlets `resolve` opened
         self.runtime_dir = tmp / "run"
         self.config_path = tmp / "facecast.toml"
         text = config_text if config_text is not None else (REPO / "config/default.toml").read_text()
@@ -278,19 +279,29 @@ class Daemon:
         return "\n".join(self.log_path.read_text().splitlines()[-lines:])
 
     def resolve(self, stream_type: str, count: int, timeout_s: float = 30.0) -> list[StreamRecord]:
-        prefix = f"facecast-{self.host}-"
+        # Only this daemon's streams count towards `minimum` (other daemons of the same test
+        # session may have streams of the type too).
+        predicate = f"type='{stream_type}' and starts-with(source_id, 'facecast-{self.host}-')"
         deadline = time.monotonic() + timeout_s
         found: dict[str, pylsl.StreamInfo] = {}
         while time.monotonic() < deadline and len(found) < count:
-            for info in pylsl.resolve_byprop("type", stream_type, minimum=count, timeout=2.0):
-                if info.source_id().startswith(prefix):
-                    found[info.source_id()] = info
+            for info in pylsl.resolve_bypred(predicate, minimum=count, timeout=2.0):
+                found[info.source_id()] = info
         records = []
         for source_id, info in sorted(found.items()):
             inlet = pylsl.StreamInlet(info, max_buflen=60, recover=True)
             inlet.open_stream(timeout=10)
             records.append(StreamRecord(info.name(), source_id, inlet))
+        self._records.extend(records)
         return records
+
+    def close_inlets(self) -> None:
+        """An inlet with `recover` whose outlet is gone keeps resolving it in the background,
+        for as long as it exists: left open, the inlets of a session's earlier daemons flooded
+        the machine with queries, and later tests' streams were not found within 30 s."""
+        for record in self._records:
+            record.inlet.close_stream()
+        self._records.clear()
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         if self.process.poll() is None:
@@ -303,6 +314,7 @@ class Daemon:
         return self.process.returncode
 
     def close(self) -> None:
+        self.close_inlets()
         self.stop()
         self.notify.close()
         self._log.close()
