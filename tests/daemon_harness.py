@@ -300,7 +300,8 @@ class Daemon:
         for as long as it exists: left open, the inlets of a session's earlier daemons flooded
         the machine with queries, and later tests' streams were not found within 30 s."""
         for record in self._records:
-            record.inlet.close_stream()
+            if record.inlet is not None:  # a test may have closed it already
+                record.inlet.close_stream()
         self._records.clear()
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
