@@ -748,8 +748,12 @@ def use_loopback_lsl() -> None:
     config_dir = Path(tempfile.mkdtemp(prefix="facecast-bench-lsl-"))
     atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
     path = config_dir / "lsl_api.cfg"
-    path.write_text("[ports]\nIPv6 = disable\n[multicast]\nResolveScope = machine\n[lab]\n"
-                    f"KnownPeers = {{127.0.0.1}}\nSessionID = facecast-bench-{uuid.uuid4().hex}\n")
+    # PortRange: resolving through KnownPeers asks each port of the range, and liblsl gives an
+    # outlet a port of it while there is one (32 by default), else a random one nobody asks. At
+    # 32 cameras (64 Face streams) the H200 run of 2026-11-23 resolved exactly 32 of them.
+    path.write_text("[ports]\nIPv6 = disable\nPortRange = 1024\n[multicast]\n"
+                    "ResolveScope = machine\n[lab]\nKnownPeers = {127.0.0.1}\n"
+                    f"SessionID = facecast-bench-{uuid.uuid4().hex}\n")
     os.environ["LSLAPICFG"] = str(path)
 
 
