@@ -58,7 +58,9 @@ def _pipeline(device: str):
 
 @pytest.fixture(scope="module")
 def cpu_pipeline(installed_models):
-    torch.set_num_threads(2)
+    # One thread: on a 2-core machine with another busy process (CI), two OpenMP threads wait
+    # for each other's time slices at every op (a 300-frame test ran past 300 s that way).
+    torch.set_num_threads(1)
     return _pipeline("cpu")
 
 
