@@ -287,7 +287,8 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
             try:
                 def stack():
                     with torch.inference_mode():
-                        crops = roi.crop_rois(batch, owner_t, rects, 192, border="replicate", dtype=pipe.model_dtype)
+                        crops = roi.crop_rois(batch, owner_t, rects, pipe.measurer.input_px, border="replicate",
+                                              dtype=pipe.model_dtype)
                         landmarks, _, _ = pipe.measurer.landmarks(crops, rects)
                         head_pose_deg(landmarks)
                         return landmarks
@@ -318,6 +319,63 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
             print(f"faces   batch {size:4d} {name:12s} " + (row.get("error") or
                   f"stack {row['stack_faces_per_s']:9.0f} faces/s, results {row['results_faces_per_s']:9.0f} faces/s"),
                   file=sys.stderr, flush=True)
+    return rows
+
+
+def bench_face_landmarker(device, variants, task, batch, pool, size, args, budget) -> list[dict]:
+    """MediaPipe FaceLandmarker's stack (issue 13) at one batch size: crop to 256x256, its v2
+    landmarker, projection, blendshapes, head pose, then on the host the facial transformation
+    matrix (Note [Face geometry as MediaPipe computes it]) and the Face objects: what a
+    roi_landmark worker waits for with face_landmarker.task. Parity against fp32 eager: landmark
+    median (% of face width) and max |blendshape difference|."""
+    import torch
+
+    from facecast.models import roi
+
+    owners_all, boxes_all, keypoints_all, scores_all = pool
+    pick = [k % len(owners_all) for k in range(size)]
+    index = torch.tensor(pick, device=device)
+    owners = [owners_all[k] for k in pick]
+    boxes, scores = boxes_all[index], scores_all[index]
+    rects = roi.rects_from_detections(boxes, keypoints_all[index])
+    widths = (boxes[:, 2] - boxes[:, 0]).cpu().numpy()
+    rows, reference = [], None
+    for name in variants:
+        row = {"batch": size, "variant": name}
+        rows.append(row)
+        if budget.left_s() < 15:
+            row["error"] = "skipped: time budget"
+            continue
+        try:
+            pipe = build_pipelines(device, [name], task)[name]
+            if pipe.measurer.blendshapes is None or pipe.measurer.geometry is None:
+                raise RuntimeError(f"no FaceLandmarker stack: {pipe.blendshapes_unavailable_reason}")
+            pipe.warm_up([], max_faces=size)
+
+            def results():
+                with torch.inference_mode():
+                    return pipe.measurer.measure(batch, owners, rects, boxes, scores, [False] * size)
+
+            row["results"] = timed(results, device, args.warmup, args.iters)
+            row["faces_per_s"] = size / row["results"]["p50_ms"] * 1e3
+            faces = [face for frame in results().faces for face in frame]
+            landmarks = np.stack([f.landmarks for f in faces])
+            blend = np.stack([f.blendshapes for f in faces])
+            if reference is None:
+                reference = (landmarks, blend)
+            elif landmarks.shape == reference[0].shape:
+                error = np.linalg.norm(landmarks[..., :2] - reference[0][..., :2], axis=-1) / widths[:len(faces), None]
+                row["parity"] = {"landmark_median_pct": float(100 * np.median(error)),
+                                 "blendshape_max_abs": float(np.abs(blend - reference[1]).max())}
+            if pipe.graph_fallbacks:
+                row["graph_fallbacks"] = dict(pipe.graph_fallbacks)
+            del pipe
+        except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the run
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"FaceLandmarker batch {size:4d} {name:12s} "
+              + (row.get("error") or f"{row['faces_per_s']:9.0f} faces/s"), file=sys.stderr, flush=True)
     return rows
 
 
@@ -426,7 +484,7 @@ def per_call_ms(model: LiteRTModel, inputs: list[np.ndarray], repeats: int) -> f
 
 
 def bench_litert(face_crops, eye_crops, detector_inputs, blend_inputs, task_reason, threads_list,
-                 repeats) -> list[dict]:
+                 repeats, landmarker_inputs=None) -> list[dict]:
     from facecast.models import assets
 
     rows = []
@@ -472,6 +530,16 @@ def bench_litert(face_crops, eye_crops, detector_inputs, blend_inputs, task_reas
             row["faces_per_s"] = 1e3 / (face_ms + row.get("blendshapes_ms", 0.0))
         if "legacy_mesh_ms" in row:
             row["legacy_faces_per_s"] = 1e3 / (row["legacy_mesh_ms"] + 2 * row["legacy_iris_ms"])
+        if landmarker_inputs is not None:  # MediaPipe FaceLandmarker's models, one face per invoke
+            try:
+                bundle, crops256, subsets = landmarker_inputs
+                row["v2_landmarker_ms"] = per_call_ms(LiteRTModel(bundle.face_landmarks_detector, threads),
+                                                      crops256, repeats)
+                row["v2_blendshapes_ms"] = per_call_ms(LiteRTModel(bundle.face_blendshapes, threads),
+                                                       subsets, repeats)
+                row["face_landmarker_faces_per_s"] = 1e3 / (row["v2_landmarker_ms"] + row["v2_blendshapes_ms"])
+            except Exception as exc:  # noqa: BLE001
+                row["face_landmarker_error"] = f"{type(exc).__name__}: {exc}"
         print(f"litert  {threads:2d} thread(s): " + ", ".join(
             f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_ms") or k.endswith("_per_s")),
             file=sys.stderr, flush=True)
@@ -533,6 +601,24 @@ def report(data: dict) -> str:
             f"{r['results']['p50_ms']:.2f} / {r['results']['p90_ms']:.2f} | {r['results_faces_per_s']:.0f} | "
             + " | ".join(_ratio(r["results_faces_per_s"], base[t].get("faces_per_s")) for t in threads)
             + f" | {parity_text} |")
+    if data.get("face_landmarker"):
+        lines += ["", f"MediaPipe FaceLandmarker's stack (face_landmarker.task: {data.get('face_landmarker_task')}): "
+                  "crop 256x256, v2 landmarker, projection, blendshapes, head pose, facial transformation matrix "
+                  "on the host, Face objects. faces/s = batch / p50. Baseline: the same two models in LiteRT "
+                  "(XNNPACK, one invoke per face, model time only) "
+                  + "; ".join(f"{t} thread(s) {base[t].get('face_landmarker_faces_per_s', nan):.0f} faces/s"
+                              for t in threads) + ".", "",
+                  "| batch | variant | p50 / p90 ms | faces/s | vs fp32: landmark median (% of face width), "
+                  "max blendshape difference |", "|---|---|---|---|---|"]
+        for r in data["face_landmarker"]:
+            if "error" in r:
+                lines.append(f"| {r['batch']} | {r['variant']} | {r['error']} | | |")
+                continue
+            parity = r.get("parity")
+            parity_text = (f"{parity['landmark_median_pct']:.3f}, {parity['blendshape_max_abs']:.4f}"
+                           if parity else "reference")
+            lines.append(f"| {r['batch']} | {r['variant']} | {r['results']['p50_ms']:.2f} / "
+                         f"{r['results']['p90_ms']:.2f} | {r['faces_per_s']:.0f} | {parity_text} |")
     lines += ["", "Detection over C cameras: one `detect` call on a (C, 1080, 1920, 3) uint8 tensor on the device, "
               "to per-frame results on the host. Stages (eager variants, synchronised stage clock): preprocess = "
               "letterbox and tile crops, forward = both detectors, decode+NMS = decode, tile-border test, pooling, "
@@ -614,7 +700,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--litert-threads", type=int, nargs="+")
     parser.add_argument("--litert-repeats", type=int)
-    parser.add_argument("--face-landmarker-task", default=os.environ.get("FACECAST_FACE_LANDMARKER_TASK") or None)
+    parser.add_argument("--face-landmarker-task", default=os.environ.get("FACECAST_FACE_LANDMARKER_TASK") or None,
+                        help="bundle for the main face stack table (default: none, the attention mesh)")
+    parser.add_argument("--landmarker-task", default=None,
+                        help="bundle for the FaceLandmarker stack table (default: the installed one; "
+                             "'' skips that table)")
     parser.add_argument("--photos", default=os.environ.get("FACECAST_TEST_PHOTOS") or None,
                         help=".npz of the astronaut and grace_hopper photos (default: scikit-image/matplotlib)")
     parser.add_argument("--budget-s", type=float, default=240.0,
@@ -690,8 +780,20 @@ def main() -> int:
             measured = reference.measurer.measure(batch8, owners, rects, boxes, pool[3], [False] * len(owners))
         subset = [np.asarray(f.landmarks)[list(_blendshape_subset()), :2] for frame in measured.faces for f in frame]
         blend_inputs = (bundle.face_blendshapes, subset)
+    landmarker_task = (args.landmarker_task if args.landmarker_task is not None
+                       else assets.landmarker_bundle(None).path)
+    landmarker_inputs = None
+    if landmarker_task:
+        bundle = assets.blendshape_model(landmarker_task)
+        with torch.inference_mode():
+            crops256 = roi.crop_rois(batch8, torch.tensor(owners, device=device), rects, 256).cpu().numpy()
+            measured = reference.measurer.measure(batch8, owners, rects, boxes, pool[3], [False] * len(owners))
+        # Real faces' landmarks (the reference stack's), as the blendshape model's input.
+        subsets = [np.asarray(f.landmarks)[list(_blendshape_subset()), :2][None]
+                   for frame in measured.faces for f in frame]
+        landmarker_inputs = (bundle, list(crops256), subsets)
     data["litert"] = bench_litert(face_crops, eye_crops, (list(short_inputs), list(full_inputs)), blend_inputs,
-                                  task_reason, args.litert_threads, args.litert_repeats)
+                                  task_reason, args.litert_threads, args.litert_repeats, landmarker_inputs)
     save()
     # The goals' sizes first, so that a run cut short by its time budget still has them.
     goal_cameras = [c for c in args.cameras if c == DETECTION_GOAL[0]]
@@ -699,6 +801,11 @@ def main() -> int:
     data["detection"] = bench_detection(pipelines, scenes, goal_cameras, args, budget)
     data["faces"] = bench_faces(pipelines, batch8, pool, goal_batch, args, budget)
     save()
+    if landmarker_task:
+        data["face_landmarker_task"] = str(landmarker_task)
+        data["face_landmarker"] = bench_face_landmarker(device, args.variants, landmarker_task, batch8, pool,
+                                                        FACE_GOAL[0], args, budget)
+        save()
     data["detection"] += bench_detection(pipelines, scenes, [c for c in args.cameras if c not in goal_cameras],
                                          args, budget)
     save()
@@ -722,9 +829,9 @@ def _spec(which: str):
 
 
 def _blendshape_subset():
-    from facecast.models.face_mesh import BLENDSHAPE_LANDMARK_SUBSET
+    from facecast.models.blendshapes import LANDMARK_SUBSET
 
-    return BLENDSHAPE_LANDMARK_SUBSET
+    return LANDMARK_SUBSET
 
 
 if __name__ == "__main__":

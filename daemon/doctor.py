@@ -301,16 +301,17 @@ def check_models(model_dir: str | os.PathLike | None = None) -> CheckResult:
 
 def check_blendshapes(task_path: str | None = None,
                       model_dir: str | os.PathLike | None = None) -> CheckResult:
-    """Whether the Face streams will carry blendshapes (they need face_landmarker.task)."""
+    """Whether the Face streams will carry blendshapes and head translation (they need
+    face_landmarker.task), and where the bundle comes from."""
     from facecast.models import assets
 
-    try:
-        bundle = assets.blendshape_model(task_path or None, model_dir)
-    except (assets.ModelError, OSError, ValueError) as exc:
-        # Blendshapes are optional: the daemon publishes NaN in their channels and says why.
-        return CheckResult("blendshapes", WARN, str(exc))
-    return CheckResult("blendshapes", OK, f"published: {bundle.task_path} (SHA-256 "
-                       f"{bundle.task_sha256[:16]}...) holds a valid blendshape model")
+    choice = assets.landmarker_bundle(task_path or None, model_dir)
+    if not choice.available:
+        # Optional: without it the daemon runs the attention mesh and leaves these channels out.
+        return CheckResult("blendshapes", WARN, "blendshape and head translation channels not "
+                           f"published: {choice.detail}")
+    return CheckResult("blendshapes", OK, "published, with head translation (MediaPipe "
+                       f"FaceLandmarker's models); bundle: {choice.detail}")
 
 
 # --- the command ---------------------------------------------------------------------------------

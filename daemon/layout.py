@@ -103,25 +103,18 @@ def capture_worker_of(specs: list[WorkerSpec], camera_id: str) -> str:
 
 def standby_plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
     """The warm standbys of this config (Note [Warm standby] in facecast.daemon.worker_table):
-    per device a spare detection and roi_landmark worker (models loaded and run once), and on a
-    GPU a spare capture worker when one of its cameras may use CUDA IPC (the CUDA context is
-    what makes its boot slow); one spare output worker (its Python, pylsl and numpy imported:
-    about 1.8 s of boot). `daemon.warm_standby`: "auto" keeps these on every device, the CPU
-    included, where a cold start on a busy machine misses the 2 s goal as well; "on" also
-    keeps a capture spare on devices whose cameras all use shared memory; "off" none."""
+    per device a spare capture worker (on a GPU its CUDA context is what makes its boot slow;
+    on a busy 2-core CPU its cold start took 2.02 s), detection and roi_landmark worker (models
+    loaded and run once), and one spare output worker (its Python, pylsl and numpy imported:
+    about 1.8 s of boot). `daemon.warm_standby`: "auto" and "on" keep them on every device, the
+    CPU included ("on" is the older name), "off" none."""
     mode = config.daemon.warm_standby
     if mode == "off":
         return []
     devices = camera_devices(config, gpu_count)
     specs = []
     for device in dict.fromkeys(devices.values()):
-        roles = ["detection", "roi_landmark"]
-        cuda_ipc_here = device != "cpu" and any(
-            config.transport_for(config.camera(camera_id)) != "shm"
-            for camera_id, camera_device in devices.items() if camera_device == device)
-        if cuda_ipc_here or mode == "on":
-            roles.insert(0, "capture")
-        for role in roles:
+        for role in ("capture", "detection", "roi_landmark"):
             specs.append(WorkerSpec(f"standby:{role}:{device}", role, (), device, standby=True))
     specs.append(WorkerSpec("standby:output", "output", (), "cpu", standby=True))
     return specs

@@ -46,6 +46,7 @@ def _ensure_models(config: config_mod.Config, allow_install: bool) -> str:
     model_dir = config.models.dir or None
     missing = sorted(set(assets.MODELS) - set(assets.installed(model_dir)))
     if not missing:
+        _ensure_landmarker_task(config, allow_install)
         return ""
     if not allow_install:
         return (f"models missing in {assets.resolve_model_dir(model_dir)}: {', '.join(missing)}; "
@@ -57,6 +58,23 @@ def _ensure_models(config: config_mod.Config, allow_install: bool) -> str:
     except assets.ModelError as exc:
         return str(exc)
     return ""
+
+
+def _ensure_landmarker_task(config: config_mod.Config, allow_install: bool) -> None:
+    """face_landmarker.task (blendshapes, head translation) is optional: installed here when it
+    is missing and installing is allowed, and a failure only costs those channels."""
+    from facecast.models import assets
+
+    model_dir = config.models.dir or None
+    if (config.models.face_landmarker_task or not allow_install
+            or assets.landmarker_bundle(None, model_dir).available):
+        return
+    print(f"facecast: {assets.LANDMARKER_TASK_FILE} missing; installing it "
+          f"(`{assets.INSTALL_COMMAND}`)", file=sys.stderr)
+    try:
+        assets.install_landmarker_task(model_dir)
+    except (assets.ModelError, OSError) as exc:
+        print(f"facecast: running without blendshapes and head translation: {exc}", file=sys.stderr)
 
 
 def main(args) -> int:

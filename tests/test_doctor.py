@@ -112,13 +112,24 @@ def test_models_in_the_installed_cache_pass():
 def test_blendshapes_without_a_task_file_warn_with_the_reason(tmp_path):
     result = doctor.check_blendshapes(None, tmp_path)
     assert result.state == doctor.WARN
-    assert result.detail.startswith("no face_landmarker.task given: blendshapes are unavailable")
+    assert "not published" in result.detail
+    assert f"face_landmarker.task is not installed in {tmp_path}" in result.detail
+    assert "facecast models install" in result.detail
 
     not_a_bundle = tmp_path / "face_landmarker.task"
     not_a_bundle.write_bytes(b"plain text")
     result = doctor.check_blendshapes(str(not_a_bundle), tmp_path)
     assert result.state == doctor.WARN
-    assert result.detail == f"{not_a_bundle} is not a face_landmarker.task bundle (not a zip file)"
+    assert result.detail.endswith(f"{not_a_bundle} is not a face_landmarker.task bundle (not a zip file)")
+
+
+def test_blendshapes_say_where_the_bundle_came_from():
+    directory = _installed_model_dir()
+    assets.install_landmarker_task(directory)
+    result = doctor.check_blendshapes(None, directory)
+    assert result.state == doctor.OK, result
+    assert f"{directory / assets.LANDMARKER_TASK_FILE}" in result.detail
+    assert assets.LANDMARKER_TASK_REQUIREMENT in result.detail
 
 
 # --- GPU, NVML, transport -------------------------------------------------------------------------

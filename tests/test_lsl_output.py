@@ -142,6 +142,7 @@ def test_face_streams_metadata_and_samples_round_trip() -> None:
     assert facecast.child_value("camera") == "cam0"
     assert facecast.child_value("slot") == "1"
     assert facecast.child("blendshapes").child_value("available") == "true"
+    assert facecast.child("head_translation").child_value("available") == "true"
 
     capture_ts_lsl = [pylsl.local_clock() + CAPTURE_TS_OFFSET_S + k / 30.0 for k in range(4)]
     frames = [
@@ -170,36 +171,59 @@ def test_face_streams_metadata_and_samples_round_trip() -> None:
     outlets.close()
 
 
-def test_landmarks_and_missing_blendshapes() -> None:
+def test_without_the_bundle_its_channels_are_left_out() -> None:
+    """Note [No channel that is always NaN]: without face_landmarker.task the blendshape and
+    head translation channels are not in the stream at all; the landmarks follow the head pose."""
     host = _unique_host()
-    reason = "face_landmarker.task not installed (models.face_landmarker_task is empty)"
+    reason = "face_landmarker.task not installed (run `facecast models install`)"
     outlets = FaceOutlets(
         host, "camL", max_faces=1, fps=25.0, landmarks=True, blendshapes_missing_reason=reason
     )
     (info,) = _resolve("Face", outlets.source_ids)
-    assert info.channel_count() == 12 + 52 + FACE_LANDMARK_COUNT * 3
+    assert info.channel_count() == 9 + FACE_LANDMARK_COUNT * 3
     inlet = _open_inlet(info)
     full = inlet.info(timeout=RESOLVE_TIMEOUT_S)
     channels = _channels(full, "label", "unit", "type")
-    assert channels[64] == ("landmark000_x", "pixels", "PositionX")
-    assert channels[65] == ("landmark000_y", "pixels", "PositionY")
+    assert channels[8] == ("head_roll", "degrees", "OrientationR")
+    assert channels[9] == ("landmark000_x", "pixels", "PositionX")
+    assert channels[10] == ("landmark000_y", "pixels", "PositionY")
     assert channels[-1] == ("landmark477_z", "pixels", "PositionZ")
-    blendshapes = full.desc().child("facecast").child("blendshapes")
-    assert blendshapes.child_value("available") == "false"
-    assert blendshapes.child_value("values") == "NaN"
-    assert blendshapes.child_value("reason") == reason
+    labels = {label for label, _, _ in channels}
+    assert not labels & {"head_tx", "head_ty", "head_tz", *BLENDSHAPE_NAMES}
+    for part in ("blendshapes", "head_translation"):
+        element = full.desc().child("facecast").child(part)
+        assert element.child_value("available") == "false"
+        assert element.child_value("channels") == "not published"
+        assert element.child_value("reason") == reason
 
     landmarks_px = np.arange(FACE_LANDMARK_COUNT * 3, dtype=np.float32).reshape(-1, 3) / 4
     capture_ts = pylsl.local_clock() + CAPTURE_TS_OFFSET_S
-    # Scores given anyway are not published: the stream says blendshapes are NaN.
+    # Scores and a translation given anyway have no channel: they do not shift the landmarks.
     outlets.push_frame(
         capture_ts, [_face(3, blendshapes=np.ones(52), landmarks_px=landmarks_px)]
     )
     samples, timestamps = _pull(inlet, 1)
     assert timestamps[0] == pytest.approx(capture_ts, abs=1e-9)
-    assert samples[0, 0] == 3
-    assert np.isnan(samples[0, 12:64]).all()
-    np.testing.assert_array_equal(samples[0, 64:], landmarks_px.reshape(-1))
+    np.testing.assert_array_equal(samples[0, :9], [3, np.float32(0.9), 100, 50, 220, 190.5, 10, -5, 2.5])
+    np.testing.assert_array_equal(samples[0, 9:], landmarks_px.reshape(-1))
+    assert np.isfinite(samples[0]).all()
+    outlets.close()
+
+
+def test_every_channel_is_filled_by_a_complete_face() -> None:
+    """With the bundle, a face with every part fills every channel, landmarks included."""
+    host = _unique_host()
+    outlets = FaceOutlets(host, "camF", max_faces=1, fps=25.0, landmarks=True)
+    (info,) = _resolve("Face", outlets.source_ids)
+    assert info.channel_count() == 12 + 52 + FACE_LANDMARK_COUNT * 3
+    inlet = _open_inlet(info)
+    landmarks_px = np.ones((FACE_LANDMARK_COUNT, 3), np.float32)
+    capture_ts = pylsl.local_clock() + CAPTURE_TS_OFFSET_S
+    outlets.push_frame(capture_ts, [_face(5, blendshapes=np.full(52, 0.25), landmarks_px=landmarks_px)])
+    samples, _ = _pull(inlet, 1)
+    assert np.isfinite(samples[0]).all()
+    np.testing.assert_array_equal(samples[0, 9:12], [1, -2, 45])
+    np.testing.assert_array_equal(samples[0, 12:64], np.full(52, 0.25, np.float32))
     outlets.close()
 
 

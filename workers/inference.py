@@ -50,7 +50,9 @@ def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool) -
 
         return tflite_convert.convert(assets.model_path(name, model_dir))
 
-    task = config.models.face_landmarker_task if blendshapes else ""
+    # The configured face_landmarker.task, else the installed one (`facecast models install`).
+    task = (assets.landmarker_bundle(config.models.face_landmarker_task or None, model_dir).path
+            if blendshapes else None)
     try:
         on_gpu = device.type == "cuda"  # both options are GPU-only; on the CPU they do nothing
         return FacePipeline(

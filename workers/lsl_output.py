@@ -3,7 +3,16 @@
 Runs in the output worker process only, so that a crash anywhere else leaves consumers' streams
 alone. Everything here is fixed at construction: an LSL stream's channel count and metadata cannot
 change while inlets are connected, which is why `max_faces`, `landmarks` and whether blendshapes
-are available are constructor arguments.
+and head translation are available are constructor arguments.
+
+Note [No channel that is always NaN]
+    A channel is published only when something fills it: a consumer (LabRecorder, an XDF file)
+    cannot tell "never measured" from "no face" in a NaN, and a channel NaN in every sample of
+    every recording is a broken promise. The 52 blendshape channels and head_tx/ty/tz come from
+    face_landmarker.task (the blendshape model, the face geometry metadata); without the bundle
+    they are left out of the stream, and its metadata (facecast/blendshapes,
+    facecast/head_translation) says why. NaN then only ever means "this slot has no face in
+    this frame" (or, in the landmark channels, a point the model did not give).
 
 Every sample carries the frame's **capture** timestamp (`pylsl.local_clock()` domain, taken at
 grab by the capture worker), never the time of the push; LSL keeps it as a double, so it never
@@ -74,18 +83,25 @@ _FACE_HEAD_CHANNELS: tuple[tuple[str, str, str], ...] = (
     ("head_yaw", "degrees", "OrientationH"),
     ("head_pitch", "degrees", "OrientationP"),
     ("head_roll", "degrees", "OrientationR"),
+)
+# MediaPipe's facial transformation matrix's translation: camera space, OpenGL axes (x right,
+# y up, z toward the viewer: a face in front of the camera has tz < 0).
+_HEAD_TRANSLATION_CHANNELS: tuple[tuple[str, str, str], ...] = (
     ("head_tx", "centimeters", "PositionX"),
     ("head_ty", "centimeters", "PositionY"),
     ("head_tz", "centimeters", "PositionZ"),
 )
-_BLENDSHAPES_AT = len(_FACE_HEAD_CHANNELS)
-_LANDMARKS_AT = _BLENDSHAPES_AT + len(BLENDSHAPE_NAMES)
 
 
-def face_channels(landmarks: bool) -> list[tuple[str, str, str]]:
-    """The Face stream's channels as (label, unit, type), in stream order."""
+def face_channels(landmarks: bool, blendshapes: bool = True,
+                  head_translation: bool = True) -> list[tuple[str, str, str]]:
+    """The Face stream's channels as (label, unit, type), in stream order: only those that
+    something fills (Note [No channel that is always NaN])."""
     channels = list(_FACE_HEAD_CHANNELS)
-    channels += [(name, "normalized", "Blendshape") for name in BLENDSHAPE_NAMES]
+    if head_translation:
+        channels += _HEAD_TRANSLATION_CHANNELS
+    if blendshapes:
+        channels += [(name, "normalized", "Blendshape") for name in BLENDSHAPE_NAMES]
     if landmarks:
         for index in range(FACE_LANDMARK_COUNT):
             for axis in "xyz":
@@ -109,10 +125,10 @@ class FaceSample:
     """One tracked face in one frame, as the output worker publishes it.
 
     box_px: (x1, y1, x2, y2) in frame pixels. head_pose_deg: (yaw, pitch, roll) in degrees.
-    head_translation_cm: (tx, ty, tz) of the head in camera space, in centimeters (MediaPipe's
-    face geometry units). blendshapes: 52 scores in `BLENDSHAPE_NAMES` order, or None when the
-    blendshape model is unavailable. landmarks_px: (478, 3) in frame pixels (z on the x scale),
-    used only when the outlets were built with landmarks. Missing parts are published as NaN.
+    head_translation_cm: (tx, ty, tz) of the head in camera space, in centimeters (the
+    translation of MediaPipe's facial transformation matrix). blendshapes: 52 scores in
+    `BLENDSHAPE_NAMES` order. landmarks_px: (478, 3) in frame pixels (z on the x scale). Each is
+    used only when the outlets publish its channels; a part missing from one face is NaN.
     Track ids travel in a float32 channel: exact up to 2**24.
     """
 
@@ -177,6 +193,7 @@ class FaceOutlets:
         landmarks: bool,
         *,
         blendshapes_missing_reason: str = "",
+        head_translation_missing_reason: str | None = None,
         slot_hold_s: float = 1.0,
         max_buffered_s: int = 360,
     ) -> None:
@@ -192,9 +209,18 @@ class FaceOutlets:
         self.fps = float(fps)
         self.landmarks = bool(landmarks)
         self.blendshapes_missing_reason = blendshapes_missing_reason
+        # Both come from face_landmarker.task: by default one reason covers both.
+        self.head_translation_missing_reason = (blendshapes_missing_reason
+                                                if head_translation_missing_reason is None
+                                                else head_translation_missing_reason)
         self.slot_hold_s = float(slot_hold_s)
-        self.channels = face_channels(self.landmarks)
+        self.channels = face_channels(self.landmarks, not self.blendshapes_missing_reason,
+                                      not self.head_translation_missing_reason)
         self.channel_count = len(self.channels)
+        labels = [label for label, _, _ in self.channels]
+        self._translation_at = labels.index("head_tx") if "head_tx" in labels else None
+        self._blendshapes_at = labels.index(BLENDSHAPE_NAMES[0]) if BLENDSHAPE_NAMES[0] in labels else None
+        self._landmarks_at = labels.index("landmark000_x") if self.landmarks else None
         self.faces_dropped = 0  # faces seen while every slot was taken
         self._slot_track: list[int | None] = [None] * max_faces
         self._slot_last_seen_ts_lsl: list[float] = [-math.inf] * max_faces
@@ -209,7 +235,8 @@ class FaceOutlets:
             camera_id,
             self.channel_count,
             self.fps,
-            f"NaN ({blendshapes_missing_reason})" if blendshapes_missing_reason else "published",
+            f"not published ({blendshapes_missing_reason})" if blendshapes_missing_reason
+            else "published",
         )
 
     def _info(self, slot: int) -> pylsl.StreamInfo:
@@ -238,12 +265,13 @@ class FaceOutlets:
         _append_text(facecast, "landmark_count", FACE_LANDMARK_COUNT if self.landmarks else 0)
         _append_text(facecast, "empty_slot", "NaN in every channel")
         _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
-        blendshapes = facecast.append_child("blendshapes")
-        available = "false" if self.blendshapes_missing_reason else "true"
-        _append_text(blendshapes, "available", available)
-        if self.blendshapes_missing_reason:
-            _append_text(blendshapes, "values", "NaN")
-            _append_text(blendshapes, "reason", self.blendshapes_missing_reason)
+        for part, reason in (("blendshapes", self.blendshapes_missing_reason),
+                             ("head_translation", self.head_translation_missing_reason)):
+            element = facecast.append_child(part)
+            _append_text(element, "available", "false" if reason else "true")
+            if reason:  # Note [No channel that is always NaN]
+                _append_text(element, "channels", "not published")
+                _append_text(element, "reason", reason)
         return info
 
     @property
@@ -317,20 +345,22 @@ class FaceOutlets:
         sample[2:6] = _values(face.box_px, 4, "box_px")
         if face.head_pose_deg is not None:
             sample[6:9] = _values(face.head_pose_deg, 3, "head_pose_deg")
-        if face.head_translation_cm is not None:
-            sample[9:12] = _values(face.head_translation_cm, 3, "head_translation_cm")
-        if face.blendshapes is not None and not self.blendshapes_missing_reason:
-            sample[_BLENDSHAPES_AT:_LANDMARKS_AT] = _values(
+        if face.head_translation_cm is not None and self._translation_at is not None:
+            at = self._translation_at
+            sample[at:at + 3] = _values(face.head_translation_cm, 3, "head_translation_cm")
+        if face.blendshapes is not None and self._blendshapes_at is not None:
+            at = self._blendshapes_at
+            sample[at:at + len(BLENDSHAPE_NAMES)] = _values(
                 face.blendshapes, len(BLENDSHAPE_NAMES), "blendshapes"
             )
-        if self.landmarks and face.landmarks_px is not None:
+        if self._landmarks_at is not None and face.landmarks_px is not None:
             landmarks_px = np.asarray(face.landmarks_px, dtype=np.float32)
             if landmarks_px.shape != (FACE_LANDMARK_COUNT, 3):
                 raise ValueError(
                     f"landmarks_px must have shape ({FACE_LANDMARK_COUNT}, 3), "
                     f"got {landmarks_px.shape}"
                 )
-            sample[_LANDMARKS_AT:] = landmarks_px.reshape(-1)
+            sample[self._landmarks_at:] = landmarks_px.reshape(-1)
         return sample
 
     def close(self) -> None:

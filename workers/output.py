@@ -96,7 +96,8 @@ class OutputWorker(Worker):
         samples = [
             FaceSample(
                 track_id=face.track_id, presence=face.presence, box_px=face.box_px,
-                head_pose_deg=face.head_pose_deg, blendshapes=face.blendshapes,
+                head_pose_deg=face.head_pose_deg, head_translation_cm=face.head_translation_cm,
+                blendshapes=face.blendshapes,
                 landmarks_px=(None if face.landmarks_px is None else np.frombuffer(
                     face.landmarks_px, dtype="<f4").reshape(FACE_LANDMARK_COUNT, 3)),
             )
@@ -155,13 +156,11 @@ class OutputWorker(Worker):
 
 
 def blendshapes_missing_reason(config: Config) -> str:
-    """Why blendshape channels will be NaN ("" when they will be published)."""
-    task = config.models.face_landmarker_task
-    if not task:
-        return ("no face_landmarker.task given (models.face_landmarker_task): MediaPipe ships "
-                "the blendshape model only in that bundle")
-    try:
-        assets.blendshape_model(task, config.models.dir or None)
-    except (assets.ModelError, OSError, ValueError) as exc:
-        return f"face_landmarker.task unusable: {exc}"
-    return ""
+    """Why the blendshape and head translation channels are not published ("" when they are):
+    both need face_landmarker.task, the configured one or the installed one (Note [No channel
+    that is always NaN] in facecast.workers.lsl_output)."""
+    choice = assets.landmarker_bundle(config.models.face_landmarker_task or None,
+                                      config.models.dir or None)
+    if choice.available:
+        return ""
+    return f"no usable face_landmarker.task: {choice.detail}"

@@ -1,7 +1,8 @@
 """The roi_landmark worker (DESIGN §1, §3): for the newest frame of each of its cameras, it crops
-every face's rotated ROI out of the ring slot, runs the attention mesh (478 landmarks with
-irises), head pose and blendshapes in one batch across cameras and faces, names each face with a
-track id, and publishes the results for the output worker.
+every face's rotated ROI out of the ring slot, runs the landmark model (478 landmarks with
+irises), head pose, and with face_landmarker.task the blendshapes and head translation, in one
+batch across cameras and faces, names each face with a track id, and publishes the results for
+the output worker.
 
 Faces are followed from frame to frame by their own landmarks (FacePipeline.track); detections
 from the detection worker add faces (a newcomer, a face found again). When a camera has no face
@@ -198,7 +199,7 @@ class RoiLandmarkWorker(Worker):
         results = [
             FaceResult(
                 track_id=track_id, presence=face.presence, score=face.score, box_px=face.box,
-                head_pose_deg=face.head_pose,
+                head_pose_deg=face.head_pose, head_translation_cm=face.head_translation_cm,
                 blendshapes=None if face.blendshapes is None else face.blendshapes.tolist(),
                 landmarks_px=(np.ascontiguousarray(face.landmarks, dtype="<f4").tobytes()
                               if with_landmarks else None),

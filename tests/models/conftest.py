@@ -25,6 +25,12 @@ def model_dir(installed_models):
 
 
 @pytest.fixture(scope="session")
+def landmarker_bundle(installed_models, model_dir) -> assets.LandmarkerBundle:
+    """MediaPipe's face_landmarker.task as `facecast models install` installs it, unpacked."""
+    return assets.blendshape_model(installed_models[assets.LANDMARKER_TASK_NAME], model_dir)
+
+
+@pytest.fixture(scope="session")
 def photos() -> dict[str, np.ndarray]:
     """Real face photos, RGB uint8: scikit-image's astronaut and matplotlib's grace_hopper.
 

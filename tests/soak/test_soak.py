@@ -705,10 +705,15 @@ def test_no_corrupted_frame_is_counted_valid(soak):
         around = [r for r in soak.face_records if f"-{corruption.camera}-face" in r.source_id
                   and np.any(np.abs(np.asarray(r.timestamps) - corruption.capture_ts_lsl) < 0.5)]
         assert around, f"no samples near the corrupted frame {corruption}"
-        # Caught by a checksum: one checksum_mismatch verdict per consumer that read it (the
-        # detection and the roi_landmark worker each read every frame they get to).
-        assert corruption.caught is not None and 1 <= corruption.caught <= len(CONSUMER_ROLES), (
+        # One checksum_mismatch verdict per consumer that read it, at most. A consumer that is
+        # behind reads only a camera's newest frame (DESIGN §1), so on a loaded machine a
+        # corrupted frame may be passed over by all of them (caught 0: seen on 2 busy cores);
+        # never published either way, as asserted above.
+        assert corruption.caught is not None and corruption.caught <= len(CONSUMER_ROLES), (
             corruption)
+    # The checksums did catch corruptions (tests/test_frames.py holds every single one to it,
+    # with a consumer that reads every frame).
+    assert any(corruption.caught for corruption in soak.corruptions), soak.corruptions
     # A checksum_mismatch verdict always has a corruption behind it.
     assert sum(soak.unexplained_mismatches.values()) == 0, soak.unexplained_mismatches
     if TRANSPORT == "cuda_ipc":
