@@ -119,7 +119,6 @@ class WorkerProcess:
     stop_deadline_monotonic: float = 0.0  # stopping: SIGKILL when this passes
     abort_sent_monotonic: float | None = None  # hung: SIGABRT first (its stack to the log)
     kill_sent_monotonic: float | None = None
-    stuck_reported: bool = False
     last_exit: str = ""
     detail: str = ""  # why it is in its state (boot error, hang, flapping)
     boot_error: str = ""
@@ -167,7 +166,6 @@ class WorkerProcess:
         now = time.monotonic()
         self.started_monotonic = self.last_heartbeat_monotonic = now
         self.abort_sent_monotonic = self.kill_sent_monotonic = None
-        self.stuck_reported = False
         self.reports, self.stages, self.boot_error, self.trouble = [], {}, "", ""
         self.rejected_messages = 0
 
@@ -215,7 +213,6 @@ class WorkerProcess:
         elif self.stuck(now_monotonic):
             log.error("worker %s (pid %d) is stuck even after SIGKILL; leaving it", self.name,
                       self.pid)
-            self.stuck_reported = True
             self.popen = None
             self.move_to(WorkerState.STOPPED)
             return True

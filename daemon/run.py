@@ -103,7 +103,8 @@ def main(args) -> int:
         print(f"facecast: {problem}", file=sys.stderr)
         return 1
 
-    from facecast.daemon.supervisor import AlreadyRunning, Supervisor
+    from facecast.daemon.runtime_dir import AlreadyRunning
+    from facecast.daemon.supervisor import Supervisor
 
     status_every_s = args.status_every
     if status_every_s is None and sys.stderr.isatty():

@@ -131,8 +131,7 @@ class RuntimeDir:
         leftovers = Leftovers(previous_pid=previous_pid if previous_pid != os.getpid() else 0)
         leftovers.sockets = self.remove_sockets()
         # Workers die with their supervisor (PR_SET_PDEATHSIG); whatever they owned is ownerless.
-        leftovers.segments = shm.sweep_dead_owners()
-        leftovers.cuda_ipc_files = shm.sweep_dead_cuda_ipc_files()
+        leftovers.segments, leftovers.cuda_ipc_files = shm.sweep_all_dead()
         return leftovers
 
     def remove_sockets(self) -> list[str]:

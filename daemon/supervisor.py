@@ -58,7 +58,7 @@ from facecast.daemon.events import MarkerEvents
 from facecast.daemon.gpu_monitor import GpuMonitor
 from facecast.daemon.layout import ROLES_IN_STOP_ORDER, ReloadRefused, WorkerSpec
 from facecast.daemon.process import GIVEN_UP_STATES, RestartPolicy, WorkerProcess, WorkerState
-from facecast.daemon.runtime_dir import AlreadyRunning, RuntimeDir  # noqa: F401 (re-exported)
+from facecast.daemon.runtime_dir import RuntimeDir
 from facecast.daemon.sd_notify import Notifier
 from facecast.daemon.track_ids import TrackIdAllocator
 from facecast.daemon.worker_table import WorkerTable
@@ -139,8 +139,7 @@ class Supervisor:
             log.info("no GPU (%s): models run on the CPU", self.gpu_monitor.note or "none found")
         self.allow_fault_injection = os.environ.get(FAULT_INJECTION_ENV) == "1"
         self.runtime = RuntimeDir(config.daemon.runtime_dir)
-        self.runtime_dir = self.runtime.path
-        self.control_endpoint = endpoints.control(self.runtime_dir)
+        self.control_endpoint = endpoints.control(self.runtime.path)
         self.events = MarkerEvents()
         self.track_ids = TrackIdAllocator()  # Note [Track id blocks]: one for the daemon's life
         self.workers = WorkerTable(self.control_endpoint, policy or RestartPolicy(),
@@ -218,7 +217,7 @@ class Supervisor:
         self.notifier.status("starting workers")
         self.event("start", config=self.config_path, cameras=len(self.config.cameras))
         log.info("facecast supervisor %d: runtime dir %s, %d camera(s), %s", os.getpid(),
-                 self.runtime_dir, len(self.config.cameras),
+                 self.runtime.path, len(self.config.cameras),
                  f"{self.gpu_count} GPU(s)" if self.gpu_count else "no GPU")
         specs = layout.plan(self.config, self.gpu_count)
         # Note [Boot order]: on a GPU, capture starts once the device's inference workers are up.
@@ -309,7 +308,7 @@ class Supervisor:
             if shutdown.group and not self.workers.all_stopped(shutdown.group):
                 return
             if shutdown.next_role == len(ROLES_IN_STOP_ORDER):
-                self._finish_stop_log(shutdown)
+                self._finish_stop(shutdown)
                 shutdown.done = True
                 return
             role = ROLES_IN_STOP_ORDER[shutdown.next_role]
@@ -324,9 +323,10 @@ class Supervisor:
                 continue
             self.workers.begin_stop(shutdown.group, shutdown.group_deadline_monotonic)
 
-    def _finish_stop_log(self, shutdown: _Shutdown) -> None:
+    def _finish_stop(self, shutdown: _Shutdown) -> None:
         # Anything a worker left that reaping did not catch (DESIGN §5: nothing left in /dev/shm).
-        swept = shm.sweep_dead_owners() + shm.sweep_dead_cuda_ipc_files()
+        segments, cuda_ipc_files = shm.sweep_all_dead()
+        swept = segments + cuda_ipc_files
         if swept:
             log.info("removed %d file(s) of processes that are gone from /dev/shm", len(swept))
         log.info("stopped in %.2f s", time.monotonic() - shutdown.started_monotonic)

@@ -146,6 +146,12 @@ def sweep_dead_cuda_ipc_files(owner_pid: int | None = None) -> list[str]:
     return removed
 
 
+def sweep_all_dead() -> tuple[list[str], list[str]]:
+    """(segments, CUDA IPC files) of every process that is gone: at a supervisor's start and
+    stop."""
+    return sweep_dead_owners(), sweep_dead_cuda_ipc_files()
+
+
 def sweep_process(pid: int) -> list[str]:
     """Everything a reaped process left in /dev/shm: its segments and its CUDA IPC files."""
     return sweep_dead_owners(owner_pid=pid) + sweep_dead_cuda_ipc_files(owner_pid=pid)
