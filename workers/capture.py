@@ -91,6 +91,9 @@ class CameraCapture:
         self._was_lost = False
         self._seen_epoch = 0
         self._seen_fallbacks = 0
+        # Fault injection arrives on the worker's main thread; the camera thread takes it from
+        # here, so that the frame it spoils and the frame its marker names are the same one.
+        self._fault_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"capture-{camera.id}",
                                        daemon=True)
 
@@ -191,7 +194,9 @@ class CameraCapture:
         except SourceLost as exc:
             self._lost(exc.reason)
             return
-        corrupting = self.publisher.corrupt_pending
+        corrupting = self._take_fault_request()
+        if corrupting:
+            self.publisher.corrupt_next_frame()
         message = self.publisher.publish(frame, capture_ts_lsl)
         if corrupting:
             # On the Markers stream, so that a recording says which frame was spoiled on purpose.
@@ -208,6 +213,18 @@ class CameraCapture:
             self.source_state = "ok"
             self.reopen.succeeded()
         self._report_transport_changes()
+
+    def _take_fault_request(self) -> bool:
+        try:
+            self._fault_requests.get_nowait()
+        except queue.Empty:
+            return False
+        return True
+
+    def request_corrupt_next_frame(self) -> None:
+        """Called by the main thread (fault injection): the camera thread spoils its next
+        published frame and puts that frame's number on the Markers stream."""
+        self._fault_requests.put("corrupt_next_frame")
 
     def _report_transport_changes(self) -> None:
         status = self.publisher.status
@@ -308,7 +325,7 @@ class CaptureWorker(Worker):
             return
         log.warning("camera %s: the next frame's slot will be corrupted after publishing "
                     "(fault injection)", fault.camera_id)
-        capture.publisher.corrupt_next_frame()
+        capture.request_corrupt_next_frame()
 
     def camera_reports(self) -> list[CameraReport]:
         return [capture.report() for capture in self.cameras.values()]
