@@ -68,3 +68,16 @@ def reports_by_camera(config: Config, workers: Iterable[WorkerProcess]) -> dict[
         for report in worker.reports:
             cameras.setdefault(report.camera_id, []).append(report)
     return cameras
+
+
+def face_models_line(config: Config) -> str:
+    """Which face stack the workers load for this config, and where its bundle came from (issue
+    13: `status` says it as `doctor` does). Read at start and at each reload: the bundle is
+    checked when a worker loads it, so a bundle replaced on disk shows at the next reload."""
+    from facecast.models import assets
+
+    choice = assets.landmarker_bundle(config.models.face_landmarker_task or None,
+                                      config.models.dir or None)
+    if choice.available:
+        return f"MediaPipe FaceLandmarker (blendshapes, head translation); bundle: {choice.detail}"
+    return f"attention mesh, no blendshapes or head translation: {choice.detail}"

@@ -62,6 +62,8 @@ def render(status: DaemonStatus) -> str:
             detail += f"{'; ' if detail else ''}{w.rejected_messages} malformed message(s) dropped"
         lines.append(f"{w.name:<28} {w.state:<10} {w.pid:>7} {w.restarts:>8} "
                      f"{w.uptime_s:>7.0f}s  {detail}")
+    if status.face_models:
+        lines.append(f"face models: {status.face_models}")
     if status.rejected_messages:
         lines.append(f"control socket: {status.rejected_messages} malformed message(s) dropped")
     lines += ["", f"{'camera':<12} {'captured':>9} {'published':>9} {'faces':>5} "

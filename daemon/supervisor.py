@@ -129,6 +129,7 @@ class Supervisor:
         policy: RestartPolicy | None = None,
     ) -> None:
         self.config = config
+        self.face_models = reporting.face_models_line(config)
         self.config_path = config_path
         self.duration_s = duration_s
         self.notifier = notifier or Notifier(unset_environment=True)
@@ -482,6 +483,7 @@ class Supervisor:
             self.notifier.ready(f"reload refused: {exc}")
             return False, str(exc)
         old, self.config = self.config, new
+        self.face_models = reporting.face_models_line(new)
         self.workers.log_level = new.daemon.log_level
         stale_standbys = self._stale_standbys(old)
         stopping = [w for w in (self.workers.get(s.name) for s in change.stop + change.restart)
@@ -593,5 +595,5 @@ class Supervisor:
             workers=[w.status() for w in self.workers],
             cameras=cameras, stages=stages, gpus=self.gpu_monitor.status(),
             gpu_note=self.gpu_monitor.note, recent_events=self.events.recent(10),
-            rejected_messages=self._gate.rejected,
+            rejected_messages=self._gate.rejected, face_models=self.face_models,
         )

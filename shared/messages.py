@@ -404,6 +404,7 @@ class DaemonStatus(Message, tag="daemon_status"):
     gpu_note: str = ""
     recent_events: list[str] = msgspec.field(default_factory=list)
     rejected_messages: int = 0  # malformed messages the control socket refused
+    face_models: str = ""  # which face stack the config gets, and where its bundle came from
 
 
 AnyMessage = Union[

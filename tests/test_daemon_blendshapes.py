@@ -37,6 +37,10 @@ def _config() -> str:
 def test_every_face_has_blendshapes_and_head_translation_and_no_channel_is_always_nan(
         models, tmp_path):
     with ready_daemon(tmp_path, config_text=_config()) as daemon:
+        # `status` says which face stack runs and where its bundle came from, as `doctor` does.
+        face_models = daemon.status().face_models
+        assert face_models.startswith("MediaPipe FaceLandmarker"), face_models
+        assert assets.LANDMARKER_TASK_REQUIREMENT in face_models, face_models
         records = daemon.resolve("Face", count=len(CAMERAS) * MAX_FACES)
         assert len(records) == len(CAMERAS) * MAX_FACES
         labels = [label for label, _, _ in face_channels(landmarks=True)]

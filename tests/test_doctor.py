@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from facecast.daemon import doctor
+from facecast.daemon import doctor, reporting
 from facecast.models import assets
+from facecast.shared import config as config_mod
 from facecast.shared.cuda_driver import cuda_unavailable_reason
 
 no_gpu_only = pytest.mark.skipif(
@@ -130,6 +131,21 @@ def test_blendshapes_say_where_the_bundle_came_from():
     assert result.state == doctor.OK, result
     assert f"{directory / assets.LANDMARKER_TASK_FILE}" in result.detail
     assert assets.LANDMARKER_TASK_REQUIREMENT in result.detail
+
+
+def test_status_names_the_face_stack_and_why(tmp_path):
+    # The line `facecast status` prints (DaemonStatus.face_models), from the same choice.
+    camera = '[[cameras]]\nid = "c0"\nsource = "synthetic"\n'
+    empty = config_mod.loads(f'[models]\ndir = "{tmp_path}"\n' + camera)
+    line = reporting.face_models_line(empty)
+    assert line.startswith("attention mesh, no blendshapes"), line
+    assert f"face_landmarker.task is not installed in {tmp_path}" in line
+    directory = _installed_model_dir()
+    assets.install_landmarker_task(directory)
+    installed = config_mod.loads(f'[models]\ndir = "{directory}"\n' + camera)
+    line = reporting.face_models_line(installed)
+    assert line.startswith("MediaPipe FaceLandmarker"), line
+    assert assets.LANDMARKER_TASK_REQUIREMENT in line
 
 
 # --- GPU, NVML, transport -------------------------------------------------------------------------
