@@ -28,6 +28,9 @@ on the CPU: fp32. Each is checked against fp32 eager on the same inputs (landmar
 fraction of the face's box width; detection counts and box IoU). Every figure is the median (and
 90th percentile) of timed iterations after warm-up; graph capture happens during warm-up.
 
+*Face embeddings* (issue 15), per batch of B faces of the same frames: dlib's face chips cut by
+the mesh and dlib's face ResNet (``models/face_embedding.py``), and the network alone; fp32.
+
 *LiteRT baseline* (``ai-edge-litert``, XNNPACK on the CPU, the thread counts listed), one invoke
 per face or per model input, as MediaPipe runs them, model time only (set input, invoke, read
 outputs; no crops): face_landmark_with_attention cannot run whole in LiteRT (MediaPipe's custom
@@ -379,6 +382,42 @@ def bench_face_landmarker(device, variants, task, batch, pool, size, args, budge
     return rows
 
 
+def bench_embeddings(device, batch, measured, batch_sizes, args, budget) -> list[dict]:
+    """Face embeddings (models/face_embedding.py, dlib's ResNet; issue 15) at batch sizes B:
+    "chips + network" = dlib's face chips cut from the frames by the mesh (5 points, similarity
+    fit, 4x4-sample gather) and the 128-D network, device synchronised; "network" = the network
+    alone on ready chips. faces/s = B / p50. fp32 only."""
+    import torch
+
+    from facecast.models import face_embedding
+
+    rows = []
+    try:
+        embedder = face_embedding.FaceEmbedder.from_model_dir(device=device)
+    except Exception as exc:  # noqa: BLE001 - a missing model must not end the run
+        return [{"batch": 0, "error": f"{type(exc).__name__}: {exc}"}]
+    owners = [index for index, frame in zip(range(len(measured.rows)), measured.rows) for _ in frame]
+    landmarks = measured.landmarks_px[[row for frame in measured.rows for row in frame]]
+    for size in batch_sizes:
+        row = {"batch": size}
+        rows.append(row)
+        if budget.left_s() < 10:
+            row["error"] = "skipped: time budget"
+            continue
+        pick = [k % len(owners) for k in range(size)]
+        frame_index = torch.tensor([owners[k] for k in pick], device=device)
+        face_landmarks = landmarks[torch.tensor(pick, device=device)]
+        with torch.inference_mode():
+            chips = face_embedding.extract_chips(batch, frame_index, face_embedding.mesh_chip_points(face_landmarks))
+        row["chips_and_network"] = timed(lambda: embedder.embed_landmarks(batch, frame_index, face_landmarks),
+                                         device, args.warmup, args.iters)
+        row["network"] = timed(lambda: embedder.embed_chips(chips), device, args.warmup, args.iters)
+        row["faces_per_s"] = size / row["chips_and_network"]["p50_ms"] * 1e3
+        row["network_faces_per_s"] = size / row["network"]["p50_ms"] * 1e3
+        print(f"embeddings batch {size:4d} {row['faces_per_s']:9.0f} faces/s", file=sys.stderr, flush=True)
+    return rows
+
+
 def bench_detection(pipelines, scenes, cameras_list, args, budget) -> list[dict]:
     import torch
 
@@ -619,6 +658,19 @@ def report(data: dict) -> str:
                            if parity else "reference")
             lines.append(f"| {r['batch']} | {r['variant']} | {r['results']['p50_ms']:.2f} / "
                          f"{r['results']['p90_ms']:.2f} | {r['faces_per_s']:.0f} | {parity_text} |")
+    if data.get("embeddings"):
+        lines += ["", "Face embeddings (dlib's face ResNet, 128-D, fp32; `models/face_embedding.py`): \"chips + "
+                  "network\" cuts each face's 150x150 chip from the frames by its mesh and runs the network; "
+                  "\"network\" runs it on ready chips. faces/s = batch / p50.", "",
+                  "| batch | chips + network p50 / p90 ms | faces/s | network p50 ms | network faces/s |",
+                  "|---|---|---|---|---|"]
+        for r in data["embeddings"]:
+            if "error" in r:
+                lines.append(f"| {r['batch']} | {r['error']} | | | |")
+                continue
+            lines.append(f"| {r['batch']} | {r['chips_and_network']['p50_ms']:.2f} / "
+                         f"{r['chips_and_network']['p90_ms']:.2f} | {r['faces_per_s']:.0f} | "
+                         f"{r['network']['p50_ms']:.2f} | {r['network_faces_per_s']:.0f} |")
     lines += ["", "Detection over C cameras: one `detect` call on a (C, 1080, 1920, 3) uint8 tensor on the device, "
               "to per-frame results on the host. Stages (eager variants, synchronised stage clock): preprocess = "
               "letterbox and tile crops, forward = both detectors, decode+NMS = decode, tile-border test, pooling, "
@@ -698,6 +750,8 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS))
     parser.add_argument("--iters", type=int)
     parser.add_argument("--warmup", type=int)
+    parser.add_argument("--embedding-batch-sizes", type=int, nargs="+",
+                        help="face embedding batch sizes (default: 1 8 32 64 128; --quick: 1 4)")
     parser.add_argument("--litert-threads", type=int, nargs="+")
     parser.add_argument("--litert-repeats", type=int)
     parser.add_argument("--face-landmarker-task", default=os.environ.get("FACECAST_FACE_LANDMARKER_TASK") or None,
@@ -740,6 +794,7 @@ def main() -> int:
     args.iters = args.iters or (3 if args.quick else 30 if cuda else 5)
     args.warmup = args.warmup or (1 if args.quick else 5 if cuda else 2)
     cpus = os.cpu_count() or 1
+    args.embedding_batch_sizes = args.embedding_batch_sizes or ([1, 4] if args.quick else [1, 8, 32, 64, 128])
     args.litert_threads = args.litert_threads or ([1] if args.quick else sorted({1, min(8, cpus)}))
     args.litert_repeats = args.litert_repeats or (10 if args.quick else 60)
 
@@ -752,7 +807,7 @@ def main() -> int:
     data = {"machine": machine_info(device), "command": shlex.join(["python3", "bench/models.py", *sys.argv[1:]]),
             "blendshapes": "measured" if reference.measurer.blendshapes is not None else f"absent: {task_reason}",
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "docs")},
-            "litert": [], "faces": [], "detection": []}
+            "litert": [], "faces": [], "detection": [], "embeddings": []}
 
     def save():
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -806,6 +861,10 @@ def main() -> int:
         data["face_landmarker"] = bench_face_landmarker(device, args.variants, landmarker_task, batch8, pool,
                                                         FACE_GOAL[0], args, budget)
         save()
+    with torch.inference_mode():
+        measured = reference.measurer.measure(batch8, owners, rects, boxes, pool[3], [False] * len(owners))
+    data["embeddings"] = bench_embeddings(device, batch8, measured, args.embedding_batch_sizes, args, budget)
+    save()
     data["detection"] += bench_detection(pipelines, scenes, [c for c in args.cameras if c not in goal_cameras],
                                          args, budget)
     save()

