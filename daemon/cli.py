@@ -119,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_verbose(run_parser)
     run_parser.set_defaults(handler=run.main)
 
+    from facecast.daemon import record
+
+    record_parser = commands.add_parser(
+        "record", help="record video of the cameras: `record start [--cameras ...] [--dir ...]`, "
+        "`record stop`")
+    record.add_arguments(record_parser)
+    record_parser.set_defaults(handler=record.main)
+
     for name, handler, text in (
         ("status", status.status_main, "ask the running daemon what it is doing"),
         ("reload", status.reload_main, "make the running daemon re-read its config"),

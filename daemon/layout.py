@@ -8,6 +8,8 @@ without starting anything.
   roi_landmark workers (`roi_landmark:<device>:<k>`), the device's cameras dealt out in config
   order;
 - one output worker (`output`) for all cameras;
+- with `web.enabled`, one web console (`console`) for all cameras, started at READY (Note
+  [Console after READY]);
 - warm standbys (`standby:<role>:<device>`, `standby:output`, `standby_plan`): per device, one
   booted spare of each role whose boot is slow there, and one of the output worker (Note [Warm
   standby] in facecast.daemon.worker_table).
@@ -23,7 +25,17 @@ from dataclasses import dataclass
 
 from facecast.shared.config import Config
 
-ROLES_IN_STOP_ORDER = ("capture", "detection", "roi_landmark", "output")
+# The console goes first: a viewer that outlived the cameras would only show them vanish.
+# A recorder stops before capture: its files end cleanly on frames that were still coming.
+ROLES_IN_STOP_ORDER = ("console", "recorder", "capture", "detection", "roi_landmark", "output")
+# Note [Console after READY]
+#     The web console (`web.enabled`) measures nothing: READY=1 means the streams carry
+#     measurements, and the console's boot (Python, torch for the ring readers, aiohttp: about
+#     2 s of CPU) would only compete with the workers that READY waits for, on a 2-core machine
+#     the e2e tests' daemons included. So the supervisor starts it once the daemon is READY, with
+#     the warm standbys. It has no spare: a console restart costs a browser a few seconds of
+#     previews, never a stream sample (tests/test_console.py measures it).
+ROLES_STARTED_AT_READY = ("console",)
 # Note [Capture groups]
 #     One capture process per camera isolates a hung driver or a dead stream in the kernel's
 #     way: the other cameras cannot even see it. On a GPU it also costs a CUDA context per
@@ -71,6 +83,8 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
     for camera in config.cameras:
         by_device.setdefault(devices[camera.id], []).append(camera.id)
     specs = [WorkerSpec("output", "output", tuple(c.id for c in config.cameras), "cpu")]
+    if config.web.enabled:  # Note [Console after READY]: the supervisor holds it back until READY
+        specs.append(WorkerSpec("console", "console", tuple(c.id for c in config.cameras), "cpu"))
     for device, camera_ids in by_device.items():
         count = config.daemon.roi_landmark_workers
         for k in range(count):
@@ -99,6 +113,34 @@ def capture_groups(config: Config, device: str, camera_ids: list[str]) -> list[t
 def capture_worker_of(specs: list[WorkerSpec], camera_id: str) -> str:
     """The name of the capture worker of a camera in a plan."""
     return next(s.name for s in specs if s.role == "capture" and camera_id in s.camera_ids)
+
+
+def recorder_plan(config: Config, gpu_count: int, camera_ids: list[str]) -> list[WorkerSpec]:
+    """Note [One recorder per device]: the recorders of a recording of these cameras."""
+    devices = camera_devices(config, gpu_count)
+    by_device: dict[str, list[str]] = {}
+    for camera in config.cameras:
+        if camera.id in camera_ids:
+            by_device.setdefault(devices[camera.id], []).append(camera.id)
+    return [WorkerSpec(f"recorder:{device}", "recorder", tuple(ids), device)
+            for device, ids in by_device.items()]
+
+
+# Note [One recorder per device]
+#     Recorders (facecast.workers.recorder) are not part of `plan`: they run only while a
+#     recording does (`facecast record start` to `record stop`, or from the start with
+#     `record.start`), so that a daemon that records nothing pays nothing for them, and a reload
+#     never starts or stops one (the supervisor owns them: Note [Recording] in
+#     facecast.daemon.recordings). One per device, not one per capture group: a recorder runs an encoder thread per camera (libx264
+#     releases the GIL, so its cameras spread over the cores), and on the CPU one process per
+#     camera would add a Python with PyAV (0.3-1.0 s of boot, 90 MB) per camera for no
+#     isolation that matters: an encoder that fails stops its camera's recording, not the
+#     others', and a recorder that dies is restarted into new files while capture and the
+#     streams go on. Per device is also where an NVENC encoder would sit (one CUDA context per
+#     GPU). No warm spare: a recorder boots in 0.3-1.0 s on the busy 2-core CI machine (no
+#     torch: facecast.workers.recorder.HostShmReader) and records START_MARGIN_S (0.5 s) later,
+#     inside the 2 s promise; the frames of that gap are in no file, which the frame-index stream
+#     and the new record_start marker show, and nothing else waits for it.
 
 
 def standby_plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
@@ -165,6 +207,8 @@ def _needs_restart(before: WorkerSpec, spec: WorkerSpec, old: Config, new: Confi
                 or old.daemon.checksum != new.daemon.checksum)
     if spec.role in ("detection", "roi_landmark"):
         return old.models != new.models or old.output != new.output
+    if spec.role == "console":  # its socket, token, previews; the Markers stream it reads
+        return old.web != new.web or old.host() != new.host()
     # The output worker: its channels, host name, and whether blendshapes can be filled (the
     # models section names the face_landmarker bundle).
     return old.output != new.output or old.host() != new.host() or old.models != new.models

@@ -54,7 +54,9 @@ def _ensure_models(config: config_mod.Config, allow_install: bool) -> str:
     print(f"facecast: models missing ({', '.join(missing)}); installing them "
           f"(`{assets.INSTALL_COMMAND}`)", file=sys.stderr)
     try:
-        assets.install(model_dir)
+        # Not the face embedding network (~100 MB download): no worker uses it yet, and a
+        # failure to fetch it must not keep the daemon from starting.
+        assets.install(model_dir, embeddings=False)
     except assets.ModelError as exc:
         return str(exc)
     return ""
@@ -109,6 +111,8 @@ def main(args) -> int:
     status_every_s = args.status_every
     if status_every_s is None and sys.stderr.isatty():
         status_every_s = 2.0
+    if config.web.enabled:
+        print(f"facecast: {console_announcement(config)}", file=sys.stderr, flush=True)
     supervisor = Supervisor(config, str(path), duration_s=args.duration,
                             status_every_s=status_every_s)
     try:
@@ -116,3 +120,19 @@ def main(args) -> int:
     except AlreadyRunning as exc:
         print(f"facecast: {exc}", file=sys.stderr)
         return 1
+
+
+def console_announcement(config: config_mod.Config) -> str:
+    """Where the web console will be (README "Web console"); it starts once the daemon is READY
+    (Note [Console after READY] in facecast.daemon.layout)."""
+    from facecast.workers.console_http import is_loopback
+
+    web = config.web
+    if web.port == 0:
+        where = f"on a free port of {web.host} (`facecast status` shows which)"
+    else:
+        host = f"[{web.host}]" if ":" in web.host else web.host
+        where = f"at http://{host}:{web.port}/"
+    access = ("every request needs the token" if not is_loopback(web.host)
+              else "control needs the token" if web.allow_control else "read-only")
+    return f"web console {where} once the daemon is ready ({access})"

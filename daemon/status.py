@@ -33,7 +33,24 @@ def _ask(args, message):
 
 def status_main(args) -> int:
     print(render(_ask(args, StatusRequest())))
+    line = console_line(_runtime_dir(args))
+    if line:
+        print(line)
     return 0
+
+
+def console_line(runtime_dir) -> str:
+    """Where the web console answers (its worker writes web-console.json when it listens)."""
+    from facecast.workers.console import read_console_file
+
+    console = read_console_file(runtime_dir)
+    if console is None:
+        return ""
+    access = ("every request needs the token" if console.get("token_required")
+              else "control with the token" if console.get("allow_control") else "read-only")
+    token = f"; token in {console['token_file']}" if console.get("token_file") and (
+        console.get("token_required") or console.get("allow_control")) else ""
+    return f"web console: {console['url']} ({access}{token})"
 
 
 def reload_main(args) -> int:
@@ -82,6 +99,14 @@ def render(status: DaemonStatus) -> str:
             f"{camera_id:<12} {(capture.fps if capture else 0):>7.1f}/s "
             f"{(output.fps if output else 0):>7.1f}/s {(output.faces if output else 0):>5} "
             f"{transport:<9} {latency:>16}  {source}{skipped}{'; ' + why if why else ''}")
+    recordings = [(camera_id, r) for camera_id, reports in status.cameras.items()
+                  for r in reports if r.recording]
+    if recordings:  # the recorders' cameras (README "Recording")
+        lines += ["", f"{'recording':<12} {'frames':>8} {'drops':>6}  state / file"]
+        for camera_id, r in recordings:
+            where = f"  {r.recording_file}" if r.recording_file else ""
+            lines.append(f"{camera_id:<12} {r.recorded_frames:>8} {r.recording_drops:>6}  "
+                         f"{r.recording}{where}")
     if status.stages:
         lines += ["", f"{'stage':<40} {'p50 ms':>8} {'p99 ms':>8} {'count':>8}"]
         for name, timing in sorted(status.stages.items()):

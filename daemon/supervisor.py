@@ -58,6 +58,7 @@ from facecast.daemon.events import MarkerEvents
 from facecast.daemon.gpu_monitor import GpuMonitor
 from facecast.daemon.layout import ROLES_IN_STOP_ORDER, ReloadRefused, WorkerSpec
 from facecast.daemon.process import GIVEN_UP_STATES, RestartPolicy, WorkerProcess, WorkerState
+from facecast.daemon.recordings import Recordings
 from facecast.daemon.runtime_dir import RuntimeDir
 from facecast.daemon.sd_notify import Notifier
 from facecast.daemon.track_ids import TrackIdAllocator
@@ -74,6 +75,7 @@ from facecast.shared.messages import (
     Hello,
     InjectFault,
     MessageGate,
+    RecordRequest,
     ReloadRequest,
     StatusRequest,
     StopRequest,
@@ -153,8 +155,10 @@ class Supervisor:
         self._stop_requested = False
         self._reload: _Reload | None = None
         self._captures_to_start: list[WorkerSpec] = []  # Note [Boot order]
+        self._start_at_ready: list[WorkerSpec] = []  # Note [Console after READY] in layout.py
         self._shutdown: _Shutdown | None = None
         self._gate = MessageGate("control socket")
+        self.recordings = Recordings(self.workers, self.gpu_count)  # Note [Recording]
         self._next_status_monotonic = 0.0
         self._next_watchdog_monotonic = 0.0
         self._next_live_line_monotonic = 0.0
@@ -223,10 +227,17 @@ class Supervisor:
         specs = layout.plan(self.config, self.gpu_count)
         # Note [Boot order]: on a GPU, capture starts once the device's inference workers are up.
         self._captures_to_start = [s for s in specs if s.role == "capture" and s.device != "cpu"]
+        # Note [Console after READY] in facecast.daemon.layout.
+        self._start_at_ready = [s for s in specs if s.role in layout.ROLES_STARTED_AT_READY]
         for spec in specs:
-            if spec not in self._captures_to_start:
+            if spec not in self._captures_to_start and spec not in self._start_at_ready:
                 self.workers.start(spec)
         # The spares start once the daemon is READY (Note [Warm standby]).
+        if self.config.record.start:
+            reply = self.recordings.request(RecordRequest(action="start"), self.config,
+                                            stopping=False)
+            if not reply.ok:
+                log.error("record.start: not recording: %s", reply.error)
 
     def _tick(self, serve: bool) -> None:
         """One turn of the loop: never blocks."""
@@ -242,6 +253,7 @@ class Supervisor:
             return
         self.workers.check_liveness(self.config.daemon)
         self._start_captures_when_inference_is_up()
+        self.recordings.forget_stopped_recorders()
         self.workers.start_due()
         self._advance_reload()
         self._flush_events()
@@ -369,6 +381,7 @@ class Supervisor:
             elif isinstance(message, Event):
                 log.info("event %s %s", message.kind, message.fields)
                 self.events.add(message)
+                self.recordings.on_event(message)
             elif isinstance(message, StatusRequest):
                 self._reply(identity, self.status(message.id))
             elif isinstance(message, ReloadRequest):
@@ -377,6 +390,9 @@ class Supervisor:
             elif isinstance(message, StopRequest):
                 self._reply(identity, Ack(reply_to=message.id))
                 self._stop_requested = True
+            elif isinstance(message, RecordRequest):
+                self._reply(identity, self.recordings.request(
+                    message, self.config, stopping=self._shutdown is not None))
             elif isinstance(message, InjectFault):
                 self._reply(identity, self._inject_fault(message))
             elif isinstance(message, TrackIdsWanted):
@@ -411,7 +427,9 @@ class Supervisor:
         # Assignment of the worker it replaces (Note [Track id blocks]).
         track_ids = (self.track_ids.grant(spec.name)
                      if spec.role == "roi_landmark" and not spec.standby else None)
-        return Assignment(worker=spec.name, config=msgspec.json.encode(self.config),
+        config = (self.recordings.config_for_recorder(self.config) if spec.role == "recorder"
+                  else self.config)
+        return Assignment(worker=spec.name, config=msgspec.json.encode(config),
                           camera_ids=list(spec.camera_ids), device=spec.device,
                           standby=spec.standby, track_ids=track_ids)
 
@@ -489,8 +507,15 @@ class Supervisor:
         stopping = [w for w in (self.workers.get(s.name) for s in change.stop + change.restart)
                     if w is not None] + stale_standbys
         self.workers.begin_stop(stopping, time.monotonic() + new.daemon.stop_timeout_s)
+        # A console not started yet (Note [Console after READY]) starts at READY as the new
+        # config has it, or not at all; it has no process to reassign or stop.
+        new_specs = {s.name: s for s in layout.plan(new, self.gpu_count)}
+        self._start_at_ready = [new_specs[s.name] for s in self._start_at_ready
+                                if s.name in new_specs]
         for spec in change.reassign:
             worker = self.workers.get(spec.name)
+            if worker is None:
+                continue  # not started yet: it starts with the new spec
             worker.spec = spec
             self._send_to(spec.name, self._assignment(spec))
         summary = (f"started {len(change.start)}, stopped {len(change.stop)}, restarted "
@@ -557,6 +582,10 @@ class Supervisor:
             self.ready = True
             log.info("ready in %.1f s: %s", now - self.started_monotonic, self.summary())
             self.notifier.ready(self.summary())
+            for spec in self._start_at_ready:
+                if self.workers.get(spec.name) is None:  # a reload may have started it
+                    self.workers.start(spec)
+            self._start_at_ready = []
             self._start_missing_standbys()
         interval_s = self.notifier.watchdog_interval_s()
         if interval_s is not None and now >= self._next_watchdog_monotonic:
@@ -586,6 +615,7 @@ class Supervisor:
 
     def status(self, reply_to: str) -> DaemonStatus:
         cameras = reporting.reports_by_camera(self.config, self.workers)
+        self.recordings.add_ended(cameras)  # Note [Recording]
         stages = {f"{worker.name}/{stage}": timing
                   for worker in self.workers for stage, timing in worker.stages.items()}
         return DaemonStatus(

@@ -152,6 +152,118 @@ class OutputConfig(_Strict):
     ] = False
 
 
+class WebConfig(_Strict):
+    """The web console (facecast.workers.console; README "Web console"): read-only previews and
+    health in a browser, safe by default (Note [Console security] in facecast.workers.console)."""
+
+    enabled: Annotated[
+        bool, msgspec.Meta(description="serve the web console (its own worker process)")
+    ] = False
+    host: Annotated[
+        str,
+        msgspec.Meta(
+            # A shape check here, so that a host name gets a message that names web.host at
+            # once; __post_init__ then checks that it is a real address (web_host_problem).
+            pattern=r"^(localhost|[0-9.]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$",
+            description='address to bind: an IP address or "localhost" (never a name resolved '
+            "at start); anything but a loopback address makes every request need the token",
+        ),
+    ] = "127.0.0.1"
+    port: Annotated[
+        int, msgspec.Meta(ge=0, le=65535, description="TCP port; 0: any free port (tests)")
+    ] = 8420
+    preview_fps: Annotated[
+        float, msgspec.Meta(ge=5, le=15, description="preview frames per second per camera")
+    ] = 10.0
+    preview_width: Annotated[
+        int,
+        msgspec.Meta(ge=64, le=1920, description="width of a grid preview in pixels (height "
+                     "keeps the camera's aspect); a camera's own page shows twice that"),
+    ] = 320
+    token: Annotated[
+        str,
+        msgspec.Meta(
+            pattern=r"^([A-Za-z0-9_~.-]{16,128})?$",
+            description="secret for requests (16-128 characters of A-Z a-z 0-9 _ ~ . -); empty: "
+            "one is generated, printed once and kept in web-token (mode 0600) in the runtime "
+            "directory",
+        ),
+    ] = ""
+    allow_control: Annotated[
+        bool,
+        msgspec.Meta(description="allow reload, stop and markers from the console (with the "
+                     "token); false: read-only"),
+    ] = False
+
+    def __post_init__(self) -> None:
+        problem = web_host_problem(self.host)
+        if problem:
+            raise ValueError(problem)
+
+
+def web_host_problem(host: str) -> str:
+    """Why `web.host` cannot be bound ("" when it can): an IP address literal or "localhost"; a
+    name would be resolved at bind time, which config validation must not do (STYLE §10)."""
+    import ipaddress
+
+    if host == "localhost":
+        return ""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return (f"web.host: {host!r} is not an IP address (allowed: an IPv4 or IPv6 address, or "
+                '"localhost"; "127.0.0.1" keeps the console on this machine)')
+    return ""
+
+
+RecordCodec = Literal["libx264", "ffv1"]
+RecordPreset = Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium"]
+
+
+class RecordConfig(_Strict):
+    """Video recording per camera (facecast.workers.recorder; README "Recording")."""
+
+    start: Annotated[
+        bool, msgspec.Meta(description="record every camera from the daemon's start (else only "
+                           "between `facecast record start` and `facecast record stop`)")
+    ] = False
+    dir: Annotated[
+        str,
+        msgspec.Meta(
+            pattern=r"^(/.*)?$",
+            description="absolute directory for the videos and their sidecar CSVs; empty: "
+            "$XDG_DATA_HOME/facecast/recordings (else ~/.local/share/facecast/recordings)",
+        ),
+    ] = ""
+    segment_s: Annotated[
+        float, msgspec.Meta(ge=1, le=86400, description="a new file every this many seconds of "
+                            "capture time, without losing a frame")
+    ] = 600.0
+    container: Annotated[
+        Literal["mkv", "mp4"],
+        msgspec.Meta(description="mkv (default: a file cut short by a crash or a full disk stays "
+                     "readable up to its last frame) or mp4 (readable only once closed)"),
+    ] = "mkv"
+    codec: Annotated[
+        RecordCodec,
+        msgspec.Meta(description="libx264 (H.264 on the CPU, FFmpeg as bundled with PyAV) or "
+                     "ffv1 (lossless, mkv only, ~10x larger)"),
+    ] = "libx264"
+    preset: Annotated[
+        RecordPreset, msgspec.Meta(description="libx264 speed preset: faster presets encode more "
+                                   "cameras per core at a larger file (docs/benchmarks.md)")
+    ] = "veryfast"
+    crf: Annotated[
+        int, msgspec.Meta(ge=0, le=51, description="libx264 quality: 0 lossless, 23 default, "
+                          "higher is smaller and worse")
+    ] = 23
+
+    def __post_init__(self) -> None:
+        if self.codec == "ffv1" and self.container == "mp4":
+            raise ValueError('record.codec "ffv1" cannot go into an mp4 file: use '
+                             'record.container = "mkv", or record.codec = "libx264"')
+
+
 class CameraConfig(_Strict):
     id: CameraId
     source: Annotated[
@@ -179,6 +291,8 @@ class Config(_Strict):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     output: OutputConfig = msgspec.field(default_factory=OutputConfig)
+    web: WebConfig = msgspec.field(default_factory=WebConfig)
+    record: RecordConfig = msgspec.field(default_factory=RecordConfig)
     cameras: list[CameraConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -302,8 +416,8 @@ def _explain(message: str) -> str:
         key_path = f"{key_path}.{unknown['name']}" if key_path else unknown["name"]
         allowed = ", ".join(getattr(field_type, "__struct_fields__", ()))
         return f"{key_path}: unknown key (allowed here: {allowed})"
-    if not key_path:  # a whole-file rule (__post_init__): its message says it all
-        return what
+    if not key_path or what.startswith(f"{key_path}."):
+        return what  # a struct's own rule (__post_init__): its message names the key and says all
     allowed = _describe_allowed(field_type)
     return f"{key_path}: {what}" + (f" (allowed: {allowed})" if allowed else "")
 

@@ -39,5 +39,11 @@ def results(runtime_dir: str | Path) -> str:
     return f"ipc://{runtime_dir}/results"
 
 
+def results_tap(runtime_dir: str | Path) -> str:
+    """Output worker PUB (bind) → web console SUB: every FaceResults the output worker received,
+    passed on as it came (Note [Results tap] in facecast.workers.console)."""
+    return f"ipc://{runtime_dir}/results-tap"
+
+
 def socket_path(endpoint: str) -> Path:
     return Path(endpoint.removeprefix("ipc://"))

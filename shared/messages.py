@@ -229,7 +229,8 @@ class FaceResults(Message, tag="faces"):
 
 # --- supervisor ↔ workers (control socket) ---------------------------------------------------------
 
-WorkerRole = Literal["capture", "detection", "roi_landmark", "output"]
+WorkerRole = Literal["capture", "detection", "roi_landmark", "output", "console",
+                     "recorder"]
 WorkerState = Literal["booting", "running", "standby"]
 
 
@@ -312,6 +313,11 @@ class CameraReport(msgspec.Struct, frozen=True, kw_only=True):
     fallback_reason: str = ""
     latency_ms: StageTiming | None = None  # output only: capture → LSL push
     checksum_mismatches: int = 0  # frame consumers: slots whose bytes were not the published frame
+    # recorder only (facecast.workers.recorder): "recording", "stopped: <reason>", "" elsewhere
+    recording: str = ""
+    recording_file: str = ""  # the segment being written (path)
+    recorded_frames: int = 0  # frames written in this recording, every segment
+    recording_drops: int = 0  # frames captured during it that are not in its video
 
 
 class Heartbeat(Message, tag="heartbeat"):
@@ -343,6 +349,32 @@ class Event(Message, tag="event"):
     event_ts_lsl: float = 0.0  # 0: when the output worker pushes it
 
 
+# --- recording (recorder → output; Note [Frame index and verdicts] in workers/recorder.py) ---------
+
+
+class RecordingState(Message, tag="recording_state"):
+    """A recorder to the output worker, per camera, at start, at stop and every second between
+    (a recorder that dies stops renewing it): frames captured from `from_ts_lsl` on, until
+    `until_ts_lsl` when set, are decided by the recorder; their frame-index samples wait for
+    its `FramesRecorded` verdict (or VERDICT_WAIT_S)."""
+
+    camera_id: str
+    recording: bool
+    from_ts_lsl: float
+    until_ts_lsl: float = 0.0  # 0: open-ended
+    file: str = ""  # the segment being written (file name only)
+    dropped: int = 0  # recording drops so far in this recording
+
+
+class FramesRecorded(Message, tag="frames_recorded"):
+    """A recorder's verdicts on frames of one camera: each (frame_seq, recording_frame,
+    segment, segment_frame) was handed to the encoder; `dropped` counts this recording's drops."""
+
+    camera_id: str
+    frames: list[tuple[int, int, int, int]]
+    dropped: int = 0
+
+
 # --- CLI ↔ supervisor ------------------------------------------------------------------------------
 
 
@@ -356,6 +388,24 @@ class ReloadRequest(Message, tag="reload"):
 
 class StopRequest(Message, tag="stop"):
     pass
+
+
+class RecordRequest(Message, tag="record"):
+    """`facecast record start|stop`: the supervisor answers with a RecordReply. "check" answers
+    what "start" would do (or why not) and starts nothing (`record start --xdf` asks first)."""
+
+    action: Literal["start", "stop", "check"]
+    camera_ids: list[str] = msgspec.field(default_factory=list)  # []: every camera
+    dir: str = ""  # absolute; "": the config's record.dir
+
+
+class RecordReply(Message, tag="record_reply"):
+    reply_to: str
+    ok: bool = True
+    error: str = ""
+    camera_ids: list[str] = msgspec.field(default_factory=list)  # what is (or was) recorded
+    dir: str = ""
+    host: str = ""  # the daemon's host name: its streams' source ids start facecast-<host>-
 
 
 FAULT_KINDS = ("corrupt_next_frame",)
@@ -412,6 +462,7 @@ AnyMessage = Union[
     DetectionWanted, Detections, FaceResults,
     Hello, Assignment, Promote, Heartbeat, BootFailed, Event, TrackIdsWanted, TrackIdGrant,
     StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,
+    RecordingState, FramesRecorded, RecordRequest, RecordReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -205,8 +205,12 @@ class Daemon:
         self.runtime_dir = tmp / "run"
         self.config_path = tmp / "facecast.toml"
         text = config_text if config_text is not None else (REPO / "config/default.toml").read_text()
+        # Many daemons run at once (CI, other test files): each web console on a free port of its
+        # own (its web-console.json in the runtime dir says which); a [web] table must then
+        # leave `port` to this.
         self.config_path.write_text(text.replace(
-            "[daemon]\n", f'[daemon]\nhost_name = "{self.host}"\nruntime_dir = "{self.runtime_dir}"\n'))
+            "[daemon]\n", f'[daemon]\nhost_name = "{self.host}"\nruntime_dir = "{self.runtime_dir}"\n'
+        ).replace("[web]\n", "[web]\nport = 0\n"))
         self.notify = NotifyListener(tmp / "notify.sock")
         self.log_path = tmp / "daemon.log"
         environment = dict(os.environ, NOTIFY_SOCKET=self.notify.path,

@@ -32,7 +32,7 @@ def test_example_lab_config_shows_every_key():
     text = EXAMPLE.read_text()
     keys_set = set(re.findall(r"^([a-z_]+) = ", text, flags=re.MULTILINE))
     for struct in (config.DaemonConfig, config.ModelsConfig, config.OutputConfig,
-                   config.CameraConfig):
+                   config.CameraConfig, config.WebConfig, config.RecordConfig):
         missing = set(struct.__struct_fields__) - keys_set
         assert not missing, f"{struct.__name__} keys missing from {EXAMPLE.name}: {sorted(missing)}"
 

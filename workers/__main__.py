@@ -36,7 +36,14 @@ def _worker_class(role: str):
     if role == "output":
         from facecast.workers.output import OutputWorker
         return OutputWorker
-    raise SystemExit(f"unknown worker role {role!r} (capture, detection, roi_landmark, output)")
+    if role == "console":
+        from facecast.workers.console import ConsoleWorker
+        return ConsoleWorker
+    if role == "recorder":
+        from facecast.workers.recorder import RecorderWorker
+        return RecorderWorker
+    raise SystemExit(f"unknown worker role {role!r} (capture, detection, roi_landmark, output, "
+                     "console, recorder)")
 
 
 def main(argv: list[str] | None = None) -> int:

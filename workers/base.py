@@ -76,7 +76,7 @@ _PR_SET_PDEATHSIG = 1
 COMM_BYTES = 15  # what the kernel keeps of a name for `top`, `ps -o comm`, `pgrep`
 # Role abbreviations for that short name, so that the camera's part of it fits.
 _COMM_ROLES = {"capture": "cap", "detection": "det", "roi_landmark": "roi", "output": "out",
-               "standby": "sb"}
+               "standby": "sb", "recorder": "rec"}
 
 
 class StopWhileBooting(BaseException):

@@ -1,4 +1,4 @@
-"""The LSL side of the output worker: Face, MoCap and Markers outlets (DESIGN §4).
+"""The LSL side of the output worker: Face, MoCap, frame-index and Markers outlets (DESIGN §4).
 
 Runs in the output worker process only, so that a crash anywhere else leaves consumers' streams
 alone. Everything here is fixed at construction: an LSL stream's channel count and metadata cannot
@@ -463,7 +463,8 @@ class MarkerOutlet:
 
     Each marker is `{"event": kind, ...fields}`, e.g.
     `{"event":"camera_lost","camera":"cam0","reason":"..."}`. Kinds the daemon sends: start,
-    stop, camera_lost, camera_back, transport_fallback, worker_restart, model_missing.
+    stop, camera_lost, camera_back, transport_fallback, worker_restart, model_missing, and the
+    recordings' record_start, record_segment, record_stop, record_error (README "Recording").
     """
 
     def __init__(self, host: str) -> None:
@@ -516,3 +517,84 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple, np.ndarray)):
         return [_jsonable(item) for item in value]
     return str(value)
+
+
+# The frame-index stream's channels: (label, unit, meaning). Every value is an integer; the
+# stream is double64 so that frame numbers stay exact (to 2**53) and never pass through float32.
+FRAME_INDEX_CHANNELS: tuple[tuple[str, str, str], ...] = (
+    ("frame_seq", "count", "the camera's frame number: +1 per captured frame; starts again at 0 "
+     "when its capture worker restarts (a new ring epoch)"),
+    ("recording_frame", "count", "the frame's index in the current recording's video, over "
+     "every segment; -1: not in a video"),
+    ("segment", "count", "the recording's segment file the frame is in (0, 1, ...); -1: none"),
+    ("segment_frame", "count", "the frame's index inside that segment file (row of its sidecar "
+     "CSV with status written); -1: none"),
+    ("dropped", "count", "frames of this camera with no sample on this stream so far: captured "
+     "(a frame_seq was taken) but their FrameReady never reached the output worker"),
+    ("recording_dropped", "count", "frames captured during the current recording that are not "
+     "in its video (Note [Recording drops] in facecast.workers.recorder); -1: not recording"),
+)
+
+
+def frame_index_source_id(host: str, camera_id: str) -> str:
+    return f"facecast-{host}-{camera_id}-frames"
+
+
+class FrameIndexOutlet:
+    """One camera's frame-index stream: one sample per captured frame, stamped with its capture
+    time, whether or not video is recorded (README "Recording", DESIGN §4).
+
+    Type `VideoExternal`: the type the LSL maintainers prefer for a stream of frame numbers of a
+    video kept outside the XDF (sccn/xdf#63: `VideoCompressed` would promise the video inside
+    it). The video's file names are not fixed when the stream is created (a new segment every
+    record.segment_s), so the metadata says how they are named and the Markers stream names
+    each one (record_start, record_segment, record_stop), as sccn/xdf#63 suggests: file names
+    without directories.
+    """
+
+    def __init__(self, host: str, camera_id: str, fps: float, *, max_buffered_s: int = 360) -> None:
+        if not (math.isfinite(fps) and fps > 0):
+            raise ValueError(f"fps must be > 0 (the camera's nominal rate), got {fps!r}")
+        self.host = host
+        self.camera_id = camera_id
+        self.source_id = frame_index_source_id(host, camera_id)
+        info = pylsl.StreamInfo(f"facecast {camera_id} frames", "VideoExternal",
+                                len(FRAME_INDEX_CHANNELS), float(fps), pylsl.cf_double64,
+                                self.source_id)
+        desc = info.desc()
+        channels = desc.append_child("channels")
+        for label, unit, meaning in FRAME_INDEX_CHANNELS:
+            channel = channels.append_child("channel")
+            _append_text(channel, "label", label)
+            _append_text(channel, "unit", unit)
+            _append_text(channel, "type", "FrameIndex")
+            _append_text(channel, "description", meaning)
+        _acquisition(desc, "facecast frame index")
+        synchronization = desc.append_child("synchronization")
+        _append_text(synchronization, "can_drop_samples", "true")  # XDF's flag for video streams
+        facecast = desc.append_child("facecast")
+        _append_text(facecast, "host", host)
+        _append_text(facecast, "camera", camera_id)
+        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+        video = facecast.append_child("video")
+        _append_text(video, "files", "<camera>_<UTC start YYYYmmdd-HHMMSS.mmmZ>_<segment, 3 "
+                     "digits>.<mkv|mp4> in record.dir or `facecast record start --dir`")
+        _append_text(video, "file_names", "each segment's file name is on the Markers stream "
+                     "'facecast markers': record_start (segment 0), record_segment, record_stop, "
+                     "record_error, with keys camera, file, segment, dir")
+        _append_text(video, "sidecar", "<same name>.csv: frame, recording_frame, frame_seq, "
+                     "capture_ts_lsl, status (written or dropped: why)")
+        _append_text(video, "container_timestamps", "pts = capture_ts_lsl - the file's tag "
+                     "capture_ts_lsl_origin (the capture time of its first frame)")
+        self._outlet = pylsl.StreamOutlet(info, max_buffered=max_buffered_s)
+
+    def push(self, capture_ts_lsl: float, values: Sequence[float]) -> None:
+        """One frame: values in FRAME_INDEX_CHANNELS order."""
+        capture_ts_lsl = _check_capture_ts(capture_ts_lsl)
+        if len(values) != len(FRAME_INDEX_CHANNELS):
+            raise ValueError(f"a frame-index sample has {len(FRAME_INDEX_CHANNELS)} values, "
+                             f"got {len(values)}")
+        self._outlet.push_sample([float(v) for v in values], timestamp=capture_ts_lsl)
+
+    def close(self) -> None:
+        self._outlet = None  # type: ignore[assignment]

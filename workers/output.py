@@ -8,6 +8,11 @@ the best body pose of every frame on which a roi_landmark worker measured pose. 
 daemon's one `Markers` stream: events from every worker and from the supervisor arrive here over
 the control socket.
 
+Per camera it also keeps the frame-index stream (`VideoExternal`, FrameIndexOutlet): one sample
+per captured frame, recorded or not, from the camera's frame bus (its FrameReady messages, never
+its pixels), joined with the recorder's verdicts while the camera is recorded
+(facecast.workers.frame_index; Note [Frame index and verdicts] in facecast.workers.recorder).
+
 Frames that no roi_landmark worker got to (it skipped to the newest frame) have no sample: a NaN
 sample would claim "no face" for a frame nobody looked at. For the same reason a result that
 carries no pose measurement (`FaceResults.poses` is None) adds no MoCap sample.
@@ -24,13 +29,22 @@ import zmq
 from facecast.models import assets
 from facecast.shared import endpoints, messages
 from facecast.shared.config import Config
-from facecast.shared.messages import CameraReport, Event, FaceResults, MessageGate
+from facecast.shared.messages import (
+    CameraReport,
+    Event,
+    FaceResults,
+    FramesRecorded,
+    MessageGate,
+    RecordingState,
+)
 from facecast.shared.stats import LatencyWindow, RateMeter
 from facecast.workers.base import Worker
+from facecast.workers.frame_index import FrameIndexFeed
 from facecast.workers.lsl_output import (
     FACE_LANDMARK_COUNT,
     FaceOutlets,
     FaceSample,
+    FrameIndexOutlet,
     MarkerOutlet,
     PoseOutlet,
 )
@@ -50,6 +64,9 @@ class OutputWorker(Worker):
                                reason=self.blendshapes_missing)
         self.outlets: dict[str, FaceOutlets] = {}
         self.pose_outlets: dict[str, PoseOutlet] = {}  # only with output.pose
+        # Every captured frame's number, recorded or not (README "Recording").
+        self.frame_index_outlets: dict[str, FrameIndexOutlet] = {}
+        self.frame_index = FrameIndexFeed(self.context, self.runtime_dir)
         self.latency: dict[str, LatencyWindow] = {}
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}
@@ -60,13 +77,20 @@ class OutputWorker(Worker):
         self.results.setsockopt(zmq.RCVHWM, 10_000)
         self.results.setsockopt(zmq.SUBSCRIBE, b"")
         self.results.bind(endpoints.results(self.runtime_dir))
+        # Note [Results tap] in facecast.workers.console: a PUB drops what nobody reads.
+        self.results_tap = self.context.socket(zmq.PUB)
+        self.results_tap.setsockopt(zmq.LINGER, 0)
+        self.results_tap.setsockopt(zmq.SNDHWM, 256)
+        self.results_tap.bind(endpoints.results_tap(self.runtime_dir))
         self._open_outlets()
 
     def _open_outlets(self) -> None:
-        for outlets in (self.outlets, self.pose_outlets):
+        for outlets in (self.outlets, self.pose_outlets, self.frame_index_outlets):
             for camera_id in list(outlets):
                 if camera_id not in self.camera_ids:
                     outlets.pop(camera_id).close()
+                    if outlets is self.frame_index_outlets:
+                        self.frame_index.remove(camera_id)
         for camera_id in self.camera_ids:
             if camera_id not in self.outlets:
                 camera = self.camera(camera_id)
@@ -75,6 +99,10 @@ class OutputWorker(Worker):
                     self.config.output.landmarks,
                     blendshapes_missing_reason=self.blendshapes_missing,
                 )
+            if camera_id not in self.frame_index_outlets:
+                outlet = FrameIndexOutlet(self.host, camera_id, self.camera(camera_id).fps)
+                self.frame_index_outlets[camera_id] = outlet
+                self.frame_index.add(camera_id, outlet.push)
             if self.config.output.pose and camera_id not in self.pose_outlets:
                 self.pose_outlets[camera_id] = PoseOutlet(self.host, camera_id, self.camera(camera_id).fps)
 
@@ -82,12 +110,20 @@ class OutputWorker(Worker):
         self._open_outlets()
 
     def step(self) -> None:
-        if not self.results.poll(50):
-            return
+        # The recorders' states before the frames (Note [Frame index and verdicts]).
+        if self.results.poll(50):
+            self._drain_results()
+        self.frame_index.step(pylsl.local_clock())
+
+    def _drain_results(self) -> None:
         while self.results.poll(0):
-            result = self._results_gate.decode(self.results.recv())
+            payload = self.results.recv()
+            self.results_tap.send(payload, zmq.NOBLOCK)  # a PUB never blocks: drops instead
+            result = self._results_gate.decode(payload)
             if isinstance(result, FaceResults):
                 self._push(result)
+            elif isinstance(result, (RecordingState, FramesRecorded)):
+                self.frame_index.on_recorder_message(result, pylsl.local_clock())
 
     def _push(self, result: FaceResults) -> None:
         outlets = self.outlets.get(result.camera_id)
@@ -149,10 +185,16 @@ class OutputWorker(Worker):
             outlets.close()
         for outlet in getattr(self, "pose_outlets", {}).values():
             outlet.close()
+        for outlet in getattr(self, "frame_index_outlets", {}).values():
+            outlet.close()
+        if getattr(self, "frame_index", None) is not None:
+            self.frame_index.close()
         if getattr(self, "markers", None) is not None:
             self.markers.close()
         if getattr(self, "results", None) is not None:
             self.results.close()
+        if getattr(self, "results_tap", None) is not None:
+            self.results_tap.close()
 
 
 def blendshapes_missing_reason(config: Config) -> str:

@@ -1,0 +1,395 @@
+"""The web console's HTTP side: aiohttp routes, the token and read-only rules, Server-Sent
+Events, and the state they serve (facecast.workers.console fills it).
+
+Runs in the console worker only, on the event loop of its main thread.
+
+Routes:
+- `GET /`, `GET /camera/<id>`: the pages (static HTML from console_static/, no build step, no
+  CDN); `GET /static/<file>`: their JS and CSS;
+- `GET /api/status`: everything at once (JSON): the daemon's status, the sparklines' history,
+  the recent Markers events, the console's own settings;
+- `GET /api/events`: Server-Sent Events: `status` (about every second) and `marker` (each event
+  on the Markers stream);
+- `GET /api/cameras/<id>/preview.jpg?size=small|large&mesh=0|1`: the newest paired preview
+  (Note [Preview pairing] in facecast.workers.console_preview);
+- `POST /api/control/reload`, `/stop`, `/marker` (JSON `{"text": ...}`): only with
+  `web.allow_control = true` and the token.
+
+Note [Console security]
+    Safe by default. The console binds 127.0.0.1; there, reading needs nothing, and a request
+    whose Host header names another machine is refused (a web page elsewhere cannot reach the
+    console through DNS rebinding). Bound to any other address, every request needs the token
+    (`web.token`, or one generated once, printed once, and kept mode 0600 in the runtime
+    directory). Control (reload, stop, markers) is off unless `web.allow_control = true`, and
+    then needs the token wherever the console is bound. A browser presents the token once, as
+    `?token=` in the URL that `facecast run` prints; the console answers with an HttpOnly,
+    SameSite=Strict cookie, which a page of another site never gets to send. Scripts send
+    `Authorization: Bearer <token>`. Tokens are compared in constant time. A bad request gets a
+    4xx with a one-line reason; an error of ours a 500 with no traceback (the log has it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from facecast.shared.config import Config
+from facecast.workers.console_preview import SIZES, CameraPreview, JpegEncoder, Overlay
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(str(resources.files("facecast.workers") / "console_static"))
+TOKEN_COOKIE = "facecast_token"
+FRAME_WAIT_S = 3.0  # a preview asked for before the camera's first frame waits this long
+WANTED_FOR_S = 3.0  # a camera's frames are read while a preview was asked for this recently
+SSE_QUEUE_MESSAGES = 64  # an SSE client this far behind is dropped (never slows the console)
+SSE_KEEPALIVE_S = 15.0
+HISTORY_POINTS = 300  # sparklines: 5 minutes at one status a second
+EVENTS_KEPT = 200
+MARKER_TEXT_MAX = 200
+LOOPBACK_NAMES = ("localhost",)
+
+Control = Callable[[str, dict], Awaitable[tuple[bool, str]]]  # (action, body) -> (ok, error)
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ConsoleState:
+    """What the HTTP side serves; written by the console worker's loop, read by handlers (one
+    thread, one event loop: no locks)."""
+
+    def __init__(self, config: Config, camera_ids: list[str], encoder: JpegEncoder,
+                 token: str) -> None:
+        self.config = config
+        self.web = config.web
+        self.token = token
+        self.encoder = encoder
+        self.token_always = not is_loopback(config.web.host)  # Note [Console security]
+        self.previews: dict[str, CameraPreview] = {}
+        self.wanted_until_monotonic: dict[str, float] = {}
+        self.frame_events: dict[str, asyncio.Event] = {}
+        self.status: dict | None = None  # the daemon's last DaemonStatus, as JSON builtins
+        self.status_received_monotonic = 0.0
+        self.history: dict[str, collections.deque] = {}
+        self.events: collections.deque[dict] = collections.deque(maxlen=EVENTS_KEPT)
+        self.markers_note = "looking for the Markers stream"
+        self.clients: set[asyncio.Queue] = set()
+        self.dropped_clients = 0
+        self.set_cameras(camera_ids)
+
+    def set_cameras(self, camera_ids: list[str]) -> None:
+        self.camera_ids = list(camera_ids)
+        for camera_id in list(self.previews):
+            if camera_id not in camera_ids:
+                del self.previews[camera_id]
+        for camera_id in camera_ids:
+            camera = self.config.camera(camera_id)
+            preview = self.previews.get(camera_id)
+            if preview is None or preview.camera_size != (camera.width, camera.height):
+                self.previews[camera_id] = CameraPreview(
+                    camera_id, camera.width, camera.height, self.web.preview_width,
+                    self.web.preview_fps)
+            self.frame_events.setdefault(camera_id, asyncio.Event())
+
+    # -- written by the worker -------------------------------------------------------------------
+
+    def frame_added(self, camera_id: str) -> None:
+        event = self.frame_events.get(camera_id)
+        if event is not None:
+            event.set()
+            self.frame_events[camera_id] = asyncio.Event()
+
+    def wanted(self, camera_id: str, now_monotonic: float) -> bool:
+        return now_monotonic < self.wanted_until_monotonic.get(camera_id, 0.0)
+
+    def set_status(self, status: dict, now_s: float) -> None:
+        self.status = status
+        self.status_received_monotonic = time.monotonic()
+        point = self._history_point(status, now_s)
+        for key, value in point.items():
+            self.history.setdefault(key, collections.deque(maxlen=HISTORY_POINTS)).append(value)
+        self.broadcast("status", {"status": status, "history_point": point})
+
+    def add_marker(self, text: str, timestamp_lsl: float) -> None:
+        try:
+            fields = json.loads(text)
+        except ValueError:
+            fields = {"event": "?", "text": text}
+        entry = {"ts_lsl": timestamp_lsl, "text": text,
+                 "event": fields if isinstance(fields, dict) else {"event": "?", "text": text}}
+        self.events.append(entry)
+        self.broadcast("marker", entry)
+
+    def broadcast(self, kind: str, data: dict) -> None:
+        """To every SSE client; one that is SSE_QUEUE_MESSAGES behind is dropped, so a stalled
+        browser costs a bounded queue, never the console's time."""
+        message = f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+        for queue in list(self.clients):
+            try:
+                queue.put_nowait(message)
+            except asyncio.QueueFull:
+                self.clients.discard(queue)
+                self.dropped_clients += 1  # its handler sends what it has, then ends
+
+    @staticmethod
+    def _history_point(status: dict, now_s: float) -> dict[str, list]:
+        """One sparkline point per camera (t, published fps, captured fps, p99 ms, faces) and
+        per GPU (t, utilisation %, memory used MiB)."""
+        point = {}
+        for camera_id, reports in status.get("cameras", {}).items():
+            capture = next((r for r in reports if r.get("source")), None)
+            output = next((r for r in reports if r.get("latency_ms") is not None), None)
+            point[f"camera:{camera_id}"] = [
+                round(now_s, 1), output["fps"] if output else 0.0,
+                capture["fps"] if capture else 0.0,
+                output["latency_ms"]["p99_ms"] if output else None,
+                output["faces"] if output else 0]
+        for gpu in status.get("gpus", []):
+            point[f"gpu:{gpu['index']}"] = [round(now_s, 1), gpu["utilization_pct"],
+                                            gpu["memory_used_mib"]]
+        return point
+
+    # -- read by handlers -------------------------------------------------------------------------
+
+    def overlay(self, camera_id: str) -> Overlay:
+        overlay = Overlay()
+        for report in (self.status or {}).get("cameras", {}).get(camera_id, []):
+            if report.get("source"):
+                overlay.transport = report.get("transport", "")
+            if report.get("latency_ms") is not None:
+                overlay.fps = report.get("fps", 0.0)
+        return overlay
+
+    def snapshot(self) -> dict:
+        return {
+            "console": {
+                "cameras": self.camera_ids,
+                "preview_fps": self.web.preview_fps,
+                "preview_sizes": {c: p.sizes for c, p in self.previews.items()},
+                "allow_control": self.web.allow_control,
+                "encoder": self.encoder.name,
+                "markers": self.markers_note,
+                "sse_clients": len(self.clients),
+                "sse_clients_dropped": self.dropped_clients,
+                "status_age_s": (round(time.monotonic() - self.status_received_monotonic, 1)
+                                 if self.status is not None else None),
+            },
+            "status": self.status,
+            "history": {key: list(points) for key, points in self.history.items()},
+            "events": list(self.events),
+        }
+
+
+# ================================================================================================
+# The application
+# ================================================================================================
+
+
+STATE_KEY = web.AppKey("state", ConsoleState)
+CONTROL_KEY = web.AppKey("control", object)
+
+
+def build_app(state: ConsoleState, control: Control | None) -> web.Application:
+    app = web.Application(middlewares=[_errors, _guard], client_max_size=64 * 1024)
+    app[STATE_KEY] = state
+    app[CONTROL_KEY] = control
+    app.router.add_get("/", _page("index.html"))
+    app.router.add_get("/camera/{camera_id}", _camera_page)
+    app.router.add_static("/static/", STATIC_DIR, show_index=False, follow_symlinks=False)
+    app.router.add_get("/api/status", _status)
+    app.router.add_get("/api/events", _events)
+    app.router.add_get("/api/cameras/{camera_id}/preview.jpg", _preview)
+    app.router.add_post("/api/control/{action}", _control)
+    return app
+
+
+def _http_error(status: int, reason: str) -> web.Response:
+    return web.Response(status=status, text=reason + "\n", content_type="text/plain")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every error as a short text: aiohttp's own 404/405, our 4xx, and a 500 without the
+    traceback, which goes to the log (Note [Console security])."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        reason = exc.text if exc.text and not exc.text.startswith(str(exc.status)) else (
+            f"{exc.reason}: {request.method} {request.path}")
+        response = _http_error(exc.status, reason.strip())
+        for name in ("WWW-Authenticate", "Retry-After", "Allow"):
+            if name in exc.headers:
+                response.headers[name] = exc.headers[name]
+        return response
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - the client gets a line, the log gets the traceback
+        log.exception("console: error serving %s %s", request.method, request.path)
+        return _http_error(500, "internal error of the console (details in the daemon's log)")
+
+
+def _presented_token(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    if header.startswith("Bearer "):
+        return header[len("Bearer "):].strip()
+    return request.query.get("token") or request.cookies.get(TOKEN_COOKIE, "")
+
+
+@web.middleware
+async def _guard(request: web.Request, handler):
+    """Note [Console security]: Host header on loopback, the token where it is needed."""
+    state: ConsoleState = request.app[STATE_KEY]
+    if not state.token_always:
+        host = (request.host or "").rsplit(":", 1)[0].strip("[]") if request.host else ""
+        if host and not is_loopback(host):
+            raise web.HTTPForbidden(text=f"this console answers only to loopback host names "
+                                    f"(127.0.0.1, localhost, ::1), not {host!r}")
+    is_control = request.path.startswith("/api/control/")
+    if is_control and not state.web.allow_control:
+        raise web.HTTPForbidden(text="the console is read-only: set web.allow_control = true "
+                                "in the config to allow reload, stop and markers")
+    token_ok = hmac.compare_digest(_presented_token(request).encode(), state.token.encode())
+    if (state.token_always or is_control) and not token_ok:
+        where = "every request" if state.token_always else "control requests"
+        raise web.HTTPUnauthorized(
+            text=f"token required for {where}: open the URL `facecast run` printed "
+            "(?token=...), or send 'Authorization: Bearer <token>' (the token is web.token, or "
+            "the web-token file in the runtime directory)",
+            headers={"WWW-Authenticate": "Bearer"})
+    response = await handler(request)
+    if (token_ok and request.query.get("token") and isinstance(response, web.StreamResponse)
+            and not response.prepared):
+        response.set_cookie(TOKEN_COOKIE, state.token, httponly=True, samesite="Strict",
+                            path="/")
+    return response
+
+
+def _page(name: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC_DIR / name, headers={"Cache-Control": "no-cache"})
+    return handler
+
+
+def _camera_id(request: web.Request) -> str:
+    state: ConsoleState = request.app[STATE_KEY]
+    camera_id = request.match_info["camera_id"]
+    if camera_id not in state.previews:
+        known = ", ".join(state.camera_ids) or "none"
+        raise web.HTTPNotFound(text=f"no camera {camera_id[:64]!r} here (cameras: {known})")
+    return camera_id
+
+
+async def _camera_page(request: web.Request) -> web.StreamResponse:
+    _camera_id(request)
+    return web.FileResponse(STATIC_DIR / "camera.html", headers={"Cache-Control": "no-cache"})
+
+
+async def _status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE_KEY].snapshot(),
+                             headers={"Cache-Control": "no-store"})
+
+
+def _choice(request: web.Request, name: str, allowed: dict[str, object], default: str):
+    value = request.query.get(name, default)
+    if value not in allowed:
+        raise web.HTTPBadRequest(text=f"{name}={value[:32]!r} is not allowed (allowed: "
+                                 f"{', '.join(allowed)})")
+    return allowed[value]
+
+
+async def _preview(request: web.Request) -> web.Response:
+    state: ConsoleState = request.app[STATE_KEY]
+    camera_id = _camera_id(request)
+    unknown = set(request.query) - {"size", "mesh", "token", "seq"}
+    if unknown:
+        raise web.HTTPBadRequest(text=f"unknown parameter(s) {', '.join(sorted(unknown))[:80]} "
+                                 "(allowed: size, mesh, seq)")
+    size = _choice(request, "size", {s: s for s in SIZES}, "small")
+    mesh = _choice(request, "mesh", {"0": False, "1": True}, "0")
+    deadline_monotonic = time.monotonic() + FRAME_WAIT_S
+    state.wanted_until_monotonic[camera_id] = time.monotonic() + WANTED_FOR_S
+    preview = state.previews[camera_id]
+    rendered = preview.render(size, mesh, state.overlay(camera_id), state.encoder)
+    while rendered is None and time.monotonic() < deadline_monotonic:
+        try:
+            await asyncio.wait_for(state.frame_events[camera_id].wait(),
+                                   deadline_monotonic - time.monotonic())
+        except asyncio.TimeoutError:
+            break
+        rendered = preview.render(size, mesh, state.overlay(camera_id), state.encoder)
+    if rendered is None:
+        raise web.HTTPServiceUnavailable(
+            text=f"no frame from camera {camera_id!r} within {FRAME_WAIT_S:g} s",
+            headers={"Retry-After": "1"})
+    jpeg, info = rendered
+    return web.Response(body=jpeg, content_type="image/jpeg", headers={
+        "Cache-Control": "no-store", "X-Frame-Seq": str(info["frame_seq"]),
+        "X-Capture-Ts-Lsl": repr(info["capture_ts_lsl"]), "X-Paired": str(int(info["paired"])),
+        "X-Faces": json.dumps(info["faces"], separators=(",", ":"))})
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    """Server-Sent Events until the client goes or falls behind (ConsoleState.broadcast)."""
+    state: ConsoleState = request.app[STATE_KEY]
+    queue: asyncio.Queue = asyncio.Queue(maxsize=SSE_QUEUE_MESSAGES)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-store"})
+    await response.prepare(request)
+    state.clients.add(queue)
+    try:
+        await response.write(b": facecast console\n\n")
+        while queue in state.clients or not queue.empty():
+            try:
+                message = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                message = b": keepalive\n\n"
+            await response.write(message)
+            if queue not in state.clients and queue.empty():
+                break  # dropped for falling behind: the browser's EventSource reconnects
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        state.clients.discard(queue)
+    return response
+
+
+async def _control(request: web.Request) -> web.Response:
+    control: Control | None = request.app[CONTROL_KEY]
+    action = request.match_info["action"]
+    if action not in ("reload", "stop", "marker"):
+        raise web.HTTPNotFound(text=f"no control action {action[:32]!r} (allowed: reload, stop, "
+                               "marker)")
+    body: dict = {}
+    if action == "marker":
+        try:
+            body = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(text='a marker is a JSON object: {"text": "..."}') from None
+        text = body.get("text") if isinstance(body, dict) else None
+        if not isinstance(text, str) or not text.strip() or len(text) > MARKER_TEXT_MAX:
+            raise web.HTTPBadRequest(text=f'a marker is a JSON object {{"text": "..."}} with 1 to '
+                                     f"{MARKER_TEXT_MAX} characters of text")
+        body = {"text": text}
+    if control is None:
+        raise web.HTTPServiceUnavailable(text="control is not available in this console")
+    ok, error = await control(action, body)
+    return web.json_response({"ok": ok, "error": error}, status=200 if ok else 409)
