@@ -12,6 +12,8 @@ Routes:
   on the Markers stream);
 - `GET /api/cameras/<id>/preview.jpg?size=small|large&mesh=0|1`: the newest paired preview
   (Note [Preview pairing] in facecast.workers.console_preview);
+- `GET /metrics`: Prometheus's text format (Note [Metrics from the status] in
+  facecast.workers.console_metrics); read like the other read endpoints;
 - `POST /api/control/reload`, `/stop`, `/marker` (JSON `{"text": ...}`): only with
   `web.allow_control = true` and the token.
 
@@ -216,6 +218,7 @@ def build_app(state: ConsoleState, control: Control | None) -> web.Application:
     app.router.add_get("/api/status", _status)
     app.router.add_get("/api/events", _events)
     app.router.add_get("/api/cameras/{camera_id}/preview.jpg", _preview)
+    app.router.add_get("/metrics", _metrics)
     app.router.add_post("/api/control/{action}", _control)
     return app
 
@@ -345,6 +348,22 @@ async def _preview(request: web.Request) -> web.Response:
         "Cache-Control": "no-store", "X-Frame-Seq": str(info["frame_seq"]),
         "X-Capture-Ts-Lsl": repr(info["capture_ts_lsl"]), "X-Paired": str(int(info["paired"])),
         "X-Faces": json.dumps(info["faces"], separators=(",", ":"))})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    """Note [Metrics from the status]: the newest status in Prometheus's text format."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    from facecast.workers import console_metrics
+
+    state: ConsoleState = request.app[STATE_KEY]
+    if state.status is None:
+        raise web.HTTPServiceUnavailable(text="no status from the supervisor yet",
+                                         headers={"Retry-After": "1"})
+    body = console_metrics.render(state.status,
+                                  time.monotonic() - state.status_received_monotonic)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST,
+                                            "Cache-Control": "no-store"})
 
 
 async def _events(request: web.Request) -> web.StreamResponse:

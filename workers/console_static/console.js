@@ -40,22 +40,38 @@ function buildCards(cameras) {
   }
 }
 
+// A preview is fetched, not put straight into img.src: its headers say which frame it shows
+// (X-Frame-Seq, X-Capture-Ts-Lsl, X-Paired, X-Faces), and the <img> carries them as data-*
+// attributes once its pixels are that frame's, for the title and for tests reading the page.
 function pollPreview(img, cameraId) {
   const size = singleCamera ? "large" : "small";
   const intervalMs = 1000 / consoleInfo.preview_fps;
   let seq = 0;
-  let started = 0;
-  const next = () => {
-    const wait = Math.max(0, intervalMs - (performance.now() - started));
-    setTimeout(() => {
-      started = performance.now();
-      const mesh = document.getElementById("mesh-toggle").checked ? 1 : 0;
-      img.src = `/api/cameras/${encodeURIComponent(cameraId)}/preview.jpg?size=${size}&mesh=${mesh}&seq=${seq++}`;
-    }, wait);
+  let shownUrl = null;
+  const load = async () => {
+    const started = performance.now();
+    const mesh = document.getElementById("mesh-toggle").checked ? 1 : 0;
+    let retryMs = 0;
+    try {
+      const response = await fetch(`/api/cameras/${encodeURIComponent(cameraId)}/preview.jpg?size=${size}&mesh=${mesh}&seq=${seq++}`);
+      if (response.ok) {
+        const url = URL.createObjectURL(await response.blob());
+        await new Promise((resolve, reject) => { img.onload = resolve; img.onerror = reject; img.src = url; });
+        if (shownUrl !== null) URL.revokeObjectURL(shownUrl);
+        shownUrl = url;
+        for (const [key, header] of [["frameSeq", "X-Frame-Seq"], ["captureTsLsl", "X-Capture-Ts-Lsl"], ["paired", "X-Paired"], ["faces", "X-Faces"]]) {
+          img.dataset[key] = response.headers.get(header) ?? "";
+        }
+        img.title = `frame ${img.dataset.frameSeq}, captured at ${img.dataset.captureTsLsl} (LSL clock)`;
+      } else {
+        retryMs = 1000;  // 503 before the first frame (it says so in its body)
+      }
+    } catch (error) {
+      retryMs = 1000;  // the console restarting, the network...
+    }
+    setTimeout(load, Math.max(retryMs, intervalMs - (performance.now() - started)));
   };
-  img.onload = next;
-  img.onerror = () => setTimeout(next, 1000);  // 503 before the first frame, a restart...
-  next();
+  load();
 }
 
 function renderCamera(cameraId, reports) {
