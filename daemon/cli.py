@@ -127,6 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     record.add_arguments(record_parser)
     record_parser.set_defaults(handler=record.main)
 
+    from facecast.daemon import participants
+
+    enroll_parser = commands.add_parser(
+        "enroll", help="enrol a participant from photos or a camera: their face embeddings go "
+        "into the gallery, the pictures are not kept")
+    participants.add_enroll_arguments(enroll_parser)
+    _add_verbose(enroll_parser)
+    enroll_parser.set_defaults(handler=participants.enroll_main)
+    participants_parser = commands.add_parser(
+        "participants", help="list the enrolled participants, or `remove NAME`")
+    participants.add_participants_arguments(participants_parser)
+    participants_parser.set_defaults(handler=participants.participants_main)
+
     for name, handler, text in (
         ("status", status.status_main, "ask the running daemon what it is doing"),
         ("reload", status.reload_main, "make the running daemon re-read its config"),

@@ -327,6 +327,19 @@ def check_face_embedding(model_dir: str | os.PathLike | None = None) -> CheckRes
                        f"{assets.FACE_EMBEDDING_REQUIREMENT}, verified by SHA-256)")
 
 
+def check_participants(configured_gallery: str = "") -> CheckResult:
+    """The participants' gallery (facecast.shared.gallery): where it is, and whom it names."""
+    from facecast.shared import gallery
+
+    path = gallery.gallery_path(configured_gallery)
+    try:
+        current = gallery.load(path)
+    except gallery.GalleryError as exc:
+        # The daemon still runs; its faces go unnamed until the gallery is readable again.
+        return CheckResult("participants", WARN, f"gallery unusable: {exc}")
+    return CheckResult("participants", OK, current.describe())
+
+
 # --- the command ---------------------------------------------------------------------------------
 
 
@@ -343,6 +356,7 @@ def run_checks(loaded: config.Config | None = None) -> Iterator[CheckResult]:
     yield check_models(model_dir)
     yield check_blendshapes(task_path, model_dir)
     yield check_face_embedding(model_dir)
+    yield check_participants(loaded.participants.gallery if loaded is not None else "")
 
 
 def format_result(result: CheckResult) -> str:

@@ -217,4 +217,8 @@ def _needs_restart(before: WorkerSpec, spec: WorkerSpec, old: Config, new: Confi
 def _config_for(spec: WorkerSpec, config: Config) -> object:
     """What a running worker of this role reads from the config (beyond what restarts it)."""
     cameras = tuple(config.camera(c) for c in spec.camera_ids)
-    return (cameras, config.daemon.checksum_every, config.daemon.detect_interval_s)
+    # [participants] is read by the roi_landmark workers (who is who) and the output worker
+    # (participant streams; with [synchrony], the Synchrony stream).
+    participants = ((config.participants, config.synchrony)
+                    if spec.role in ("roi_landmark", "output") else None)
+    return (cameras, config.daemon.checksum_every, config.daemon.detect_interval_s, participants)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def _ensure_models(config: config_mod.Config, allow_install: bool) -> str:
     missing = sorted(set(assets.MODELS) - set(assets.installed(model_dir)))
     if not missing:
         _ensure_landmarker_task(config, allow_install)
+        _ensure_embedding_network(config, allow_install)
         return ""
     if not allow_install:
         return (f"models missing in {assets.resolve_model_dir(model_dir)}: {', '.join(missing)}; "
@@ -54,12 +56,36 @@ def _ensure_models(config: config_mod.Config, allow_install: bool) -> str:
     print(f"facecast: models missing ({', '.join(missing)}); installing them "
           f"(`{assets.INSTALL_COMMAND}`)", file=sys.stderr)
     try:
-        # Not the face embedding network (~100 MB download): no worker uses it yet, and a
+        # The face embedding network (~100 MB) apart, below: only participants use it, and a
         # failure to fetch it must not keep the daemon from starting.
         assets.install(model_dir, embeddings=False)
     except assets.ModelError as exc:
         return str(exc)
+    _ensure_embedding_network(config, allow_install)
     return ""
+
+
+def _ensure_embedding_network(config: config_mod.Config, allow_install: bool) -> None:
+    """dlib's face embedding network is needed only to name participants by their faces
+    (`participants.identify = "embeddings"`): installed here when it is missing, and a failure
+    only costs the names (the roi_landmark worker says so: a marker and status trouble)."""
+    from facecast.models import assets
+
+    participants = config.participants
+    if not (participants.enabled and participants.identify == "embeddings") or not allow_install:
+        return
+    model_dir = config.models.dir or None
+    try:
+        assets.face_embedding_model_path(model_dir)
+        return
+    except assets.ModelError:
+        pass
+    print(f"facecast: {assets.FACE_EMBEDDING_FILE} missing (participants.identify = "
+          f'"embeddings"); installing it (`{assets.INSTALL_COMMAND}`)', file=sys.stderr)
+    try:
+        assets.install_face_embedding_model(model_dir)
+    except (assets.ModelError, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"facecast: running without naming participants: {exc}", file=sys.stderr)
 
 
 def _ensure_landmarker_task(config: config_mod.Config, allow_install: bool) -> None:

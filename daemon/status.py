@@ -81,6 +81,8 @@ def render(status: DaemonStatus) -> str:
                      f"{w.uptime_s:>7.0f}s  {detail}")
     if status.face_models:
         lines.append(f"face models: {status.face_models}")
+    if status.participants:
+        lines.append(f"participants: {status.participants}")
     if status.rejected_messages:
         lines.append(f"control socket: {status.rejected_messages} malformed message(s) dropped")
     lines += ["", f"{'camera':<12} {'captured':>9} {'published':>9} {'faces':>5} "

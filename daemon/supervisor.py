@@ -64,7 +64,7 @@ from facecast.daemon.sd_notify import Notifier
 from facecast.daemon.track_ids import TrackIdAllocator
 from facecast.daemon.worker_table import WorkerTable
 from facecast.shared import config as config_mod
-from facecast.shared import endpoints, messages, shm
+from facecast.shared import endpoints, gallery, messages, shm
 from facecast.shared.messages import (
     Ack,
     Assignment,
@@ -626,4 +626,5 @@ class Supervisor:
             cameras=cameras, stages=stages, gpus=self.gpu_monitor.status(),
             gpu_note=self.gpu_monitor.note, recent_events=self.events.recent(10),
             rejected_messages=self._gate.rejected, face_models=self.face_models,
+            participants=gallery.status_line(self.config.participants.gallery),
         )

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from facecast.shared.synchrony import SynchronyConfig
+
 TransportName = Literal["auto", "cuda_ipc", "shm"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -264,6 +266,146 @@ class RecordConfig(_Strict):
                              'record.container = "mkv", or record.codec = "libx264"')
 
 
+class SeatConfig(_Strict):
+    """A participant pinned to a camera, or to a region of its frame (Note [Seat map] in
+    facecast.workers.identity)."""
+
+    participant: Annotated[
+        str,
+        msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="the participant's name "
+                     "(becomes part of stream names)"),
+    ]
+    camera: Annotated[CameraId, msgspec.Meta(description="the camera the participant sits in")]
+    region: Annotated[
+        tuple[float, float, float, float],
+        msgspec.Meta(description="x1, y1, x2, y2 of the seat as fractions of the frame's width "
+                     "and height (a face whose box centre lies inside is this participant); "
+                     "default: the whole frame"),
+    ] = (0.0, 0.0, 1.0, 1.0)
+
+    def __post_init__(self) -> None:
+        x1, y1, x2, y2 = self.region
+        if not (0.0 <= x1 < x2 <= 1.0 and 0.0 <= y1 < y2 <= 1.0):
+            raise ValueError(f"seat of {self.participant!r}: region {list(self.region)} must "
+                             "be x1, y1, x2, y2 with 0 <= x1 < x2 <= 1 and 0 <= y1 < y2 <= 1 "
+                             "(fractions of the frame)")
+
+
+class ParticipantsConfig(_Strict):
+    """Participants (README "Participants"): people named on every face of theirs, either by
+    face embeddings matched to the gallery (`facecast enroll`) or by a seat map."""
+
+    enabled: Annotated[
+        bool, msgspec.Meta(description="name the faces: every FaceResult gets a participant")
+    ] = False
+    identify: Annotated[
+        Literal["embeddings", "seats"],
+        msgspec.Meta(description='"embeddings": match face embeddings to the gallery; '
+                     '"seats": the seat map says who sits where, and no embedding is computed '
+                     "(no biometrics at all)"),
+    ] = "embeddings"
+    gallery: Annotated[
+        str,
+        msgspec.Meta(
+            pattern=r"^(/.*)?$",
+            description="absolute path of the gallery file; empty: participants.json in the state "
+            "directory ($STATE_DIRECTORY under systemd, i.e. /var/lib/facecast; else "
+            "$XDG_STATE_HOME/facecast, else ~/.local/state/facecast)",
+        ),
+    ] = ""
+    match_distance: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=2, description="a face is the enrolled participant nearest to it "
+                     "when their embeddings are closer than this (Euclidean, dlib's measure: "
+                     "0.6 is dlib's own threshold); farther from everyone: unknown"),
+    ] = 0.6
+    embed_interval_s: Annotated[
+        float,
+        msgspec.Meta(ge=0.2, le=600, description="a track is embedded when it appears, then "
+                     "again every this many seconds (not every frame)"),
+    ] = 2.0
+    seats: Annotated[
+        list[SeatConfig],
+        msgspec.Meta(description='identify = "seats": who sits in which camera or region'),
+    ] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.identify == "seats" and self.enabled and not self.seats:
+            raise ValueError('participants.seats: identify = "seats" needs at least one '
+                             "[[participants.seats]] table (participant, camera, region)")
+        if self.identify == "embeddings" and self.seats:
+            raise ValueError('participants.seats: a seat map is used only with identify = '
+                             '"seats" (now "embeddings"); remove the seats or change identify')
+
+
+# The face photos that ship with the synthetic source (facecast.workers.sources._PHOTOS; a test
+# keeps the two lists equal): config stays free of worker imports.
+SyntheticPhoto = Literal["astronaut", "grace_hopper"]
+SYNTHETIC_SEATS = 2  # the synthetic scene's places: 0 on the left, 1 on the right
+
+
+class StagedAppearance(_Strict):
+    """One person's time in one seat of a staged synthetic camera (Note [Staged scenes] in
+    facecast.workers.sources)."""
+
+    photo: Annotated[
+        SyntheticPhoto,
+        msgspec.Meta(description="whose face: one of the photos the synthetic source ships"),
+    ]
+    seat: Annotated[
+        int,
+        msgspec.Meta(ge=0, le=SYNTHETIC_SEATS - 1, description="where: 0 left, 1 right"),
+    ]
+    from_s: Annotated[
+        float, msgspec.Meta(ge=0, description="seconds into the cycle when the person appears")
+    ]
+    until_s: Annotated[
+        float,
+        msgspec.Meta(gt=0, description="seconds into the cycle when the person leaves "
+                     "(exclusive; at most staging.cycle_s)"),
+    ]
+
+
+class StagingConfig(_Strict):
+    """Who sits where and when in a synthetic camera: a script repeated every `cycle_s` seconds
+    of capture time, so that its ground truth stays a pure function of the capture timestamp."""
+
+    cycle_s: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=86400, description="the script's length: a frame captured at "
+                     "capture_ts_lsl shows what the script says at capture_ts_lsl mod cycle_s"),
+    ]
+    appearances: Annotated[
+        list[StagedAppearance],
+        msgspec.Meta(description="who is where and when; an empty seat shows the backdrop, an "
+                     "empty list an empty room"),
+    ] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for index, shown in enumerate(self.appearances):
+            name = f"appearances[{index}] ({shown.photo}, seat {shown.seat})"
+            if not shown.from_s < shown.until_s <= self.cycle_s:
+                problems.append(f"{name}: needs from_s < until_s <= cycle_s ({self.cycle_s:g}), "
+                                f"got from_s = {shown.from_s:g}, until_s = {shown.until_s:g}")
+            for earlier_index, earlier in enumerate(self.appearances[:index]):
+                overlap = (max(shown.from_s, earlier.from_s) < min(shown.until_s, earlier.until_s))
+                if overlap and shown.seat == earlier.seat:
+                    problems.append(f"{name} overlaps appearances[{earlier_index}] "
+                                    f"({earlier.photo}) in seat {shown.seat}: one face per seat")
+                elif overlap and shown.photo == earlier.photo:
+                    problems.append(f"{name} overlaps appearances[{earlier_index}]: "
+                                    f"{shown.photo} cannot sit in two seats at once")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def shown_at(self, capture_ts_lsl: float) -> list[StagedAppearance]:
+        """The appearances in the frame captured at `capture_ts_lsl`, in seat order."""
+        into_cycle_s = capture_ts_lsl % self.cycle_s
+        shown = [a for a in self.appearances if a.from_s <= into_cycle_s < a.until_s]
+        return sorted(shown, key=lambda appearance: appearance.seat)
+
+
 class CameraConfig(_Strict):
     id: CameraId
     source: Annotated[
@@ -285,6 +427,18 @@ class CameraConfig(_Strict):
         TransportName | Literal[""], msgspec.Meta(description='overrides daemon.transport; "" inherits')
     ] = ""
     gpu: Annotated[int, msgspec.Meta(ge=-1, le=63, description="GPU index; -1: round-robin")] = -1
+    staging: Annotated[
+        StagingConfig | None,
+        msgspec.Meta(description='source = "synthetic" only: stage people, i.e. which photo '
+                     "sits in which seat and when (swap seats, leave, come back); absent: "
+                     "astronaut on the left and grace_hopper on the right, always"),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.staging is not None and self.source != "synthetic":
+            raise ValueError(f"staging: camera {self.id!r} has source {self.source!r}; only "
+                             'source = "synthetic" can be staged (a replayed loop shows one '
+                             "second of scene time)")
 
 
 class Config(_Strict):
@@ -293,10 +447,20 @@ class Config(_Strict):
     output: OutputConfig = msgspec.field(default_factory=OutputConfig)
     web: WebConfig = msgspec.field(default_factory=WebConfig)
     record: RecordConfig = msgspec.field(default_factory=RecordConfig)
+    participants: ParticipantsConfig = msgspec.field(default_factory=ParticipantsConfig)
+    synchrony: SynchronyConfig = msgspec.field(default_factory=SynchronyConfig)
     cameras: list[CameraConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         problems = _camera_list_problems([camera.id for camera in self.cameras])
+        camera_ids = {camera.id for camera in self.cameras}
+        problems += [f"participants.seats[{index}]: camera {seat.camera!r} is not configured "
+                     f"(allowed: {', '.join(sorted(camera_ids))})"
+                     for index, seat in enumerate(self.participants.seats)
+                     if seat.camera not in camera_ids]
+        if self.synchrony.enabled and not self.participants.enabled:
+            problems.append("synchrony.enabled: the Synchrony stream is between participants: "
+                            "it needs participants.enabled = true")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -426,7 +590,7 @@ def _type_at(root: type, json_path: str) -> object:
     """Walk `$.cameras[0].fourcc`-style paths through the struct annotations."""
     current: object = root
     for name, index in re.findall(r"\.([A-Za-z_]+)|\[(\d+)\]", json_path):
-        current = _strip_annotated(current)
+        current = _strip_optional(_strip_annotated(current))
         if index:
             args = typing.get_args(current)
             current = args[0] if args else None
@@ -435,6 +599,15 @@ def _type_at(root: type, json_path: str) -> object:
         else:
             return None
     return current
+
+
+def _strip_optional(tp: object) -> object:
+    """`X | None` -> X, so that the walk goes into an optional table (cameras[0].staging)."""
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        present = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+        if len(present) == 1:
+            return _strip_annotated(present[0])
+    return tp
 
 
 def _strip_annotated(tp: object) -> object:

@@ -159,6 +159,10 @@ class FaceResult(msgspec.Struct, frozen=True, kw_only=True):
     # MediaPipe's facial transformation matrix's translation (camera space, cm); with the bundle
     head_translation_cm: tuple[float, float, float] | None = None
     landmarks_px: bytes | None = None  # float32 (478, 3), little endian, when asked for
+    # Who this is (participants.enabled; facecast.workers.identity): an enrolled or seated
+    # participant's name, "" when unknown or when participants are off; and how sure, 0..1.
+    participant: str = ""
+    identity_confidence: float = 0.0
 
 
 POSE_LANDMARK_COUNT = 33  # MediaPipe's BlazePose topology
@@ -455,6 +459,7 @@ class DaemonStatus(Message, tag="daemon_status"):
     recent_events: list[str] = msgspec.field(default_factory=list)
     rejected_messages: int = 0  # malformed messages the control socket refused
     face_models: str = ""  # which face stack the config gets, and where its bundle came from
+    participants: str = ""  # the gallery's path, revision and names (facecast.shared.gallery)
 
 
 AnyMessage = Union[

@@ -31,8 +31,13 @@ def test_example_lab_config_shows_every_key():
     # The example is the reference a user copies: a key added to shared/config.py belongs in it.
     text = EXAMPLE.read_text()
     keys_set = set(re.findall(r"^([a-z_]+) = ", text, flags=re.MULTILINE))
+    # A lab's cameras are real ones; staging (synthetic cameras only) is shown commented out.
+    if re.search(r"^#   \[cameras\.staging\]\n#   cycle_s = .*\n#   appearances = ", text,
+                 flags=re.MULTILINE):
+        keys_set.add("staging")
     for struct in (config.DaemonConfig, config.ModelsConfig, config.OutputConfig,
-                   config.CameraConfig, config.WebConfig, config.RecordConfig):
+                   config.CameraConfig, config.WebConfig, config.RecordConfig,
+                   config.ParticipantsConfig, config.SynchronyConfig):
         missing = set(struct.__struct_fields__) - keys_set
         assert not missing, f"{struct.__name__} keys missing from {EXAMPLE.name}: {sorted(missing)}"
 

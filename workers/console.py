@@ -144,6 +144,7 @@ class ConsoleWorker(Worker):
     def reassign(self, previous_camera_ids: list[str]) -> None:
         from facecast.shared.transport import FrameSubscriber
 
+        self.view.config = self.config  # the reload's config: it knows the added cameras
         self.view.set_cameras(self.camera_ids)
         self.subscriber.close()
         self.subscriber = FrameSubscriber(self.context, self.runtime_dir, self.camera_ids,

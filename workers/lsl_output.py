@@ -1,4 +1,5 @@
-"""The LSL side of the output worker: Face, MoCap, frame-index and Markers outlets (DESIGN §4).
+"""The LSL side of the output worker: Face (per slot and per participant), MoCap, frame-index,
+Synchrony and Markers outlets (DESIGN §4).
 
 Runs in the output worker process only, so that a crash anywhere else leaves consumers' streams
 alone. Everything here is fixed at construction: an LSL stream's channel count and metadata cannot
@@ -214,13 +215,10 @@ class FaceOutlets:
                                                 if head_translation_missing_reason is None
                                                 else head_translation_missing_reason)
         self.slot_hold_s = float(slot_hold_s)
-        self.channels = face_channels(self.landmarks, not self.blendshapes_missing_reason,
-                                      not self.head_translation_missing_reason)
+        self.layout = FaceLayout(self.landmarks, not self.blendshapes_missing_reason,
+                                 not self.head_translation_missing_reason)
+        self.channels = self.layout.channels
         self.channel_count = len(self.channels)
-        labels = [label for label, _, _ in self.channels]
-        self._translation_at = labels.index("head_tx") if "head_tx" in labels else None
-        self._blendshapes_at = labels.index(BLENDSHAPE_NAMES[0]) if BLENDSHAPE_NAMES[0] in labels else None
-        self._landmarks_at = labels.index("landmark000_x") if self.landmarks else None
         self.faces_dropped = 0  # faces seen while every slot was taken
         self._slot_track: list[int | None] = [None] * max_faces
         self._slot_last_seen_ts_lsl: list[float] = [-math.inf] * max_faces
@@ -339,7 +337,39 @@ class FaceOutlets:
         return None
 
     def _sample(self, face: FaceSample) -> np.ndarray:
-        sample = self._empty.copy()
+        return self.layout.sample(face)
+
+    def close(self) -> None:
+        """Drop the outlets: their streams disappear from the network."""
+        self._outlets.clear()
+
+    def __enter__(self) -> FaceOutlets:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class FaceLayout:
+    """A Face sample's channels (`face_channels()`, then `extra` channels, which the caller
+    fills) and one face's values in them: shared by the slot streams and the participant
+    streams (facecast.workers.participant_streams)."""
+
+    def __init__(self, landmarks: bool, blendshapes: bool, head_translation: bool,
+                 extra: Sequence[tuple[str, str, str]] = ()) -> None:
+        self.channels = face_channels(landmarks, blendshapes, head_translation) + list(extra)
+        self.labels = [label for label, _, _ in self.channels]
+        labels = self.labels
+        self._translation_at = labels.index("head_tx") if "head_tx" in labels else None
+        self._blendshapes_at = labels.index(BLENDSHAPE_NAMES[0]) if BLENDSHAPE_NAMES[0] in labels else None
+        self._landmarks_at = labels.index("landmark000_x") if landmarks else None
+        self._landmarks_end = (None if self._landmarks_at is None
+                               else self._landmarks_at + 3 * FACE_LANDMARK_COUNT)
+        self.empty = np.full(len(self.channels), np.nan, dtype=np.float32)
+
+    def sample(self, face: FaceSample) -> np.ndarray:
+        """The face's values; NaN in what it lacks and in the extra channels."""
+        sample = self.empty.copy()
         sample[0] = face.track_id
         sample[1] = face.presence
         sample[2:6] = _values(face.box_px, 4, "box_px")
@@ -360,18 +390,8 @@ class FaceOutlets:
                     f"landmarks_px must have shape ({FACE_LANDMARK_COUNT}, 3), "
                     f"got {landmarks_px.shape}"
                 )
-            sample[self._landmarks_at:] = landmarks_px.reshape(-1)
+            sample[self._landmarks_at:self._landmarks_end] = landmarks_px.reshape(-1)
         return sample
-
-    def close(self) -> None:
-        """Drop the outlets: their streams disappear from the network."""
-        self._outlets.clear()
-
-    def __enter__(self) -> FaceOutlets:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _values(values: Sequence[float] | np.ndarray, count: int, what: str) -> np.ndarray:
@@ -379,6 +399,94 @@ def _values(values: Sequence[float] | np.ndarray, count: int, what: str) -> np.n
     if array.shape != (count,):
         raise ValueError(f"{what} must have {count} values, got {array.shape[0]}")
     return array
+
+
+PARTICIPANT_EXTRA_CHANNELS: tuple[tuple[str, str, str], ...] = (
+    ("camera", "index", "CameraIndex"),  # into desc/facecast/cameras
+    ("identity_confidence", "normalized", "Score"),
+)
+
+
+def participant_stream_name(participant: str) -> str:
+    return f"facecast {participant}"
+
+
+def participant_source_id(host: str, participant: str) -> str:
+    return f"facecast-{host}-participant-{participant}"
+
+
+class ParticipantOutlet:
+    """One participant's `Face` stream: the Face channels of their face in the camera that sees
+    them best, then `camera` (an index into desc/facecast/cameras) and `identity_confidence`
+    (Note [Participant streams] in facecast.workers.participant_streams). NaN in every channel
+    while the source camera's frame does not show them."""
+
+    def __init__(self, host: str, participant: str, camera_ids: Sequence[str], fps: float,
+                 layout: FaceLayout, *, identified_by: str, gallery_revision: int,
+                 max_buffered_s: int = 360) -> None:
+        self.participant = participant
+        self.layout = layout
+        self.source_id = participant_source_id(host, participant)
+        info = pylsl.StreamInfo(participant_stream_name(participant), "Face",
+                                len(layout.channels), float(fps), pylsl.cf_float32,
+                                self.source_id)
+        desc = info.desc()
+        channels = desc.append_child("channels")
+        for label, unit, kind in layout.channels:
+            channel = channels.append_child("channel")
+            _append_text(channel, "label", label)
+            _append_text(channel, "unit", unit)
+            _append_text(channel, "type", kind)
+        _acquisition(desc, "MediaPipe face models in PyTorch")
+        facecast = desc.append_child("facecast")
+        _append_text(facecast, "host", host)
+        _append_text(facecast, "participant", participant)
+        _append_text(facecast, "identified_by", identified_by)
+        _append_text(facecast, "gallery_revision", gallery_revision)
+        cameras = facecast.append_child("cameras")
+        for camera_id in camera_ids:
+            _append_text(cameras, "camera", camera_id)
+        _append_text(facecast, "camera_channel", "index into cameras (0 = the first)")
+        _append_text(facecast, "source_camera", "the camera with the participant's largest face; "
+                     "another camera takes over when its face is 1.25x larger or the source has "
+                     "not seen them for 0.5 s (a participant_camera marker says when)")
+        _append_text(facecast, "absent", "NaN in every channel")
+        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+        self._outlet = pylsl.StreamOutlet(info, max_buffered=max_buffered_s)
+
+    def push(self, capture_ts_lsl: float, face: FaceSample | None, camera_index: int,
+             identity_confidence: float) -> np.ndarray:
+        """One frame of the source camera; returns the sample pushed."""
+        capture_ts_lsl = _check_capture_ts(capture_ts_lsl)
+        sample = self.layout.empty.copy() if face is None else self.layout.sample(face)
+        if face is not None:
+            sample[-2] = camera_index
+            sample[-1] = identity_confidence
+        self._outlet.push_chunk(sample[np.newaxis, :], timestamp=capture_ts_lsl)
+        return sample
+
+    def close(self) -> None:
+        self._outlet = None  # type: ignore[assignment]
+
+
+class SynchronyOutlet:
+    """The `Synchrony` stream (docs/synchrony.md) from its layout (facecast.shared.synchrony)."""
+
+    def __init__(self, layout: Any, *, max_buffered_s: int = 360) -> None:
+        from facecast.shared.synchrony import fill_desc
+
+        self.layout = layout
+        info = pylsl.StreamInfo(layout.name, layout.stream_type, layout.channel_count,
+                                layout.nominal_srate, pylsl.cf_float32, layout.source_id)
+        fill_desc(info.desc(), layout.desc)
+        self._outlet = pylsl.StreamOutlet(info, max_buffered=max_buffered_s)
+
+    def push(self, timestamp_lsl: float, sample: np.ndarray) -> None:
+        self._outlet.push_chunk(np.asarray(sample, np.float32)[np.newaxis, :],
+                                timestamp=_check_capture_ts(timestamp_lsl))
+
+    def close(self) -> None:
+        self._outlet = None  # type: ignore[assignment]
 
 
 class PoseOutlet:

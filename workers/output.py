@@ -13,6 +13,10 @@ per captured frame, recorded or not, from the camera's frame bus (its FrameReady
 its pixels), joined with the recorder's verdicts while the camera is recorded
 (facecast.workers.frame_index; Note [Frame index and verdicts] in facecast.workers.recorder).
 
+With `participants.enabled`, each participant also gets a `Face` stream of their own, fed from
+the camera that sees them best, and with `synchrony.enabled` the `Synchrony` stream measures
+pairs of them (facecast.workers.participant_streams).
+
 Frames that no roi_landmark worker got to (it skipped to the newest frame) have no sample: a NaN
 sample would claim "no face" for a frame nobody looked at. For the same reason a result that
 carries no pose measurement (`FaceResults.poses` is None) adds no MoCap sample.
@@ -21,6 +25,7 @@ carries no pose measurement (`FaceResults.poses` is None) adds no MoCap sample.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pylsl
@@ -48,6 +53,7 @@ from facecast.workers.lsl_output import (
     MarkerOutlet,
     PoseOutlet,
 )
+from facecast.workers.participant_streams import ParticipantStreams
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,9 @@ class OutputWorker(Worker):
             self.markers.event("model_missing", model="face_blendshapes",
                                reason=self.blendshapes_missing)
         self.outlets: dict[str, FaceOutlets] = {}
+        self.participant_streams: ParticipantStreams | None = None
+        self._participant_settings = None
+        self._open_participant_streams()
         self.pose_outlets: dict[str, PoseOutlet] = {}  # only with output.pose
         # Every captured frame's number, recorded or not (README "Recording").
         self.frame_index_outlets: dict[str, FrameIndexOutlet] = {}
@@ -106,14 +115,30 @@ class OutputWorker(Worker):
             if self.config.output.pose and camera_id not in self.pose_outlets:
                 self.pose_outlets[camera_id] = PoseOutlet(self.host, camera_id, self.camera(camera_id).fps)
 
+    def _open_participant_streams(self) -> None:
+        """At boot, and after a reload that changed [participants], [synchrony] or the cameras."""
+        settings = (self.config.participants, self.config.synchrony, tuple(self.config.cameras))
+        if settings == self._participant_settings:
+            return
+        self._participant_settings = settings
+        if self.participant_streams is not None:
+            self.participant_streams.close()
+            self.participant_streams = None
+        if self.config.participants.enabled:
+            self.participant_streams = ParticipantStreams(
+                self.config, self.host, self.markers, self.blendshapes_missing)
+
     def reassign(self, previous_camera_ids: list[str]) -> None:
         self._open_outlets()
+        self._open_participant_streams()
 
     def step(self) -> None:
         # The recorders' states before the frames (Note [Frame index and verdicts]).
         if self.results.poll(50):
             self._drain_results()
         self.frame_index.step(pylsl.local_clock())
+        if self.participant_streams is not None:
+            self.participant_streams.step(time.monotonic())
 
     def _drain_results(self) -> None:
         while self.results.poll(0):
@@ -144,6 +169,12 @@ class OutputWorker(Worker):
         except ValueError as exc:  # a malformed result must not kill the streams
             self._results_gate._reject(f"result of camera {result.camera_id} not publishable: {exc}")
             return
+        if self.participant_streams is not None:
+            try:
+                self.participant_streams.on_result(result, samples)
+            except ValueError as exc:
+                self._results_gate._reject(
+                    f"participants of camera {result.camera_id} not publishable: {exc}")
         try:
             self._push_pose(result)
         except ValueError as exc:
@@ -181,6 +212,8 @@ class OutputWorker(Worker):
         return reports
 
     def close(self) -> None:
+        if getattr(self, "participant_streams", None) is not None:
+            self.participant_streams.close()
         for outlets in getattr(self, "outlets", {}).values():
             outlets.close()
         for outlet in getattr(self, "pose_outlets", {}).values():

@@ -10,6 +10,10 @@ or lost one, this worker asks the detection worker for a pass on that camera's n
 
 A result computed from a slot that was overwritten while it was read is dropped and counted,
 never published (Note [Slot generations]).
+
+With `participants.enabled`, every published face also names its participant
+(facecast.workers.identity: face embeddings on a schedule per track, batched over the step's
+frames, or the seat map).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from facecast.shared.messages import (
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport import FrameSubscriber
 from facecast.workers.base import Worker
+from facecast.workers.identity import FrameFaces, Identities, identities_for
 from facecast.workers.inference import (
     consumer_reports,
     open_frames,
@@ -80,12 +85,30 @@ class RoiLandmarkWorker(Worker):
         self.torch_device = torch_device(self.device)
         self.prepared = prepare_pipelines(self.config, self.torch_device, blendshapes=True,
                                           pose=self.config.output.pose)
+        # A standby loads the embedding network too, so that a promotion does not wait on it.
+        self.prepared_identities = (self._identities_key(), self._new_identities())
+
+    def _identities_key(self) -> tuple:
+        return (self.config.participants, self.config.models.dir, str(self.torch_device))
+
+    def _new_identities(self) -> Identities:
+        identities = identities_for(self.config.participants, self.torch_device,
+                                    self.config.models.dir or None)
+        log.info("%s: %s", self.name, identities.describe())
+        return identities
 
     def boot(self) -> None:
         self.torch_device = torch_device(self.device)
         pipelines = pipelines_for(self.prepared, self.config, self.torch_device,
                                   blendshapes=True, pose=self.config.output.pose)
         self.prepared = None
+        prepared_identities = getattr(self, "prepared_identities", None)
+        self.prepared_identities = None
+        self.identities = (prepared_identities[1] if prepared_identities is not None
+                           and prepared_identities[0] == self._identities_key()
+                           else self._new_identities())
+        self.identities_config = self.config.participants
+        self._identities_trouble_said = ""
         self.pipeline = pipelines.face
         self.pose_pipeline = pipelines.pose
         # Periodic passes for newcomers are the detection worker's (daemon.detect_interval_s).
@@ -124,6 +147,10 @@ class RoiLandmarkWorker(Worker):
             self._reset(camera_id)
             self.track_ids.pop(camera_id, None)
         self._subscribe(previous_camera_ids)
+        # A reload's new [participants] table (Note [Gallery reload] in workers/identity.py).
+        if self.identities_config != self.config.participants:
+            self.identities = self._new_identities()
+            self.identities_config = self.config.participants
 
     def step(self) -> None:
         self._ask_for_track_ids_if_low()
@@ -148,8 +175,23 @@ class RoiLandmarkWorker(Worker):
                 [frame.tensor for frame in received], camera_ids,
                 timestamps_s=[frame.message.capture_ts_lsl for frame in received])
             self.timer.add_ms("pose", (time.monotonic() - start) * 1e3)
-        for frame, faces, poses in zip(received, faces_per_frame, poses_per_frame):
-            self._publish(frame, faces, poses)
+        named_frames = [(frame, self._track(frame, faces), poses)
+                        for frame, faces, poses in zip(received, faces_per_frame, poses_per_frame)]
+        named_frames = [(frame, named, poses) for frame, named, poses in named_frames
+                        if named is not None]
+        start = time.monotonic()
+        identities = self.identities.identify([
+            FrameFaces(camera_id=frame.message.camera_id,
+                       capture_ts_lsl=frame.message.capture_ts_lsl, tensor=frame.tensor,
+                       still_valid=frame.read.still_valid,
+                       track_ids=[track_id for track_id, _ in named],
+                       boxes_px=[face.box for _, face in named],
+                       landmarks_px=[face.landmarks for _, face in named])
+            for frame, named, _ in named_frames])
+        self.timer.add_ms("identity", (time.monotonic() - start) * 1e3)
+        self._say_identities_trouble()
+        for (frame, named, poses), who in zip(named_frames, identities):
+            self._publish(frame, named, poses, who)
         wanted = sorted({c for c in camera_ids if self.pipeline.wants_detection(c)})
         if wanted:
             try:
@@ -178,15 +220,16 @@ class RoiLandmarkWorker(Worker):
         if self.pose_pipeline is not None:
             self.pose_pipeline.reset(camera_id)
 
-    def _publish(self, frame, faces, poses) -> None:
+    def _track(self, frame, faces):
+        """The frame's faces with their track ids ([(track_id, face)]); None when the slot was
+        overwritten while it was read (the result is not of this frame: dropped, counted)."""
         message = frame.message
         camera_id = message.camera_id
         if not frame.read.still_valid():
-            # The slot was overwritten while we read it: this result is not of this frame.
             self.dropped_overwritten += 1
             self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
             self._reset(camera_id)
-            return
+            return None
         tracker = self.track_ids.get(camera_id)
         if tracker is None:
             tracker = self.track_ids[camera_id] = TrackIds(self.track_id_source,
@@ -195,6 +238,24 @@ class RoiLandmarkWorker(Worker):
         named = [(track_id, face) for track_id, face in zip(ids, faces) if track_id is not None]
         if len(named) < len(faces):
             self._no_track_id_for(camera_id, len(faces) - len(named))
+        return named
+
+    def _say_identities_trouble(self) -> None:
+        trouble = self.identities.trouble()
+        if trouble and trouble != self._identities_trouble_said:
+            log.error("%s: %s", self.name, trouble)
+            self.event("participants_unavailable", reason=trouble)
+        self._identities_trouble_said = trouble
+
+    def _publish(self, frame, named, poses, identities) -> None:
+        message = frame.message
+        camera_id = message.camera_id
+        if not frame.read.still_valid():
+            # The slot was overwritten while we read it: this result is not of this frame.
+            self.dropped_overwritten += 1
+            self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
+            self._reset(camera_id)
+            return
         with_landmarks = self.config.output.landmarks
         results = [
             FaceResult(
@@ -203,8 +264,9 @@ class RoiLandmarkWorker(Worker):
                 blendshapes=None if face.blendshapes is None else face.blendshapes.tolist(),
                 landmarks_px=(np.ascontiguousarray(face.landmarks, dtype="<f4").tobytes()
                               if with_landmarks else None),
+                participant=who.participant, identity_confidence=who.confidence,
             )
-            for track_id, face in named
+            for (track_id, face), who in zip(named, identities)
         ]
         reason = self.pipeline.blendshapes_unavailable_reason or ""
         self.results.send(messages.encode(FaceResults(
@@ -283,8 +345,9 @@ class RoiLandmarkWorker(Worker):
         return "the next block of track ids has not come from the supervisor yet"
 
     def trouble(self) -> str:
+        identities = getattr(self, "identities", None)
         if not self._track_ids_dry:
-            return ""
+            return identities.trouble() if identities is not None else ""
         return (f"no track ids ({self._track_ids_reason()}): {self.faces_without_track_id} new "
                 "face(s) not published")
 

@@ -12,6 +12,7 @@ Kinds, chosen from `CameraConfig.source`:
 - `"synthetic"`: real face photos (scikit-image's astronaut, matplotlib's grace_hopper) moving on
   a known smooth path over a plain background, paced in real time; its ground truth (face boxes
   as a function of capture time) is `SyntheticScene.faces_at()`, computable in any process.
+  A camera's `staging` table says who sits where and when instead (Note [Staged scenes]).
 - `"synthetic-replay"`: the same scene, a short loop rendered once at open and replayed back and
   forth at the camera's fps for next to no CPU (Note [Synthetic replay]); its ground truth is
   `SyntheticReplay.faces_at()`, also a pure function of the capture time.
@@ -42,7 +43,7 @@ import cv2
 import numpy as np
 import pylsl
 
-from facecast.shared.config import CameraConfig, redact_url
+from facecast.shared.config import CameraConfig, StagingConfig, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class _Pacer:
 class FaceTruth:
     """Where a synthetic face is: the box MediaPipe's detector draws around it, in frame pixels."""
 
-    name: str  # "astronaut" or "grace_hopper"
+    name: str  # the person: "astronaut" or "grace_hopper"
     box_px: tuple[float, float, float, float]  # x1, y1, x2, y2
 
     @property
@@ -306,6 +307,18 @@ def _sprite(photo: _Photo) -> _Sprite:
 class SyntheticScene:
     """Two real faces on a smooth, known path: a pure function of time.
 
+    Note [Staged scenes]
+        Tests of identity need people who move between cameras: `CameraConfig.staging` is a
+        script of appearances (photo, seat, from_s, until_s) repeated every `cycle_s` seconds
+        of capture time. A frame captured at `t` shows the appearances whose interval holds
+        `t mod cycle_s`, each on its seat's smooth path (seat 0 on the left, 1 on the right):
+        the truth stays a pure function of the capture time and the config, so a test process
+        knows who is in every frame without talking to the capture worker. Every camera's
+        cycle starts at the same capture times (multiples of cycle_s on `pylsl.local_clock()`),
+        so a swap between two cameras happens in both at once. People move instantly between
+        seats (a swap within one frame), as a track lost for a few frames would see them.
+        Without staging, astronaut sits in seat 0 and grace_hopper in seat 1, always.
+
     `render(t_s)` and `faces_at(t_s)` depend only on the camera's id, size and `t_s`, so a test in
     another process can compute the ground truth of any frame from its capture timestamp (the
     synthetic source renders each frame at its own capture time, `t_s = capture_ts_lsl`).
@@ -319,22 +332,31 @@ class SyntheticScene:
     PERIODS_S = ((7.0, 5.0, 11.0), (6.0, 8.0, 13.0))  # per face: x, y, scale
     SCALE_AMPLITUDE = 0.08
 
-    def __init__(self, width: int, height: int, seed: str = "") -> None:
+    def __init__(self, width: int, height: int, seed: str = "",
+                 staging: StagingConfig | None = None) -> None:
         if width < 64 or height < 64:
             raise ValueError(f"a synthetic scene needs at least 64x64 pixels, got {width}x{height}")
         self.width = width
         self.height = height
         self.seed = seed
+        self.staging = staging
+        # Per seat (the path), not per photo: a staged person takes the seat's path.
         phase_rng = np.random.default_rng(zlib.crc32(seed.encode()))
         self._phases = phase_rng.uniform(0.0, 2.0 * math.pi, size=(len(_PHOTOS), 3))
-        self._sprites = [_sprite(photo) for photo in _PHOTOS]
+        self._sprites = {photo.name: _sprite(photo) for photo in _PHOTOS}
         face_px = self.FACE_SIZE_FRACTION * max(width, height)
         self._base_face_px = min(face_px, 0.42 * height, 0.3 * width)
         self._background = self._make_background(width, height)
 
     @classmethod
     def for_camera(cls, camera: CameraConfig) -> SyntheticScene:
-        return cls(camera.width, camera.height, seed=camera.id)
+        return cls(camera.width, camera.height, seed=camera.id, staging=camera.staging)
+
+    def seated_at(self, t_s: float) -> list[tuple[int, str]]:
+        """(seat, photo name) of everyone in the frame at `t_s`, in seat order."""
+        if self.staging is None:
+            return [(seat, photo.name) for seat, photo in enumerate(_PHOTOS)]
+        return [(shown.seat, shown.photo) for shown in self.staging.shown_at(t_s)]
 
     @staticmethod
     def _make_background(width: int, height: int) -> np.ndarray:
@@ -348,7 +370,8 @@ class SyntheticScene:
     def _placements(self, t_s: float) -> list[tuple[_Sprite, float, float, float]]:
         """(sprite, scale, offset_x, offset_y) mapping sprite pixels to frame pixels."""
         placements = []
-        for index, sprite in enumerate(self._sprites):
+        for index, name in self.seated_at(t_s):
+            sprite = self._sprites[name]
             period_x, period_y, period_scale = self.PERIODS_S[index]
             phase_x, phase_y, phase_scale = self._phases[index]
             wave_scale = math.sin(2.0 * math.pi * t_s / period_scale + phase_scale)
