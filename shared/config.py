@@ -259,6 +259,12 @@ class RecordConfig(_Strict):
         int, msgspec.Meta(ge=0, le=51, description="libx264 quality: 0 lossless, 23 default, "
                           "higher is smaller and worse")
     ] = 23
+    overlays: Annotated[
+        bool, msgspec.Meta(description="burn each frame's own faces into the video: boxes, track "
+                           "ids, participant names (`record start --overlays` turns it on for "
+                           "one recording); the recorder then waits up to 0.5 s for a frame's "
+                           "results (Note [Overlays] in facecast.workers.recorder)")
+    ] = False
 
     def __post_init__(self) -> None:
         if self.codec == "ffv1" and self.container == "mp4":

@@ -401,6 +401,7 @@ class RecordRequest(Message, tag="record"):
     action: Literal["start", "stop", "check"]
     camera_ids: list[str] = msgspec.field(default_factory=list)  # []: every camera
     dir: str = ""  # absolute; "": the config's record.dir
+    overlays: bool = False  # burn the faces in (`--overlays`); False: the config's record.overlays
 
 
 class RecordReply(Message, tag="record_reply"):

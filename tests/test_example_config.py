@@ -42,6 +42,12 @@ def test_example_lab_config_shows_every_key():
         assert not missing, f"{struct.__name__} keys missing from {EXAMPLE.name}: {sorted(missing)}"
 
 
+def test_example_lab_config_records_video_without_overlays():
+    # Burned-in overlays change the pictures for good: the example shows the key, off.
+    assert re.search(r"^overlays = false$", EXAMPLE.read_text(), flags=re.MULTILINE)
+    assert config.load(EXAMPLE).record.overlays is False
+
+
 def test_default_config_still_loads_with_synthetic_cameras():
     loaded = config.load(ROOT / "config" / "default.toml")
     assert [camera.id for camera in loaded.cameras] == ["synth0", "synth1"]

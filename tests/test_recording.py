@@ -1,5 +1,6 @@
 """Recording (issue 17, its CPU part): the frame-index streams, `facecast record start|stop`, the
-recorder worker's videos and sidecars, segments, a full disk (README "Recording", DESIGN §1).
+recorder worker's videos and sidecars, segments, a full disk, burned-in overlays (README
+"Recording", DESIGN §1).
 
 One daemon for the module (cameras rec0 and rec1, 2 s segments), read by real pylsl inlets; the
 videos are decoded with PyAV and compared with the synthetic cameras' own renders
@@ -109,6 +110,22 @@ def psnr_db(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
+def box_colour_share(pixels: np.ndarray, rendered: np.ndarray, box_px) -> float:
+    """How much of a box's outline around `box_px` is drawn in the overlays' box colour
+    (facecast.workers.face_drawing.BOX_BGR) where the camera's own render is not that colour:
+    pixels of that colour within 20% of the box's size of its edges, per pixel of its perimeter.
+    A 2-pixel outline through x264 measures ~2; a frame as captured, 0 (measured)."""
+    x1, y1, x2, y2 = box_px
+    margin = 0.2 * (x2 - x1)
+    ys, xs = np.mgrid[0:pixels.shape[0], 0:pixels.shape[1]]
+    outer = (xs >= x1 - margin) & (xs <= x2 + margin) & (ys >= y1 - margin) & (ys <= y2 + margin)
+    inner = (xs > x1 + margin) & (xs < x2 - margin) & (ys > y1 + margin) & (ys < y2 - margin)
+    p, r = pixels.astype(int), rendered.astype(int)
+    green = ((p[..., 1] > 150) & (p[..., 1] - p[..., 2] > 50) & (p[..., 1] - p[..., 0] > 50)
+             & (p[..., 1] - r[..., 1] > 40))
+    return float((green & outer & ~inner).sum()) / (2 * (x2 - x1) + 2 * (y2 - y1))
+
+
 def sidecar_rows(video: Path) -> list[dict]:
     with open(video.with_suffix(".csv"), newline="") as file:
         return list(csv.DictReader(file))
@@ -125,6 +142,7 @@ def sidecar_rows(video: Path) -> list[dict]:
     ("crf = 60", "record.crf", "<= 51"),
     ('codec = "ffv1"\ncontainer = "mp4"', "record.codec", 'record.container = "mkv"'),
     ("segments = 3", "record.segments", "allowed here: start, dir, segment_s"),
+    ('overlays = "yes"', "record.overlays", "Expected `bool`"),
 ])
 def test_bad_record_config_values_are_refused_naming_the_key(text, key, words):
     config = f"[record]\n{text}\n[[cameras]]\nid = \"a\"\nsource = \"synthetic\"\n"
@@ -135,8 +153,8 @@ def test_bad_record_config_values_are_refused_naming_the_key(text, key, words):
 
 def test_record_config_defaults_record_nothing_until_asked():
     record = config_mod.loads('[[cameras]]\nid = "a"\nsource = "synthetic"\n').record
-    assert (record.start, record.container, record.codec, record.segment_s) == (
-        False, "mkv", "libx264", 600.0)
+    assert (record.start, record.container, record.codec, record.segment_s, record.overlays) == (
+        False, "mkv", "libx264", 600.0, False)
 
 
 def test_frame_index_waits_for_verdicts_in_frame_order_and_not_for_a_dead_recorder():
@@ -247,8 +265,11 @@ def test_record_start_and_stop_from_the_cli_write_every_frame_with_capture_times
                 # Note [Container timestamps]: Matroska keeps 1 ms.
                 assert abs(origin_ts_lsl + float(picture.time) - capture_ts_lsl) <= 0.0006, (
                     video, k, picture.time, capture_ts_lsl - origin_ts_lsl)
+                assert row["overlay"] == "off", row  # record.overlays is off by default
                 if k % 4 == 0:
                     pixels = picture.to_ndarray(format="bgr24")
+                    assert all(box_colour_share(pixels, scene.render(capture_ts_lsl), face.box_px)
+                               < 0.3 for face in scene.faces_at(capture_ts_lsl)), (video, k)
                     own = psnr_db(pixels, scene.render(capture_ts_lsl))
                     neighbours = max(psnr_db(pixels, scene.render(capture_ts_lsl + dt))
                                      for dt in (-1 / FPS, 1 / FPS))
@@ -471,3 +492,59 @@ def test_a_killed_recorder_is_restarted_into_new_files_and_its_file_stays_readab
 
 def events_in(markers, kind: str, camera: str, directory: Path) -> list[dict]:
     return [e for e in events(markers, kind, camera) if e.get("dir") == str(directory)]
+
+
+def test_record_start_overlays_draws_each_frames_own_faces_and_never_drops_for_want_of_them(
+        daemon, streams, tmp_path):
+    """Note [Overlays] in facecast.workers.recorder: each written frame with its own results
+    drawn in ("drawn") or, when none came in time, as captured ("no results")."""
+    frame_streams, markers = streams
+    started = cli(daemon, "record", "start", "--cameras", "rec0", "--dir", str(tmp_path),
+                  "--overlays")
+    assert started.returncode == 0 and "with overlays" in started.stdout, started
+    wait_for_event(daemon, markers, "record_segment", "rec0", dir=str(tmp_path), segment=2)
+    assert cli(daemon, "record", "stop").returncode == 0
+    stop = wait_for_event(daemon, markers, "record_stop", "rec0", dir=str(tmp_path))
+    scene = SyntheticScene(WIDTH, HEIGHT, seed="rec0")
+    shares = {"drawn": [], "no results": []}  # per (frame, true face)
+    rows = []
+    for name in stop["files"].split(","):
+        video = tmp_path / name
+        segment_rows = sidecar_rows(video)
+        rows += segment_rows
+        written = [row for row in segment_rows if row["status"] == "written"]
+        with av.open(str(video)) as container:
+            decoded = list(container.decode(video=0))
+        assert len(decoded) == len(written), video
+        for picture, row in zip(decoded, written):
+            capture_ts_lsl = float(row["capture_ts_lsl"])
+            pixels = picture.to_ndarray(format="bgr24")
+            rendered = scene.render(capture_ts_lsl)
+            shares[row["overlay"]].append(
+                [box_colour_share(pixels, rendered, face.box_px)
+                 for face in scene.faces_at(capture_ts_lsl)])
+    assert {row["overlay"] for row in rows if row["status"] != "written"} <= {""}
+    written_count = len(shares["drawn"]) + len(shares["no results"])
+    assert written_count == stop["frames"] >= 3 * SEGMENT_S * FPS // 2, (written_count, stop)
+    # Never a frame dropped for want of results: every frame of the recording is in the video
+    # or a drop with another reason.
+    seqs = [int(row["frame_seq"]) for row in rows]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a gap in frame_seq"
+    assert not any("result" in row["status"] for row in rows)
+    # Most frames had their results in time (the module's two cameras at 15 fps keep the CPU
+    # pipeline's latency well below OVERLAY_WAIT_S), and most of those show a box on a true face
+    # (output.max_faces = 1 here: the roi_landmark worker measures one face of the two); a frame
+    # without results is as captured.
+    assert len(shares["drawn"]) >= written_count // 2, {k: len(v) for k, v in shares.items()}
+    boxed = [max(faces) >= 0.5 for faces in shares["drawn"] if faces]
+    assert len(boxed) >= 10 and sum(boxed) >= 0.7 * len(boxed), shares["drawn"]
+    assert all(max(faces, default=0.0) < 0.3 for faces in shares["no results"]), shares
+    # The verdicts still came in time: every written frame is recorded on the frame-index stream.
+    deadline = time.monotonic() + VERDICT_WAIT_S + 5
+    while True:
+        by_seq = {int(s[0]): s for s in list(frame_streams["rec0"].samples)}
+        if max(by_seq) > seqs[-1] + FPS or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    written_seqs = [int(row["frame_seq"]) for row in rows if row["status"] == "written"]
+    assert all(by_seq[seq][1] >= 0 for seq in written_seqs)

@@ -32,6 +32,7 @@ import cv2
 import numpy as np
 
 from facecast.shared.messages import FaceResults
+from facecast.workers.face_drawing import draw_faces, label, line_thickness_px
 
 if TYPE_CHECKING:
     import torch
@@ -39,13 +40,7 @@ if TYPE_CHECKING:
 PREVIEW_HISTORY_S = 2.0  # Note [Preview pairing]: covers the pipeline's latency on a busy CPU
 RESULTS_KEPT = 256  # per camera, by frame_seq
 JPEG_QUALITY = 80
-LANDMARK_COUNT = 478
 SIZES = ("small", "large")  # the grid's preview and a camera page's (twice the width)
-
-_BOX_BGR = (80, 220, 80)
-_MESH_BGR = (255, 200, 80)
-_TEXT_BGR = (255, 255, 255)
-_SHADOW_BGR = (0, 0, 0)
 
 
 class JpegEncoder(Protocol):
@@ -169,33 +164,13 @@ class CameraPreview:
 
 def draw(image: np.ndarray, results: FaceResults | None, camera_size: tuple[int, int],
          mesh: bool, overlay: Overlay) -> list[dict]:
-    """Boxes, track ids, optionally the mesh, and the camera's transport and fps, drawn into
-    `image` (a preview of a frame of `camera_size`); the faces drawn, in preview pixels."""
+    """The faces (facecast.workers.face_drawing: the recorder's overlays draw the same) and the
+    camera's transport and fps, drawn into `image` (a preview of a frame of `camera_size`); the
+    faces drawn, in preview pixels."""
     height, width = image.shape[:2]
-    scale = width / camera_size[0]
-    thickness = max(1, round(width / 320))
-    drawn = []
-    for face in (results.faces if results is not None else []):
-        x1, y1, x2, y2 = (value * scale for value in face.box_px)
-        if not all(math.isfinite(v) for v in (x1, y1, x2, y2)):
-            continue
-        cv2.rectangle(image, (round(x1), round(y1)), (round(x2), round(y2)), _BOX_BGR, thickness,
-                      cv2.LINE_AA)
-        _label(image, f"#{face.track_id}", (round(x1), max(12, round(y1) - 4)), width)
-        if mesh and face.landmarks_px is not None:
-            points = np.frombuffer(face.landmarks_px, dtype="<f4").reshape(LANDMARK_COUNT, 3)
-            for x, y in (points[:, :2] * scale).round().astype(np.int32):
-                cv2.circle(image, (int(x), int(y)), 0, _MESH_BGR, -1)
-        drawn.append({"track_id": face.track_id, "box_px": [x1, y1, x2, y2]})
+    drawn = draw_faces(image, results, width / camera_size[0], line_thickness_px(width), mesh)
     status = f"{overlay.transport or '-'}  {overlay.fps:.1f} fps"
     if results is None:
         status += "  no results"
-    _label(image, status, (4, height - 6), width)
+    label(image, status, (4, height - 6), width)
     return drawn
-
-
-def _label(image: np.ndarray, text: str, origin: tuple[int, int], width: int) -> None:
-    scale = max(0.35, width / 1280)
-    for color, extra in ((_SHADOW_BGR, 2), (_TEXT_BGR, 0)):
-        cv2.putText(image, text, origin, cv2.FONT_HERSHEY_SIMPLEX, scale, color,
-                    max(1, round(scale * 2)) + extra, cv2.LINE_AA)

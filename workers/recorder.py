@@ -40,11 +40,35 @@ Note [Frame index and verdicts]
     output worker stops waiting STATE_EXPIRY_S later. A frame that was queued but could not
     be written because the disk failed after its verdict is named by the record_error marker
     (`last_recording_frame`): the sidecar is the truth about what is in each file.
+
+Note [Overlays]
+    With `record.overlays` (or `record start --overlays`) each frame is encoded with its *own*
+    faces drawn in (facecast.workers.face_drawing, the drawing of the console's previews: boxes,
+    track ids, participant names): the FaceResults of the same camera, frame_seq and capture
+    time, received as the console receives them, from the output worker's results tap (Note
+    [Results tap] in facecast.workers.console). Results come after their frame (capture → LSL
+    p99 42 ms at 16 cameras on the H200, docs/benchmarks.md; longer on a busy CPU), so a frame,
+    once read and numbered, waits in its camera's `held` line (main thread) until the first of:
+    its results came; results of a later frame came (one roi_landmark worker measures a camera,
+    in capture order, passing over frames when behind: a frame passed over never gets any); or
+    OVERLAY_WAIT_S of capture time passed. Then it goes to the encoder, drawn on ("drawn" in the
+    sidecar's overlay column; a FaceResults with no faces is the frame's results too, with
+    nothing to draw) or as captured ("no results"): a frame is never dropped for want of
+    results. OVERLAY_WAIT_S = 0.5 s is over ten times the GPU pipeline's p99; it costs memory,
+    not frames: held frames count against the encoder's bound, which grows by as much
+    (MAX_QUEUED_S + OVERLAY_WAIT_S of frames: at 1080p30, 15 frames or 93 MB more per camera).
+    Drops wait their turn in `held` too, so that sidecar rows stay in frame order. The verdict
+    (Note [Frame index and verdicts]) is sent when the frame is numbered, as without overlays:
+    its place in the file is decided then, so the frame-index stream waits no longer. Frames
+    are drawn on in the encoder thread (cameras in parallel), each on its own copy. Without
+    overlays the recorder does not subscribe to the tap and nothing waits.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -62,6 +86,7 @@ from facecast.shared.messages import (
     CameraReport,
     DescribeRing,
     Event,
+    FaceResults,
     FrameReady,
     FramesRecorded,
     MessageGate,
@@ -81,6 +106,9 @@ MAX_QUEUED_S = 0.5  # frames waiting for the encoder, per camera (1080p: 6 MB ea
 DESCRIBE_RETRY_S = 0.5
 MAX_DRAIN_MESSAGES = 4096
 ENCODER_JOIN_S = 2.5  # at stop: what is queued gets written (inside daemon.stop_timeout_s)
+OVERLAY_WAIT_S = 0.5  # of capture time, for a frame's results (Note [Overlays])
+RESULTS_KEPT = 256  # per camera: results that came before their frame was read
+MIN_OVERLAY_LINE_PX = 2  # a 1-pixel line loses its colour to 4:2:0 chroma subsampling
 
 
 class HostShmReader(rings.RingReader):
@@ -143,6 +171,14 @@ def host_pixels(read: rings.SlotRead) -> np.ndarray:
     return pixels if isinstance(pixels, np.ndarray) else pixels.cpu().numpy()
 
 
+def draw_overlay(pixels: np.ndarray, results: FaceResults) -> None:
+    """Note [Overlays]: the frame's faces drawn into its own copy, in the encoder thread.
+    OpenCV is imported here, not at the top: a recorder without overlays never loads it."""
+    from facecast.workers.face_drawing import draw_faces, line_thickness_px
+
+    draw_faces(pixels, results, 1.0, max(MIN_OVERLAY_LINE_PX, line_thickness_px(pixels.shape[1])))
+
+
 @dataclass
 class _Queued:
     """One frame for the encoder thread, or (pixels None) one drop for the sidecar."""
@@ -154,6 +190,10 @@ class _Queued:
     recording_frame: int = -1
     pixels: np.ndarray | None = None
     status: str = "written"
+    # Note [Overlays]: "off", or (set when it leaves `held`) "drawn" with its results, or
+    # "no results"; "" for a drop.
+    overlay: str = "off"
+    results: FaceResults | None = None
 
 
 class CameraRecording:
@@ -189,7 +229,14 @@ class CameraRecording:
         self.queue: queue.Queue[_Queued | None] = queue.Queue()
         self.queued_frames = 0  # frames (not drops) in the queue; the main thread's bound
         self.queued_lock = threading.Lock()
-        self.max_queued = max(2, round(MAX_QUEUED_S * self.fps))
+        self.overlays = self.record.overlays
+        self.max_queued = max(2, round(
+            (MAX_QUEUED_S + (OVERLAY_WAIT_S if self.overlays else 0.0)) * self.fps))
+        # Note [Overlays] (main thread): frames and drops waiting for results, in frame order.
+        self.held: collections.deque[_Queued] = collections.deque()
+        self.held_frames = 0
+        self.results: collections.OrderedDict[int, FaceResults] = collections.OrderedDict()
+        self.newest_results_ts_lsl = -math.inf
         self.frames_written = 0  # encoder thread
         self.last_written_recording_frame = -1
         self.error = ""  # set by the encoder thread when writing failed
@@ -236,7 +283,7 @@ class CameraRecording:
                        f"dropped: {age_s:.2f} s old when the recorder got to it")
             return
         with self.queued_lock:
-            full = self.queued_frames >= self.max_queued
+            full = self.queued_frames + self.held_frames >= self.max_queued
         if full:
             self._drop(message.frame_seq, message.capture_ts_lsl,
                        "dropped: the encoder was behind (its queue was full)")
@@ -252,10 +299,8 @@ class CameraRecording:
                        "dropped: overwritten in the ring while the recorder copied it")
             return
         self._number(message.capture_ts_lsl)
-        with self.queued_lock:
-            self.queued_frames += 1
-        self.queue.put(_Queued(message.frame_seq, message.capture_ts_lsl, self.segment,
-                               self.segment_frame, self.recording_frame, pixels))
+        self._enqueue(_Queued(message.frame_seq, message.capture_ts_lsl, self.segment,
+                              self.segment_frame, self.recording_frame, pixels))
         self.verdicts.append((message.frame_seq, self.recording_frame, self.segment,
                               self.segment_frame))
         self.recording_frame += 1
@@ -283,7 +328,59 @@ class CameraRecording:
 
     def _drop(self, frame_seq: int, capture_ts_lsl: float | None, status: str) -> None:
         self.dropped += 1
-        self.queue.put(_Queued(frame_seq, capture_ts_lsl, self.segment, status=status))
+        self._enqueue(_Queued(frame_seq, capture_ts_lsl, self.segment, status=status, overlay=""))
+
+    def _enqueue(self, item: _Queued) -> None:
+        """To the encoder, or with overlays to the end of `held` (Note [Overlays])."""
+        if self.overlays:
+            self.held.append(item)
+            self.held_frames += item.pixels is not None
+            return
+        self._to_encoder(item)
+
+    def _to_encoder(self, item: _Queued) -> None:
+        if item.pixels is not None:
+            with self.queued_lock:
+                self.queued_frames += 1
+        self.queue.put(item)
+
+    def on_results(self, results: FaceResults) -> None:
+        """A FaceResults from the results tap (Note [Overlays]); kept until its frame leaves
+        `held`, or RESULTS_KEPT later ones came."""
+        if not self.recording or results.capture_ts_lsl < self.from_ts_lsl:
+            return
+        self.results[results.frame_seq] = results
+        self.results.move_to_end(results.frame_seq)
+        while len(self.results) > RESULTS_KEPT:
+            self.results.popitem(last=False)
+        self.newest_results_ts_lsl = max(self.newest_results_ts_lsl, results.capture_ts_lsl)
+
+    def release(self, now_ts_lsl: float, closing: bool = False) -> None:
+        """Frames of `held` whose wait is over go to the encoder, in order (Note [Overlays]);
+        `closing`: every one, with the results that came."""
+        while self.held:
+            item = self.held[0]
+            if item.pixels is not None:
+                results = self.results.get(item.frame_seq)
+                if results is not None and results.capture_ts_lsl != item.capture_ts_lsl:
+                    results = None  # the same frame_seq of an earlier capture process
+                if (results is None and not closing
+                        and now_ts_lsl < item.capture_ts_lsl + OVERLAY_WAIT_S
+                        and self.newest_results_ts_lsl <= item.capture_ts_lsl):
+                    break
+                self.results.pop(item.frame_seq, None)
+                item.results = results
+                item.overlay = "drawn" if results is not None else "no results"
+                self.held_frames -= 1
+            self.held.popleft()
+            self._to_encoder(item)
+
+    def next_release_ts_lsl(self) -> float:
+        """When the first held frame's wait ends (math.inf when no frame waits)."""
+        for item in self.held:
+            if item.pixels is not None:
+                return item.capture_ts_lsl + OVERLAY_WAIT_S
+        return math.inf
 
     def request_description(self) -> None:
         now = time.monotonic()
@@ -298,6 +395,8 @@ class CameraRecording:
             return
         self.failed_reported = True
         self.state = f"stopped: {self.error}"
+        self.held.clear()  # nothing more is written
+        self.held_frames = 0
         self.until_ts_lsl = max(self.last_capture_ts_lsl, self.from_ts_lsl)
         log.error("camera %s: recording stopped: %s", self.camera_id, self.error)
         self.worker.send(Event(kind="record_error", fields={
@@ -322,6 +421,7 @@ class CameraRecording:
         if self.recording:
             self.state = "stopped: record stop"
             self.until_ts_lsl = max(self.last_capture_ts_lsl, self.from_ts_lsl)
+        self.release(pylsl.local_clock(), closing=True)
         self.queue.put(None)
         self.thread.join(max(0.1, deadline_monotonic - time.monotonic()))
         if self.thread.is_alive():
@@ -362,17 +462,21 @@ class CameraRecording:
                     encoder = self._encoder(path, item.pixels.shape)
                     open_segment = item.segment
                     for drop in early_drops:
-                        sidecar.row(-1, -1, drop.frame_seq, drop.capture_ts_lsl, drop.status)
+                        sidecar.row(-1, -1, drop.frame_seq, drop.capture_ts_lsl, drop.status,
+                                    drop.overlay)
                     early_drops.clear()
                 if item.pixels is None:
                     if sidecar is not None:
-                        sidecar.row(-1, -1, item.frame_seq, item.capture_ts_lsl, item.status)
+                        sidecar.row(-1, -1, item.frame_seq, item.capture_ts_lsl, item.status,
+                                    item.overlay)
                     else:
                         early_drops.append(item)
                     continue
+                if item.results is not None:
+                    draw_overlay(item.pixels, item.results)
                 encoder.write(item.pixels, item.capture_ts_lsl)
                 sidecar.row(item.segment_frame, item.recording_frame, item.frame_seq,
-                            item.capture_ts_lsl, "written")
+                            item.capture_ts_lsl, "written", item.overlay)
                 self.frames_written += 1
                 self.last_written_recording_frame = item.recording_frame
             self._close(encoder, sidecar)
@@ -436,6 +540,16 @@ class RecorderWorker(Worker):
         self.frames.setsockopt(zmq.RCVHWM, 100_000)
         self.poller = zmq.Poller()
         self.poller.register(self.frames, zmq.POLLIN)
+        self.results: zmq.Socket | None = None
+        if self.config.record.overlays:  # Note [Overlays]; off: no subscription at all
+            self._gate_results = MessageGate("results tap (recorder)")
+            self.results = self.context.socket(zmq.SUB)
+            self.results.setsockopt(zmq.LINGER, 0)
+            self.results.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
+            self.results.setsockopt(zmq.RCVHWM, 10_000)
+            self.results.setsockopt(zmq.SUBSCRIBE, b"")
+            self.results.connect(endpoints.results_tap(self.runtime_dir))
+            self.poller.register(self.results, zmq.POLLIN)
         self.ring_control: dict[str, zmq.Socket] = {}
         from_ts_lsl = pylsl.local_clock() + START_MARGIN_S
         self.cameras: dict[str, CameraRecording] = {}
@@ -457,7 +571,7 @@ class RecorderWorker(Worker):
                  self.config.record.codec, self.config.record.segment_s, av.__version__)
 
     def step(self) -> None:
-        events = dict(self.poller.poll(100))
+        events = dict(self.poller.poll(self._poll_timeout_ms()))
         for camera_id, dealer in self.ring_control.items():
             if dealer in events:
                 message = self._gate_frames.decode(dealer.recv())
@@ -477,12 +591,41 @@ class RecorderWorker(Worker):
                     camera.attach(message)
                 elif isinstance(message, FrameReady):
                     camera.on_frame(message)
+        if self.results is not None and self.results in events:
+            self._drain_results()
+        if self.results is not None:
+            now_ts_lsl = pylsl.local_clock()
+            for camera in self.cameras.values():
+                camera.release(now_ts_lsl)
         for camera in self.cameras.values():
             camera.check_failure()
             verdicts = camera.take_verdicts()
             if verdicts is not None:
                 self._publish(verdicts)
         self._renew_states()
+
+    def _poll_timeout_ms(self) -> int:
+        """100 ms, or less while a held frame's wait ends sooner (Note [Overlays])."""
+        timeout_s = 0.1
+        if self.results is not None:
+            next_ts_lsl = min((c.next_release_ts_lsl() for c in self.cameras.values()),
+                              default=math.inf)
+            timeout_s = min(timeout_s, max(0.0, next_ts_lsl - pylsl.local_clock()))
+        return math.ceil(timeout_s * 1000)
+
+    def _drain_results(self) -> None:
+        """The results tap's FaceResults to their cameras; the rest of what it carries (other
+        cameras', the recorders' own verdicts and states) is not ours."""
+        for _ in range(MAX_DRAIN_MESSAGES):
+            try:
+                payload = self.results.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            message = self._gate_results.decode(payload)
+            if isinstance(message, FaceResults):
+                camera = self.cameras.get(message.camera_id)
+                if camera is not None:
+                    camera.on_results(message)
 
     def _renew_states(self, force: bool = False) -> None:
         """Note [Frame index and verdicts]: on every loop until from_ts, then every second."""
@@ -509,6 +652,8 @@ class RecorderWorker(Worker):
 
     def close(self) -> None:
         cameras = getattr(self, "cameras", {})
+        if getattr(self, "results", None) is not None:
+            self._drain_results()  # the held frames' last results (Note [Overlays])
         deadline_monotonic = time.monotonic() + ENCODER_JOIN_S
         for camera in cameras.values():
             was_recording = camera.recording
@@ -526,6 +671,7 @@ class RecorderWorker(Worker):
         if cameras:
             self._renew_states(force=True)
         for socket in [getattr(self, "frames", None), getattr(self, "bus", None),
+                       getattr(self, "results", None),
                        *getattr(self, "ring_control", {}).values()]:
             if socket is not None:
                 socket.close()

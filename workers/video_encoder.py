@@ -49,7 +49,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SIDECAR_COLUMNS = ("frame", "recording_frame", "frame_seq", "capture_ts_lsl", "status")
+SIDECAR_COLUMNS = ("frame", "recording_frame", "frame_seq", "capture_ts_lsl", "status", "overlay")
+OVERLAY_VALUES = ("off", "drawn", "no results", "")  # Note [Overlays] in facecast.workers.recorder
 CONTAINER_FORMATS = {"mkv": "matroska", "mp4": "mp4"}
 CONTAINER_TIME_BASES = {"mkv": Fraction(1, 1000), "mp4": Fraction(1, 90000)}
 ORIGIN_TAG = "capture_ts_lsl_origin"
@@ -161,7 +162,10 @@ class Sidecar:
     frame captured during the recording that is not in any file (status says why):
     frame (index in this file, -1 for a drop), recording_frame (index over every segment),
     frame_seq (the camera's, as on the frame-index stream; -1 when unknown), capture_ts_lsl
-    (repr: every digit of the double; empty when unknown), status ("written" or "dropped: ...").
+    (repr: every digit of the double; empty when unknown), status ("written" or "dropped: ..."),
+    overlay ("off" without record.overlays; with them "drawn": the frame's own results are drawn
+    in, its faces or none, or "no results": none came in time, the frame is as captured; empty
+    for a drop: Note [Overlays] in facecast.workers.recorder).
     Flushed row by row: a crash or a full disk loses no row of a frame that is in the file."""
 
     def __init__(self, path: Path) -> None:
@@ -175,10 +179,13 @@ class Sidecar:
             raise RecordingWriteError(f"cannot write {path}: {exc.strerror}") from None
 
     def row(self, frame: int, recording_frame: int, frame_seq: int,
-            capture_ts_lsl: float | None, status: str) -> None:
+            capture_ts_lsl: float | None, status: str, overlay: str = "") -> None:
+        if overlay not in OVERLAY_VALUES:
+            raise ValueError(f"sidecar overlay {overlay!r}: allowed {OVERLAY_VALUES}")
         try:
             self._writer.writerow((frame, recording_frame, frame_seq,
-                                   "" if capture_ts_lsl is None else repr(capture_ts_lsl), status))
+                                   "" if capture_ts_lsl is None else repr(capture_ts_lsl), status,
+                                   overlay))
             self._file.flush()
         except OSError as exc:
             raise RecordingWriteError(f"writing {self.path}: {exc.strerror}") from None
