@@ -45,6 +45,24 @@ import pytest  # noqa: E402
 from peers import Peers  # noqa: E402
 
 
+# What facecast's CLI sets in its own process's environment (shared/third_party_logs.py: a quiet
+# copy of lsl_api.cfg, OpenCV's and FFmpeg's log levels). Tests that call `cli.main` in this
+# process would otherwise hand those settings to every later test: a later test that copies
+# $LSLAPICFG as "the user's file" then copied facecast's quiet copy, and --verbose could not
+# un-quiet liblsl (seen: tests/test_third_party_logs.py after the participants' CLI tests).
+CLI_ENVIRONMENT = ("LSLAPICFG", "OPENCV_LOG_LEVEL", "OPENCV_FFMPEG_LOGLEVEL")
+
+
+@pytest.fixture(autouse=True)
+def _cli_environment_restored_after_each_test(monkeypatch):
+    for name in CLI_ENVIRONMENT:
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])  # put back to this value afterwards
+        else:
+            monkeypatch.setenv(name, "")  # remembered as absent...
+            monkeypatch.delenv(name)  # ...and absent again for the test
+
+
 @pytest.fixture
 def runtime_dir():
     # ipc:// paths must stay under 107 bytes: keep the directory short.

@@ -48,9 +48,7 @@ def _foreign_lines(result: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.mark.parametrize("command", [
-    # liblsl's INFO line comes from its own thread at start-up: a command that ends within a
-    # fraction of a second on a loaded machine was once seen to exit before it printed.
-    ("streams", "--resolve-wait", "1.0", "--wait", "0.5"),
+    ("streams", "--resolve-wait", "0.3", "--wait", "0.3"),
     ("cameras", "--probe", "http://127.0.0.1:{port}/cam.mjpg", "--timeout", "3"),
 ])
 def test_commands_print_only_facecasts_lines_unless_verbose(command, user_env):
