@@ -166,6 +166,16 @@ def _append_text(parent: Any, name: str, value: object) -> None:
     parent.append_child_value(name, str(value))
 
 
+def _face_channels_desc(desc: Any, channels: list[tuple[str, str, str]]) -> None:
+    """The XDF channel descriptions of a Face stream: label, unit, type per channel."""
+    parent = desc.append_child("channels")
+    for label, unit, kind in channels:
+        channel = parent.append_child("channel")
+        _append_text(channel, "label", label)
+        _append_text(channel, "unit", unit)
+        _append_text(channel, "type", kind)
+
+
 def _acquisition(desc: Any, model: str) -> None:
     acquisition = desc.append_child("acquisition")
     _append_text(acquisition, "manufacturer", "facecast")
@@ -247,12 +257,7 @@ class FaceOutlets:
             face_source_id(self.host, self.camera_id, slot),
         )
         desc = info.desc()
-        channels = desc.append_child("channels")
-        for label, unit, kind in self.channels:
-            channel = channels.append_child("channel")
-            _append_text(channel, "label", label)
-            _append_text(channel, "unit", unit)
-            _append_text(channel, "type", kind)
+        _face_channels_desc(desc, self.channels)
         _acquisition(desc, "MediaPipe face models in PyTorch")
         facecast = desc.append_child("facecast")
         _append_text(facecast, "host", self.host)
@@ -431,12 +436,7 @@ class ParticipantOutlet:
                                 len(layout.channels), float(fps), pylsl.cf_float32,
                                 self.source_id)
         desc = info.desc()
-        channels = desc.append_child("channels")
-        for label, unit, kind in layout.channels:
-            channel = channels.append_child("channel")
-            _append_text(channel, "label", label)
-            _append_text(channel, "unit", unit)
-            _append_text(channel, "type", kind)
+        _face_channels_desc(desc, layout.channels)
         _acquisition(desc, "MediaPipe face models in PyTorch")
         facecast = desc.append_child("facecast")
         _append_text(facecast, "host", host)

@@ -225,10 +225,7 @@ class RoiLandmarkWorker(Worker):
         overwritten while it was read (the result is not of this frame: dropped, counted)."""
         message = frame.message
         camera_id = message.camera_id
-        if not frame.read.still_valid():
-            self.dropped_overwritten += 1
-            self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
-            self._reset(camera_id)
+        if self._overwritten(frame):
             return None
         tracker = self.track_ids.get(camera_id)
         if tracker is None:
@@ -240,6 +237,17 @@ class RoiLandmarkWorker(Worker):
             self._no_track_id_for(camera_id, len(faces) - len(named))
         return named
 
+    def _overwritten(self, frame) -> bool:
+        """Whether the frame's slot was overwritten while we read it: then what was measured is
+        not of this frame, and it is dropped (counted) with the camera's tracks."""
+        if frame.read.still_valid():
+            return False
+        camera_id = frame.message.camera_id
+        self.dropped_overwritten += 1
+        self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
+        self._reset(camera_id)
+        return True
+
     def _say_identities_trouble(self) -> None:
         trouble = self.identities.trouble()
         if trouble and trouble != self._identities_trouble_said:
@@ -250,11 +258,7 @@ class RoiLandmarkWorker(Worker):
     def _publish(self, frame, named, poses, identities) -> None:
         message = frame.message
         camera_id = message.camera_id
-        if not frame.read.still_valid():
-            # The slot was overwritten while we read it: this result is not of this frame.
-            self.dropped_overwritten += 1
-            self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
-            self._reset(camera_id)
+        if self._overwritten(frame):
             return
         with_landmarks = self.config.output.landmarks
         results = [
