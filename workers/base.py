@@ -79,6 +79,17 @@ _COMM_ROLES = {"capture": "cap", "detection": "det", "roi_landmark": "roi", "out
                "standby": "sb", "recorder": "rec"}
 
 
+def results_subscriber(context: zmq.Context, rcvhwm: int) -> zmq.Socket:
+    """A SUB for FaceResults (the output worker's results, or its results tap): every message,
+    none larger than messages.MAX_MESSAGE_BYTES; the caller binds or connects it."""
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
+    socket.setsockopt(zmq.RCVHWM, rcvhwm)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    return socket
+
+
 class StopWhileBooting(BaseException):
     """SIGTERM arrived before the worker's loop began (`run`). A BaseException, so that no
     `except Exception` in the boot path swallows it."""

@@ -66,7 +66,7 @@ from facecast.shared.messages import (
     StopRequest,
 )
 from facecast.shared.stats import StageTimer
-from facecast.workers.base import BootError, Worker
+from facecast.workers.base import BootError, Worker, results_subscriber
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +101,7 @@ class ConsoleWorker(Worker):
                                           device="cpu",
                                           checksum_every=self.config.daemon.checksum_every)
         self._results_gate = MessageGate("results tap")
-        self.results = self.context.socket(zmq.SUB)
-        self.results.setsockopt(zmq.LINGER, 0)
-        self.results.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
-        self.results.setsockopt(zmq.RCVHWM, 1000)
-        self.results.setsockopt(zmq.SUBSCRIBE, b"")
+        self.results = results_subscriber(self.context, rcvhwm=1000)
         self.results.connect(endpoints.results_tap(self.runtime_dir))
         self._daemon_gate = MessageGate("supervisor (status)")
         self.daemon = self.context.socket(zmq.DEALER)

@@ -32,7 +32,7 @@ import pylsl
 import zmq
 
 from facecast.models import assets
-from facecast.shared import endpoints, messages
+from facecast.shared import endpoints
 from facecast.shared.config import Config
 from facecast.shared.messages import (
     CameraReport,
@@ -43,7 +43,7 @@ from facecast.shared.messages import (
     RecordingState,
 )
 from facecast.shared.stats import LatencyWindow, RateMeter
-from facecast.workers.base import Worker
+from facecast.workers.base import Worker, results_subscriber
 from facecast.workers.frame_index import FrameIndexFeed
 from facecast.workers.lsl_output import (
     FACE_LANDMARK_COUNT,
@@ -80,11 +80,7 @@ class OutputWorker(Worker):
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}
         self._results_gate = MessageGate("results")
-        self.results = self.context.socket(zmq.SUB)
-        self.results.setsockopt(zmq.LINGER, 0)
-        self.results.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
-        self.results.setsockopt(zmq.RCVHWM, 10_000)
-        self.results.setsockopt(zmq.SUBSCRIBE, b"")
+        self.results = results_subscriber(self.context, rcvhwm=10_000)
         self.results.bind(endpoints.results(self.runtime_dir))
         # Note [Results tap] in facecast.workers.console: a PUB drops what nobody reads.
         self.results_tap = self.context.socket(zmq.PUB)

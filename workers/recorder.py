@@ -94,7 +94,7 @@ from facecast.shared.messages import (
     RingDescription,
 )
 from facecast.shared.ring_errors import TransportUnavailable
-from facecast.workers.base import BootError, Worker
+from facecast.workers.base import BootError, Worker, results_subscriber
 from facecast.workers.video_encoder import PyAvEncoder, RecordingWriteError, Sidecar, VideoEncoder
 
 log = logging.getLogger(__name__)
@@ -543,11 +543,7 @@ class RecorderWorker(Worker):
         self.results: zmq.Socket | None = None
         if self.config.record.overlays:  # Note [Overlays]; off: no subscription at all
             self._gate_results = MessageGate("results tap (recorder)")
-            self.results = self.context.socket(zmq.SUB)
-            self.results.setsockopt(zmq.LINGER, 0)
-            self.results.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
-            self.results.setsockopt(zmq.RCVHWM, 10_000)
-            self.results.setsockopt(zmq.SUBSCRIBE, b"")
+            self.results = results_subscriber(self.context, rcvhwm=10_000)
             self.results.connect(endpoints.results_tap(self.runtime_dir))
             self.poller.register(self.results, zmq.POLLIN)
         self.ring_control: dict[str, zmq.Socket] = {}
