@@ -161,12 +161,8 @@ def _sha256(path: Path) -> str:
 
 
 def ensure_venv(venv_dir: Path) -> Path:
-    python = venv_dir / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv_dir)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"mediapipe=={MEDIAPIPE_VERSION}",
-                    "scikit-image", "matplotlib", "pillow"], check=True)
-    return python
+    """The same virtualenv (mediapipe==MEDIAPIPE_VERSION) as make_mediapipe_fixtures.py's."""
+    return _image_helpers().ensure_venv(venv_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
