@@ -188,7 +188,8 @@ class RoiLandmarkWorker(Worker):
                        boxes_px=[face.box for _, face in named],
                        landmarks_px=[face.landmarks for _, face in named])
             for frame, named, _ in named_frames])
-        self.timer.add_ms("identity", (time.monotonic() - start) * 1e3)
+        if self.identities_config.enabled:  # no "identity" stage in status where none is named
+            self.timer.add_ms("identity", (time.monotonic() - start) * 1e3)
         self._say_identities_trouble()
         for (frame, named, poses), who in zip(named_frames, identities):
             self._publish(frame, named, poses, who)
