@@ -151,6 +151,13 @@ def test_status_and_events_stream_deliver_updates_and_markers(daemon):
     assert status == 200 and snapshot["status"]["ready"] and "web0" in snapshot["status"]["cameras"]
     names = {worker["name"] for worker in snapshot["status"]["workers"]}
     assert {"console", "output", "capture:web0"} <= names
+    # A marker comes back on the console's log only once its inlet is connected (Note [Markers
+    # through LSL]); the console says so in its status.
+    deadline = time.monotonic() + 60
+    while not snapshot["console"]["markers"].startswith("reading "):
+        assert time.monotonic() < deadline, (snapshot["console"], daemon.log_tail())
+        time.sleep(0.1)
+        snapshot = json.loads(_get(daemon.url + "api/status")[2])
     text = f"marker from the test {time.monotonic()}"
     statuses, marker = [], None
     with urllib.request.urlopen(daemon.url + "api/events", timeout=30) as stream:

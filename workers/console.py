@@ -37,8 +37,11 @@ Note [Markers through LSL]
     LabRecorder records, with the same timestamps, the supervisor gains no second delivery path
     to keep in order, and a marker the console sends (`POST /api/control/marker`) comes back on
     its own log only once it is on the stream. The inlet finds the stream by its source_id
-    (`facecast-<host>-markers`); until then `/api/status` says it is looking. Events from before
-    the console started are in the status's `recent_events`.
+    (`facecast-<host>-markers`); until then `/api/status` says it is looking. It says "reading"
+    only once the inlet is connected: an outlet gives a new connection only what it pushes
+    afterwards, so a marker sent before that is on the stream (and in LabRecorder's file) but not
+    in the console's log. Events from before the console started are in the status's
+    `recent_events`.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ STATUS_INTERVAL_S = 1.0
 STATUS_TIMEOUT_S = 5.0  # an unanswered status request is given up and asked again
 CONTROL_TIMEOUT_S = 10.0
 MARKERS_RESOLVE_INTERVAL_S = 0.5
+MARKERS_OPEN_TIMEOUT_S = 0.2
 TOKEN_FILE = "web-token"  # in the runtime directory, mode 0600 (Note [Console security])
 CONSOLE_FILE = "web-console.json"  # where the console is, for `facecast status` and tests
 MARKER_EVENT = "console_marker"
@@ -263,6 +267,7 @@ class MarkersReader:
         self.source_id = f"facecast-{host}-markers"
         self._resolver = None
         self._inlet = None
+        self._subscribed = False
         self._next_look_monotonic = 0.0
 
     def pull(self, state) -> None:
@@ -282,6 +287,17 @@ class MarkersReader:
             # recover=True: the inlet finds the outlet again after an output worker restart.
             self._inlet = pylsl.StreamInlet(found[0], max_buflen=60, recover=True)
             self._resolver = None  # its background queries are no longer needed
+        if not self._subscribed:
+            # An inlet connects lazily, and an outlet gives a new connection only what it pushes
+            # afterwards: until open_stream returns, a marker sent now would never come back
+            # here. So "reading" is said only once the connection is made (a local one takes
+            # milliseconds; on a timeout the next pull tries again).
+            try:
+                self._inlet.open_stream(timeout=MARKERS_OPEN_TIMEOUT_S)
+            except pylsl.util.TimeoutError:  # pylsl's own class, not the builtin
+                state.markers_note = f"connecting to {self.source_id}"
+                return
+            self._subscribed = True
             state.markers_note = f"reading {self.source_id}"
             log.info("console: reading the Markers stream %s", self.source_id)
         samples, stamps = self._inlet.pull_chunk(timeout=0.0)
@@ -293,6 +309,7 @@ class MarkersReader:
         if self._inlet is not None:
             self._inlet.close_stream()
             self._inlet = None
+            self._subscribed = False
         self._resolver = None
 
 
