@@ -16,9 +16,11 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import ClassVar, Literal, Union
 
 import msgspec
+import zmq
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,8 @@ PROTOCOL_VERSION = 1
 # disconnected by libzmq instead of making us allocate it. The largest real message (FaceResults
 # with 16 faces' landmarks, and a few body poses at ~1 KiB each) is ~100 KiB.
 MAX_MESSAGE_BYTES = 4 << 20
+# Per MessageGate.drain: 32 cameras' worth of a full SUB queue and more.
+MAX_DRAIN_MESSAGES = 4096
 
 TransportKind = Literal["cuda_ipc", "shm"]
 
@@ -522,6 +526,17 @@ class MessageGate:
         except BadMessage as exc:
             self._reject(str(exc))
             return None
+
+    def drain(self, socket: zmq.Socket) -> Iterator[AnyMessage | None]:
+        """What is queued on `socket` now, decoded (None for a refused one), without blocking;
+        at most MAX_DRAIN_MESSAGES, so that a flood cannot hold the caller's loop. The payload is
+        the last part of a message (the first of a multipart one may be a SUB topic)."""
+        for _ in range(MAX_DRAIN_MESSAGES):
+            try:
+                parts = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            yield self.decode(parts[-1])
 
     def _reject(self, reason: str) -> None:
         self.rejected += 1

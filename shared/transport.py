@@ -62,7 +62,6 @@ log = logging.getLogger(__name__)
 
 RETIRED_RING_GRACE_S = 3.0
 DESCRIBE_RETRY_S = 0.5
-MAX_DRAIN_MESSAGES = 4096  # per receive(): 32 cameras' worth of a full SUB queue and more
 
 
 frames_endpoint = endpoints.frames
@@ -396,12 +395,8 @@ class FrameSubscriber:
         for socket, _ in events:
             if socket is not self.frames:  # a ring-control reply
                 self._handle(self._gate.decode(socket.recv()), newest)
-        for _ in range(MAX_DRAIN_MESSAGES):  # bounded: a flood cannot keep us here
-            try:
-                parts = self.frames.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(self._gate.decode(parts[-1]), newest)
+        for message in self._gate.drain(self.frames):  # bounded: a flood cannot keep us here
+            self._handle(message, newest)
 
     def _read_all(
         self, newest: dict[str, FrameReady], wanted: Callable[[str], bool] | None

@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 
 VERDICT_WAIT_S = 2.0  # > recorder.MAX_READ_AGE_S + the verdict's way here
 STATE_EXPIRY_S = 3.0  # a recorder renews its state every second; a dead one stops
-MAX_DRAIN_MESSAGES = 4096
 MAX_VERDICTS_KEPT = 4096
 
 
@@ -121,12 +120,7 @@ class FrameIndexFeed:
 
     def step(self, now_lsl: float) -> None:
         """Whatever frames arrived (without blocking), then every sample that may leave."""
-        for _ in range(MAX_DRAIN_MESSAGES):
-            try:
-                parts = self.frames.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            message = self._gate.decode(parts[-1])
+        for message in self._gate.drain(self.frames):
             if isinstance(message, FrameReady):
                 camera = self.cameras.get(message.camera_id)
                 if camera is not None:

@@ -104,7 +104,6 @@ STATE_RENEW_S = 1.0
 MAX_READ_AGE_S = 1.0  # a frame older than this when read is a drop (Note [Recording drops])
 MAX_QUEUED_S = 0.5  # frames waiting for the encoder, per camera (1080p: 6 MB each)
 DESCRIBE_RETRY_S = 0.5
-MAX_DRAIN_MESSAGES = 4096
 ENCODER_JOIN_S = 2.5  # at stop: what is queued gets written (inside daemon.stop_timeout_s)
 OVERLAY_WAIT_S = 0.5  # of capture time, for a frame's results (Note [Overlays])
 RESULTS_KEPT = 256  # per camera: results that came before their frame was read
@@ -574,12 +573,7 @@ class RecorderWorker(Worker):
                 if isinstance(message, RingDescription):
                     self.cameras[camera_id].attach(message)
         if self.frames in events:
-            for _ in range(MAX_DRAIN_MESSAGES):
-                try:
-                    parts = self.frames.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                message = self._gate_frames.decode(parts[-1])
+            for message in self._gate_frames.drain(self.frames):
                 camera = self.cameras.get(getattr(message, "camera_id", ""))
                 if camera is None:
                     continue
@@ -612,12 +606,7 @@ class RecorderWorker(Worker):
     def _drain_results(self) -> None:
         """The results tap's FaceResults to their cameras; the rest of what it carries (other
         cameras', the recorders' own verdicts and states) is not ours."""
-        for _ in range(MAX_DRAIN_MESSAGES):
-            try:
-                payload = self.results.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            message = self._gate_results.decode(payload)
+        for message in self._gate_results.drain(self.results):
             if isinstance(message, FaceResults):
                 camera = self.cameras.get(message.camera_id)
                 if camera is not None:
