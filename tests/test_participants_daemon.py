@@ -20,7 +20,7 @@ import pylsl
 import pytest
 import zmq
 
-from daemon_harness import Daemon, Recorder, StreamRecord, box_close
+from daemon_harness import Recorder, StreamRecord, box_close, ready_daemon
 from facecast.shared import config as config_mod
 from facecast.shared import endpoints, gallery, messages
 from facecast.shared.messages import FaceResults
@@ -102,13 +102,9 @@ def enrolled(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(enrolled, tmp_path_factory):
-    daemon = Daemon(tmp_path_factory.mktemp("ppl"), config_text=CONFIG.replace("@GALLERY@",
-                                                                              str(enrolled)))
-    try:
-        assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
+    config = CONFIG.replace("@GALLERY@", str(enrolled))
+    with ready_daemon(tmp_path_factory.mktemp("ppl"), config_text=config) as daemon:
         yield daemon
-    finally:
-        daemon.close()
 
 
 class ResultsTap:

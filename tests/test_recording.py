@@ -23,7 +23,7 @@ import numpy as np
 import pylsl
 import pytest
 
-from daemon_harness import Daemon, Recorder
+from daemon_harness import Daemon, Recorder, ready_daemon
 from facecast.models import assets
 from facecast.shared import config as config_mod
 from facecast.shared.messages import FramesRecorded, RecordingState
@@ -64,12 +64,8 @@ MIN_MEAN_MARGIN_DB = 6.0
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     assets.install()
-    daemon = Daemon(tmp_path_factory.mktemp("recording"), config_text=CONFIG)
-    try:
-        assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
+    with ready_daemon(tmp_path_factory.mktemp("recording"), config_text=CONFIG) as daemon:
         yield daemon
-    finally:
-        daemon.close()
 
 
 @pytest.fixture(scope="module")

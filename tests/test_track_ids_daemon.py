@@ -20,7 +20,7 @@ from pathlib import Path
 import pylsl
 import pytest
 
-from daemon_harness import REPO, Daemon, Recorder
+from daemon_harness import REPO, Recorder, ready_daemon
 from facecast.models import assets
 from facecast.shared.messages import TRACK_ID_LIMIT
 
@@ -35,12 +35,8 @@ def daemon(tmp_path_factory):
     assets.install()
     text = (REPO / "config/default.toml").read_text().replace(
         "[daemon]\n", '[daemon]\nwarm_standby = "on"\n')
-    daemon = Daemon(tmp_path_factory.mktemp("track_ids"), config_text=text)
-    try:
-        assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
+    with ready_daemon(tmp_path_factory.mktemp("track_ids"), config_text=text) as daemon:
         yield daemon
-    finally:
-        daemon.close()
 
 
 def _camera(daemon, record) -> str:
