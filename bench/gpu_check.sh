@@ -5,9 +5,14 @@
 # at once (the machine goes back when idle) until it prints "gpu_check: done".
 #
 # What it runs, in order (each step's log in $OUT/gpu_check/): boot and stop of 32 and 64
-# cameras on cuda_ipc; the `gpu` tests; the whole daemon against MediaPipe at 8 and 32 cameras (same
+# cameras on cuda_ipc; the `gpu` tests (with $FACECAST_REAL_FOOTAGE set to the videos in
+# .footage/, for tests/test_real_footage_gpu.py); real footage through the stack and the daemon
+# (bench/real_footage.py); the whole daemon against MediaPipe at 8 and 32 cameras (same
 # definitions on both sides, bench/accounting.py); the models bench. Run from the repository
-# root, with .whl/, .models/ and .mp/ carried (bench/gpu_host_env.sh).
+# root, with .whl/, .models/, .mp/ and .footage/ (copies of ../shared/footage/*.mp4) carried
+# (bench/gpu_host_env.sh). Together they pass one call's 64 MiB: run
+# `. bench/gpu_host_env.sh` in a first call carrying .whl/ alone (it installs into /tmp/fc,
+# which stays while the machine is warm), then this with the rest.
 set -u
 STATE=/tmp/gpu_check
 case "${1:-}" in
@@ -28,7 +33,11 @@ run)
     step boot_stop python3 bench/pipeline.py --boot-stop-only --cameras 32 64 \
         --transports cuda_ipc --source synthetic-replay --hold-s 5 \
         --out "$STATE/boot-stop.json" --log-dir "$STATE/logs"
+    FACECAST_REAL_FOOTAGE=$(ls "$PWD"/.footage/*.mp4 2>/dev/null | paste -sd:)
+    export FACECAST_REAL_FOOTAGE
     step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests
+    step real_footage bash -c "cd bench && python3 real_footage.py ${FACECAST_REAL_FOOTAGE//:/ } \
+        --out '$STATE/benchmarks-real-footage.json' --log-dir '$STATE/logs'"
     step pipeline python3 bench/pipeline.py --cameras 8 32 --transports cuda_ipc \
         --warmup-s 5 --measure-s 18 --mediapipe-baseline --mediapipe-path /tmp/mp \
         --baseline-warmup-s 3 --baseline-measure-s 10 --small-face-s 2 \

@@ -1,16 +1,20 @@
 # Source this on the offline GPU test host (Python 3.12, torch+CUDA, numpy, OpenCV preinstalled;
 # no package index) from the repository root:   . bench/gpu_host_env.sh
 #
-# It expects two git-ignored folders carried along with the working tree:
+# It expects git-ignored folders carried along with the working tree:
 #   .whl/     the cp312 wheels that host lacks (pyzmq, pylsl, pycuda built against CUDA 13 with its
 #             pytools, platformdirs, mako and siphash24, msgspec, tflite, setproctitle, and
-#             ai-edge-litert and flatbuffers for the LiteRT parity tests: `pip download --no-deps
-#             --only-binary=:all: --python-version 3.12 --abi cp312 --platform manylinux_2_28_x86_64
-#             NAME` on a machine with an index; pycuda has no wheel there and is built on such a
-#             host from its sdist), installed into /tmp/fc/site;
+#             ai-edge-litert and flatbuffers for the LiteRT parity tests (the model tests'
+#             conftest imports it): `pip download --no-deps --only-binary=:all: --python-version
+#             3.12 --platform manylinux_2_28_x86_64 NAME` on a machine with an index
+#             (ai-edge-litert: manylinux_2_17, 1.4.0, 11 MB); pycuda has no wheel there and is
+#             built on such a host from its sdist), installed into /tmp/fc/site;
 #   .models/  MediaPipe's .tflite files (`facecast models install` puts them in the model cache)
 #             and test_photos.npz (the astronaut and grace_hopper photos: that host has neither
-#             scikit-image nor matplotlib; tests/models/conftest.py reads $FACECAST_TEST_PHOTOS).
+#             scikit-image nor matplotlib; tests/footage.py reads $FACECAST_TEST_PHOTOS); dlib's
+#             embedding network only where its own tests are to run (31 MB);
+#   .footage/ optional: real video files (../shared/footage/*.mp4) for bench/real_footage.py and
+#             tests/test_real_footage_gpu.py ($FACECAST_REAL_FOOTAGE).
 # The repository is not pip-installed there: facecast.* is a namespace of symlinks to its folders,
 # which is what pyproject's package-dir does for an installed copy.
 set -e

@@ -42,6 +42,20 @@ log = logging.getLogger(__name__)
 #     and ``warm_up`` runs every bucket a worker can meet once, at boot (or in a warm standby),
 #     before any camera waits on it. The pose models pad their batches the same way
 #     (BatchBuckets below, and PosePipeline.warm_up in models/pose.py).
+#
+#     The stall belongs to the *models'* input shapes (cuDNN preparing its kernels for a new
+#     batch size), not to the frames' sizes, and it was what lost faces on real footage (issue
+#     24): a file camera configured at the default 1280x720 delivered 640x360 frames, the
+#     full-range detector met 1 input per frame instead of the warmed 4, and the detection
+#     worker's first pass stalled for 4-9 s on the H100, with no face published meanwhile; with
+#     graphs off nothing was warmed at all. So on a GPU every model's batch goes through
+#     ``forward_in_buckets``, eager and inside graphs alike, and ``warm_up`` runs each model's
+#     buckets themselves, for as many inputs as the cameras can give (frame sizes the config did
+#     not name included); a frame size met later then only costs its own graph's capture. Each
+#     bucket costs its preparation at boot (about 3 s a detector batch shape on the H100: cuDNN
+#     prepares every layer's kernels anew), so the detectors' smallest bucket is 16 inputs:
+#     up to 16 frames' letterboxes, or 1 to 16 inputs of whatever frame size, are one shape,
+#     and running 16 small inputs where 1 would do costs the GPU next to nothing.
 
 
 def bucket(count: int, largest: int | None = None) -> int:
@@ -55,24 +69,30 @@ def buckets_up_to(count: int, largest: int | None = None) -> list[int]:
     return sorted({bucket(n, largest) for n in range(1, count + 1)})
 
 
+def forward_in_buckets(model: torch.nn.Module, batch: torch.Tensor, smallest: int = 1):
+    """``model(batch)`` with the batch padded with zeros to a power of two (at least
+    ``smallest``) and the outputs cut back: a GPU then meets a handful of batch shapes, each
+    prepared once (Note [Warm shapes]), instead of a new one, and a stall of seconds, per new
+    count of frames, tiles or faces."""
+    count = batch.shape[0]
+    padded = max(smallest, bucket(count))
+    if padded != count:
+        batch = torch.cat([batch, batch.new_zeros((padded - count, *batch.shape[1:]))])
+    outputs = model(batch)
+    if isinstance(outputs, torch.Tensor):
+        return outputs[:count]
+    return type(outputs)(output[:count] for output in outputs)
+
+
 class BatchBuckets(torch.nn.Module):
-    """A model whose batch is padded with zeros to a power of two and cut back after: a GPU then
-    meets a handful of batch shapes, each prepared once (Note [Warm shapes]), instead of a new
-    one, and a stall of seconds, per new person count."""
+    """A model whose batches go through :func:`forward_in_buckets`."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
 
     def forward(self, batch: torch.Tensor):
-        count = batch.shape[0]
-        padded = bucket(count)
-        if padded != count:
-            batch = torch.cat([batch, batch.new_zeros((padded - count, *batch.shape[1:]))])
-        outputs = self.inner(batch)
-        if isinstance(outputs, torch.Tensor):
-            return outputs[:count]
-        return type(outputs)(output[:count] for output in outputs)
+        return forward_in_buckets(self.inner, batch)
 
 
 class Captured:

@@ -24,7 +24,7 @@ import torch
 
 from facecast.models import anchors as anchors_mod
 from facecast.models import roi as roi_mod
-from facecast.models.cuda_graphs import GraphCache, bucket, buckets_up_to
+from facecast.models.cuda_graphs import GraphCache, bucket, buckets_up_to, forward_in_buckets
 from facecast.models.nms import Detections, box_iou, weighted_nms
 
 # Note [Detection without per-frame work]
@@ -43,6 +43,12 @@ MAX_GRAPH_FRAMES = 32
 PLAN_CACHE_SIZE = 32
 NO_CUT = (-math.inf, -math.inf, math.inf, math.inf)
 TILE_BORDER_MARGIN_PX = 4.0
+# The frame size whose detector inputs `FaceDetector.warm_up` prepares even where no camera is
+# configured at it: a camera's configured size is a request, and a file or stream delivers its
+# own (up to 1080p is what lab cameras send; larger sizes are warmed where they are configured).
+WARM_FRAME_HW = (1080, 1920)
+# The detectors' smallest batch bucket (Note [Warm shapes] in models/cuda_graphs.py).
+SMALLEST_DETECTOR_BATCH = 16
 
 
 @dataclass
@@ -101,16 +107,42 @@ class FaceDetector:
         counts = found.valid.sum(dim=1).tolist()  # the one wait for the device; valid slots come first
         return [(found.boxes[f, :c], found.keypoints[f, :c], found.scores[f, :c]) for f, c in enumerate(counts)]
 
+    def inputs_per_frame(self, height: int, width: int) -> tuple[int, int]:
+        """How many inputs a frame of this size gives (short-range, full-range)."""
+        tiles = len(roi_mod.tile_rects(height, width, self.tile_px, self.tile_overlap_px))
+        return 1, (1 + tiles) if self.full_range is not None else 0
+
     def warm_up(self, frame_sizes_hw: Sequence[tuple[int, int]], max_frames: int) -> None:
-        """Run every graph bucket of up to ``max_frames`` frames of each size once (Note [Warm
-        shapes] in models/cuda_graphs.py)."""
+        """On a GPU, run each detector once per batch bucket of as many inputs as ``max_frames``
+        frames can give, of the sizes named or of 1080p, whichever has more; then, with graphs,
+        every graph bucket of up to ``max_frames`` frames of each named size (Note [Warm
+        shapes] in models/cuda_graphs.py). A camera whose frames turn out to have another size
+        (a file or stream whose size the config did not know) then costs one graph capture,
+        not seconds of cuDNN's preparations while its faces go unseen."""
+        count = min(max_frames, MAX_GRAPH_FRAMES)
+        if count < 1:
+            return
+        if self.device.type == "cuda":  # eager passes take every frame at once, graphs 32
+            self._warm_models(frame_sizes_hw, count if self.graphs.enabled else max_frames)
+        if not self.graphs.enabled:
+            return
         for height, width in dict.fromkeys(frame_sizes_hw):
-            count = min(max_frames, MAX_GRAPH_FRAMES)
-            if count < 1:
-                break
             frames = torch.zeros(count, height, width, 3, dtype=torch.uint8, device=self.device)
             for frames_in_bucket in buckets_up_to(count, MAX_GRAPH_FRAMES):
                 self.detect(roi_mod.FrameBatch(frames[:frames_in_bucket], self.device))
+
+    def _warm_models(self, frame_sizes_hw: Sequence[tuple[int, int]], frames: int) -> None:
+        """Each detector once per batch bucket of the inputs that ``frames`` frames can give."""
+        per_frame = [self.inputs_per_frame(h, w) for h, w in [*frame_sizes_hw, WARM_FRAME_HW]]
+        for spec, model, inputs in (
+                (anchors_mod.FACE_SHORT_RANGE, self.short_range, max(s for s, _ in per_frame)),
+                (anchors_mod.FACE_FULL_RANGE, self.full_range, max(f for _, f in per_frame))):
+            if model is None:
+                continue
+            size = spec.anchors.input_size_px
+            for batch in sorted({max(b, SMALLEST_DETECTOR_BATCH)
+                                 for b in buckets_up_to(bucket(frames) * inputs)}):
+                model(torch.zeros(batch, size, size, 3, dtype=self.model_dtype, device=self.device))
 
     def detect_batched(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> Detections:
         """Both detectors over the frames, merged: (F, K) slots per frame, valid ones first."""
@@ -194,7 +226,9 @@ class FaceDetector:
 
     def outputs(self, full_range: bool, crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.full_range if full_range else self.short_range
-        outputs = model(crops)
+        # On a GPU in batch buckets (Note [Warm shapes] in models/cuda_graphs.py).
+        outputs = (forward_in_buckets(model, crops, SMALLEST_DETECTOR_BATCH)
+                   if self.device.type == "cuda" else model(crops))
         boxes = next(o for o in outputs if o.dim() == 3 and o.shape[-1] > 1)
         scores = next(o for o in outputs if o.dim() == 3 and o.shape[-1] == 1)
         return boxes, scores

@@ -289,10 +289,10 @@ class FaceMeasurer:
         return Measured(faces_per_frame, rows_per_frame, landmarks, boxes)
 
     def warm_up(self, max_faces: int) -> None:
-        """Run every graph bucket of up to ``max_faces`` faces once (Note [Warm shapes] in
-        models/cuda_graphs.py)."""
+        """On a GPU, run every batch bucket of up to ``max_faces`` faces once, captured as graphs
+        where they are on (Note [Warm shapes] in models/cuda_graphs.py)."""
         count = min(max_faces, MAX_GRAPH_FACES)
-        if count >= 1:
+        if count >= 1 and (self.device.type == "cuda" or self.graphs.enabled):
             crops = torch.zeros(count, self.input_px, self.input_px, 3, dtype=self.model_dtype,
                                 device=self.device)
             rects = roi_mod.RotatedRects(torch.zeros(count, 2, device=self.device),
@@ -315,7 +315,17 @@ class FaceMeasurer:
                 landmarks, presence, blendshapes = zip(*parts)
                 return (torch.cat(landmarks), torch.cat(presence),
                         None if blendshapes[0] is None else torch.cat(blendshapes))
-        return self.landmarks_core(crops, rects)
+        count = crops.shape[0]
+        padded = bucket(count)
+        if self.device.type != "cuda" or padded == count:
+            return self.landmarks_core(crops, rects)
+        # Eager on a GPU: in batch buckets too (Note [Warm shapes] in models/cuda_graphs.py),
+        # padded with copies of the first face (real values: no degenerate rect in the models).
+        rows = torch.cat([torch.arange(count, device=crops.device),
+                          torch.zeros(padded - count, dtype=torch.long, device=crops.device)])
+        landmarks, presence, blendshapes = self.landmarks_core(crops[rows], rects[rows])
+        return (landmarks[:count], presence[:count],
+                None if blendshapes is None else blendshapes[:count])
 
     def landmarks_core(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
         """The mesh stage proper, a fixed sequence of tensor operations (what a CUDA graph

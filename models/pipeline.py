@@ -250,12 +250,10 @@ class FacePipeline:
     @torch.inference_mode()
     def warm_up(self, frame_sizes_hw: Sequence[tuple[int, int]], max_frames: int = 0,
                 max_faces: int = 0) -> None:
-        """Capture and run once every graph bucket of detection over up to ``max_frames`` frames
-        of each size, and of the mesh over up to ``max_faces`` faces (Note [Warm shapes] in
-        :mod:`facecast.models.cuda_graphs`). Only with ``cuda_graphs``: eager shapes are
-        unbounded."""
-        if not self.cuda_graphs:
-            return
+        """On a GPU, run once every batch bucket of the models that detection over up to
+        ``max_frames`` frames and the mesh over up to ``max_faces`` faces can meet, and with
+        ``cuda_graphs`` capture their graphs for frames of each size (Note [Warm shapes] in
+        :mod:`facecast.models.cuda_graphs`). Nothing to do on the CPU."""
         self.detector.warm_up(frame_sizes_hw, max_frames)
         self.measurer.warm_up(max_faces)
         if self.device.type == "cuda":

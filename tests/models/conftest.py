@@ -3,10 +3,12 @@ table printed at the end of the session."""
 
 from __future__ import annotations
 
-import cv2
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from footage import face_photos
 from litert_reference import PARITY_TABLE
 
 from facecast.models import assets
@@ -14,9 +16,17 @@ from facecast.models import assets
 
 @pytest.fixture(scope="session")
 def installed_models() -> dict:
-    """Every model of assets.MODELS, installed once per session (downloads the mediapipe wheel
-    from PyPI unless $FACECAST_MODEL_DIR or the XDG cache already holds them)."""
-    return assets.install()
+    """Every model of assets.MODELS and face_landmarker.task, installed once per session
+    (downloads the mediapipe wheel from PyPI unless $FACECAST_MODEL_DIR or the XDG cache
+    already holds them). dlib's embedding network is `embedding_network`'s: only its own tests
+    need its 31 MB (the offline GPU machine is sent no more than it needs)."""
+    return assets.install(embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def embedding_network(model_dir) -> Path:
+    """dlib's face embedding network, installed beside the other models."""
+    return assets.install_face_embedding_model(model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -32,23 +42,9 @@ def landmarker_bundle(installed_models, model_dir) -> assets.LandmarkerBundle:
 
 @pytest.fixture(scope="session")
 def photos() -> dict[str, np.ndarray]:
-    """Real face photos, RGB uint8: scikit-image's astronaut and matplotlib's grace_hopper.
-
-    A host without those packages (the offline GPU machine) can point $FACECAST_TEST_PHOTOS at
-    an .npz of the same two arrays (astronaut, grace_hopper) saved where they are installed.
-    """
-    import os
-
-    if os.environ.get("FACECAST_TEST_PHOTOS"):
-        with np.load(os.environ["FACECAST_TEST_PHOTOS"]) as saved:
-            return {name: saved[name] for name in ("astronaut", "grace_hopper")}
-    import matplotlib.cbook
-    import skimage.data
-
-    with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as stream:
-        encoded = np.frombuffer(stream.read(), np.uint8)
-    grace_hopper = cv2.cvtColor(cv2.imdecode(encoded, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
-    return {"astronaut": skimage.data.astronaut(), "grace_hopper": grace_hopper}
+    """Real face photos, RGB uint8: scikit-image's astronaut and matplotlib's grace_hopper
+    (tests/footage.py)."""
+    return face_photos()
 
 
 def pytest_terminal_summary(terminalreporter):

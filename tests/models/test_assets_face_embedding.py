@@ -31,8 +31,8 @@ def _real_members(model_dir) -> dict[str, bytes]:
             for file_name, (member, _, _) in assets.FACE_EMBEDDING_MEMBERS.items()}
 
 
-def test_install_provides_the_network_and_the_predictor_with_their_pinned_sums(installed_models, model_dir):
-    path = installed_models[assets.FACE_EMBEDDING_NAME]
+def test_install_provides_the_network_and_the_predictor_with_their_pinned_sums(embedding_network, model_dir):
+    path = embedding_network
     assert path == model_dir / assets.FACE_EMBEDDING_FILE
     for file_name, (_, expected, size_bytes) in assets.FACE_EMBEDDING_MEMBERS.items():
         data = (model_dir / file_name).read_bytes()

@@ -32,9 +32,9 @@ SHRUNK_SAME_POINTS_DISTANCE_MAX = 0.06  # ... where dlib uses its pyramid (shrin
 
 
 @pytest.fixture(scope="module")
-def model_files(installed_models, model_dir):
+def model_files(embedding_network, model_dir):
     torch.set_num_threads(1)  # as the other model tests: 2 cores shared with a busy process
-    return installed_models[assets.FACE_EMBEDDING_NAME], assets.shape_predictor_path(model_dir)
+    return embedding_network, assets.shape_predictor_path(model_dir)
 
 
 @pytest.fixture(scope="module")
