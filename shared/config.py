@@ -664,7 +664,8 @@ def _literal_values(tp: object) -> list[object]:
 # --- secrets -------------------------------------------------------------------------------------
 
 
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]+):[^@/\s]*@")
+# `scheme://` and a user (possibly empty) followed by `:`: where a password may begin.
+_URL_USER = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^:/@\s]*):")
 
 
 def redact_url(text: str) -> str:
@@ -672,6 +673,30 @@ def redact_url(text: str) -> str:
 
     A camera's `source` may carry its RTSP credentials: whatever shows a source (log lines,
     reasons in `facecast status` and on the Markers stream, `check-config`, `cameras --probe`)
-    passes it through here first.
+    passes it through here first. Note [Masking passwords].
+
+    Note [Masking passwords]
+        Users write passwords as they are, not percent-encoded: `/`, a space and `@` occur in
+        them (`rtsp://lab:p@ss w/rd@10.1.2.3/s1`), and the user may be empty
+        (`rtsp://:pass@host`). Where the password ends cannot be known from the URL alone, so
+        it ends at the *last* `@` before the next URL or the end of the line: a text after the
+        URL that holds an `@` of its own is masked with it. Showing too little is a lost
+        detail in a log line; showing too much is a leaked password (issue 21).
     """
-    return _URL_PASSWORD.sub(r"\1:***@", text)
+    pieces, position = [], 0
+    while (match := _URL_USER.search(text, position)) is not None:
+        start = match.end()  # the password's first character
+        line_end = text.find("\n", start)
+        limit = len(text) if line_end < 0 else line_end
+        following = _URL_USER.search(text, start)
+        if following is not None and following.start() < limit:
+            limit = following.start()
+        at = text.rfind("@", start, limit)
+        if at < 0:  # `scheme://host:port/...`: no credentials
+            pieces.append(text[position:start])
+            position = start
+            continue
+        pieces.append(text[position:start] + "***@")
+        position = at + 1
+    pieces.append(text[position:])
+    return "".join(pieces)

@@ -107,3 +107,31 @@ def test_check_config_masks_an_rtsp_password(tmp_path, capsys):
 ])
 def test_redact_url_masks_only_the_password(text, masked):
     assert config.redact_url(text) == masked
+
+
+@pytest.mark.parametrize("text, masked", [
+    # Note [Masking passwords] in facecast.shared.config: passwords as users write them.
+    ("rtsp://lab:pa/ss@10.1.2.3:554/s1", "rtsp://lab:***@10.1.2.3:554/s1"),
+    ("rtsp://lab:pa ss@10.1.2.3/s1", "rtsp://lab:***@10.1.2.3/s1"),
+    ("rtsp://lab:p@ss@10.1.2.3/s1", "rtsp://lab:***@10.1.2.3/s1"),
+    ("rtsp://lab:p@ss w/rd@10.1.2.3/s1", "rtsp://lab:***@10.1.2.3/s1"),
+    ("rtsp://:pass@10.1.2.3/s1", "rtsp://:***@10.1.2.3/s1"),
+    ("rtsp://:@10.1.2.3/s1", "rtsp://:***@10.1.2.3/s1"),
+    ("camera a: cannot open rtsp://u:p@1/x in 5 s; camera b: rtsp://v:q/2@h2/y",
+     "camera a: cannot open rtsp://u:***@1/x in 5 s; camera b: rtsp://v:***@h2/y"),
+    ("rtsp://cam:554/s1 lost\nrtsp://u:se cret@h/x", "rtsp://cam:554/s1 lost\nrtsp://u:***@h/x"),
+])
+def test_redact_url_masks_passwords_with_slashes_spaces_and_at_signs(text, masked):
+    assert config.redact_url(text) == masked
+    for secret in ("pa/ss", "pa ss", "p@ss", "ss@", "pass", "se cret", "q/2"):
+        assert secret not in config.redact_url(text)
+
+
+def test_check_config_masks_a_password_with_an_at_sign(tmp_path, capsys):
+    from facecast.daemon import cli
+
+    path = tmp_path / "lab.toml"
+    path.write_text('[[cameras]]\nid = "ip0"\nsource = "rtsp://lab:p@ss/1@10.1.2.3:554/s1"\n')
+    assert cli.main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out == f"{path}: ok; cameras: ip0 (rtsp://lab:***@10.1.2.3:554/s1, auto)\n"
