@@ -28,18 +28,25 @@ Note [Face geometry as MediaPipe computes it]
     from the rotated source's projection on the target, translation from the weighted centres.
     MediaPipe's solver writes it with square-root weights; it is the same optimum.
 
-    It runs on the host in float64 after the batch's one transfer (a few hundred flops per face,
-    ~10 µs per face): SVDs of 3x3 matrices on a GPU cost a launch each and cannot always be
-    captured in a CUDA graph, and the blendshape and landmark stages do not wait for it.
+    It runs batched in torch, float64, on the landmarks' device, before the batch's one transfer
+    to the host (issue 24: per face on the host it cost ~4.4 ms a batch of 64 on the H100's host,
+    more than the models' own work): float64 because the second pass divides by a scale found
+    on the first and the depths are differences of nearly equal numbers; a batch is a few
+    hundred flops per face, nothing for a GPU's float64 units. The only solver is
+    ``torch.linalg.svd`` of (N, 3, 3) matrices; determinants are written out (a cross product)
+    rather than asked of a solver. On CUDA ``torch.linalg.svd`` checks convergence with a wait
+    for the device, so this stage runs eagerly after the mesh's graph, not inside it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 NUM_CANONICAL_VERTICES = 468
 VERTICAL_FOV_DEG = 63.0  # MediaPipe FaceLandmarker's environment (face_landmarker_graph.cc)
@@ -166,22 +173,31 @@ class GeometryMetadata:
 # ---------------------------------------------------------------------------------------------
 
 
-def weighted_procrustes(source: np.ndarray, target: np.ndarray, weights: np.ndarray
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Scale s (N,), rotation R (N, 3, 3), translation t (N, 3) minimising
-    Σ w_i |s R source_i + t - target_i|² for each of N targets.
+def determinant_3x3(matrices: torch.Tensor) -> torch.Tensor:
+    """Determinants of (..., 3, 3) matrices, written out: (row 0 × row 1) · row 2. (No solver:
+    nothing to launch per matrix, nothing that waits for the device.)"""
+    return (torch.linalg.cross(matrices[..., 0, :], matrices[..., 1, :]) * matrices[..., 2, :]).sum(-1)
 
-    source (K, 3); target (N, K, 3); weights (K,) ≥ 0, not all zero.
+
+def weighted_procrustes(source: torch.Tensor, target: torch.Tensor, weights: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scale s (N,), rotation R (N, 3, 3), translation t (N, 3) minimising
+    Σ w_i |s R source_i + t - target_i|² for each of N targets, batched (Umeyama's closed form:
+    Note [Face geometry as MediaPipe computes it]).
+
+    source (K, 3); target (N, K, 3); weights (K,) ≥ 0, not all zero; one dtype and device.
     """
     w = weights / weights.sum()
     source_centre = w @ source  # (3,)
-    target_centre = np.einsum("k,nkc->nc", w, target)  # (N, 3)
+    target_centre = torch.einsum("k,nkc->nc", w, target)  # (N, 3)
     centred_source = source - source_centre
-    covariance = np.einsum("k,nki,kj->nij", w, target - target_centre[:, None], centred_source)
-    u, singular, vt = np.linalg.svd(covariance)
-    reflection = np.sign(np.linalg.det(u) * np.linalg.det(vt))
-    correction = np.ones((len(target), 3))
-    correction[:, 2] = np.where(reflection < 0, -1.0, 1.0)
+    # Σ_k w_k (target_k - target centre) ⊗ (source_k - source centre), one batched matmul.
+    covariance = (target - target_centre[:, None]).transpose(1, 2) @ (w[:, None] * centred_source)
+    u, singular, vt = torch.linalg.svd(covariance)
+    # A reflection (det U · det Vᵀ < 0) is undone on the weakest axis: the best proper rotation.
+    reflected = determinant_3x3(u) * determinant_3x3(vt) < 0
+    last = torch.where(reflected, -1.0, 1.0).to(singular.dtype)
+    correction = torch.cat([torch.ones_like(singular[:, :2]), last[:, None]], dim=1)
     rotation = (u * correction[:, None, :]) @ vt
     scale = (singular * correction).sum(-1) / (w @ (centred_source ** 2).sum(-1))
     translation = target_centre - scale[:, None] * (rotation @ source_centre)
@@ -196,53 +212,61 @@ class FaceGeometry:
         self.metadata = metadata
         self.near = near
         self.near_height = 2.0 * near * math.tan(math.radians(vertical_fov_deg) / 2.0)
-        used = np.flatnonzero(metadata.landmark_weights > 0)
-        self._used = used
-        self._source = metadata.canonical_vertices_cm[used]
-        self._weights = metadata.landmark_weights[used]
+        self._used = np.flatnonzero(metadata.landmark_weights > 0)
+        self._model_by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def read(cls, path: str | Path) -> "FaceGeometry":
         return cls(GeometryMetadata.read(path))
 
-    def _fit(self, points: np.ndarray):
-        return weighted_procrustes(self._source, points[:, self._used], self._weights)
+    def _model_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(landmark indices the fit uses, their canonical vertices, their weights) on the device,
+        made once per device: a table copied per call is a host-to-device copy each time. (Normal
+        tensors even when first asked for under inference mode, so that they may be used
+        anywhere.)"""
+        if device not in self._model_by_device:
+            with torch.inference_mode(False):
+                self._model_by_device[device] = (
+                    torch.as_tensor(self._used, device=device),
+                    torch.as_tensor(self.metadata.canonical_vertices_cm[self._used], device=device),
+                    torch.as_tensor(self.metadata.landmark_weights[self._used], device=device))
+        return self._model_by_device[device]
 
-    def matrices(self, landmarks_px: np.ndarray, frame_wh_px: np.ndarray) -> np.ndarray:
-        """(N, 4, 4) float64 facial transformation matrices.
+    def matrices(self, landmarks_px: torch.Tensor, frame_wh_px: torch.Tensor) -> torch.Tensor:
+        """(N, 4, 4) float64 facial transformation matrices, on the landmarks' device.
 
         landmarks_px: (N, ≥468, 3) x, y in frame pixels, z in pixels on x's scale (facecast's
         landmarks); frame_wh_px: (N, 2) width, height of each face's frame.
         """
-        points = np.asarray(landmarks_px, np.float64)[:, :NUM_CANONICAL_VERTICES]
-        count = points.shape[0]
-        out = np.tile(np.eye(4), (count, 1, 1))
-        if count == 0:
-            return out
-        size = np.asarray(frame_wh_px, np.float64).reshape(count, 1, 2)
+        count = landmarks_px.shape[0]
+        device = landmarks_px.device
+        used, source, weights = self._model_on(device)
+        size = frame_wh_px.to(device=device, dtype=torch.float64).reshape(count, 1, 2)
         width, height = size[..., 0], size[..., 1]
         near_width = self.near_height * width / height  # (N, 1)
-        screen = np.empty_like(points)
-        # Normalise (x/W, y/H, z/W), flip y (top-left origin), scale onto the near plane.
-        screen[..., 0] = points[..., 0] / width * near_width - near_width / 2
-        screen[..., 1] = (1.0 - points[..., 1] / height) * self.near_height - self.near_height / 2
-        screen[..., 2] = points[..., 2] / width * near_width
-        depth_offset = screen[..., 2].mean(axis=1, keepdims=True)
+        mesh = landmarks_px[:, :NUM_CANONICAL_VERTICES]
+        # Normalise (x/W, y/H, z/W), flip y (top-left origin), scale onto the near plane; only
+        # the points the fit weighs are needed, and the mean depth of all 468.
+        points = mesh[:, used].double()
+        screen_x = points[..., 0] / width * near_width - near_width / 2
+        screen_y = (1.0 - points[..., 1] / height) * self.near_height - self.near_height / 2
+        screen_z = points[..., 2] / width * near_width
+        depth_offset = (mesh[..., 2].double() / width * near_width).mean(dim=1, keepdim=True)
 
-        first = screen * np.array([1.0, 1.0, -1.0])
-        first_scale = self._fit(first)[0]
-        second = self._unproject(screen, depth_offset, first_scale)
-        second_scale = self._fit(second)[0]
-        metric = self._unproject(screen, depth_offset, first_scale * second_scale)
-        scale, rotation, translation = self._fit(metric)
-        out[:, :3, :3] = scale[:, None, None] * rotation
-        out[:, :3, 3] = translation
-        return out
+        def fit(target):
+            return weighted_procrustes(source, target, weights)
 
-    def _unproject(self, screen: np.ndarray, depth_offset: np.ndarray, scale: np.ndarray) -> np.ndarray:
-        depth = (screen[..., 2] - depth_offset + self.near) / scale[:, None]
-        return np.stack([screen[..., 0] * depth / self.near, screen[..., 1] * depth / self.near, -depth],
-                        axis=-1)
+        def unproject(scale):
+            depth = (screen_z - depth_offset + self.near) / scale[:, None]
+            return torch.stack([screen_x * depth / self.near, screen_y * depth / self.near, -depth], dim=-1)
+
+        first_scale = fit(torch.stack([screen_x, screen_y, -screen_z], dim=-1))[0]
+        second_scale = fit(unproject(first_scale))[0]
+        scale, rotation, translation = fit(unproject(first_scale * second_scale))
+        top = torch.cat([scale[:, None, None] * rotation, translation[:, :, None]], dim=2)  # (N, 3, 4)
+        bottom = torch.zeros_like(top[:, :1])
+        bottom[..., 3] = 1.0
+        return torch.cat([top, bottom], dim=1)
 
 
 def rotation_and_translation(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -259,13 +283,23 @@ def rotation_and_translation(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarr
 _FLIP_YZ = np.diag([1.0, -1.0, -1.0])
 
 
-def head_pose_from_matrices(matrices: np.ndarray) -> np.ndarray:
-    """(N, 3) yaw, pitch, roll in degrees of facial transformation matrices (N, 4, 4), in
-    models/head_pose.py's convention (``R = Rz(roll)·Ry(yaw)·Rx(pitch)``, same signs)."""
-    import torch
-
+def head_pose_from_matrices(matrices: torch.Tensor) -> torch.Tensor:
+    """(N, 3) yaw, pitch, roll in degrees (float64) of facial transformation matrices
+    (N, 4, 4), in models/head_pose.py's convention (``R = Rz(roll)·Ry(yaw)·Rx(pitch)``, same
+    signs); batched on the matrices' device."""
     from facecast.models.head_pose import euler_from_rotation
 
-    rotations, _ = rotation_and_translation(np.asarray(matrices, np.float64))
-    in_head_pose_axes = _FLIP_YZ @ rotations @ _FLIP_YZ
-    return euler_from_rotation(torch.from_numpy(in_head_pose_axes)).numpy()
+    linear = matrices[:, :3, :3].double()
+    determinant = determinant_3x3(linear)
+    scale = determinant.sign() * determinant.abs().pow(1.0 / 3.0)  # the real cube root
+    rotations = linear / scale[:, None, None]
+    return euler_from_rotation(rotations * _flip_yz_signs(rotations.device))
+
+
+@functools.lru_cache(maxsize=8)
+def _flip_yz_signs(device: torch.device) -> torch.Tensor:
+    """(3, 3) float64 signs s with _FLIP_YZ @ R @ _FLIP_YZ = R * s (elementwise), on the device,
+    made once (as FaceGeometry._model_on's tables)."""
+    flip = np.diag(_FLIP_YZ)
+    with torch.inference_mode(False):
+        return torch.as_tensor(np.outer(flip, flip), device=device)

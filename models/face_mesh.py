@@ -17,8 +17,10 @@ Two landmark models, chosen when the pipeline is built:
    pixels (Note [Sampling the frames where they lie] in :mod:`facecast.models.roi`).
 2. **Landmarks**, face presence score; **blendshapes** on the device, in the same pass (and the
    same CUDA graph).
-3. After the one transfer to the host: **head pose**, and with the bundle the **transformation
-   matrix** (float64 on the host: Note [Face geometry as MediaPipe computes it]).
+3. On the device too, batched: **head pose**, and with the bundle the **transformation matrix**
+   (float64: Note [Face geometry as MediaPipe computes it]); the **duplicate filter** (Note [The
+   duplicate filter as tensors] in :mod:`facecast.models.nms`). Then the one transfer to the
+   host, where only the :class:`Face` objects are made (Note [Measuring on the device]).
 
 One crop, one mesh pass and one transfer to the host per call (Note [Detection without
 per-frame work] in :mod:`facecast.models.face_detection`); with ``cuda_graphs`` the mesh pass is
@@ -28,6 +30,7 @@ replayed from graphs (Note [CUDA graphs of the pipeline] in :mod:`facecast.model
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,7 +43,7 @@ from facecast.models import roi as roi_mod
 from facecast.models.cuda_graphs import GraphCache, bucket, buckets_up_to
 from facecast.models.face_geometry import FaceGeometry, head_pose_from_matrices
 from facecast.models.head_pose import head_pose_deg
-from facecast.models.nms import drop_overlapping
+from facecast.models.nms import drop_overlapping_batched
 
 MESH_INPUT_PX = 192
 NUM_MESH_POINTS = 468
@@ -191,13 +194,23 @@ def boxes_from_landmarks(landmarks_px: torch.Tensor) -> torch.Tensor:
 SAME_FACE_IOU = 0.5
 
 
-def _landmark_bounds(candidate: tuple[Face, int]) -> np.ndarray:
-    points = candidate[0].landmarks[:, :2]
-    return np.concatenate([points.min(0), points.max(0)])
+def landmark_bounds(landmarks_px: torch.Tensor) -> torch.Tensor:
+    """(N, 4) x1, y1, x2, y2: the bounds of each face's landmarks (N, 478, ≥2), all of them
+    (what the duplicate filter compares)."""
+    points = landmarks_px[..., :2]
+    return torch.cat([points.amin(dim=1), points.amax(dim=1)], dim=1)
 
 
-def _presence(candidate: tuple[Face, int]) -> float:
-    return candidate[0].presence
+# Note [Measuring on the device]
+#     Everything a Face holds is computed on the device, batched, before the one transfer:
+#     landmarks, presence, blendshapes, box and score, head pose, the transformation matrix, and
+#     which faces the duplicate filter keeps in which order. They travel as one float32 (N, C)
+#     table; the float64 columns (head pose and translation: MediaPipe's matrix is fitted in
+#     float64 and the host kept them so before issue 24) travel bit for bit as pairs of float32
+#     columns (a view, not a conversion). On the host what is left is slicing that table and
+#     making the Face objects of the kept faces: issue 24's profile of the per-face host work it
+#     replaces (Procrustes, head pose and the greedy filter per face, in Python) was ~21 ms a
+#     batch of 64 faces on the H100's host, against ~6 ms of GPU work.
 
 
 LANDMARKERS = ("attention_mesh", "face_landmarker")
@@ -221,6 +234,9 @@ class FaceMeasurer:
         self.input_px = face_landmarker.INPUT_PX if landmarker == "face_landmarker" else MESH_INPUT_PX
         self.device, self.model_dtype, self.graphs = device, model_dtype, graphs
         self.max_faces, self.min_presence = max_faces, min_presence
+        # The host's share of the last measure(): from the one transfer's arrival to the Face
+        # objects (bench/models.py reports it).
+        self.last_host_work_s = 0.0
 
     def measure(self, batch, owners: list[int], rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
                 roi_scores: torch.Tensor, tracked: list[bool]) -> Measured:
@@ -237,56 +253,64 @@ class FaceMeasurer:
         owner = roi_mod.from_host(owners, self.device)
         crops = roi_mod.crop_rois(batch, owner, rects, self.input_px, border="replicate", dtype=self.model_dtype)
         landmarks, presence, blendshapes = self.landmarks(crops, rects)
-        # MediaPipe's z is relative to the face's centre of mass; the projected z already is
-        # (the model predicts it so), kept as is.
-        poses = head_pose_deg(landmarks)  # replaced by the matrix's below when there is one
         is_tracked = roi_mod.from_host(tracked, self.device)
         boxes = torch.where(is_tracked[:, None], boxes_from_landmarks(landmarks), roi_boxes.float())
         scores = torch.where(is_tracked, presence, roi_scores.float())
-        parts = [landmarks.reshape(count, -1), presence[:, None], poses, boxes, scores[:, None]]
+        # Two ROIs that converged on one face (a track and a detection): the more present stays.
+        kept, rank = drop_overlapping_batched(
+            landmark_bounds(landmarks.float()), presence.float(), owner, presence.float() >= self.min_presence,
+            SAME_FACE_IOU, self.max_faces, max_group_size=int(np.bincount(owners).max()))
+        parts = [landmarks.reshape(count, -1), presence[:, None], boxes, scores[:, None], kept[:, None],
+                 rank[:, None]]
         if blendshapes is not None:
             parts.append(blendshapes)
-        host = torch.cat([p.float() for p in parts], dim=1).cpu().numpy()  # the one wait for the device
-        points = NUM_LANDMARKS * 3
-        landmarks_np = np.ascontiguousarray(host[:, :points]).reshape(count, NUM_LANDMARKS, 3)
-        presence_np = host[:, points]
-        poses_np = host[:, points + 1:points + 4]
-        boxes_np = host[:, points + 4:points + 8]
-        scores_np = host[:, points + 8]
-        blend_np = np.ascontiguousarray(host[:, points + 9:]) if blendshapes is not None else None
-        matrices_np = translations_np = None
         if self.geometry is not None:
-            # Note [Face geometry as MediaPipe computes it]: on the host, after the one transfer.
-            frame_wh = np.asarray([batch.sizes_hw[frame][::-1] for frame in owners], np.float64)
-            matrices = self.geometry.matrices(landmarks_np, frame_wh)
-            matrices_np = matrices.astype(np.float32)
-            translations_np = matrices[:, :3, 3]
-            poses_np = head_pose_from_matrices(matrices)  # MediaPipe's rotation, as yaw/pitch/roll
+            # Note [Face geometry as MediaPipe computes it]: MediaPipe's rotation as the pose.
+            frame_wh = roi_mod.from_host([batch.sizes_hw[frame][::-1] for frame in owners], self.device)
+            matrices = self.geometry.matrices(landmarks, frame_wh)
+            parts.append(matrices.reshape(count, 16))
+            wide = torch.cat([head_pose_from_matrices(matrices), matrices[:, :3, 3]], dim=1)
+        else:
+            wide = head_pose_deg(landmarks).double()
+        parts.append(wide.contiguous().view(torch.float32))  # Note [Measuring on the device]
+        host = torch.cat([p.float() for p in parts], dim=1).cpu().numpy()  # the one wait for the device
+        host_start_s = time.perf_counter()
+        faces = self._faces(host, owners, tracked, frames, with_blendshapes=blendshapes is not None)
+        self.last_host_work_s = time.perf_counter() - host_start_s
+        return Measured(*faces, landmarks, boxes)
 
-        by_frame: list[list[int]] = [[] for _ in range(frames)]
-        for k, frame in enumerate(owners):
-            by_frame[frame].append(k)
-        faces_per_frame, rows_per_frame = [], []
-        for rows in by_frame:
-            candidates = [
-                (Face(
-                    box=tuple(float(v) for v in boxes_np[k]),
-                    score=float(scores_np[k]),
-                    landmarks=landmarks_np[k],
-                    head_pose=tuple(float(v) for v in poses_np[k]),
-                    presence=float(presence_np[k]),
-                    blendshapes=None if blend_np is None else blend_np[k],
-                    tracked=tracked[k],
-                    transform_matrix=None if matrices_np is None else matrices_np[k],
-                    head_translation_cm=(None if translations_np is None
-                                         else tuple(float(v) for v in translations_np[k])),
-                ), k)
-                for k in rows if presence_np[k] >= self.min_presence
-            ]
-            kept = drop_overlapping(candidates, _landmark_bounds, _presence, SAME_FACE_IOU)[: self.max_faces]
-            faces_per_frame.append([face for face, _ in kept])
-            rows_per_frame.append([k for _, k in kept])
-        return Measured(faces_per_frame, rows_per_frame, landmarks, boxes)
+    def _faces(self, host: np.ndarray, owners: list[int], tracked: list[bool], frames: int,
+               with_blendshapes: bool) -> tuple[list[list[Face]], list[list[int]]]:
+        """The Face objects of the kept faces and their rows, per frame, from the table of
+        :meth:`measure` (Note [Measuring on the device]): vectorised, but for the objects."""
+        count = host.shape[0]
+        widths = [NUM_LANDMARKS * 3, 1, 4, 1, 1, 1, len(BLENDSHAPE_NAMES) if with_blendshapes else 0,
+                  16 if self.geometry is not None else 0]
+        bounds = np.cumsum([0] + widths)
+        (landmarks_np, presence_np, boxes_np, scores_np, kept_np, rank_np, blend_np, matrices_np) = (
+            host[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
+        wide = np.ascontiguousarray(host[:, bounds[-1]:]).view(np.float64)  # pose (, translation)
+        owner_np = np.asarray(owners)
+        rows = np.flatnonzero(kept_np[:, 0] > 0)
+        rows = rows[np.lexsort((rank_np[rows, 0], owner_np[rows]))]  # per frame, best first
+        landmarks_np = np.ascontiguousarray(landmarks_np).reshape(count, NUM_LANDMARKS, 3)
+        blend_np = np.ascontiguousarray(blend_np) if with_blendshapes else None
+        matrices_np = (np.ascontiguousarray(matrices_np).reshape(count, 4, 4) if self.geometry is not None
+                       else None)
+        poses = wide[rows, :3].tolist()
+        translations = wide[rows, 3:6].tolist() if self.geometry is not None else [None] * len(rows)
+        faces_per_frame: list[list[Face]] = [[] for _ in range(frames)]
+        rows_per_frame: list[list[int]] = [[] for _ in range(frames)]
+        for k, frame, box, score, presence, pose, translation in zip(
+                rows.tolist(), owner_np[rows].tolist(), boxes_np[rows].tolist(), scores_np[rows, 0].tolist(),
+                presence_np[rows, 0].tolist(), poses, translations):
+            faces_per_frame[frame].append(Face(
+                box=tuple(box), score=score, landmarks=landmarks_np[k], head_pose=tuple(pose), presence=presence,
+                blendshapes=None if blend_np is None else blend_np[k], tracked=tracked[k],
+                transform_matrix=None if matrices_np is None else matrices_np[k],
+                head_translation_cm=None if translation is None else tuple(translation)))
+            rows_per_frame[frame].append(k)
+        return faces_per_frame, rows_per_frame
 
     def warm_up(self, max_faces: int) -> None:
         """On a GPU, run every batch bucket of up to ``max_faces`` faces once, captured as graphs

@@ -13,8 +13,9 @@ best detection not yet in a cluster. There are at most ``max_detections`` steps,
 captured in a CUDA graph) for any number of frames or tiles.
 
 IoU is invariant under scaling each axis, so boxes may be in pixels or in normalized units.
-:func:`box_iou` is facecast's one IoU (the detectors, the trackers, the duplicate filter of
-:func:`drop_overlapping`, and workers/tracking.py's track ids).
+:func:`box_iou` is facecast's one IoU (the detectors, the trackers, the duplicate filters of
+:func:`drop_overlapping` and :func:`drop_overlapping_batched`, and workers/tracking.py's track
+ids).
 """
 
 from __future__ import annotations
@@ -92,6 +93,45 @@ def drop_overlapping(items: Iterable[T], box_of: Callable[[T], object], score_of
         kept.append(item)
         kept_boxes.append(box)
     return kept
+
+
+def drop_overlapping_batched(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,
+                             eligible: torch.Tensor, max_iou: float, max_kept: int, max_group_size: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`drop_overlapping` for every group (a frame's faces) of a batch at once, as tensor
+    operations on the boxes' device, with the same result: per group, the ``eligible`` items
+    best first by ``scores`` (ties: the lower index first, as a stable sort leaves them), each
+    kept unless its box overlaps a kept one's by an IoU above ``max_iou``; then the first
+    ``max_kept`` of those kept.
+
+    boxes (N, 4) x1, y1, x2, y2; scores (N,); groups (N,) integers; eligible (N,) bool;
+    ``max_group_size``: at least the largest group's size (the host knows it; it sets the
+    number of steps, so nothing here waits for the device). Returns (kept (N,) bool, rank (N,)
+    long: a kept item's place in its group's list, best first).
+
+    Note [The duplicate filter as tensors]
+        The greedy filter is sequential within a group (whether an item is kept depends on the
+        items kept before it) but a group is a frame's few faces. So: every pair's IoU at once,
+        masked to pairs of one group where the first comes before the second; each item's place
+        in its group's order; then one step per place, in which the items of that place in every
+        group decide at once against the items kept so far (all of earlier places). The IoU is
+        :func:`box_iou`'s arithmetic on the same float32 boxes, so the kept set is the one the
+        per-item loop keeps, not merely a close one.
+    """
+    count = boxes.shape[0]
+    index = torch.arange(count, device=boxes.device)
+    better = (scores[:, None] > scores[None, :]) | ((scores[:, None] == scores[None, :])
+                                                    & (index[:, None] < index[None, :]))
+    # before[j, i]: j is eligible and comes before i in i's group.
+    before = (groups[:, None] == groups[None, :]) & eligible[:, None] & better
+    place = before.sum(dim=0)
+    blocks = before & (box_iou(boxes, boxes) > max_iou)
+    kept = torch.zeros(count, dtype=torch.bool, device=boxes.device)
+    for step in range(max_group_size):
+        blocked = (blocks & kept[:, None]).any(dim=0)
+        kept = kept | (eligible & (place == step) & ~blocked)
+    rank = (before & kept[:, None]).sum(dim=0)
+    return kept & (rank < max_kept), rank
 
 
 def weighted_nms(

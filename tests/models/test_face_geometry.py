@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from facecast.models.face_geometry import (
     FaceGeometry,
     GeometryMetadata,
     GeometryMetadataError,
+    determinant_3x3,
     rotation_and_translation,
     weighted_procrustes,
 )
@@ -75,17 +77,19 @@ def test_metadata_reader_rejects_what_is_not_the_metadata(tmp_path):
 
 def test_weighted_procrustes_recovers_a_known_similarity():
     rng = np.random.default_rng(3)
-    source = rng.normal(size=(40, 3)) * 5
-    weights = rng.uniform(0.1, 1.0, size=40)
-    rotation = rotation_from_euler(__import__("torch").tensor([[20.0, -10.0, 35.0]])).numpy()[0]
-    target = (2.5 * source @ rotation.T + np.array([1.0, -2.0, -50.0]))[None]
+    source = torch.from_numpy(rng.normal(size=(40, 3)) * 5)
+    weights = torch.from_numpy(rng.uniform(0.1, 1.0, size=40))
+    rotation = rotation_from_euler(torch.tensor([[20.0, -10.0, 35.0]]))[0]
+    target = (2.5 * source @ rotation.T + torch.tensor([1.0, -2.0, -50.0], dtype=torch.float64))[None]
     scale, fitted, translation = weighted_procrustes(source, target, weights)
-    assert scale[0] == pytest.approx(2.5, rel=1e-12)
+    assert scale[0].item() == pytest.approx(2.5, rel=1e-12)
     np.testing.assert_allclose(fitted[0], rotation, atol=1e-12)
     np.testing.assert_allclose(translation[0], [1.0, -2.0, -50.0], atol=1e-10)
     # A mirror image is fitted with a rotation, never a reflection.
-    _, mirrored, _ = weighted_procrustes(source, target * np.array([-1.0, 1.0, 1.0]), weights)
-    assert np.linalg.det(mirrored[0]) == pytest.approx(1.0)
+    mirror = torch.tensor([-1.0, 1.0, 1.0], dtype=torch.float64)
+    _, mirrored, _ = weighted_procrustes(source, target * mirror, weights)
+    assert determinant_3x3(mirrored)[0].item() == pytest.approx(1.0)
+    np.testing.assert_allclose(determinant_3x3(mirrored), np.linalg.det(mirrored.numpy()), atol=1e-12)
 
 
 def test_matrices_match_mediapipe_for_mediapipe_landmarks(landmarker_bundle):
@@ -99,7 +103,7 @@ def test_matrices_match_mediapipe_for_mediapipe_landmarks(landmarker_bundle):
         landmarks = arrays[f"{case['name']}/landmarks_px"]
         expected = arrays[f"{case['name']}/matrices"]
         sizes = np.tile([case["width_px"], case["height_px"]], (len(landmarks), 1))
-        got = geometry.matrices(landmarks, sizes)
+        got = geometry.matrices(torch.from_numpy(landmarks), torch.from_numpy(sizes)).numpy()
         worst = max(worst, float(np.abs(got - expected).max()))
         rotations, translations = rotation_and_translation(got)
         np.testing.assert_allclose(np.linalg.det(rotations), 1.0, atol=1e-9)
