@@ -66,7 +66,14 @@ def _quiet_third_party_logs(args) -> None:
     from facecast.daemon import runtime_dir
     from facecast.shared import third_party_logs
 
-    third_party_logs.quiet(runtime_dir.for_daemon(""), verbose=args.verbose)
+    try:
+        place = runtime_dir.for_daemon("")
+    except runtime_dir.UnsafeRuntimeDir as exc:  # liblsl's configuration copy is not put there
+        print(f"facecast: warning: {exc}; liblsl's INFO lines will show", file=sys.stderr)
+        if not args.verbose:
+            third_party_logs.quiet_opencv()
+        return
+    third_party_logs.quiet(place, verbose=args.verbose)
 
 
 def main(argv: list[str] | None = None) -> int:

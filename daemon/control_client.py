@@ -32,6 +32,9 @@ def request(runtime_dir: str | Path, message: messages.Message, timeout_s: float
     endpoint = endpoints.control(runtime_dir)
     if not endpoints.socket_path(endpoint).exists():
         raise NotRunning(f"no facecast daemon at {runtime_dir} (no control socket there)")
+    unsafe = runtime_dir_mod.cli_problem(Path(runtime_dir))
+    if unsafe:  # another user's daemon, or a socket planted for us to talk to (issue 21)
+        raise NotRunning(f"not talking to a daemon through {runtime_dir}: {unsafe}")
     held, pid = runtime_dir_mod.lock_owner(runtime_dir)
     if not held:
         owner = f" of supervisor pid {pid}" if pid else ""

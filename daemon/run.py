@@ -122,8 +122,12 @@ def main(args) -> int:
     from facecast.daemon import runtime_dir
     from facecast.shared import third_party_logs
 
-    third_party_logs.quiet(runtime_dir.for_daemon(config.daemon.runtime_dir),
-                           verbose=getattr(args, "verbose", False))
+    try:
+        private_runtime_dir = runtime_dir.for_daemon(config.daemon.runtime_dir)
+    except runtime_dir.UnsafeRuntimeDir as exc:  # Note [Private files]: refused, with why
+        print(f"facecast: {exc}", file=sys.stderr)
+        return 1
+    third_party_logs.quiet(private_runtime_dir, verbose=getattr(args, "verbose", False))
     # Under systemd the daemon never downloads (DESIGN §3): only an interactive run installs.
     under_systemd = bool(os.environ.get("NOTIFY_SOCKET") or os.environ.get("INVOCATION_ID"))
     problem = _ensure_models(config, allow_install=not (args.no_install or under_systemd))

@@ -7,6 +7,13 @@ life. The kernel drops the lock when the process ends, however it ends, so "the 
 is the truth about whether a daemon runs there, whatever files remain: the CLI uses that to say
 "not running (stale socket of pid N)" at once instead of waiting for an answer that cannot come,
 and the next `facecast run` removes what the dead one left and says what it removed.
+
+The directory holds the control socket and the console's token, so it is trusted only if it is
+this user's alone (Note [Private files] in facecast.shared.private_files): made 0700 when it is
+missing; an existing one owned by another user, with access for others, or a symbolic link is
+refused (UnsafeRuntimeDir), by the daemon before it starts and by the CLI before it talks to
+what is there. The one exception is systemd's RuntimeDirectory, which facecast's unit makes
+0750 for group facecast (docs/systemd.md) in /run, where no user can plant a directory.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from facecast.shared import endpoints, shm
+from facecast.shared import endpoints, private_files, shm
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,11 @@ LOCK_NAME = "supervisor.lock"
 
 class AlreadyRunning(RuntimeError):
     pass
+
+
+class UnsafeRuntimeDir(RuntimeError):
+    """The runtime directory is not this user's alone; the message names the path, what was
+    found and what is required."""
 
 
 def candidates(configured: str = "") -> list[Path]:
@@ -44,11 +56,37 @@ def candidates(configured: str = "") -> list[Path]:
     return paths
 
 
+def problem(path: Path) -> str:
+    """Why the daemon must not use `path` as its runtime directory ("" when it may)."""
+    return private_files.runtime_dir_problem(path)
+
+
 def for_daemon(configured: str) -> Path:
-    """The daemon's runtime directory (created, private to this user)."""
+    """The daemon's runtime directory: made 0700 if missing (whatever the umask), and refused
+    (UnsafeRuntimeDir) unless it is this user's alone."""
     path = candidates(configured)[0]
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_files.make_dirs(path)
+    found = problem(path)
+    if found:
+        raise UnsafeRuntimeDir(f"refusing runtime directory {path}: {found}")
     return path
+
+
+def cli_problem(path: Path) -> str:
+    """Why the CLI must not talk to a daemon through `path` ("" when it may): it must be the
+    user's own, as for the daemon, or the system service's (/run/facecast, made by systemd in
+    /run, owned by the service's user: that it is writable by nobody else is enough)."""
+    if path == Path(SYSTEM_RUNTIME_DIR):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return ""
+        mode = info.st_mode & 0o7777
+        if not os.path.isdir(path) or os.path.islink(path) or mode & 0o022:
+            return (f"{path} (mode {mode:04o}, owner {private_files.user_name(info.st_uid)}) is "
+                    "not a directory writable only by its owner")
+        return ""
+    return problem(path)
 
 
 def for_cli(configured: str = "", explicit: str = "") -> Path:

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import zmq
 
-from facecast.shared import endpoints, messages
+from facecast.shared import endpoints, messages, private_files
 from facecast.shared.messages import (
     Ack,
     DaemonStatus,
@@ -318,22 +318,36 @@ class MarkersReader:
 
 def resolve_token(configured: str, runtime_dir: Path) -> tuple[str, bool]:
     """(the token, whether it was generated now): `web.token`, else the one in TOKEN_FILE, else
-    a new one written there, mode 0600 from its creation on (Note [Console security])."""
+    a new one written there (Note [Console security]). An existing file is trusted only in a
+    runtime directory that is this user's alone, and only if it is this user's regular file with
+    mode 0600 (Note [Private files] in facecast.shared.private_files): another user who could
+    plant it would know the token. One that is not is replaced, and the log says why. A new
+    file is 0600 from its creation on (O_EXCL, then renamed into place)."""
+    unsafe_dir = private_files.runtime_dir_problem(runtime_dir)
+    if unsafe_dir:  # the supervisor checked it; it changed since, or this is not its directory
+        raise BootError(f"web console: not keeping a token in {runtime_dir}: {unsafe_dir}")
     if configured:
         return configured, False
     path = runtime_dir / TOKEN_FILE
-    try:
-        existing = path.read_text().strip()
-    except FileNotFoundError:
-        existing = ""
+    existing = ""
+    if os.path.lexists(path):
+        unsafe_file = private_files.file_problem(path)
+        if unsafe_file:
+            log.warning("console: not trusting the token in %s, replacing it: %s", path,
+                        unsafe_file)
+        else:
+            existing = path.read_text().strip()
+            if len(existing) < 16:
+                log.warning("console: the token in %s is shorter than 16 characters; replacing "
+                            "it", path)
     if len(existing) >= 16:
         return existing, False
     token = secrets.token_urlsafe(24)
     temporary = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
+    temporary.unlink(missing_ok=True)  # one of a console of this pid that died writing it
+    with private_files.open_new(temporary, binary=False) as file:
         file.write(token + "\n")
-    os.replace(temporary, path)
+    os.replace(temporary, path)  # replaces a link or a foreign file itself, never its target
     return token, True
 
 
