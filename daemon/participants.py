@@ -212,8 +212,9 @@ def enroll_main(args) -> int:
     try:
         gallery.check_name(args.name)
         models, path = _settings(args)
+        gallery.load(path)  # a gallery that cannot take the enrolment: say so before the models load
     except (config_mod.ConfigError, gallery.GalleryError) as exc:
-        print(f"facecast: {exc}", file=sys.stderr)
+        print(f"facecast: nobody enrolled: {exc}", file=sys.stderr)
         return 2
     if args.camera and not 0.5 <= args.seconds <= 60:
         print(f"facecast: --seconds {args.seconds:g}: allowed 0.5 to 60", file=sys.stderr)

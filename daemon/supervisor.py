@@ -92,6 +92,7 @@ OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker befo
 # that a slow role (many CUDA processes exiting at once) does not leave the others nothing.
 STOP_RESERVE_PER_ROLE_S = 0.5
 FAULT_INJECTION_ENV = "FACECAST_ALLOW_FAULT_INJECTION"  # Note [Fault injection]
+GALLERY_CHECK_S = 2.0  # as the workers' (Note [Gallery reload] in facecast.workers.identity)
 
 
 @dataclass
@@ -162,6 +163,8 @@ class Supervisor:
         self._next_status_monotonic = 0.0
         self._next_watchdog_monotonic = 0.0
         self._next_live_line_monotonic = 0.0
+        self._next_gallery_check_monotonic = 0.0
+        self._gallery_seen = ""  # the gallery's last status line (Note [Gallery validation])
 
     # ============================================================================================
     # The loop (Note [Supervisor loop])
@@ -256,6 +259,7 @@ class Supervisor:
         self.recordings.forget_stopped_recorders()
         self.workers.start_due()
         self._advance_reload()
+        self._check_gallery()
         self._flush_events()
         self._tick_systemd()
         self._print_live_status()
@@ -626,5 +630,31 @@ class Supervisor:
             cameras=cameras, stages=stages, gpus=self.gpu_monitor.status(),
             gpu_note=self.gpu_monitor.note, recent_events=self.events.recent(10),
             rejected_messages=self._gate.rejected, face_models=self.face_models,
-            participants=gallery.status_line(self.config.participants.gallery),
+            participants=self._gallery_line(),
         )
+
+    def _gallery_line(self) -> str:
+        """The gallery's status line; when it turns unusable (or usable again), the log and the
+        Markers stream say so, once per change (Note [Gallery validation] in
+        facecast.shared.gallery): a bad gallery costs the names, never the daemon."""
+        line = gallery.status_line(self.config.participants.gallery)
+        if line != self._gallery_seen:
+            if line.startswith(gallery.UNUSABLE):
+                log.error("participants: %s; faces go unnamed by it until it is fixed", line)
+                self.event("gallery_unusable", reason=line.removeprefix(gallery.UNUSABLE))
+            elif self._gallery_seen.startswith(gallery.UNUSABLE):
+                log.info("participants: %s", line)
+                self.event("gallery_usable", detail=line)
+            self._gallery_seen = line
+        return line
+
+    def _check_gallery(self) -> None:
+        """Where faces are named by the gallery, its changes are noticed without a status
+        request too (a stat every GALLERY_CHECK_S; the file is read only when it changed)."""
+        participants = self.config.participants
+        now = time.monotonic()
+        if (not participants.enabled or participants.identify != "embeddings"
+                or now < self._next_gallery_check_monotonic):
+            return
+        self._next_gallery_check_monotonic = now + GALLERY_CHECK_S
+        self._gallery_line()

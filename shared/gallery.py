@@ -22,6 +22,18 @@ Note [Gallery file]
     old one, fsync of the directory; a reader sees the old or the new gallery, never half of
     one. Changes hold an exclusive `flock` on `<gallery>.lock` from read to rename, so that two
     `facecast enroll` at once do not lose one of the two.
+
+Note [Gallery validation]
+    Anyone who can write the file can put anything in it, and the supervisor reads it for every
+    status request (the console asks once a second), the workers when it changes. So `load`
+    checks every field (a name as `check_name` allows it and once, at least one enrolment, each
+    embedding exactly EMBEDDING_SIZE finite numbers, `added_utc` ISO 8601, a revision of 0 or
+    more; a regular file of at most MAX_FILE_BYTES) and turns whatever else goes wrong into a
+    GalleryError naming the file. A bad gallery costs the names, never the daemon: status says
+    why (`status_line`), the supervisor puts a `gallery_unusable` marker on the Markers stream
+    and a line in the log, the workers keep the gallery they had (Note [Gallery reload] in
+    facecast.workers.identity), and `facecast participants`/`enroll` print the reason (issue 21:
+    an embedding of 127 values stopped the supervisor).
 """
 
 from __future__ import annotations
@@ -29,8 +41,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import math
 import os
 import re
+import stat as stat_mod
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +60,7 @@ EMBEDDING_SIZE = 128
 FILE_NAME = "participants.json"
 # Participant names go into stream names and source ids (facecast-<host>-participant-<name>).
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+MAX_FILE_BYTES = 64 * 1024 * 1024  # thousands of people; the supervisor reads it for status
 
 
 class GalleryError(ValueError):
@@ -114,15 +129,48 @@ class Gallery:
 
 
 def load(path: str | os.PathLike) -> Gallery:
-    """The gallery at `path`; an empty one (revision 0) when there is no file yet."""
+    """The gallery at `path`; an empty one (revision 0) when there is no file yet. Whatever the
+    file holds, a gallery that cannot be used is a GalleryError naming the file, what is wrong
+    and what is allowed, never another exception (Note [Gallery validation])."""
     path = Path(path)
+    data = _read(path)
+    return Gallery(path, 0, {}) if data is None else _checked(path, data)[1]
+
+
+def _read(path: Path) -> bytes | None:
+    """The file's bytes; None when there is none."""
     try:
-        data = path.read_bytes()
+        # O_NONBLOCK: a FIFO put where the gallery was must not hang the supervisor's loop.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        return Gallery(path, 0, {})
+        return None
     except OSError as exc:
         raise GalleryError(f"{path}: cannot read the gallery: {exc.strerror}") from None
-    return _parse(path, _decode(path, data))
+    try:
+        info = os.fstat(descriptor)
+        if not stat_mod.S_ISREG(info.st_mode):
+            raise GalleryError(f"{path}: not a regular file (the gallery is one JSON file)")
+        if info.st_size > MAX_FILE_BYTES:
+            raise GalleryError(f"{path}: {info.st_size} bytes; a gallery is at most "
+                               f"{MAX_FILE_BYTES} bytes")
+        with os.fdopen(descriptor, "rb", closefd=False) as file:
+            return file.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise GalleryError(f"{path}: cannot read the gallery: {exc.strerror}") from None
+    finally:
+        os.close(descriptor)
+
+
+def _checked(path: Path, data: bytes) -> tuple[_File, Gallery]:
+    """The document and its gallery, every field checked; anything else that goes wrong is a
+    GalleryError too (Note [Gallery validation])."""
+    try:
+        document = _decode(path, data)
+        return document, _parse(path, document)
+    except GalleryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Note [Gallery validation]: never more than this
+        raise GalleryError(f"{path}: damaged gallery: {type(exc).__name__}: {exc}") from None
 
 
 def _decode(path: Path, data: bytes) -> _File:
@@ -143,16 +191,39 @@ def _decode(path: Path, data: bytes) -> _File:
 
 
 def _parse(path: Path, document: _File) -> Gallery:
+    """Every field checked (Note [Gallery validation])."""
     if document.embedding_model != EMBEDDING_MODEL:
         raise GalleryError(f"{path}: embeddings of {document.embedding_model!r}, but facecast "
                            f"matches with {EMBEDDING_MODEL!r}: enrol the participants again")
+    if document.revision < 0:
+        raise GalleryError(f"{path}: revision {document.revision}: a revision is 0 or more")
     embeddings = {}
-    for participant in document.participants:
-        vectors = np.array([e.embedding for e in participant.enrolments], np.float32)
-        if vectors.ndim != 2 or vectors.shape[1] != EMBEDDING_SIZE or not len(vectors):
-            raise GalleryError(f"{path}: participant {participant.name!r} has no usable "
-                               f"embedding (expected {EMBEDDING_SIZE} values each)")
-        embeddings[participant.name] = vectors
+    for index, participant in enumerate(document.participants):
+        where = f"{path}: participants[{index}]"
+        if not NAME_PATTERN.match(participant.name):
+            raise GalleryError(f"{where}: name {participant.name!r}: 1-32 of A-Z a-z 0-9 _ - "
+                               "allowed (it becomes part of stream names and source ids)")
+        if participant.name in embeddings:
+            raise GalleryError(f"{where}: participant {participant.name!r} appears twice; each "
+                               "name once")
+        if not participant.enrolments:
+            raise GalleryError(f"{where}: participant {participant.name!r} has no enrolment "
+                               "(at least one embedding each)")
+        for number, enrolment in enumerate(participant.enrolments):
+            what = f"{where} ({participant.name!r}): enrolments[{number}]"
+            if len(enrolment.embedding) != EMBEDDING_SIZE:
+                raise GalleryError(f"{what}: embedding of {len(enrolment.embedding)} values; "
+                                   f"allowed: exactly {EMBEDDING_SIZE} finite numbers")
+            if not all(math.isfinite(value) for value in enrolment.embedding):
+                raise GalleryError(f"{what}: embedding holds a value that is not finite; "
+                                   f"allowed: exactly {EMBEDDING_SIZE} finite numbers")
+            try:
+                datetime.datetime.fromisoformat(enrolment.added_utc)
+            except ValueError:
+                raise GalleryError(f"{what}: added_utc {enrolment.added_utc!r} is not an ISO "
+                                   "8601 date and time") from None
+        embeddings[participant.name] = np.array(
+            [e.embedding for e in participant.enrolments], np.float32)
     return Gallery(path, document.revision, embeddings)
 
 
@@ -193,13 +264,11 @@ def _changing(path: Path) -> Iterator[tuple[_File, Callable[[list[_Participant]]
     lock_path = path.with_name(path.name + ".lock")
     with open(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600), "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+        data = _read(path)
+        if data is None:
             document = _File(FORMAT, FORMAT_VERSION, 0, EMBEDDING_MODEL, [])
-        else:
-            document = _decode(path, data)
-            _parse(path, document)  # refuse to build on a gallery we could not read
+        else:  # refuse to build on a gallery we could not read
+            document = _checked(path, data)[0]
 
         def write(participants: list[_Participant]) -> Gallery:
             updated = _File(FORMAT, FORMAT_VERSION, document.revision + 1, EMBEDDING_MODEL,
@@ -229,7 +298,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(directory)
 
 
-
+UNUSABLE = "gallery unusable: "  # how status_line begins for a gallery that cannot be used
 _status_lines: dict[Path, tuple[tuple, str]] = {}  # path → (what stat said, the line)
 
 
@@ -249,6 +318,8 @@ def status_line(configured: str = "") -> str:
     try:
         line = load(path).describe()
     except GalleryError as exc:
-        line = f"gallery unusable: {exc}"
+        line = f"{UNUSABLE}{exc}"
+    except Exception as exc:  # noqa: BLE001 - Note [Gallery validation]: status never fails for it
+        line = f"{UNUSABLE}{path}: {type(exc).__name__}: {exc}"
     _status_lines[path] = (seen, line)
     return line

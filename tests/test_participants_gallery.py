@@ -87,7 +87,8 @@ def test_concurrent_enrolments_lose_nobody(tmp_path: Path) -> None:
         (b'{"format": "facecast-gallery", "format_version": 1, "revision": 1, '
          b'"embedding_model": "dlib_face_recognition_resnet_model_v1", "participants": '
          b'[{"name": "a", "enrolments": [{"embedding": [1.0], "added_utc": ""}]}]}',
-         "participant 'a' has no usable embedding (expected 128 values each)"),
+         "participants[0] ('a'): enrolments[0]: embedding of 1 values; allowed: exactly 128 "
+         "finite numbers"),
     ],
 )
 def test_an_unusable_gallery_is_refused_with_the_reason(tmp_path: Path, content: bytes,
@@ -231,3 +232,77 @@ def test_a_bad_name_is_refused_before_any_photo_is_read(tmp_path: Path, capsys) 
                              str(tmp_path / "g.json"))
     assert code == 2 and "participant name 'Dr. Who': 1-32 of A-Z a-z 0-9 _ - allowed" in err
     assert os.listdir(tmp_path) == []
+
+
+# --- issue 21: whatever the file holds, a GalleryError naming it (Note [Gallery validation]) ---
+
+
+def _document(participants, revision: int = 1) -> bytes:
+    return json.dumps({"format": gallery.FORMAT, "format_version": gallery.FORMAT_VERSION,
+                       "revision": revision, "embedding_model": gallery.EMBEDDING_MODEL,
+                       "participants": participants}).encode()
+
+
+def _enrolment(values=None, added_utc: str = "2026-11-25T10:00:00+00:00") -> dict:
+    return {"embedding": [0.01] * 128 if values is None else values, "added_utc": added_utc}
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        # The file of issue 21: a second enrolment of 127 values (numpy raised ValueError).
+        (_document([{"name": "ada", "enrolments": [_enrolment(), _enrolment([0.01] * 127)]}]),
+         "participants[0] ('ada'): enrolments[1]: embedding of 127 values; allowed: exactly 128 "
+         "finite numbers"),
+        (_document([{"name": "ada", "enrolments": [_enrolment([0.01] * 129)]}]),
+         "embedding of 129 values"),
+        (_document([{"name": "ada", "enrolments": []}]),
+         "participant 'ada' has no enrolment (at least one embedding each)"),
+        (_document([{"name": "../x y", "enrolments": [_enrolment()]}]),
+         "participants[0]: name '../x y': 1-32 of A-Z a-z 0-9 _ - allowed"),
+        (_document([{"name": "ada", "enrolments": [_enrolment()]}] * 2),
+         "participants[1]: participant 'ada' appears twice; each name once"),
+        (_document([{"name": "ada", "enrolments": [_enrolment(added_utc="yesterday")]}]),
+         "added_utc 'yesterday' is not an ISO 8601 date and time"),
+        (_document([], revision=-1), "revision -1: a revision is 0 or more"),
+        (_document([{"name": "ada", "enrolments": [_enrolment(["x"] * 128)]}]),
+         "damaged gallery: Expected `float`, got `str`"),
+        (b"[" * 100_000 + b"]" * 100_000, "damaged gallery: RecursionError"),
+    ],
+)
+def test_every_field_of_the_gallery_is_checked(tmp_path: Path, content: bytes,
+                                               expected: str) -> None:
+    path = tmp_path / "participants.json"
+    path.write_bytes(content)
+    with pytest.raises(gallery.GalleryError) as error:
+        gallery.load(path)
+    assert str(error.value).startswith(f"{path}: ") and expected in str(error.value), error.value
+    assert gallery.status_line(str(path)) == f"gallery unusable: {error.value}"
+    with pytest.raises(gallery.GalleryError):  # and never built upon
+        gallery.enrol(path, "bo", _vectors(1))
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_gallery_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, kind) -> None:
+    path = tmp_path / "participants.json"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()  # a FIFO would hang a blocking read
+    with pytest.raises(gallery.GalleryError, match=f"^{path}: "):
+        gallery.load(path)
+
+
+def test_participants_and_enroll_print_the_reason_not_a_traceback(tmp_path: Path,
+                                                                 capsys) -> None:
+    path = tmp_path / "participants.json"
+    path.write_bytes(_document([{"name": "ada", "enrolments": [_enrolment(),
+                                                               _enrolment([0.01] * 127)]}]))
+    code, out, err = _facecast(capsys, "participants", "--gallery", str(path))
+    assert (code, out) == (2, "")
+    assert err == (f"facecast: {path}: participants[0] ('ada'): enrolments[1]: embedding of 127 "
+                   "values; allowed: exactly 128 finite numbers\n"), err
+    # Before a photo is read or a model loaded (seconds): the gallery could not take it.
+    code, out, err = _facecast(capsys, "enroll", "bo", "--photo", str(tmp_path / "none.png"),
+                               "--gallery", str(path))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"facecast: nobody enrolled: {path}: participants[0] ('ada')"), err
+    assert "Traceback" not in err

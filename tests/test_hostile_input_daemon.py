@@ -1,0 +1,105 @@
+"""Issue 21, "Files and input", on a real daemon: a file or a local process that the daemon does
+not control must never stop it or speak in its name.
+
+- A gallery that cannot be used costs the names, never the daemon (Note [Gallery validation] in
+  facecast.shared.gallery): status says why, the Markers stream and the log say so.
+- The control socket takes worker messages (Event, Heartbeat, Hello, BootFailed,
+  TrackIdsWanted) only from the workers' own connections (Note [Worker connections] in
+  facecast.daemon.supervisor): a forged `record_start` from a plain DEALER never reaches the
+  Markers stream and is counted and logged as refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from daemon_harness import Recorder, ready_daemon
+from facecast.shared import endpoints, gallery, messages
+from facecast.shared.messages import Event, Heartbeat, Hello
+
+CONFIG = """
+[daemon]
+transport = "shm"
+
+[web]
+enabled = false
+
+[participants]
+gallery = "@GALLERY@"
+
+[[cameras]]
+id = "cam0"
+source = "synthetic"
+width = 320
+height = 180
+fps = 10
+"""
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    gallery_path = tmp / "participants.json"
+    with ready_daemon(tmp, CONFIG.replace("@GALLERY@", str(gallery_path))) as running:
+        running.gallery_path = gallery_path
+        running.markers = Recorder(running.resolve("Markers", count=1))
+        try:
+            yield running
+        finally:
+            running.markers.stop()
+
+
+def _markers(daemon) -> list[dict]:
+    return [json.loads(sample[0]) for sample in daemon.markers.records[0].samples]
+
+
+def _wait_for(what: str, condition, daemon, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        assert daemon.process.poll() is None, f"the daemon exited\n{daemon.log_tail()}"
+        time.sleep(0.05)
+    raise AssertionError(f"{what} within {timeout_s} s\n{daemon.log_tail()}")
+
+
+def _bad_gallery(path: Path) -> None:
+    """Two enrolments, the second of 127 values: the file of issue 21."""
+    good = [0.01] * gallery.EMBEDDING_SIZE
+    path.write_text(json.dumps({
+        "format": gallery.FORMAT, "format_version": gallery.FORMAT_VERSION, "revision": 3,
+        "embedding_model": gallery.EMBEDDING_MODEL,
+        "participants": [{"name": "ada", "enrolments": [
+            {"embedding": good, "added_utc": "2026-11-25T10:00:00+00:00"},
+            {"embedding": good[:127], "added_utc": "2026-11-25T10:00:00+00:00"}]}]}))
+
+
+def test_a_bad_gallery_written_while_the_daemon_runs_costs_the_names_not_the_daemon(daemon):
+    _bad_gallery(daemon.gallery_path)
+    # As the console does: a status request every second (and here more often).
+    for _ in range(10):
+        status = daemon.status()
+    assert status.participants.startswith(f"gallery unusable: {daemon.gallery_path}: "), \
+        status.participants
+    assert "127 values; allowed: exactly 128 finite numbers" in status.participants
+    event = _wait_for("a gallery_unusable marker", lambda: next(
+        (e for e in _markers(daemon) if e["event"] == "gallery_unusable"), None), daemon)
+    assert "127 values" in event["reason"] and str(daemon.gallery_path) in event["reason"]
+    assert "participants: gallery unusable" in daemon.log_path.read_text()
+    assert daemon.process.poll() is None, daemon.log_tail()
+
+    # Mended: the names are back, and the daemon said so.
+    gallery.enrol(daemon.gallery_path.with_name("good.json"), "ada",
+                  [[0.01] * gallery.EMBEDDING_SIZE])
+    daemon.gallery_path.with_name("good.json").replace(daemon.gallery_path)
+    status = daemon.status()
+    assert status.participants == (f"gallery {daemon.gallery_path}: revision 1, 1 "
+                                   "participant(s): ada"), status.participants
+    _wait_for("a gallery_usable marker", lambda: any(
+        e["event"] == "gallery_usable" for e in _markers(daemon)), daemon)
