@@ -278,7 +278,7 @@ def consumer(args) -> None:
             items = [frame.message.capture_ts_lsl for frame in frames]
             for reader in subscriber.readers.values():
                 # shm readers have no event to wait for: leave that row empty for them
-                clock.wrap_all(reader, CONSUMER_STAGES if reader.zero_copy else {
+                clock.wrap_all(reader, CONSUMER_STAGES if reader.description.transport == "cuda_ipc" else {
                     k: v for k, v in CONSUMER_STAGES.items() if k != "_wait_for_slot"})
         if items:
             sync()

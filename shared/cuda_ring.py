@@ -12,7 +12,8 @@ Note [CUDA IPC rules]
        a consumer opens them once per epoch (`CudaRingReader`) and closes them when the epoch
        changes. A new epoch is always a new reader: mappings are never reused across producers.
     3. Memory IPC orders nothing: see Note [Events order slots].
-    4. Slots get overwritten: Note [Slot generations] in rings.py.
+    4. Slots get overwritten: Note [Slot generations] in rings.py; a consumer reads its own
+       device copy of the slot, checked (Note [The consumer's own copy] in rings.py).
     5. One context: Note [One context] in cuda_driver.py.
     6. No same-process open: a reader in the producer's own process uses the producer's pointer
        and events directly (`_IN_PROCESS`), since cuIpcOpenMemHandle of one's own handle fails.
@@ -23,7 +24,7 @@ Note [Events order slots]
     The producer copies each frame from a pinned staging buffer to its slot with an async copy on
     its own stream, records the slot's interprocess event (disable-timing) on that stream, and only
     then publishes the FrameReady. The consumer makes its current stream wait on that event before
-    it reads the slot, so its kernels see the finished copy. PyTorch's own CUDA tensor sharing
+    it copies the slot, so its copy is of the finished upload. PyTorch's own CUDA tensor sharing
     waits on an event only when a storage is first shared, which is not enough for a ring that is
     re-read every frame. The frame gets into the staging buffer by a copy, or is made there
     (Note [Staged writes] in rings.py); either way a slot's staging buffer is handed out again only
@@ -214,9 +215,9 @@ class CudaRingProducer(RingProducer):
 
 
 class CudaRingReader(RingReader):
-    """Maps a CUDA ring once per epoch and hands out zero-copy views of its slots."""
+    """Maps a CUDA ring once per epoch; each frame read is a device-to-device copy of its slot,
+    checked on the copy (Note [The consumer's own copy] in rings.py)."""
 
-    zero_copy = True
     opens_total = 0  # cuIpcOpenMemHandle calls in this process (rule 2's test counts them)
 
     def __init__(
@@ -281,7 +282,7 @@ class CudaRingReader(RingReader):
             description.slot_count + 1, description.slot_bytes
         )
         self._prove_mapping(description)
-        # One view per slot for the whole epoch: reading a frame builds no tensor.
+        # One view per slot for the whole epoch, the source of each frame's copy.
         self._views = [
             self.slots[slot, : self.frame_bytes].view(self.frame_shape)
             for slot in range(description.slot_count)
@@ -307,10 +308,16 @@ class CudaRingReader(RingReader):
             self.events[slot].wait(torch.cuda.current_stream(self.device_index))
 
     def _slot_tensor(self, message: FrameReady, read) -> torch.Tensor:
-        return self._views[message.slot]
+        # Our own copy, queued on the current stream after the event wait (Note [The consumer's
+        # own copy] in rings.py); complete at the batch's sync, before the generation check.
+        source = self._views[message.slot]
+        tensor = torch.empty_like(source)
+        tensor.copy_(source, non_blocking=True)
+        read._needs_sync = True
+        return tensor
 
     def _checksum_start(self, message: FrameReady, read) -> frames.PendingChecksum:
-        # On the slot, in place, after the event wait; settled with the batch.
+        # On the copy, after it on the same stream; settled with the batch.
         return frames.checksum_start(read.tensor, self.checksum_kind)
 
     def close(self) -> None:

@@ -11,8 +11,8 @@ Note [Slot generations]
     slot has a 64-bit generation in the header, seqlock style: the producer makes it odd before it
     starts writing the slot and even (the next value) once the write is issued; the even value goes
     into the FrameReady message. A consumer compares the header with the message before it reads
-    and again after it has finished using the data (for a GPU view: after its stream has
-    finished). Any difference means the frame was overwritten: the result is dropped and counted,
+    and again once its own copy of the slot is complete (Note [The consumer's own copy]). Any
+    difference means the frame was overwritten while it was copied: it is dropped and counted,
     never handed on. DESIGN.md §2 rule 4; guarded by tests/test_shm_ring.py and
     tests/test_cuda_rules.py::test_rule4_*.
 
@@ -27,14 +27,31 @@ Note [Staged writes]
     ring's pinned staging buffer for the slot, from which it goes to the GPU. At 1080p that is
     6 MB, about a millisecond of one core: the largest host cost of a frame (see the stage table
     of bench/transport.py). A source that can decode or render into memory it is given takes
-    `staging_view()` instead, writes the frame there and calls `publish_staged()`: no copy. The rules stay those of
-    Note [Slot generations]: on shm the view *is* the slot, so `staging_view()` makes its
-    generation odd before handing it out (a consumer never reads a half-made frame); on CUDA the
-    view is the slot's pinned staging buffer, private to the producer, handed out only once the
-    slot's previous upload from it has finished (its event), and the generation goes odd when
-    the upload is issued. The checksum is taken from the staged bytes in both cases, on the host;
-    on CUDA after the upload was issued, so that the host work overlaps the DMA (Note [Producer
-    checksum] in cuda_ring.py says why the host and not the slot).
+    `staging_view()` instead, writes the frame there and calls `publish_staged()`. The view is
+    always producer-private memory, never the slot that consumers map: on CUDA the slot's pinned
+    staging buffer, handed out only once the slot's previous upload from it has finished (its
+    event); on shm one private buffer, copied into the slot at commit (there staging saves no
+    copy; it is offered so that sources need not know the transport). The generation goes odd
+    when the slot's content starts to change (the shm copy, the CUDA upload). Note [Checksum of
+    what the camera gave] says why the memory is private.
+
+Note [Checksum of what the camera gave]
+    A frame's checksum says what the camera handed over, so it is computed from the producer's
+    private bytes (the caller's frame, or the staging buffer), on the host, before or while they
+    go to the slot; never from the slot itself. A checksum taken from shared memory certifies
+    whatever is there: a third process that writes into a slot while the producer fills it (a
+    writer looping over every slot, the one being filled included, did so on shm) would have its
+    bytes certified and accepted by every consumer. On CUDA the upload's host work overlaps the
+    DMA (Note [Producer checksum] in cuda_ring.py).
+
+Note [The consumer's own copy]
+    Every reader hands out its own copy of the slot, never the slot itself: a host copy, a DMA
+    of a (pinned) shm slot to the GPU, or a device-to-device copy of a CUDA slot (microseconds
+    for a 1080p frame). The checksum is computed on that copy and the generation checked once
+    it is complete, so the bytes a consumer uses are exactly the bytes it checked. Reading the
+    slot in place would check one thing and use another: a third process that wrote into a CUDA
+    slot after the consumer's checksum and before its models read the slot had its frame
+    accepted (the generation, which only the producer changes, stayed the same).
 
 Note [One sync per batch]
     Reading a frame ends with checks that need the GPU's work done: a checksum computed on the
@@ -187,22 +204,22 @@ class RingProducer(ABC):
         )
 
     def write(self, frame: np.ndarray, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
-        """Copy a finished frame into the next slot and describe it."""
+        """Copy a finished frame (the caller's own memory) into the next slot and describe it."""
         if frame.shape != self.frame_shape or frame.dtype != self.frame_dtype:
             raise ValueError(
                 f"camera {self.camera_id}: frame {frame.shape} {frame.dtype} does not fit the ring "
                 f"({self.frame_shape} uint8); a new resolution needs a new ring"
             )
-        self._fill(self.staging_view(), frame)
-        return self.publish_staged(frame_seq, capture_ts_lsl)
+        slot = self._take_slot() if self._staged_view is None else self._staged_slot
+        self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
+        return self._publish(slot, self._stage(slot, frame), frame_seq, capture_ts_lsl)
 
     def staging_view(self) -> np.ndarray:
         """Where the next frame's pixels go: a writable (frame_shape) uint8 array that a source
         can decode or render into, saving `write`'s copy (Note [Staged writes]). Asking again
         before `publish_staged` returns the same array."""
         if self._staged_view is None:
-            slot = self._next_slot
-            self._next_slot = (slot + 1) % self.slot_count
+            slot = self._take_slot()
             self._staged_view = self._claim(slot)
             self._staged_slot = slot
         return self._staged_view
@@ -213,6 +230,22 @@ class RingProducer(ABC):
         if pixels is None:
             raise RuntimeError(f"camera {self.camera_id}: nothing staged (call staging_view first)")
         self._staged_slot = self._staged_view = None
+        return self._publish(slot, pixels, frame_seq, capture_ts_lsl)
+
+    def _take_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.slot_count
+        return slot
+
+    def _stage(self, slot: int, frame: np.ndarray) -> np.ndarray:
+        """The frame's bytes in producer-private memory that `_commit` can take into the slot:
+        by default the slot's staging memory, filled with a copy."""
+        staging = self._claim(slot)
+        self._fill(staging, frame)
+        return staging
+
+    def _publish(self, slot: int, pixels: np.ndarray, frame_seq: int,
+                 capture_ts_lsl: float) -> FrameReady:
         checksum = self._commit(slot, pixels)
         generation = self.header.end_write(slot)
         if self._corrupt_next:
@@ -262,12 +295,13 @@ class RingProducer(ABC):
 
     @abstractmethod
     def _claim(self, slot: int) -> np.ndarray:
-        """Stage "claim": make the slot's staging memory writable and return it."""
+        """Stage "claim": the slot's staging memory, private to this producer, writable."""
 
     @abstractmethod
     def _commit(self, slot: int, pixels: np.ndarray) -> int:
-        """Make the staged pixels the slot's content (generation odd meanwhile); return their
-        checksum. The caller then makes the generation even."""
+        """Make the staged pixels (producer-private) the slot's content (generation odd
+        meanwhile); return their checksum, computed from `pixels`, never from the slot (Note
+        [Checksum of what the camera gave]). The caller then makes the generation even."""
 
     @abstractmethod
     def _corrupt_slot(self, slot: int) -> None:
@@ -286,7 +320,9 @@ class RingProducer(ABC):
 
 
 class ShmRingProducer(RingProducer):
-    """Staging memory is the shared-memory slot itself: a staged frame is written once, in place."""
+    """A frame goes from the producer's own memory into the shared-memory slot in one copy: the
+    caller's frame for `write`, one private staging buffer for `staging_view`. Its checksum is
+    computed from that private memory (Note [Checksum of what the camera gave])."""
 
     transport = "shm"
 
@@ -307,13 +343,20 @@ class ShmRingProducer(RingProducer):
             self._slots[slot, : self.frame_bytes].reshape(self.frame_shape)
             for slot in range(slot_count)
         ]
+        self._private: np.ndarray | None = None  # staging_view's buffer, made on first use
 
     def _claim(self, slot: int) -> np.ndarray:
-        # Odd from now on: the pixels are written straight into the slot that consumers map.
-        self.header.begin_write(slot)
-        return self._slot_views[slot]
+        if self._private is None:
+            self._private = np.empty(self.frame_shape, np.uint8)
+        return self._private
+
+    def _stage(self, slot: int, frame: np.ndarray) -> np.ndarray:
+        return frame  # the caller's own frame: private already, no staging copy
 
     def _commit(self, slot: int, pixels: np.ndarray) -> int:
+        # Odd while the slot changes: a consumer that reads meanwhile drops what it read.
+        self.header.begin_write(slot)
+        np.copyto(self._slot_views[slot], pixels)
         return self._checksum(pixels)
 
     def _corrupt_slot(self, slot: int) -> None:
@@ -326,7 +369,7 @@ class ShmRingProducer(RingProducer):
         return {"data_name": self.data.name}
 
     def close(self) -> None:
-        self._slots = self._slot_views = self._staged_view = None
+        self._slots = self._slot_views = self._staged_view = self._private = None
         self.data.close()
         super().close()
 
@@ -357,12 +400,9 @@ class SlotRead:
         return self.verdict is Verdict.OK
 
     def still_valid(self) -> bool:
-        """After the data was used (GPU work finished), was the slot left alone all along?"""
-        if not self.ok:
-            return False
-        if not self._reader.zero_copy:
-            return True  # the tensor is our own copy, checked when it was made
-        return self._reader.generation_unchanged(self._message)
+        """Whether the frame may be used: it was read, and the tensor is the reader's own copy,
+        checked when it was made (Note [The consumer's own copy]), so nothing can change it."""
+        return self.ok
 
 
 class RingReader(ABC):
@@ -372,8 +412,6 @@ class RingReader(ABC):
     host sync in all (Note [One sync per batch]). The ring's description says which checksum its
     frames carry: "full" is checked on every frame; "sampled" on 1 frame in `checksum_every`.
     """
-
-    zero_copy: bool  # True: read() returns a view of the slot, valid only while the slot is
 
     def __init__(self, description: RingDescription, checksum_every: int = 30) -> None:
         self.description = description
@@ -405,16 +443,14 @@ class RingReader(ABC):
         return read
 
     def _finish(self, read: SlotRead) -> None:
-        """After the sync: the checksum's verdict; counts."""
+        """After the sync, the copy complete: if the generation held all along, the copy is the
+        frame (Note [Slot generations]); then the checksum's verdict; counts."""
         message = read._message
+        if read.verdict is Verdict.OK and not self.generation_unchanged(message):
+            read.verdict, read.tensor, read._checksum = Verdict.OVERWRITTEN, None, None
         if read.verdict is Verdict.OK and read._checksum is not None:
             if read._checksum != message.checksum:
-                # The generation may explain it (overwritten while we read): say which.
-                if not self.generation_unchanged(message):
-                    read.verdict = Verdict.OVERWRITTEN
-                else:
-                    read.verdict = Verdict.CHECKSUM_MISMATCH
-                read.tensor = None
+                read.verdict, read.tensor = Verdict.CHECKSUM_MISMATCH, None
         read._checksum = None
         self.counts[read.verdict] += 1
 
@@ -499,8 +535,6 @@ class ShmRingReader(RingReader):
         is undone before the mapping is closed.
     """
 
-    zero_copy = False
-
     def __init__(
         self, description, device: str | torch.device = "cpu", checksum_every: int = 30,
         pin: bool = True,
@@ -570,12 +604,6 @@ class ShmRingReader(RingReader):
         if read.tensor.device.type == "cpu":
             return frames.checksum(read.tensor.numpy(), self.checksum_kind)
         return frames.checksum_start(read.tensor, self.checksum_kind)  # settled with the batch
-
-    def _finish(self, read: SlotRead) -> None:
-        # The copy is complete (settled): if the generation held all along, the copy is the frame.
-        if read.verdict is Verdict.OK and not self.generation_unchanged(read._message):
-            read.verdict, read.tensor, read._checksum = Verdict.OVERWRITTEN, None, None
-        super()._finish(read)
 
     def close(self) -> None:
         if self._registered is not None:

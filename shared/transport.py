@@ -32,6 +32,7 @@ Note [Transport reasons]
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 
 RETIRED_RING_GRACE_S = 3.0
 DESCRIBE_RETRY_S = 0.5
+# A camera's checksum mismatches reach the Markers stream at most this often (the first at
+# once, then one with the count since): a flood of bad frames must not flood the stream.
+MISMATCH_EVENT_INTERVAL_S = 10.0
 
 
 frames_endpoint = endpoints.frames
@@ -135,6 +139,30 @@ class TransportStatus:
     fallback_reason: str = ""
     fallbacks: int = 0
     counts: Counter = field(default_factory=Counter)
+
+
+class MismatchEvents:
+    """Note [Mismatches are events]: every checksum mismatch, on either transport, becomes a
+    `frame_mismatch` event (to the Markers stream through the worker's `event`), at most one per
+    camera per MISMATCH_EVENT_INTERVAL_S, each with the count since the last."""
+
+    def __init__(self, send: Callable[..., None] | None) -> None:
+        self._send = send
+        self._last_monotonic: dict[str, float] = {}
+        self._unsent: Counter = Counter()
+
+    def add(self, message: FrameReady, reason: str) -> None:
+        if self._send is None:
+            return
+        camera_id = message.camera_id
+        self._unsent[camera_id] += 1
+        now = time.monotonic()
+        if now - self._last_monotonic.get(camera_id, -math.inf) < MISMATCH_EVENT_INTERVAL_S:
+            return
+        self._last_monotonic[camera_id] = now
+        self._send("frame_mismatch", camera=camera_id, transport=message.transport,
+                   frame_seq=message.frame_seq, frames=self._unsent.pop(camera_id),
+                   reason=reason)
 
 
 # ================================================================================================
@@ -334,7 +362,16 @@ class ReceivedFrame:
 
 
 class FrameSubscriber:
-    """Receives the newest frame of each camera, attached to its current ring, verified."""
+    """Receives the newest frame of each camera, attached to its current ring, verified.
+
+    Note [Mismatches are events]
+        A frame whose bytes are not the ones the camera published is never handed on, and it is
+        never only a counter: on a CUDA ring the camera falls back to shm (Note [Transport
+        fallback]), on shm the frame is dropped; on both, `on_event` (a worker's `event`) gets a
+        `frame_mismatch` event with the camera, transport, frame and reason, so that it reaches
+        the Markers stream and a lab's recording says which data to distrust
+        (`MismatchEvents`). The recorder, which reads every frame, reports its own the same way.
+    """
 
     def __init__(
         self,
@@ -343,10 +380,12 @@ class FrameSubscriber:
         camera_ids: list[str],
         device: str | torch.device = "cpu",
         checksum_every: int = 30,
+        on_event: Callable[..., None] | None = None,
         **reader_options,
     ) -> None:
         import torch
 
+        self.mismatches = MismatchEvents(on_event)
         self.device = torch.device(device)
         warm_up_checksums(self.device)
         self.checksum_every = checksum_every
@@ -468,16 +507,18 @@ class FrameSubscriber:
         camera_id = message.camera_id
         status = self.status[camera_id]
         status.counts[read.verdict.value] += 1
-        if read.verdict is Verdict.CHECKSUM_MISMATCH and reader.zero_copy:
-            self._report_fault(camera_id, message.ring_epoch, (
-                f"checksum mismatch on frame {message.frame_seq} (slot {message.slot}): the "
-                "mapped GPU memory is not the frame the camera published"
-            ))
+        if read.verdict is Verdict.CHECKSUM_MISMATCH and message.transport == "cuda_ipc":
+            reason = (f"checksum mismatch on frame {message.frame_seq} (slot {message.slot}): the "
+                      "mapped GPU memory is not the frame the camera published")
+            self._report_fault(camera_id, message.ring_epoch, reason)
+            self.mismatches.add(message, reason)
         elif read.verdict is Verdict.CHECKSUM_MISMATCH:
             # shm is already the fallback: drop the frame, counted, and say so (never silently).
-            log.warning("camera %s: frame %d dropped: its shared-memory slot does not hold the "
-                        "bytes the camera published (checksum mismatch; %d so far)", camera_id,
-                        message.frame_seq, status.counts["checksum_mismatch"])
+            reason = (f"checksum mismatch on frame {message.frame_seq} (slot {message.slot}): its "
+                      "shared-memory slot does not hold the bytes the camera published")
+            log.warning("camera %s: frame %d dropped: %s (%d so far)", camera_id,
+                        message.frame_seq, reason, status.counts["checksum_mismatch"])
+            self.mismatches.add(message, reason)
         return read.ok
 
     def _request_description(self, camera_id: str) -> None:

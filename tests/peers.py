@@ -91,6 +91,13 @@ def run_producer(args) -> None:
                 if args.corrupt_at == index:
                     publisher.corrupt_next_frame()
                 publisher.publish(deck[publisher.frame_seq % DECK_SIZE], time.monotonic())
+                if index == 0 and args.description_out:  # for a third process (tamper-loop)
+                    from facecast.shared import messages
+
+                    path = Path(args.description_out)
+                    path.with_suffix(".tmp").write_bytes(
+                        messages.encode(publisher.producer.description()))
+                    path.with_suffix(".tmp").rename(path)
                 # Like a camera, never two frames back to back to make up for a late one: a
                 # consumer handed two frames at once reads only the newer (the first corruption
                 # loads a kernel, which once made frame corrupt_at late and then skipped).
@@ -258,10 +265,68 @@ def run_tamper(args) -> None:
     print(json.dumps({"tampered": args.change, "slot": args.slot}), flush=True)
 
 
+def run_tamper_loop(args) -> None:
+    """A third process that keeps writing into a ring for `--timeout-s` seconds: it waits for
+    the description file, attaches the ring as `tamper` does, then cycles through every slot
+    (the one the producer is filling included, whichever that is), changing each as `--change`
+    says at a position that moves from change to change. What a buggy or hostile writer with
+    the ring's name or handle does all the time, not once."""
+    from facecast.shared import messages
+
+    path = Path(args.description)
+    deadline = time.monotonic() + args.timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no ring description at {path}")
+        time.sleep(0.01)
+    description = messages.decode(path.read_bytes())
+    shape = tuple(description.frame_shape)
+    frame_bytes = int(np.prod(shape))
+    rng = np.random.default_rng(args.seed)
+    changes = 0
+    if description.transport == "shm":
+        from facecast.shared import shm
+
+        size_bytes = description.slot_bytes * (description.slot_count + 1)
+        segment = shm.SharedSegment.attach(description.data_name, size_bytes)
+        slots = np.frombuffer(segment.buffer, np.uint8).reshape(description.slot_count + 1, -1)
+        views = [slots[slot, :frame_bytes].reshape(shape) for slot in range(description.slot_count)]
+        sync = None
+    else:
+        import torch
+
+        from facecast.shared.cuda_ring import CudaRingReader
+
+        reader = CudaRingReader(description)  # opens the IPC handle, as another process does
+        views = [reader.slots[slot, :frame_bytes].view(shape)
+                 for slot in range(description.slot_count)]
+        sync = lambda: torch.cuda.synchronize(reader.device_index)  # noqa: E731
+    try:
+        while time.monotonic() < deadline:
+            for view in views:
+                tampered(view, args.change, int(rng.integers(0, frame_bytes)),
+                         int(rng.integers(0, 2**31)))
+                changes += 1
+            if sync is not None:
+                sync()
+            time.sleep(args.slow_s)
+    finally:
+        del views
+        if description.transport == "shm":
+            del slots
+            segment.close()
+        else:
+            reader.close()
+    print(json.dumps({"changes": changes}), flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["producer", "consumer", "attach", "tamper"])
+    parser.add_argument("role", choices=["producer", "consumer", "attach", "tamper",
+                                         "tamper-loop"])
     parser.add_argument("--description", help="attach: file holding an encoded RingDescription")
+    parser.add_argument("--description-out", default="",
+                        help="producer: write the ring's description here after frame 0")
     parser.add_argument("--runtime-dir", default="")
     parser.add_argument("--camera", default="cam0")
     parser.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -288,7 +353,7 @@ def main(argv=None) -> None:
                         help="tamper: the frame byte changed (byte), or the patch's first pixel's")
     args = parser.parse_args(argv)
     {"producer": run_producer, "consumer": run_consumer, "attach": run_attach,
-     "tamper": run_tamper}[args.role](args)
+     "tamper": run_tamper, "tamper-loop": run_tamper_loop}[args.role](args)
 
 
 if __name__ == "__main__":

@@ -71,3 +71,37 @@ def test_the_publisher_spoils_the_next_frame_even_before_its_ring_exists(runtime
                 reader.close()
         finally:
             publisher.close()
+
+
+def test_a_mismatch_on_shm_reaches_the_markers_stream(tmp_path):
+    """Note [Mismatches are events]: a frame whose bytes are not the camera's is a
+    `frame_mismatch` marker, not only a counter. The consumers read the newest frame only, so a
+    spoiled frame may be passed over by all of them: the test spoils frames until one is caught."""
+    import json
+    import time
+
+    from daemon_harness import Recorder, ready_daemon
+    from facecast.daemon.control_client import request
+    from facecast.models import assets
+
+    assets.install(embeddings=False)  # downloads the mediapipe wheel once when the cache is empty
+    with ready_daemon(tmp_path, env={FAULT_INJECTION_ENV: "1"}) as daemon:
+        markers = Recorder(daemon.resolve("Markers", count=1))
+        try:
+            found = None
+            deadline = time.monotonic() + 60
+            while found is None and time.monotonic() < deadline:
+                reply = request(daemon.runtime_dir,
+                                InjectFault(kind="corrupt_next_frame", camera_id="synth0"), 5.0)
+                assert reply.ok, reply.error
+                wait_until = time.monotonic() + 0.5
+                while found is None and time.monotonic() < wait_until:
+                    events = [json.loads(sample[0]) for sample in markers.records[0].samples]
+                    found = next((e for e in events if e["event"] == "frame_mismatch"), None)
+                    time.sleep(0.02)
+        finally:
+            markers.stop()
+    assert found is not None, daemon.log_tail()
+    assert found["camera"] == "synth0" and found["transport"] == "shm", found
+    assert found["frames"] >= 1 and "checksum mismatch" in found["reason"], found
+    assert isinstance(found["frame_seq"], int) and found["worker"], found

@@ -226,7 +226,9 @@ def test_sparse_checksum_sees_shifts_and_agrees_between_numpy_and_torch():
 # --- staged writes (Note [Staged writes]) and batched reads (Note [One sync per batch]) ----------
 
 
-def test_staged_write_is_made_in_the_slot_and_round_trips():
+def test_staged_write_is_made_in_private_memory_and_round_trips():
+    """Note [Staged writes], Note [Checksum of what the camera gave]: the view is the producer's
+    own memory, so nothing another process writes into the slot meanwhile is certified."""
     shape = (48, 64, 3)
     producer = ShmRingProducer("stg", shape, slot_count=2)
     reader = ShmRingReader(producer.description(), checksum_every=1)
@@ -236,15 +238,16 @@ def test_staged_write_is_made_in_the_slot_and_round_trips():
         producer.write(rng.integers(0, 256, shape, dtype=np.uint8), 1, 0.0)
         view = producer.staging_view()  # slot 0 again: the one `older` is in
         assert view.shape == shape and view.dtype == np.uint8 and view.flags.writeable
-        assert np.shares_memory(view, producer._slots)  # the slot itself: written once, in place
+        assert not np.shares_memory(view, producer._slots)  # private, not what consumers map
         assert producer.staging_view() is view  # asked again before publishing: the same one
-        # Claimed, so odd: the frame that was in it can no longer be read, even before publish.
-        assert producer.header.get(older.slot) % 2 == 1
-        assert reader.read(older).verdict is Verdict.OVERWRITTEN
         frame = rng.integers(0, 256, shape, dtype=np.uint8)
         view[...] = frame
+        # Until the commit the slot still holds the older frame, and it can still be read.
+        assert reader.read(older).ok
+        producer._slots[older.slot, :7] = 0  # a foreign write into the slot before the commit
         message = producer.publish_staged(2, 1.5)
         assert message.slot == older.slot and message.frame_seq == 2
+        assert reader.read(older).verdict is Verdict.OVERWRITTEN
         assert message.checksum == frames.checksum(frame)  # the default: full
         read = reader.read(message)
         assert read.ok

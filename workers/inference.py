@@ -162,4 +162,5 @@ def open_frames(worker, previous: FrameSubscriber | None) -> FrameSubscriber:
         previous.close()
     return FrameSubscriber(worker.context, worker.runtime_dir, worker.camera_ids,
                            device=worker.torch_device,
-                           checksum_every=worker.config.daemon.checksum_every)
+                           checksum_every=worker.config.daemon.checksum_every,
+                           on_event=worker.event)

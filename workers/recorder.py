@@ -94,6 +94,7 @@ from facecast.shared.messages import (
     RingDescription,
 )
 from facecast.shared.ring_errors import TransportUnavailable
+from facecast.shared.transport import MismatchEvents
 from facecast.workers.base import BootError, Worker, results_subscriber
 from facecast.workers.video_encoder import PyAvEncoder, RecordingWriteError, Sidecar, VideoEncoder
 
@@ -115,8 +116,6 @@ class HostShmReader(rings.RingReader):
     boot stays short: it starts at `facecast record start`). Same checks as ShmRingReader's CPU
     path: generation before, copy, checksum of the copy, generation after (Note [Slot
     generations] in facecast.shared.rings)."""
-
-    zero_copy = False
 
     def __init__(self, description: RingDescription) -> None:
         super().__init__(description, checksum_every=1)
@@ -141,11 +140,6 @@ class HostShmReader(rings.RingReader):
 
     def _checksum_start(self, message: FrameReady, read: rings.SlotRead) -> int:
         return frames.checksum(read.tensor, self.checksum_kind)
-
-    def _finish(self, read: rings.SlotRead) -> None:
-        if read.verdict is rings.Verdict.OK and not self.generation_unchanged(read._message):
-            read.verdict, read.tensor, read._checksum = rings.Verdict.OVERWRITTEN, None, None
-        super()._finish(read)
 
     def close(self) -> None:
         self._slot_arrays = None
@@ -240,6 +234,8 @@ class CameraRecording:
         self.last_written_recording_frame = -1
         self.error = ""  # set by the encoder thread when writing failed
         self.current_file = ""
+        # Note [Mismatches are events] in facecast.shared.transport (main thread).
+        self.mismatches = MismatchEvents(worker.event)
         self.thread = threading.Thread(target=self._encode_loop, name=f"encode:{camera_id}",
                                        daemon=True)
         self.thread.start()
@@ -289,14 +285,12 @@ class CameraRecording:
             return
         read = reader.read(message)
         if not read.ok:
-            self._drop(message.frame_seq, message.capture_ts_lsl,
-                       f"dropped: {read.verdict.value} in the ring before the recorder read it")
+            reason = f"{read.verdict.value} in the ring before the recorder read it"
+            self._drop(message.frame_seq, message.capture_ts_lsl, f"dropped: {reason}")
+            if read.verdict is rings.Verdict.CHECKSUM_MISMATCH:
+                self.mismatches.add(message, f"frame {message.frame_seq} not recorded: {reason}")
             return
-        pixels = host_pixels(read)
-        if not read.still_valid():  # a CUDA ring's slot, overwritten while it was copied here
-            self._drop(message.frame_seq, message.capture_ts_lsl,
-                       "dropped: overwritten in the ring while the recorder copied it")
-            return
+        pixels = host_pixels(read)  # the reader's own copy, checked (an overwrite: the verdict)
         self._number(message.capture_ts_lsl)
         self._enqueue(_Queued(message.frame_seq, message.capture_ts_lsl, self.segment,
                               self.segment_frame, self.recording_frame, pixels))

@@ -1,0 +1,63 @@
+"""A third process that keeps writing into a camera's ring never gets a wrong frame accepted
+(issue 21; Note [Checksum of what the camera gave], Note [The consumer's own copy]).
+
+Real processes (tests/peers.py): a producer publishes frames of a known deck, a consumer
+checks every byte of every frame it is handed against the deck, and a third process, attached
+to the ring through its shm name or its CUDA IPC handle as any process with the name could,
+cycles through every slot all the time (the newest, the others, and the one the producer is
+filling) changing one byte, a 16x16 patch or the whole frame. Before the fix, on shm, the
+producer computed the checksum from the shared slot it had just filled, so a change that
+landed between its copy and its checksum was certified and accepted; on CUDA the consumer
+checked the slot in place and used it later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from peers import TAMPER_CHANGES, Peers
+
+SHAPE = "480,640,3"
+FRAMES = 120
+
+
+def _run(runtime_dir: str, transport: str, device: str, change: str) -> tuple[dict, dict]:
+    peers = Peers(runtime_dir)
+    description = Path(runtime_dir) / "ring.msgpack"
+    try:
+        consumer = peers.start("consumer", device=device, shape=SHAPE, until_seq=FRAMES - 1,
+                               timeout_s=30)
+        tamperer = peers.start("tamper-loop", description=str(description), change=change,
+                               timeout_s=8, slow_s=0.0005, seed=5)
+        producer = peers.start("producer", frames=FRAMES, fps=30, shape=SHAPE,
+                               transport=transport, description_out=str(description))
+        Peers.result(producer)
+        seen = Peers.result(consumer, timeout_s=60)
+        tampered = Peers.result(tamperer, timeout_s=60)
+        return seen, tampered
+    finally:
+        peers.kill_all()
+
+
+@pytest.mark.parametrize("change", TAMPER_CHANGES)
+def test_a_writer_looping_over_every_shm_slot_gets_no_wrong_frame_accepted(runtime_dir, change):
+    seen, tampered = _run(runtime_dir, "shm", "cpu", change)
+    assert tampered["changes"] > 0, tampered
+    assert seen["counts"].get("checksum_mismatch", 0) > 0, seen  # the writes landed ...
+    assert seen["mismatched"] == 0, seen  # ... and not one wrong frame was handed on
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", TAMPER_CHANGES)
+def test_a_writer_looping_over_every_cuda_slot_gets_no_wrong_frame_accepted(runtime_dir, change):
+    from facecast.shared.cuda_driver import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason:
+        pytest.skip(f"needs CUDA IPC: {reason}")
+    seen, tampered = _run(runtime_dir, "cuda_ipc", "cuda", change)
+    assert tampered["changes"] > 0, tampered
+    assert seen["counts"].get("checksum_mismatch", 0) > 0, seen
+    assert seen["mismatched"] == 0, seen
