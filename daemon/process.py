@@ -28,6 +28,7 @@ import collections
 import enum
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -110,6 +111,7 @@ class WorkerProcess:
     spec: WorkerSpec
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     popen: subprocess.Popen | None = None
+    secret: str = ""  # its process's, for the control socket (Note [Worker connections])
     state: WorkerState = WorkerState.STOPPED  # change it with move_to (Note [Worker states])
     restarts: int = 0
     consecutive_failures: int = 0
@@ -144,25 +146,43 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    @property
+    def routing_id(self) -> bytes:
+        """Its connection's identity on the control socket (Note [Worker connections] in
+        facecast.daemon.supervisor); b"" without a process."""
+        return f"{self.name}#{self.secret}".encode() if self.secret else b""
+
     def start(self, control_endpoint: str, env: dict[str, str]) -> None:
-        self.adopt(subprocess.Popen(
+        # Note [Worker connections]: a secret of the process's own, through a pipe (not its
+        # arguments, which every user sees, nor its environment, which /proc shows its user).
+        secret = secrets.token_hex(16)
+        popen = subprocess.Popen(
             [sys.executable, "-m", "facecast.workers", self.spec.role, self.name, control_endpoint],
-            env=env, stdin=subprocess.DEVNULL, close_fds=True,
-        ))
+            env=env, stdin=subprocess.PIPE, close_fds=True,
+        )
+        try:
+            popen.stdin.write(f"{secret}\n".encode())
+            popen.stdin.close()
+        except OSError as exc:  # it died at once: reaped as any dead worker is
+            log.warning("could not hand %s its secret: %s", self.name, exc)
+        self.adopt(popen, secret)
         log.info("started %s (pid %d)", self.name, self.popen.pid)
 
     def hand_over(self, successor: WorkerProcess, respawn_delay_s: float) -> None:
         """This warm standby's process becomes `successor`'s (it was told to take the name);
         this spare starts afresh after `respawn_delay_s` (Note [Warm standby])."""
         popen, self.popen = self.popen, None
+        secret, self.secret = self.secret, ""
         self.move_to(WorkerState.PENDING)  # refused unless this is a spare in standby
-        successor.adopt(popen)
+        successor.adopt(popen, secret)
         self.next_start_monotonic = time.monotonic() + respawn_delay_s
 
-    def adopt(self, popen: subprocess.Popen) -> None:
-        """`popen` is now this worker's process, booting (a fresh one, or a promoted spare)."""
+    def adopt(self, popen: subprocess.Popen, secret: str = "") -> None:
+        """`popen` is now this worker's process, booting (a fresh one, or a promoted spare);
+        `secret`, the one it was spawned with (Note [Worker connections])."""
         self.move_to(WorkerState.BOOTING)
         self.popen = popen
+        self.secret = secret
         now = time.monotonic()
         self.started_monotonic = self.last_heartbeat_monotonic = now
         self.abort_sent_monotonic = self.kill_sent_monotonic = None

@@ -30,6 +30,27 @@ Note [Boot order]
     inference workers are then there for the first frames; nothing is lost, since no frame
     exists before capture starts.
 
+Note [Worker connections]
+    The control socket is a file in the runtime directory: every process of the daemon's user
+    can connect to it. Workers' messages (Hello, Heartbeat, BootFailed, Event, TrackIdsWanted)
+    change what the daemon believes and what goes on the Markers stream (a forged
+    `record_start` in a lab's recording; issue 21), so they are accepted only from the
+    connections of the processes the supervisor started. At spawn the supervisor makes a
+    random secret per process (128 bits, `WorkerProcess.start`) and writes it to the child's
+    stdin, a pipe: not its arguments, which `ps` shows every user, nor its environment, which
+    /proc shows every process of the user. The worker connects with the routing identity
+    `name#secret` (`facecast.workers.base.connection_identity`), and the supervisor routes to
+    and accepts from that identity only: a worker message whose connection is not the claimed
+    worker's own is refused, counted with the malformed ones (`rejected_messages` in status)
+    and logged. A promoted spare keeps its process's secret under its new name. Clients (the
+    CLI, the console) connect with any identity and may send only the requests in
+    CLIENT_REQUESTS; the replies go back on their own connection. What a same-user process
+    could still do is read a worker's memory, which Yama's ptrace scope (1 on common
+    distributions) denies to non-descendants; the runtime directory's mode keeps other users
+    out altogether. One simpler design was refused: the bare worker name as the identity
+    (before issue 21), which any connection can claim, and with ROUTER_HANDOVER the claim even
+    cut the real worker off.
+
 Note [Fault injection]
     The soak test (tests/soak) spoils frames on purpose to prove that checksums catch them. The
     hook is an `InjectFault` control message, which no CLI verb sends, and the supervisor obeys
@@ -92,6 +113,10 @@ OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker befo
 # that a slow role (many CUDA processes exiting at once) does not leave the others nothing.
 STOP_RESERVE_PER_ROLE_S = 0.5
 FAULT_INJECTION_ENV = "FACECAST_ALLOW_FAULT_INJECTION"  # Note [Fault injection]
+# Note [Worker connections]: what only a worker's own connection may send, and what anyone may.
+WORKER_MESSAGES = (Hello, Heartbeat, BootFailed, Event, TrackIdsWanted)
+CLIENT_REQUESTS = ("StatusRequest", "ReloadRequest", "StopRequest", "RecordRequest",
+                   "InjectFault")
 GALLERY_CHECK_S = 2.0  # as the workers' (Note [Gallery reload] in facecast.workers.identity)
 
 
@@ -374,18 +399,10 @@ class Supervisor:
             message = self._gate.decode(payload)
             if message is None:
                 continue
-            if isinstance(message, Hello):
-                self._on_hello(identity, message)
-            elif isinstance(message, Heartbeat):
-                self._on_heartbeat(message)
-            elif isinstance(message, BootFailed):
-                worker = self.workers.get(message.worker)
+            if isinstance(message, WORKER_MESSAGES):
+                worker = self._worker_of(identity, message)
                 if worker is not None:
-                    worker.boot_error = message.reason
-            elif isinstance(message, Event):
-                log.info("event %s %s", message.kind, message.fields)
-                self.events.add(message)
-                self.recordings.on_event(message)
+                    self._on_worker_message(identity, worker, message)
             elif isinstance(message, StatusRequest):
                 self._reply(identity, self.status(message.id))
             elif isinstance(message, ReloadRequest):
@@ -399,15 +416,52 @@ class Supervisor:
                     message, self.config, stopping=self._shutdown is not None))
             elif isinstance(message, InjectFault):
                 self._reply(identity, self._inject_fault(message))
-            elif isinstance(message, TrackIdsWanted):
-                if (identity == message.worker.encode()
-                        and self.workers.get(message.worker) is not None):
-                    self._reply(identity, self.track_ids.answer(message))
+            else:  # a message the supervisor sends, never receives (Assignment, Ack...)
+                self._gate.refuse(f"{type(message).__name__} is not a request a client may send "
+                                  f"(allowed: {', '.join(CLIENT_REQUESTS)})")
+
+    def _worker_of(self, identity: bytes, message: messages.Message) -> WorkerProcess | None:
+        """The worker whose own connection sent `message`, or None: refused, counted and logged
+        (Note [Worker connections])."""
+        claimed = getattr(message, "worker", None)
+        if claimed is None and isinstance(message, Event):
+            claimed = message.fields.get("worker", "")
+        _, _, secret = identity.rpartition(b"#")
+        owner = next((w for w in self.workers if w.secret and w.secret.encode() == secret),
+                     None) if secret else None
+        if owner is not None and owner.routing_id == identity and claimed in ("", owner.name):
+            return owner
+        if owner is not None:  # its process, under the name it had before a promotion
+            log.debug("dropped a %s that %s sent before it was promoted",
+                      type(message).__name__, owner.name)
+            return None
+        self._gate.refuse(f"{type(message).__name__} (as worker {claimed!r}) from a connection "
+                          "that is not that worker's own; only the processes the supervisor "
+                          "started may send it")
+        return None
+
+    def _on_worker_message(self, identity: bytes, worker: WorkerProcess,
+                           message: messages.Message) -> None:
+        if isinstance(message, Hello):
+            self._on_hello(identity, worker, message)
+        elif isinstance(message, Heartbeat):
+            self._on_heartbeat(worker, message)
+        elif isinstance(message, BootFailed):
+            worker.boot_error = message.reason
+        elif isinstance(message, Event):
+            log.info("event %s %s", message.kind, message.fields)
+            self.events.add(message)
+            self.recordings.on_event(message)
+        elif isinstance(message, TrackIdsWanted):
+            self._reply(identity, self.track_ids.answer(message))
 
     def _send_to(self, worker_name: str, message: messages.Message) -> bool:
         """To a worker over its control connection; False when it is not connected."""
+        worker = self.workers.get(worker_name)
+        if worker is None or not worker.routing_id:
+            return False
         try:
-            self.control.send_multipart([worker_name.encode(), messages.encode(message)])
+            self.control.send_multipart([worker.routing_id, messages.encode(message)])
         except zmq.ZMQError as exc:
             log.debug("could not send %s to %s: %s", type(message).__name__, worker_name, exc)
             return False
@@ -417,12 +471,12 @@ class Supervisor:
         try:
             self.control.send_multipart([identity, messages.encode(message)])
         except zmq.ZMQError as exc:  # the asker went away
-            log.debug("could not answer %r: %s", identity, exc)
+            log.debug("could not answer a %s: %s", type(message).__name__, exc)
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
-        worker = self.workers.get(hello.worker)
-        if worker is None or worker.pid != hello.pid or identity != hello.worker.encode():
-            log.warning("ignoring hello from unknown worker %r (pid %d)", hello.worker, hello.pid)
+    def _on_hello(self, identity: bytes, worker: WorkerProcess, hello: Hello) -> None:
+        if worker.pid != hello.pid:
+            log.warning("ignoring hello from worker %r: pid %d, not %d", hello.worker, hello.pid,
+                        worker.pid)
             return
         self._reply(identity, self._assignment(worker.spec))
 
@@ -437,9 +491,8 @@ class Supervisor:
                           camera_ids=list(spec.camera_ids), device=spec.device,
                           standby=spec.standby, track_ids=track_ids)
 
-    def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        worker = self.workers.get(heartbeat.worker)
-        if worker is None or not worker.alive() or worker.state is S.STOPPING:
+    def _on_heartbeat(self, worker: WorkerProcess, heartbeat: Heartbeat) -> None:
+        if not worker.alive() or worker.state is S.STOPPING:
             return
         worker.last_heartbeat_monotonic = time.monotonic()
         worker.reports, worker.stages = heartbeat.cameras, heartbeat.stages

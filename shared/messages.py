@@ -538,6 +538,11 @@ class MessageGate:
                 return
             yield self.decode(parts[-1])
 
+    def refuse(self, reason: str) -> None:
+        """A message that decoded but that its sender may not send: counted and logged as a
+        malformed one is."""
+        self._reject(reason)
+
     def _reject(self, reason: str) -> None:
         self.rejected += 1
         MessageGate.rejected_in_process += 1

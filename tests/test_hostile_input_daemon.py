@@ -12,9 +12,12 @@ not control must never stop it or speak in its name.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 
@@ -103,3 +106,54 @@ def test_a_bad_gallery_written_while_the_daemon_runs_costs_the_names_not_the_dae
                                    "participant(s): ada"), status.participants
     _wait_for("a gallery_usable marker", lambda: any(
         e["event"] == "gallery_usable" for e in _markers(daemon)), daemon)
+
+
+def test_a_forged_worker_message_never_reaches_the_markers_stream(daemon):
+    """Note [Worker connections] in facecast.daemon.supervisor. A local process connects as a
+    CLI does, and also as the output worker (its bare name, the identity workers had before),
+    and sends what only workers may: a `record_start` Event, a Heartbeat, a Hello."""
+    before = daemon.status()
+    output_pid = next(w.pid for w in before.workers if w.name == "output")
+    forged_file = "forged-by-a-local-process.mp4"
+    forgeries = [
+        Event(kind="record_start", fields={"worker": "recorder:cpu", "camera": "cam0",
+                                           "file": forged_file, "dir": "/tmp"}),
+        Event(kind="record_start", fields={"file": forged_file}),  # naming no worker
+        Heartbeat(worker="output", state="running", trouble="forged trouble"),
+        Hello(worker="output", role="output", pid=output_pid),
+    ]
+    with zmq.Context() as context:
+        for identity in (None, b"output", b"capture:cam0"):
+            with context.socket(zmq.DEALER) as dealer:
+                dealer.setsockopt(zmq.LINGER, 1000)
+                if identity is not None:
+                    dealer.setsockopt(zmq.IDENTITY, identity)
+                dealer.connect(endpoints.control(daemon.runtime_dir))
+                for forged in forgeries:
+                    dealer.send(messages.encode(forged))
+                # A request of a client is still answered on the same connection, after the
+                # forgeries: they have been read by then.
+                dealer.send(messages.encode(messages.StatusRequest()))
+                assert dealer.poll(10_000), "no answer to a status request"
+                status = messages.decode(dealer.recv())
+                assert isinstance(status, messages.DaemonStatus)
+                assert not any(isinstance(m := messages.decode(dealer.recv()), messages.Assignment)
+                               for _ in range(5) if dealer.poll(200)), "a forged Hello was answered"
+
+    refused = 3 * len(forgeries)
+    assert status.rejected_messages - before.rejected_messages == refused, status.rejected_messages
+    # A real event after the forgeries arrives on the Markers stream (so the stream was read
+    # past them): a worker restart, whose marker the supervisor sends.
+    worker = next(w for w in status.workers if w.name == "capture:cam0")
+    os.kill(worker.pid, signal.SIGKILL)
+    _wait_for("the worker_restart marker", lambda: any(
+        e["event"] == "worker_restart" for e in _markers(daemon)), daemon)
+    assert not any(forged_file in json.dumps(e) for e in _markers(daemon)), _markers(daemon)
+    assert b"forged trouble" not in msgspec.json.encode(daemon.status())
+    log = daemon.log_path.read_text()
+    assert "forged trouble" not in log
+    assert "from a connection that is not that worker's own" in log, daemon.log_tail()
+    assert forged_file not in log
+    # The real workers were not cut off: they still heartbeat and answer.
+    daemon.wait_for_worker("capture:cam0", "running", not_pid=worker.pid)
+    daemon.wait_for_worker("output", "running")

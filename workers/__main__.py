@@ -66,7 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     set_process_name(args.name)
     logging.basicConfig(level=os.environ.get("FACECAST_LOG_LEVEL", "INFO").upper())
     set_log_format(args.name)
-    return run(_worker_class(args.role), args.name, args.control)
+    return run(_worker_class(args.role), args.name, args.control, _connection_secret())
+
+
+def _connection_secret() -> str:
+    """The secret the supervisor wrote to this process's stdin at spawn (Note [Worker
+    connections] in facecast.daemon.supervisor); "" when started otherwise (stdin a terminal
+    or /dev/null: a test's own ROUTER, which knows no secrets)."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return ""
+    secret = sys.stdin.readline().strip()
+    sys.stdin.close()
+    return secret
 
 
 def exit_now(code: int) -> None:

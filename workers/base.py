@@ -122,7 +122,9 @@ class Worker:
     def _connect_control(self) -> zmq.Socket:
         control = self.context.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 100)  # a last event may still matter; never hang exit
-        control.setsockopt(zmq.IDENTITY, self.name.encode())
+        # Note [Worker connections] in facecast.daemon.supervisor: the name and this process's
+        # secret, which only the supervisor knows besides.
+        control.setsockopt(zmq.IDENTITY, connection_identity(self.name, _connection_secret))
         control.setsockopt(zmq.SNDHWM, 1000)
         control.connect(self.control_endpoint)
         return control
@@ -329,9 +331,21 @@ def _die_with_parent() -> None:
         pass
 
 
-def run(worker_class: type[Worker], name: str, control_endpoint: str) -> int:
+def connection_identity(name: str, secret: str) -> bytes:
+    """A worker's routing identity on the control socket (Note [Worker connections] in
+    facecast.daemon.supervisor): `name#secret`, or the bare name without a secret."""
+    return f"{name}#{secret}".encode() if secret else name.encode()
+
+
+_connection_secret = ""  # this process's, from its spawn (one per process: a promoted spare keeps it)
+
+
+def run(worker_class: type[Worker], name: str, control_endpoint: str, secret: str = "") -> int:
     """The whole life of a worker process after its entry point (facecast.workers.__main__)
-    set its title and stack dumps up; returns its exit code."""
+    set its title and stack dumps up; returns its exit code. `secret`: the one the supervisor
+    gave this process (Note [Worker connections] in facecast.daemon.supervisor)."""
+    global _connection_secret
+    _connection_secret = secret
     parent_pid = os.getppid()
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
