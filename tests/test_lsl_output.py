@@ -113,11 +113,13 @@ def test_face_streams_metadata_and_samples_round_trip() -> None:
         assert info.name() == f"facecast cam0 face{slot}"
         assert info.type() == "Face"
         assert info.source_id() == f"facecast-{host}-cam0-face{slot}"
-        assert info.nominal_srate() == 30.0
+        # Note [Rates that survive XDF loading]: irregular, the camera's rate in the metadata.
+        assert info.nominal_srate() == pylsl.IRREGULAR_RATE
         assert info.channel_format() == pylsl.cf_float32
         assert info.channel_count() == 12 + 52
 
     full = inlets[1].info(timeout=RESOLVE_TIMEOUT_S)
+    assert full.desc().child("facecast").child_value("camera_fps") == "30"
     channels = _channels(full, "label", "unit", "type")
     assert channels[:12] == [
         ("track_id", "none", "TrackId"),

@@ -423,6 +423,24 @@ def test_record_start_xdf_records_the_streams_with_labrecorder_alongside_the_vid
         assert abs(stamp - float(row["capture_ts_lsl"])) < 1e-3  # same machine: ~0 offset
         assert int(sample[1]) == int(row["recording_frame"])
 
+    # Loaded as a lab loads it, with pyxdf's defaults (clock sync and dejitter on), every Face
+    # and frame-index sample stays within 1 ms of the capture time it was pushed with (Note
+    # [Rates that survive XDF loading]; with the camera's rate declared, dejittering moved Face
+    # samples by up to 99 ms). As stamped: synchronize_clocks and dejitter off.
+    defaults, _ = pyxdf.load_xdf(str(xdf))
+    raw, _ = pyxdf.load_xdf(str(xdf), synchronize_clocks=False, dejitter_timestamps=False)
+    raw_by_source = {s["info"]["source_id"][0]: s for s in raw}
+    checked = 0
+    for stream in defaults:
+        if stream["info"]["type"][0] not in ("Face", "VideoExternal"):
+            continue
+        stamped = raw_by_source[stream["info"]["source_id"][0]]["time_stamps"]
+        assert len(stream["time_stamps"]) == len(stamped) > 0
+        moved_s = np.abs(np.asarray(stream["time_stamps"]) - np.asarray(stamped))
+        assert moved_s.max() < 1e-3, (stream["info"]["name"][0], moved_s.max())
+        checked += 1
+    assert checked >= 2  # the camera's Face stream(s) and its frame-index stream
+
 
 def test_record_start_in_the_config_records_from_boot_and_a_sigterm_finishes_the_files(
         tmp_path):

@@ -166,6 +166,27 @@ def _append_text(parent: Any, name: str, value: object) -> None:
     parent.append_child_value(name, str(value))
 
 
+# Note [Rates that survive XDF loading]
+#     A stream of measured frames (Face, participant Face, MoCap) gets a sample for each frame the
+#     face stack measured, which is fewer than the camera captures whenever it falls behind (9.9
+#     of 15 Hz on 2 cores, 5-6 Hz under load), and the frame-index stream loses frames a capture
+#     worker skips. Declared at the camera's rate, such streams were "regular" to XDF readers:
+#     `pyxdf.load_xdf` with its defaults dejitters every stream with a nominal rate (a linear fit
+#     of the timestamps), which moved Face timestamps by a median of 32 ms and up to 99 ms away
+#     from their capture times (issue 21). So these streams declare an irregular rate, which
+#     every reader leaves as stamped, and say the camera's rate in desc/facecast/camera_fps. A
+#     sample's timestamp is its frame's capture time; the frame's number is on the camera's
+#     frame-index stream at the same timestamp.
+def _capture_timed(desc_facecast: Any, fps: float) -> None:
+    """The metadata of a stream with one sample per (measured) frame, stamped at its capture
+    time (Note [Rates that survive XDF loading])."""
+    _append_text(desc_facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+    _append_text(desc_facecast, "camera_fps", f"{fps:g}")
+    _append_text(desc_facecast, "rate", "irregular: one sample per frame measured, at the "
+                 "frame's capture time; frame numbers: the camera's frame-index stream, same "
+                 "timestamps")
+
+
 def _face_channels_desc(desc: Any, channels: list[tuple[str, str, str]]) -> None:
     """The XDF channel descriptions of a Face stream: label, unit, type per channel."""
     parent = desc.append_child("channels")
@@ -252,7 +273,7 @@ class FaceOutlets:
             face_stream_name(self.camera_id, slot),
             "Face",
             self.channel_count,
-            self.fps,
+            pylsl.IRREGULAR_RATE,  # Note [Rates that survive XDF loading]
             pylsl.cf_float32,
             face_source_id(self.host, self.camera_id, slot),
         )
@@ -267,7 +288,7 @@ class FaceOutlets:
         _append_text(facecast, "landmarks", "true" if self.landmarks else "false")
         _append_text(facecast, "landmark_count", FACE_LANDMARK_COUNT if self.landmarks else 0)
         _append_text(facecast, "empty_slot", "NaN in every channel")
-        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+        _capture_timed(facecast, self.fps)
         for part, reason in (("blendshapes", self.blendshapes_missing_reason),
                              ("head_translation", self.head_translation_missing_reason)):
             element = facecast.append_child(part)
@@ -433,8 +454,8 @@ class ParticipantOutlet:
         self.layout = layout
         self.source_id = participant_source_id(host, participant)
         info = pylsl.StreamInfo(participant_stream_name(participant), "Face",
-                                len(layout.channels), float(fps), pylsl.cf_float32,
-                                self.source_id)
+                                len(layout.channels), pylsl.IRREGULAR_RATE, pylsl.cf_float32,
+                                self.source_id)  # Note [Rates that survive XDF loading]
         desc = info.desc()
         _face_channels_desc(desc, layout.channels)
         _acquisition(desc, "MediaPipe face models in PyTorch")
@@ -451,7 +472,7 @@ class ParticipantOutlet:
                      "another camera takes over when its face is 1.25x larger or the source has "
                      "not seen them for 0.5 s (a participant_camera marker says when)")
         _append_text(facecast, "absent", "NaN in every channel")
-        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+        _capture_timed(facecast, float(fps))
         self._outlet = pylsl.StreamOutlet(info, max_buffered=max_buffered_s)
 
     def push(self, capture_ts_lsl: float, face: FaceSample | None, camera_index: int,
@@ -510,7 +531,7 @@ class PoseOutlet:
             f"facecast {camera_id} pose",
             "MoCap",
             self.channel_count,
-            float(fps),
+            pylsl.IRREGULAR_RATE,  # Note [Rates that survive XDF loading]
             pylsl.cf_float32,
             self.source_id,
         )
@@ -536,7 +557,7 @@ class PoseOutlet:
         _append_text(facecast, "coordinates", "MediaPipe pose world landmarks: meters, hip-centred")
         _append_text(facecast, "axes", "x: image right, y: image down, z: away from the camera")
         _append_text(facecast, "person", "the most present body in the frame; NaN when none")
-        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+        _capture_timed(facecast, float(fps))
         self._empty = np.full(self.channel_count, np.nan, dtype=np.float32)
         self._outlet = pylsl.StreamOutlet(info, max_buffered=max_buffered_s)
 
@@ -667,8 +688,9 @@ class FrameIndexOutlet:
         self.camera_id = camera_id
         self.source_id = frame_index_source_id(host, camera_id)
         info = pylsl.StreamInfo(f"facecast {camera_id} frames", "VideoExternal",
-                                len(FRAME_INDEX_CHANNELS), float(fps), pylsl.cf_double64,
-                                self.source_id)
+                                len(FRAME_INDEX_CHANNELS), pylsl.IRREGULAR_RATE,
+                                pylsl.cf_double64, self.source_id)
+        # Note [Rates that survive XDF loading]
         desc = info.desc()
         channels = desc.append_child("channels")
         for label, unit, meaning in FRAME_INDEX_CHANNELS:
@@ -683,7 +705,7 @@ class FrameIndexOutlet:
         facecast = desc.append_child("facecast")
         _append_text(facecast, "host", host)
         _append_text(facecast, "camera", camera_id)
-        _append_text(facecast, "timestamps", "capture time: pylsl.local_clock() at frame grab")
+        _capture_timed(facecast, float(fps))
         video = facecast.append_child("video")
         _append_text(video, "files", "<camera>_<UTC start YYYYmmdd-HHMMSS.mmmZ>_<segment, 3 "
                      "digits>.<mkv|mp4> in record.dir or `facecast record start --dir`")
