@@ -32,12 +32,14 @@ import pipeline  # bench/pipeline.py: this script's folder is first on sys.path
 from accounting import DEFINITIONS
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH_TOKEN = "bench-console-token-0123456789"
 
 
 def _config(cameras: int, runtime_dir: Path, host: str, console: bool, source: str) -> str:
     text = pipeline.config_text(cameras, "shm", runtime_dir, 1, True, False, host, source)
     if console:
-        text += "\n[web]\nenabled = true\nport = 0\npreview_fps = 10\npreview_width = 320\n"
+        text += ("\n[web]\nenabled = true\nport = 0\npreview_fps = 10\npreview_width = 320\n"
+                 f'token = "{BENCH_TOKEN}"\n')
     return text
 
 
@@ -81,7 +83,9 @@ def _browser(url: str, camera_ids: list[str], preview_fps: float, seconds: float
 
     async def main():
         end_monotonic = time.monotonic() + seconds
-        async with aiohttp.ClientSession() as session:
+        # Every request needs the token (Note [Console security] in facecast.workers.console_http).
+        async with aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {BENCH_TOKEN}"}) as session:
             await session.get(url)  # the page itself
             await asyncio.gather(events(session, end_monotonic),
                                  *(previews(session, c, end_monotonic) for c in camera_ids))

@@ -155,14 +155,13 @@ def main(args) -> int:
 def console_announcement(config: config_mod.Config) -> str:
     """Where the web console will be (README "Web console"); it starts once the daemon is READY
     (Note [Console after READY] in facecast.daemon.layout)."""
-    from facecast.workers.console_http import is_loopback
-
     web = config.web
     if web.port == 0:
         where = f"on a free port of {web.host} (`facecast status` shows which)"
     else:
         host = f"[{web.host}]" if ":" in web.host else web.host
         where = f"at http://{host}:{web.port}/"
-    access = ("every request needs the token" if not is_loopback(web.host)
-              else "control needs the token" if web.allow_control else "read-only")
+    # Every request needs the token, on loopback too (Note [Console security]).
+    access = "every request needs the token; " + ("control allowed" if web.allow_control
+                                                   else "read-only")
     return f"web console {where} once the daemon is ready ({access})"

@@ -67,11 +67,24 @@ def _console_url(daemon, not_pid: int = 0, timeout_s: float = 60.0) -> str:
     raise AssertionError(f"no web console within {timeout_s} s\n{daemon.log_tail()}")
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a 303 comes back as itself (the ?token= link's answer)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def _get(url: str, headers: dict | None = None, method: str = "GET", body: bytes | None = None,
-         timeout_s: float = 20.0) -> tuple[int, dict, bytes]:
-    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+         timeout_s: float = 20.0, token: str | None = TOKEN) -> tuple[int, dict, bytes]:
+    """A request with the token as a Bearer header (every request needs it: Note [Console
+    security]) unless `token` is None or `headers` authenticate otherwise."""
+    headers = dict(headers or {})
+    if token is not None and "Cookie" not in headers:
+        headers.setdefault("Authorization", f"Bearer {token}")
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with _OPENER.open(request, timeout=timeout_s) as response:
             return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()
@@ -79,9 +92,7 @@ def _get(url: str, headers: dict | None = None, method: str = "GET", body: bytes
 
 def _post(url: str, token: str | None, payload: dict | None = None) -> tuple[int, bytes]:
     headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    status, _, body = _get(url, headers, "POST", json.dumps(payload or {}).encode())
+    status, _, body = _get(url, headers, "POST", json.dumps(payload or {}).encode(), token=token)
     return status, body
 
 
@@ -104,7 +115,8 @@ def test_status_command_shows_the_console(daemon):
         [sys.executable, "-m", "facecast.daemon.cli", "status", "--runtime-dir",
          str(daemon.runtime_dir)], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
-    assert f"web console: {daemon.url} (control with the token)" in shown.stdout, shown.stdout
+    assert f"web console: {daemon.url} (every request needs the token)" in shown.stdout, (
+        shown.stdout)
 
 
 def test_pages_and_static_files_load(daemon):
@@ -160,7 +172,9 @@ def test_status_and_events_stream_deliver_updates_and_markers(daemon):
         snapshot = json.loads(_get(daemon.url + "api/status")[2])
     text = f"marker from the test {time.monotonic()}"
     statuses, marker = [], None
-    with urllib.request.urlopen(daemon.url + "api/events", timeout=30) as stream:
+    events_request = urllib.request.Request(daemon.url + "api/events",
+                                            headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(events_request, timeout=30) as stream:
         assert stream.headers["Content-Type"].startswith("text/event-stream")
         assert _post(daemon.url + "api/control/marker", TOKEN, {"text": text})[0] == 200
         deadline = time.monotonic() + 60
@@ -223,6 +237,128 @@ def test_control_needs_the_token(daemon):
             return
         time.sleep(0.2)
     raise AssertionError(f"no reload marker on the console's log\n{daemon.log_tail()}")
+
+
+def test_loopback_console_needs_the_token_for_every_read(daemon):
+    """Issue 21: the loopback console showed live previews and enrolled names to any local user
+    (README "Security" says why every request needs the token, on loopback too)."""
+    for path in ("", "api/status", "api/cameras/web0/preview.jpg", "metrics", "static/console.js",
+                 "camera/web0"):
+        status, headers, body = _get(daemon.url + path, token=None)
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer", (path, status, body)
+        assert b"token required" in body and b"Traceback" not in body
+    assert _get(daemon.url + "api/status", token="not-the-token-0123456789")[0] == 401
+    assert _get(daemon.url + "api/status")[0] == 200
+
+
+def _browser_cookie(daemon) -> str:
+    """What a browser holds after opening the printed ?token= link: the console's cookie."""
+    _, headers, _ = _get(f"{daemon.url}camera/web0?token={TOKEN}&x=1", token=None)
+    assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+    return headers["Set-Cookie"].split(";", 1)[0]
+
+
+def test_the_query_token_only_sets_the_cookie(daemon):
+    """`?token=` answers with the cookie and a redirect without the token, and authenticates
+    nothing else: not a read, not a control request."""
+    status, headers, body = _get(f"{daemon.url}camera/web0?token={TOKEN}&x=1", token=None)
+    assert status == 303 and headers["Location"] == "/camera/web0?x=1", (status, headers)
+    assert not body.strip()  # nothing served with the token in the URL
+    cookie = _browser_cookie(daemon)
+    assert cookie == f"facecast_token={TOKEN}"
+    status, headers, _ = _get(f"{daemon.url}api/status?token={TOKEN}", token=None)
+    assert status == 303 and headers["Location"] == "/api/status"  # no data with the token
+    text = f"by query token {time.monotonic()}"
+    for action, payload in (("marker", {"text": text}), ("reload", {})):
+        status, _, body = _get(f"{daemon.url}api/control/{action}?token={TOKEN}",
+                               {"Content-Type": "application/json",
+                                "Origin": daemon.url.rstrip("/")},
+                               "POST", json.dumps(payload).encode(), token=None)
+        assert status == 401, (action, status, body)
+    assert _get(f"{daemon.url}api/status?token=wrong-token-0123456789", token=None)[0] == 401
+    assert _get(daemon.url + "api/status", {"Cookie": cookie}, token=None)[0] == 200
+
+
+def test_cross_site_requests_that_change_something_are_refused(daemon):
+    """Issue 21's CSRF: a page of another origin (another site, or another port of this host,
+    which is the same site and so gets the SameSite cookie) posting a marker or a reload with
+    the browser's cookie, a text/plain body and its own Origin was accepted."""
+    cookie = _browser_cookie(daemon)
+    own_origin = daemon.url.rstrip("/")
+    port = int(own_origin.rsplit(":", 1)[1])
+    other_port = f"http://127.0.0.1:{port + 1 if port < 65535 else port - 1}"
+    marker = json.dumps({"text": f"forged {time.monotonic()}"}).encode()
+
+    def post(action: str, headers: dict) -> tuple[int, bytes]:
+        status, _, body = _get(f"{daemon.url}api/control/{action}", headers, "POST", marker,
+                               token=None)
+        return status, body
+
+    refused = [
+        {"Cookie": cookie, "Origin": "http://evil.example", "Content-Type": "text/plain"},
+        {"Cookie": cookie, "Origin": other_port, "Content-Type": "text/plain"},
+        {"Cookie": cookie, "Origin": other_port, "Content-Type": "application/json"},
+        {"Cookie": cookie, "Origin": "null", "Content-Type": "application/json"},
+        {"Cookie": cookie, "Referer": f"{other_port}/page", "Content-Type": "application/json"},
+        {"Cookie": cookie, "Origin": own_origin, "Content-Type": "text/plain"},  # a form's
+        {"Cookie": cookie, "Content-Type": "application/json"},  # no Origin, no Referer
+        {"Authorization": f"Bearer {TOKEN}", "Origin": "http://evil.example",
+         "Content-Type": "application/json"},
+    ]
+    for headers in refused:
+        for action in ("marker", "reload", "stop"):
+            status, body = post(action, headers)
+            assert status == 403 and b"cross-site" in body, (action, headers, status, body)
+    # The console's own page (fetch with JSON from its origin), and a script with the header.
+    for headers in ({"Cookie": cookie, "Origin": own_origin, "Content-Type": "application/json"},
+                    {"Cookie": cookie, "Referer": f"{own_origin}/camera/web0",
+                     "Content-Type": "application/json"},
+                    {"Authorization": f"Bearer {TOKEN}", "Content-Type": "text/plain"}):
+        status, body = post("marker", headers)
+        assert status == 200 and json.loads(body)["ok"], (headers, status, body)
+    assert daemon.process.poll() is None  # no forged stop got through
+
+
+def _log_lines(daemon) -> list[str]:
+    return daemon.log_tail(lines=1_000_000).splitlines()
+
+
+def test_oversized_headers_get_400_without_an_error_traceback_in_the_log(daemon):
+    """Issue 21: each request with a header over aiohttp's limit logged a 9-line ERROR
+    traceback (200 requests, 1,800 lines)."""
+    import http.client
+
+    host, port = daemon.url.split("//", 1)[1].rstrip("/").rsplit(":", 1)
+    before = len(_log_lines(daemon))
+    for _ in range(20):
+        connection = http.client.HTTPConnection(host, int(port), timeout=20)
+        try:
+            connection.request("GET", "/api/status", headers={
+                "Authorization": f"Bearer {TOKEN}", "X-Big": "x" * 20_000})
+            response = connection.getresponse()
+            body = response.read()
+        finally:
+            connection.close()
+        assert response.status in (400, 431), (response.status, body)
+        assert b"Traceback" not in body
+    assert _get(daemon.url + "api/status")[0] == 200  # and the console serves on
+    # The answer goes out after the log line is written, so the log already has any.
+    added = _log_lines(daemon)[before:]
+    noisy = [line for line in added if "Error handling request" in line or "Traceback" in line
+             or "LineTooLong" in line]
+    assert not noisy, "\n".join(added[-40:])
+
+
+def test_deeply_nested_or_malformed_json_markers_get_400(daemon):
+    """Issue 21: JSON nested past the parser's depth gave 500 (RecursionError)."""
+    url = daemon.url + "api/control/marker"
+    headers = {"Content-Type": "application/json"}
+    for payload in (b"[" * 30_000 + b"]" * 30_000, b'{"text": ' * 5_000 + b"1" + b"}" * 5_000,
+                    b'{"text": "unterminated', b"\xff\xfe not utf-8", b"[1, 2,]"):
+        status, _, body = _get(url, headers, "POST", payload)
+        assert status == 400 and b"Traceback" not in body and len(body) < 400, (
+            payload[:20], status, body)
+    assert not any("RecursionError" in line for line in _log_lines(daemon))
 
 
 def test_console_killed_comes_back_while_the_face_streams_flow(daemon):
@@ -300,9 +436,10 @@ def test_off_loopback_every_request_needs_the_token():
         assert response.status == 200
         assert (await client.get("/api/status", headers={
             "Authorization": "Bearer not-the-token-0123456789"})).status == 401
-        # A browser: ?token= once, then the HttpOnly, SameSite=Strict cookie.
-        response = await client.get(f"/?token={TOKEN}")
-        assert response.status == 200
+        # A browser: ?token= once, which sets the HttpOnly, SameSite=Strict cookie and sends
+        # it on without the token; then the cookie.
+        response = await client.get(f"/?token={TOKEN}", allow_redirects=False)
+        assert response.status == 303 and response.headers["Location"] == "/"
         cookie = response.headers["Set-Cookie"]
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
         assert (await client.get("/api/status")).status == 200  # the cookie jar has it now
@@ -317,13 +454,17 @@ def test_loopback_read_only_console_refuses_control_and_foreign_hosts():
     text = CONFIG.replace('allow_control = true', 'allow_control = false')
 
     async def checks(client):
-        assert (await client.get("/api/status")).status == 200  # no token needed to read here
+        response = await client.get("/api/status")  # on loopback too (Note [Console security])
+        assert response.status == 401 and "token required" in await response.text()
+        assert (await client.get("/api/status", headers={
+            "Authorization": f"Bearer {TOKEN}"})).status == 200
         for action in ("reload", "stop", "marker"):
             response = await client.post(f"/api/control/{action}",
                                          headers={"Authorization": f"Bearer {TOKEN}"})
             assert response.status == 403 and "read-only" in await response.text()
         # DNS rebinding: a page of another site that resolves its name to 127.0.0.1.
-        response = await client.get("/api/status", headers={"Host": "evil.example:8420"})
+        response = await client.get("/api/status", headers={
+            "Host": "evil.example:8420", "Authorization": f"Bearer {TOKEN}"})
         assert response.status == 403 and "loopback" in await response.text()
 
     _serve(text, checks)

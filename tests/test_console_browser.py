@@ -32,7 +32,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CAMERA_IDS = ("brw0", "brw1")
 PREVIEW_WIDTH = 480  # the grid's previews: 480 x 270 of the cameras' 640 x 360
-CONFIG = """
+TOKEN = "browser-test-token-0123456789"  # every request needs it (Note [Console security])
+CONFIG = f"""
 [daemon]
 transport = "shm"
 
@@ -42,6 +43,7 @@ max_faces = 2
 [web]
 enabled = true
 preview_width = 480
+token = "{TOKEN}"
 
 [[cameras]]
 id = "brw0"
@@ -114,7 +116,7 @@ def browser(daemon):
         "width": SCREENSHOT_SIZE[0], "height": SCREENSHOT_SIZE[1], "deviceScaleFactor": 1,
         "mobile": False})
     try:
-        driver.get(daemon.url)
+        driver.get(f"{daemon.url}?token={TOKEN}")  # the printed link: sets the cookie
         yield driver
     finally:
         driver.quit()
@@ -364,7 +366,8 @@ def _samples(text: str) -> dict[str, dict[tuple, float]]:
 
 def test_metrics_match_the_daemon_status(daemon):
     def matches():
-        status_code, headers, body = _get(daemon.url + "metrics")
+        status_code, headers, body = _get(daemon.url + "metrics",
+                                          {"Authorization": f"Bearer {TOKEN}"})
         assert status_code == 200, body
         assert headers["Content-Type"].startswith("text/plain; version="), headers
         metrics = _samples(body.decode())
@@ -418,15 +421,15 @@ def test_metrics_match_the_daemon_status(daemon):
 def test_metrics_follow_the_console_security_rules():
     """In-process, against the real app: off loopback /metrics needs the token like every
     other read (Note [Console security]); before the first status it answers 503; on loopback
-    it needs nothing, whatever the port in the Host header, but refuses other host names."""
+    it needs the token too, whatever the port in the Host header, and refuses other host
+    names."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from facecast.workers.console_http import ConsoleState, build_app
     from facecast.workers.console_preview import OpenCvJpegEncoder
 
-    token = "metrics-test-token-0123456789"
-    config = config_mod.loads(CONFIG.replace("[web]\n", f'[web]\nhost = "0.0.0.0"\n'
-                                                        f'token = "{token}"\n'))
+    token = TOKEN
+    config = config_mod.loads(CONFIG.replace("[web]\n", '[web]\nhost = "0.0.0.0"\n'))
     status = {"ready": True, "uptime_s": 3.0, "workers": [], "cameras": {"brw0": []},
               "stages": {}, "gpus": [{"index": 0, "name": "GPU", "memory_used_mib": 512.0,
                                       "memory_total_mib": 1024.0, "utilization_pct": 25.0}]}
@@ -452,9 +455,11 @@ def test_metrics_follow_the_console_security_rules():
         state = ConsoleState(loopback, list(CAMERA_IDS), OpenCvJpegEncoder(), token)
         state.set_status(status, time.time())
         async with TestClient(TestServer(build_app(state, None), host="127.0.0.1")) as client:
+            assert (await client.get("/metrics")).status == 401
             for host, expected in (("127.0.0.1:9000", 200), ("localhost:8420", 200),
                                    ("labmachine.example:8420", 403)):
-                response = await client.get("/metrics", headers={"Host": host})
+                response = await client.get("/metrics", headers={
+                    "Host": host, "Authorization": f"Bearer {token}"})
                 assert response.status == expected, (host, response.status)
 
     asyncio.run(on_loopback())

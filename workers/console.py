@@ -91,7 +91,7 @@ class ConsoleWorker(Worker):
         from aiohttp import web
 
         from facecast.shared.transport import FrameSubscriber
-        from facecast.workers.console_http import ConsoleState, build_app, is_loopback
+        from facecast.workers.console_http import ConsoleState, ServerLog, build_app
         from facecast.workers.console_preview import OpenCvJpegEncoder
 
         web_config = self.config.web
@@ -116,7 +116,7 @@ class ConsoleWorker(Worker):
         self._next_status_monotonic = 0.0
         self.markers = MarkersReader(self.config.host())
         self.runner = web.AppRunner(build_app(self.view, self._control), access_log=None,
-                                    shutdown_timeout=0.5)
+                                    shutdown_timeout=0.5, logger=ServerLog())
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, web_config.host, web_config.port, shutdown_timeout=0.5)
         try:
@@ -128,15 +128,15 @@ class ConsoleWorker(Worker):
                 "free port, or web.enabled = false)") from None
         port = self.runner.addresses[0][1]
         self.url = console_url(web_config.host, port)
-        needs_token = not is_loopback(web_config.host)
+        # Every request needs the token, on loopback too (Note [Console security]).
         write_console_file(Path(self.runtime_dir), {
-            "url": self.url, "pid": os.getpid(), "token_required": needs_token,
+            "url": self.url, "pid": os.getpid(), "token_required": True,
             "allow_control": web_config.allow_control,
             "token_file": "" if web_config.token else str(Path(self.runtime_dir) / TOKEN_FILE)})
-        access = ("every request needs the token" if needs_token else
-                  "control needs the token" if web_config.allow_control else "read-only")
+        access = ("every request needs the token; control allowed" if web_config.allow_control
+                  else "every request needs the token; read-only")
         log.info("web console at %s (%s)", self.url, access)
-        if generated and (needs_token or web_config.allow_control):
+        if generated:
             # Printed once, when it is made (Note [Console security]); restarts reuse the file.
             print(f"facecast: web console token (kept in {Path(self.runtime_dir) / TOKEN_FILE}, "
                   f"mode 0600): open {self.url}?token={token}", file=sys.stderr, flush=True)

@@ -18,16 +18,31 @@ Routes:
   `web.allow_control = true` and the token.
 
 Note [Console security]
-    Safe by default. The console binds 127.0.0.1; there, reading needs nothing, and a request
-    whose Host header names another machine is refused (a web page elsewhere cannot reach the
-    console through DNS rebinding). Bound to any other address, every request needs the token
-    (`web.token`, or one generated once, printed once, and kept mode 0600 in the runtime
-    directory). Control (reload, stop, markers) is off unless `web.allow_control = true`, and
-    then needs the token wherever the console is bound. A browser presents the token once, as
-    `?token=` in the URL that `facecast run` prints; the console answers with an HttpOnly,
-    SameSite=Strict cookie, which a page of another site never gets to send. Scripts send
-    `Authorization: Bearer <token>`. Tokens are compared in constant time. A bad request gets a
-    4xx with a one-line reason; an error of ours a 500 with no traceback (the log has it).
+    Safe by default. Every request needs the token, on loopback too (README "Security" says
+    why: a lab machine's other accounts, and any page their browsers open, reach 127.0.0.1, and
+    the previews show the lab's participants). The token is `web.token`, or one generated once,
+    printed once, and kept 0600 in the runtime directory (Note [Private files] in
+    facecast.shared.private_files). Bound to loopback, a request whose Host header names another
+    machine is also refused (a web page elsewhere cannot reach the console through DNS
+    rebinding). Control (reload, stop, markers) is off unless `web.allow_control = true`.
+    A browser presents the token once, as `?token=` in the URL that the console prints: that
+    query only sets the cookie (HttpOnly, SameSite=Strict) and redirects to the same URL
+    without it, so the token leaves the address bar and the history; it is never accepted as
+    authentication of any other request. Scripts send `Authorization: Bearer <token>`. Tokens
+    are compared in constant time.
+    CSRF: SameSite is not enough, since a page on another port of the same host (another
+    user's, say) is same-site and its requests carry the cookie. So a request that changes
+    something (any method but GET and HEAD) is refused when its Origin (or, without one, its
+    Referer) is not this console's own (`http://<Host>`), and one that authenticates with the
+    cookie must also carry that Origin or Referer and a JSON body (`Content-Type:
+    application/json`: a form or a "simple" fetch of another page cannot send one without a
+    CORS preflight, which the console never approves). A Bearer header is itself such a
+    header (no page can make a browser send it to another origin without a preflight), so a
+    script that sends one needs neither.
+    A bad request gets a 4xx with a one-line reason; an error of ours a 500 with no traceback
+    (the log has it). Requests that aiohttp cannot parse (a header over its 8190-byte limit, a
+    malformed request line) get its 400 and one debug line, not an ERROR traceback per request
+    (ServerLog).
 """
 
 from __future__ import annotations
@@ -40,10 +55,12 @@ import json
 import logging
 import time
 from importlib import resources
+from urllib.parse import urlsplit
 from pathlib import Path
 from typing import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from facecast.shared.config import Config
 from facecast.workers.console_preview import SIZES, CameraPreview, JpegEncoder, Overlay
@@ -60,6 +77,7 @@ HISTORY_POINTS = 300  # sparklines: 5 minutes at one status a second
 EVENTS_KEPT = 200
 MARKER_TEXT_MAX = 200
 LOOPBACK_NAMES = ("localhost",)
+SAFE_METHODS = ("GET", "HEAD")  # what changes nothing; every other method is checked for CSRF
 
 Control = Callable[[str, dict], Awaitable[tuple[bool, str]]]  # (action, body) -> (ok, error)
 
@@ -83,7 +101,7 @@ class ConsoleState:
         self.web = config.web
         self.token = token
         self.encoder = encoder
-        self.token_always = not is_loopback(config.web.host)  # Note [Console security]
+        self.on_loopback = is_loopback(config.web.host)  # Host names checked (the Note)
         self.previews: dict[str, CameraPreview] = {}
         self.wanted_until_monotonic: dict[str, float] = {}
         self.frame_events: dict[str, asyncio.Event] = {}
@@ -223,6 +241,25 @@ def build_app(state: ConsoleState, control: Control | None) -> web.Application:
     return app
 
 
+class ServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger (`logger=` of the AppRunner) with a client's request that aiohttp
+    cannot parse (a header over its size limit, a malformed request line: a 4xx it answers
+    itself, before any middleware) logged as one line at debug: aiohttp logs each as an ERROR
+    with a 9-line traceback, so any local process could fill the journal (Note [Console
+    security]). Everything else goes through as aiohttp logs it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        if isinstance(exc_info, HttpProcessingError) and 400 <= (exc_info.code or 0) < 500:
+            log.debug("console: refused a request it cannot parse (%s from %s): %s",
+                      exc_info.code, args[0] if args else "?",
+                      str(exc_info.message).splitlines()[0][:200] if exc_info.message else "")
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 def _http_error(status: int, reason: str) -> web.Response:
     return web.Response(status=status, text=reason + "\n", content_type="text/plain")
 
@@ -250,40 +287,69 @@ async def _errors(request: web.Request, handler):
         return _http_error(500, "internal error of the console (details in the daemon's log)")
 
 
-def _presented_token(request: web.Request) -> str:
-    header = request.headers.get("Authorization", "")
-    if header.startswith("Bearer "):
-        return header[len("Bearer "):].strip()
-    return request.query.get("token") or request.cookies.get(TOKEN_COOKIE, "")
+def _token_matches(presented: str, token: str) -> bool:
+    return hmac.compare_digest(presented.encode(), token.encode())
+
+
+def _origin_problem(request: web.Request, required: bool) -> str:
+    """Why this state-changing request's Origin (else Referer) is not this console's own, or
+    is missing where `required` ("" when it is fine): Note [Console security]."""
+    origin = request.headers.get("Origin")
+    name, value = ("Origin", origin) if origin is not None else (
+        "Referer", request.headers.get("Referer"))
+    if value is None:
+        return ("no Origin or Referer header: a browser's request that changes something must "
+                "come from the console's own page") if required else ""
+    found = urlsplit(value).netloc.lower() if value != "null" else "null"
+    if not found or found != (request.host or "").lower():
+        return (f"{name} {value[:80]!r} is not this console ({request.host!r}): requests that "
+                "change something are accepted only from the console's own page")
+    return ""
 
 
 @web.middleware
 async def _guard(request: web.Request, handler):
-    """Note [Console security]: Host header on loopback, the token where it is needed."""
+    """Note [Console security]: Host header on loopback, the token on every request, `?token=`
+    only to set the cookie, CSRF checks on whatever changes something."""
     state: ConsoleState = request.app[STATE_KEY]
-    if not state.token_always:
+    if state.on_loopback:
         host = (request.host or "").rsplit(":", 1)[0].strip("[]") if request.host else ""
         if host and not is_loopback(host):
             raise web.HTTPForbidden(text=f"this console answers only to loopback host names "
                                     f"(127.0.0.1, localhost, ::1), not {host!r}")
-    is_control = request.path.startswith("/api/control/")
-    if is_control and not state.web.allow_control:
-        raise web.HTTPForbidden(text="the console is read-only: set web.allow_control = true "
-                                "in the config to allow reload, stop and markers")
-    token_ok = hmac.compare_digest(_presented_token(request).encode(), state.token.encode())
-    if (state.token_always or is_control) and not token_ok:
-        where = "every request" if state.token_always else "control requests"
-        raise web.HTTPUnauthorized(
-            text=f"token required for {where}: open the URL `facecast run` printed "
-            "(?token=...), or send 'Authorization: Bearer <token>' (the token is web.token, or "
-            "the web-token file in the runtime directory)",
-            headers={"WWW-Authenticate": "Bearer"})
-    response = await handler(request)
-    if (token_ok and request.query.get("token") and isinstance(response, web.StreamResponse)
-            and not response.prepared):
+    how_to = ("open the URL with ?token= that the console printed, or send 'Authorization: "
+              "Bearer <token>' (the token is web.token, or the web-token file in the runtime "
+              "directory; `facecast status` says where)")
+    if "token" in request.query:
+        # The printed link: it sets the cookie and sends the browser on without the token.
+        if request.method != "GET" or not _token_matches(request.query["token"], state.token):
+            raise web.HTTPUnauthorized(
+                text="?token= only opens the console in a browser (GET, the right token), and "
+                "then the cookie is what counts: " + how_to,
+                headers={"WWW-Authenticate": "Bearer"})
+        response = web.Response(status=303, headers={
+            "Location": str(request.rel_url.without_query_params("token")), "Cache-Control": "no-store"})
         response.set_cookie(TOKEN_COOKIE, state.token, httponly=True, samesite="Strict",
                             path="/")
-    return response
+        return response
+    header = request.headers.get("Authorization", "")
+    by_header = header.startswith("Bearer ")
+    presented = header[len("Bearer "):].strip() if by_header else request.cookies.get(
+        TOKEN_COOKIE, "")
+    if not _token_matches(presented, state.token):
+        raise web.HTTPUnauthorized(text="token required for every request: " + how_to,
+                                   headers={"WWW-Authenticate": "Bearer"})
+    if request.path.startswith("/api/control/") and not state.web.allow_control:
+        raise web.HTTPForbidden(text="the console is read-only: set web.allow_control = true "
+                                "in the config to allow reload, stop and markers")
+    if request.method not in SAFE_METHODS:
+        problem = _origin_problem(request, required=not by_header)
+        if not problem and not by_header and request.content_type != "application/json":
+            problem = (f"Content-Type {request.content_type!r}: a request that changes something "
+                       "sends JSON (application/json), or the token as a Bearer header")
+        if problem:
+            raise web.HTTPForbidden(text=f"refused (cross-site request protection): {problem}")
+    return await handler(request)
 
 
 def _page(name: str):
@@ -401,7 +467,7 @@ async def _control(request: web.Request) -> web.Response:
     if action == "marker":
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # malformed, or nested past the parser's depth
             raise web.HTTPBadRequest(text='a marker is a JSON object: {"text": "..."}') from None
         text = body.get("text") if isinstance(body, dict) else None
         if not isinstance(text, str) or not text.strip() or len(text) > MARKER_TEXT_MAX:
