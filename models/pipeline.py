@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
 import torch
 
@@ -44,6 +44,9 @@ from facecast.models.face_detection import FaceDetector
 from facecast.models.face_mesh import Face, FaceMeasurer, Measured
 from facecast.models.face_tracking import FaceTracks
 
+if TYPE_CHECKING:
+    from facecast.models import assets
+
 log = logging.getLogger(__name__)
 
 ModelLoader = Callable[[str], torch.nn.Module]
@@ -54,6 +57,11 @@ def _default_loader(name: str) -> torch.nn.Module:
     from facecast.models import assets
 
     return tflite_convert.convert(assets.model_path(name))
+
+
+def bundle_name(task) -> str:
+    """A face_landmarker.task given as a path or as an unpacked bundle, for a message."""
+    return str(getattr(task, "task_path", task))
 
 
 class FacePipeline:
@@ -88,7 +96,7 @@ class FacePipeline:
         tile_overlap_px: int = 200,
         min_presence: float = 0.5,
         detect_interval_frames: int = 15,
-        face_landmarker_task: str | Path | None = None,
+        face_landmarker_task: str | Path | assets.LandmarkerBundle | None = None,
         frames_are_bgr: bool = True,
         load_model: ModelLoader = _default_loader,
         half: bool = False,
@@ -115,7 +123,7 @@ class FacePipeline:
         landmarker = None
         self.blendshapes_unavailable_reason = "no face_landmarker.task given"
         if face_landmarker_task is not None:
-            landmarker = self._load_landmarker(Path(face_landmarker_task))
+            landmarker = self._load_landmarker(face_landmarker_task)
         if landmarker is not None:
             mesh, blendshapes, geometry = landmarker
             self.landmarker = "face_landmarker"
@@ -169,20 +177,30 @@ class FacePipeline:
                     conv.weight = conv.weight.contiguous(memory_format=torch.channels_last)
         return module
 
-    def _load_landmarker(self, task_path: Path):
+    def _load_landmarker(self, task):
         """face_landmarker.task's v2 landmarker, blendshape model and face geometry, or None
-        with a one-line reason (the attention mesh is then used)."""
+        with a one-line reason (the attention mesh is then used). `task`: the bundle's path, or
+        a bundle a worker already checked and unpacked (Note [Model files checked at load] in
+        facecast.models.assets)."""
         from facecast.models import assets
         from facecast.models.face_geometry import FaceGeometry
 
         try:
-            bundle = assets.blendshape_model(task_path)
+            bundle = (task if isinstance(task, assets.LandmarkerBundle)
+                      else assets.blendshape_model(Path(task)))
             landmarks = self._prepare(tflite_convert.convert(bundle.face_landmarks_detector))
             # float32 even with half=True: Note [Blendshapes in float32] in models/blendshapes.py.
             blendshapes = self._prepare(tflite_convert.convert(bundle.face_blendshapes)).float()
             geometry = FaceGeometry.read(bundle.geometry_metadata)
         except (assets.ModelError, OSError, ValueError) as error:
             self.blendshapes_unavailable_reason = f"blendshapes unavailable: {error}"
+            log.warning("%s", self.blendshapes_unavailable_reason)
+            return None
+        except Exception as error:  # noqa: BLE001 - a user's bundle has no pinned sum: bytes that
+            # do not convert fail anywhere in the flatbuffer reader (issue 21); say what failed.
+            self.blendshapes_unavailable_reason = (
+                f"blendshapes unavailable: {bundle_name(task)} does not convert "
+                f"({type(error).__name__}: {error})")
             log.warning("%s", self.blendshapes_unavailable_reason)
             return None
         self.blendshapes_unavailable_reason = None

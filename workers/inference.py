@@ -42,26 +42,39 @@ def torch_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool) -> FacePipeline:
+def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool
+                   ) -> tuple[FacePipeline, str]:
+    """The face pipeline, and what was wrong with a model file it loaded ("": nothing); a file
+    it cannot load nor replace is a BootError (Note [Model files checked at load] in
+    facecast.models.assets)."""
     model_dir = config.models.dir or None
 
     def load(name: str) -> torch.nn.Module:
         from facecast.models import tflite_convert
 
-        return tflite_convert.convert(assets.model_path(name, model_dir))
+        return tflite_convert.convert(assets.model_path(name, model_dir))  # size and SHA-256
 
-    # The configured face_landmarker.task, else the installed one (`facecast models install`).
-    task = (assets.landmarker_bundle(config.models.face_landmarker_task or None, model_dir).path
-            if blendshapes else None)
     try:
+        # The configured face_landmarker.task, else the installed one (`facecast models
+        # install`), checked now: it may have changed since `facecast run` looked at it.
+        checked = (assets.bundle_for_worker(config.models.face_landmarker_task or None, model_dir)
+                   if blendshapes else assets.CheckedBundle(None))
         on_gpu = device.type == "cuda"  # both options are GPU-only; on the CPU they do nothing
-        return FacePipeline(
+        face = FacePipeline(
             device=device, max_faces=config.output.max_faces, load_model=load,
-            face_landmarker_task=task or None,
+            face_landmarker_task=checked.bundle,
             half=config.models.half and on_gpu, cuda_graphs=config.models.cuda_graphs and on_gpu,
         )
     except assets.ModelError as exc:
         raise BootError(str(exc)) from None
+    problem = checked.problem
+    if checked.bundle is not None and face.landmarker != "face_landmarker":
+        # The bundle unpacked but did not convert: a user's bundle that does not parse.
+        problem = (f"{checked.bundle.task_path} does not parse as a face_landmarker.task, so no "
+                   f"blendshapes or head translation: {face.blendshapes_unavailable_reason}")
+    if problem:
+        log.error("%s", problem)
+    return face, problem
 
 
 def build_pose_pipeline(config: Config, device: torch.device) -> PosePipeline | None:
@@ -78,6 +91,15 @@ def build_pose_pipeline(config: Config, device: torch.device) -> PosePipeline | 
 class Pipelines:
     face: FacePipeline
     pose: PosePipeline | None  # None unless the worker measures body pose
+    # What was wrong with a model file they loaded, "" if nothing: the worker says it in the
+    # log, on the Markers stream and in status (Note [Model files checked at load]).
+    model_problem: str = ""
+
+    def report(self, worker) -> None:
+        """Once, when the worker boots with these pipelines: the marker (the log line was
+        written when the file was found wanting)."""
+        if self.model_problem:
+            worker.event("model_damaged", reason=self.model_problem)
 
 
 def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool, pose: bool
@@ -115,7 +137,7 @@ def pipelines_for(prepared: tuple[bytes, Pipelines] | None, config: Config,
 
 def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: bool) -> Pipelines:
     started_monotonic = time.monotonic()
-    face = build_pipeline(config, device, blendshapes=blendshapes)
+    face, model_problem = build_pipeline(config, device, blendshapes=blendshapes)
     # Note [Warm shapes] in models/cuda_graphs.py. The detection worker (no blendshapes) meets
     # batches of frames, a roi_landmark worker batches of faces; any camera may be theirs.
     sizes = [(camera.height, camera.width) for camera in config.cameras]
@@ -129,7 +151,7 @@ def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: boo
     body = build_pose_pipeline(config, device) if pose else None
     if body is not None:
         body.warm_up(max_frames=len(config.cameras))
-    return Pipelines(face=face, pose=body)
+    return Pipelines(face=face, pose=body, model_problem=model_problem)
 
 
 def _pipelines_key(config: Config, device: torch.device, blendshapes: bool, pose: bool) -> bytes:

@@ -102,6 +102,8 @@ class RoiLandmarkWorker(Worker):
         pipelines = pipelines_for(self.prepared, self.config, self.torch_device,
                                   blendshapes=True, pose=self.config.output.pose)
         self.prepared = None
+        pipelines.report(self)  # Note [Model files checked at load] in facecast.models.assets
+        self.model_problem = pipelines.model_problem
         prepared_identities = getattr(self, "prepared_identities", None)
         self.prepared_identities = None
         self.identities = (prepared_identities[1] if prepared_identities is not None
@@ -352,9 +354,11 @@ class RoiLandmarkWorker(Worker):
     def trouble(self) -> str:
         identities = getattr(self, "identities", None)
         if not self._track_ids_dry:
-            return identities.trouble() if identities is not None else ""
-        return (f"no track ids ({self._track_ids_reason()}): {self.faces_without_track_id} new "
-                "face(s) not published")
+            said = identities.trouble() if identities is not None else ""
+        else:
+            said = (f"no track ids ({self._track_ids_reason()}): {self.faces_without_track_id} "
+                    "new face(s) not published")
+        return "; ".join(part for part in (getattr(self, "model_problem", ""), said) if part)
 
     def camera_reports(self) -> list[CameraReport]:
         return consumer_reports(self.camera_ids, self.subscriber, self.rates, self.faces)
