@@ -17,7 +17,9 @@ scales; the ROIs are the float32 pipeline's detections, repeated up to B):
   with its lips/eye/iris refinement (478 landmarks, irises included), projection to frame pixels,
   blendshapes when a face_landmarker.task is given, head pose; device synchronised;
 - "results": the same through ``FaceMeasurer.measure``, i.e. until the Face objects are built on
-  the host (one transfer), what the roi_landmark worker waits for.
+  the host (one transfer), what the roi_landmark worker waits for; "host" is its share after the
+  one transfer (``FaceMeasurer.last_host_work_s``: slicing the table and making the Face objects,
+  Note [Measuring on the device] in models/face_mesh.py), median over the same timed calls.
 *Detection*, per call over C = 1 … 32 1080p frames held as one uint8 (C, 1080, 1920, 3) tensor on
 the device (as the daemon's rings give them): ``FacePipeline.detect``, short-range letterbox plus
 full-range letterbox and 8 tiles per frame, decode, weighted NMS, merge; ends with the per-frame
@@ -211,6 +213,21 @@ def timed(fn, device, warmup: int, iters: int) -> dict:
     return {"p50_ms": float(np.median(samples)), "p90_ms": float(np.percentile(samples, 90)), "iters": iters}
 
 
+def host_share(measurer, results, device, warmup: int, iters: int) -> tuple[dict, dict]:
+    """``timed(results)`` and, over the same timed calls, the median and 90th percentile of the
+    measurer's host work after its one transfer (``FaceMeasurer.last_host_work_s``)."""
+    host_ms = []
+
+    def call():
+        out = results()
+        host_ms.append(measurer.last_host_work_s * 1e3)
+        return out
+
+    timing = timed(call, device, warmup, iters)
+    samples = np.array(host_ms[warmup:])
+    return timing, {"p50_ms": float(np.median(samples)), "p90_ms": float(np.percentile(samples, 90))}
+
+
 def stage_times(run, device, warmup: int, iters: int, stages: tuple[str, ...]) -> dict:
     """Per-stage medians of ``run(on_stage)``, the clock synchronised at each stage's end."""
     import torch
@@ -301,7 +318,7 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
                         return pipe.measurer.measure(batch, owners, rects, boxes, scores, [False] * size)
 
                 row["stack"] = timed(stack, device, args.warmup, args.iters)
-                row["results"] = timed(results, device, args.warmup, args.iters)
+                row["results"], row["host"] = host_share(pipe.measurer, results, device, args.warmup, args.iters)
                 row["stack_faces_per_s"] = size / row["stack"]["p50_ms"] * 1e3
                 row["results_faces_per_s"] = size / row["results"]["p50_ms"] * 1e3
                 landmarks = stack().float().cpu().numpy()
@@ -320,15 +337,17 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             print(f"faces   batch {size:4d} {name:12s} " + (row.get("error") or
-                  f"stack {row['stack_faces_per_s']:9.0f} faces/s, results {row['results_faces_per_s']:9.0f} faces/s"),
+                  f"stack {row['stack_faces_per_s']:9.0f} faces/s, results {row['results_faces_per_s']:9.0f} faces/s, "
+                  f"host {row['host']['p50_ms']:.2f} ms"),
                   file=sys.stderr, flush=True)
     return rows
 
 
 def bench_face_landmarker(device, variants, task, batch, pool, size, args, budget) -> list[dict]:
     """MediaPipe FaceLandmarker's stack (issue 13) at one batch size: crop to 256x256, its v2
-    landmarker, projection, blendshapes, head pose, then on the host the facial transformation
-    matrix (Note [Face geometry as MediaPipe computes it]) and the Face objects: what a
+    landmarker, projection, blendshapes, head pose, the facial transformation matrix (Note [Face
+    geometry as MediaPipe computes it]) and the duplicate filter on the device, then the Face
+    objects on the host (whose share is reported apart): what a
     roi_landmark worker waits for with face_landmarker.task. Parity against fp32 eager: landmark
     median (% of face width) and max |blendshape difference|."""
     import torch
@@ -359,7 +378,7 @@ def bench_face_landmarker(device, variants, task, batch, pool, size, args, budge
                 with torch.inference_mode():
                     return pipe.measurer.measure(batch, owners, rects, boxes, scores, [False] * size)
 
-            row["results"] = timed(results, device, args.warmup, args.iters)
+            row["results"], row["host"] = host_share(pipe.measurer, results, device, args.warmup, args.iters)
             row["faces_per_s"] = size / row["results"]["p50_ms"] * 1e3
             faces = [face for frame in results().faces for face in frame]
             landmarks = np.stack([f.landmarks for f in faces])
@@ -378,7 +397,8 @@ def bench_face_landmarker(device, variants, task, batch, pool, size, args, budge
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"FaceLandmarker batch {size:4d} {name:12s} "
-              + (row.get("error") or f"{row['faces_per_s']:9.0f} faces/s"), file=sys.stderr, flush=True)
+              + (row.get("error") or f"{row['faces_per_s']:9.0f} faces/s, host {row['host']['p50_ms']:.2f} ms"),
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -643,21 +663,23 @@ def report(data: dict) -> str:
     if data.get("face_landmarker"):
         lines += ["", f"MediaPipe FaceLandmarker's stack (face_landmarker.task: {data.get('face_landmarker_task')}): "
                   "crop 256x256, v2 landmarker, projection, blendshapes, head pose, facial transformation matrix "
-                  "on the host, Face objects. faces/s = batch / p50. Baseline: the same two models in LiteRT "
+                  "and duplicate filter on the device, Face objects on the host (host = the p50 of that share, "
+                  "after the one transfer). faces/s = batch / p50. Baseline: the same two models in LiteRT "
                   "(XNNPACK, one invoke per face, model time only) "
                   + "; ".join(f"{t} thread(s) {base[t].get('face_landmarker_faces_per_s', nan):.0f} faces/s"
                               for t in threads) + ".", "",
-                  "| batch | variant | p50 / p90 ms | faces/s | vs fp32: landmark median (% of face width), "
-                  "max blendshape difference |", "|---|---|---|---|---|"]
+                  "| batch | variant | p50 / p90 ms | host ms | faces/s | vs fp32: landmark median (% of face "
+                  "width), max blendshape difference |", "|---|---|---|---|---|---|"]
         for r in data["face_landmarker"]:
             if "error" in r:
-                lines.append(f"| {r['batch']} | {r['variant']} | {r['error']} | | |")
+                lines.append(f"| {r['batch']} | {r['variant']} | {r['error']} | | | |")
                 continue
             parity = r.get("parity")
             parity_text = (f"{parity['landmark_median_pct']:.3f}, {parity['blendshape_max_abs']:.4f}"
                            if parity else "reference")
+            host = f"{r['host']['p50_ms']:.2f}" if "host" in r else "-"  # JSON of runs before it was measured
             lines.append(f"| {r['batch']} | {r['variant']} | {r['results']['p50_ms']:.2f} / "
-                         f"{r['results']['p90_ms']:.2f} | {r['faces_per_s']:.0f} | {parity_text} |")
+                         f"{r['results']['p90_ms']:.2f} | {host} | {r['faces_per_s']:.0f} | {parity_text} |")
     if data.get("embeddings"):
         lines += ["", "Face embeddings (dlib's face ResNet, 128-D, fp32; `models/face_embedding.py`): \"chips + "
                   "network\" cuts each face's 150x150 chip from the frames by its mesh and runs the network; "

@@ -34,8 +34,10 @@ Note [Face geometry as MediaPipe computes it]
     on the first and the depths are differences of nearly equal numbers; a batch is a few
     hundred flops per face, nothing for a GPU's float64 units. The only solver is
     ``torch.linalg.svd`` of (N, 3, 3) matrices; determinants are written out (a cross product)
-    rather than asked of a solver. On CUDA ``torch.linalg.svd`` checks convergence with a wait
-    for the device, so this stage runs eagerly after the mesh's graph, not inside it.
+    rather than asked of a solver. On CUDA ``torch.linalg.svd`` reads its convergence flags back
+    to the host (ATen's ``_linalg_check_errors``), a wait for the device that a CUDA graph cannot
+    capture: so this stage runs eagerly after the mesh's graph, not inside it. (A solver without
+    that read, e.g. a fixed number of Jacobi sweeps, is what would put it inside.)
 """
 
 from __future__ import annotations

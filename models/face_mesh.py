@@ -256,28 +256,41 @@ class FaceMeasurer:
         is_tracked = roi_mod.from_host(tracked, self.device)
         boxes = torch.where(is_tracked[:, None], boxes_from_landmarks(landmarks), roi_boxes.float())
         scores = torch.where(is_tracked, presence, roi_scores.float())
+        frame_wh = (roi_mod.from_host(np.asarray(batch.sizes_hw)[owners, ::-1].copy(), self.device)
+                    if self.geometry is not None else None)
+        table = self._device_table(landmarks, presence, blendshapes, boxes, scores, owner,
+                                   int(np.bincount(owners).max()), frame_wh)
+        host = table.cpu().numpy()  # the one wait for the device
+        host_start_s = time.perf_counter()
+        faces = self._faces(host, owners, tracked, frames, with_blendshapes=blendshapes is not None)
+        self.last_host_work_s = time.perf_counter() - host_start_s
+        return Measured(*faces, landmarks, boxes)
+
+    def _device_table(self, landmarks: torch.Tensor, presence: torch.Tensor, blendshapes: torch.Tensor | None,
+                      boxes: torch.Tensor, scores: torch.Tensor, owner: torch.Tensor, max_faces_per_frame: int,
+                      frame_wh: torch.Tensor | None) -> torch.Tensor:
+        """Everything the Face objects need, one (N, C) float32 table on the device (Note
+        [Measuring on the device]; :meth:`_faces` reads it): landmarks, presence, box, score,
+        whether the duplicate filter keeps the face and its place, blendshapes, the
+        transformation matrix, and (float64 as float32 pairs) head pose and translation."""
+        count = landmarks.shape[0]
         # Two ROIs that converged on one face (a track and a detection): the more present stays.
         kept, rank = drop_overlapping_batched(
             landmark_bounds(landmarks.float()), presence.float(), owner, presence.float() >= self.min_presence,
-            SAME_FACE_IOU, self.max_faces, max_group_size=int(np.bincount(owners).max()))
+            SAME_FACE_IOU, self.max_faces, max_group_size=max_faces_per_frame)
         parts = [landmarks.reshape(count, -1), presence[:, None], boxes, scores[:, None], kept[:, None],
                  rank[:, None]]
         if blendshapes is not None:
             parts.append(blendshapes)
         if self.geometry is not None:
             # Note [Face geometry as MediaPipe computes it]: MediaPipe's rotation as the pose.
-            frame_wh = roi_mod.from_host([batch.sizes_hw[frame][::-1] for frame in owners], self.device)
             matrices = self.geometry.matrices(landmarks, frame_wh)
             parts.append(matrices.reshape(count, 16))
             wide = torch.cat([head_pose_from_matrices(matrices), matrices[:, :3, 3]], dim=1)
         else:
             wide = head_pose_deg(landmarks).double()
-        parts.append(wide.contiguous().view(torch.float32))  # Note [Measuring on the device]
-        host = torch.cat([p.float() for p in parts], dim=1).cpu().numpy()  # the one wait for the device
-        host_start_s = time.perf_counter()
-        faces = self._faces(host, owners, tracked, frames, with_blendshapes=blendshapes is not None)
-        self.last_host_work_s = time.perf_counter() - host_start_s
-        return Measured(*faces, landmarks, boxes)
+        parts.append(wide.contiguous().view(torch.float32))
+        return torch.cat([p.float() for p in parts], dim=1)
 
     def _faces(self, host: np.ndarray, owners: list[int], tracked: list[bool], frames: int,
                with_blendshapes: bool) -> tuple[list[list[Face]], list[list[int]]]:
@@ -324,6 +337,23 @@ class FaceMeasurer:
                                          torch.zeros(count, device=self.device))
             for faces_in_bucket in buckets_up_to(count, MAX_GRAPH_FACES):
                 self.landmarks(crops[:faces_in_bucket], rects[:faces_in_bucket])
+            self._warm_device_table()
+
+    def _warm_device_table(self) -> torch.Tensor:
+        """The results' device work once (its first SVD on a GPU creates the solver's handle),
+        on a face made of the canonical model (the zero crops' landmarks may be anything, and
+        an SVD of non-finite numbers raises)."""
+        landmarks = torch.zeros(1, NUM_LANDMARKS, 3, device=self.device)
+        if self.geometry is not None:
+            canonical = torch.as_tensor(self.geometry.metadata.canonical_vertices_cm, dtype=torch.float32)
+            face = canonical * torch.tensor([10.0, -10.0, -10.0]) + torch.tensor([320.0, 240.0, 0.0])
+            landmarks[0, :NUM_MESH_POINTS] = face.to(self.device)
+        one = torch.ones(1, device=self.device)
+        blendshapes = (torch.zeros(1, len(BLENDSHAPE_NAMES), device=self.device)
+                       if self.blendshapes is not None else None)
+        frame_wh = torch.tensor([[640.0, 480.0]], device=self.device)
+        return self._device_table(landmarks, one, blendshapes, torch.zeros(1, 4, device=self.device), one,
+                                  torch.zeros(1, dtype=torch.long, device=self.device), 1, frame_wh).cpu()
 
     def landmarks(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
         """(landmarks (N, 478, 3) px, presence (N,), blendshapes (N, 52) or None) of the crops."""

@@ -432,3 +432,11 @@ def test_measure_matches_the_per_face_host_code_with_the_transformation_matrix(f
 def test_measure_matches_the_per_face_host_code_with_the_attention_mesh(attention_stack, frames, detections):
     counts = compare_measured(attention_stack, frames, detections, 0.5)
     assert counts["below"] >= len(frames) and counts["frames_cut"] == 1, counts
+
+
+def test_warm_up_runs_the_results_device_work(face_stack, attention_stack):
+    """On a GPU, warm-up also runs the results' device work once (the first SVD creates the
+    solver's handle); on a face made of the canonical model, which must give a finite table."""
+    for stack in (face_stack, attention_stack):
+        table = stack.measurer._warm_device_table()
+        assert table.shape[0] == 1 and torch.isfinite(table).all()
