@@ -157,3 +157,45 @@ def test_a_forged_worker_message_never_reaches_the_markers_stream(daemon):
     # The real workers were not cut off: they still heartbeat and answer.
     daemon.wait_for_worker("capture:cam0", "running", not_pid=worker.pid)
     daemon.wait_for_worker("output", "running")
+
+
+def test_a_bundle_truncated_while_the_daemon_runs_is_replaced_and_said(tmp_path):
+    """Note [Model files checked at load] in facecast.models.assets, on real processes: the
+    roi_landmark worker that starts after face_landmarker.task was truncated measures with the
+    verified copy of the bundle's models, and says so in status, on the Markers stream and in
+    the log (before: the attention mesh, NaN blendshapes, nothing said)."""
+    from facecast.models import assets
+
+    try:
+        installed = assets.landmarker_task_path().parent
+    except assets.ModelError as exc:
+        pytest.skip(f"face_landmarker.task is not installed (facecast models install): {exc}")
+    models = tmp_path / "models"
+    models.mkdir()
+    for path in [*installed.glob("*.tflite"), installed / assets.LANDMARKER_TASK_FILE]:
+        (models / path.name).write_bytes(path.read_bytes())
+    config = (CONFIG.replace("[daemon]\n", "[daemon]\nwarm_standby = \"off\"\n")
+              .replace("[participants]\n", f'[models]\ndir = "{models}"\n\n[participants]\n')
+              .replace("@GALLERY@", str(tmp_path / "participants.json")))
+    with ready_daemon(tmp_path, config) as daemon:
+        markers = Recorder(daemon.resolve("Markers", count=1))
+        try:
+            task = models / assets.LANDMARKER_TASK_FILE
+            task.write_bytes(task.read_bytes()[:1_000_000])
+            worker = next(w for w in daemon.status().workers if w.role == "roi_landmark")
+            os.kill(worker.pid, signal.SIGKILL)
+            daemon.wait_for_worker(worker.name, "running", not_pid=worker.pid)
+            event = _wait_for("a model_damaged marker", lambda: next(
+                (e for e in [json.loads(s[0]) for s in markers.records[0].samples]
+                 if e["event"] == "model_damaged"), None), daemon)
+        finally:
+            markers.stop()
+        assert event["worker"] == worker.name
+        assert event["reason"].startswith(f"{task} is 1000000 bytes, expected "), event
+        assert "using the verified copy of its models in" in event["reason"], event
+        detail = _wait_for("the damage in the worker's status", lambda: next(
+            (w.detail for w in daemon.status().workers
+             if w.name == worker.name and "(truncated" in w.detail), ""), daemon)
+        assert "verified copy" in detail
+        assert "(truncated; pinned SHA-256" in daemon.log_path.read_text()
+        assert daemon.worker(worker.name).state == "running"
