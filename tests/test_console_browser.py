@@ -98,8 +98,7 @@ def _console_url(daemon, timeout_s: float = 60.0) -> str:
     raise AssertionError(f"no web console within {timeout_s} s\n{daemon.log_tail()}")
 
 
-@pytest.fixture(scope="module")
-def browser(daemon):
+def _new_driver():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -115,6 +114,12 @@ def browser(daemon):
     driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
         "width": SCREENSHOT_SIZE[0], "height": SCREENSHOT_SIZE[1], "deviceScaleFactor": 1,
         "mobile": False})
+    return driver
+
+
+@pytest.fixture(scope="module")
+def browser(daemon):
+    driver = _new_driver()
     try:
         driver.get(f"{daemon.url}?token={TOKEN}")  # the printed link: sets the cookie
         yield driver
@@ -467,3 +472,107 @@ def test_metrics_follow_the_console_security_rules():
     assert metrics["facecast_gpu_memory_used_bytes"][gpu] == 512 * 1024 * 1024
     assert metrics["facecast_gpu_memory_total_bytes"][gpu] == 1024 * 1024 * 1024
     assert metrics["facecast_gpu_utilization_ratio"][gpu] == 0.25
+
+
+# ================================================================================================
+# Cross-site requests from a real browser (issue 21; no daemon: the real app, served here)
+# ================================================================================================
+
+
+def _serve_in_thread(app) -> tuple[str, callable]:
+    """`app` on a free loopback port, on an event loop of its own thread: (its URL, stop)."""
+    import threading
+
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    served: dict = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        runner = web.AppRunner(app, access_log=None)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        served["port"] = runner.addresses[0][1]
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(20), "the test's web server did not start"
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return f"http://127.0.0.1:{served['port']}", stop
+
+
+@needs_browser
+def test_a_page_of_another_origin_cannot_make_the_browser_change_anything():
+    """Another local user's page on another port of this machine is the same site, so the
+    browser sends it the console's SameSite cookie: its form and its fetches, with the cookie,
+    must change nothing, while the console's own page still sends markers (Note [Console
+    security] in facecast.workers.console_http)."""
+    from aiohttp import web
+
+    from facecast.workers.console_http import ConsoleState, build_app
+    from facecast.workers.console_preview import OpenCvJpegEncoder
+
+    config = config_mod.loads(CONFIG.replace("[web]\n", "[web]\nallow_control = true\n"))
+    calls: list[tuple[str, dict]] = []
+
+    async def control(action: str, body: dict) -> tuple[bool, str]:
+        calls.append((action, body))
+        return True, ""
+
+    state = ConsoleState(config, list(CAMERA_IDS), OpenCvJpegEncoder(), TOKEN)
+    console_url, stop_console = _serve_in_thread(build_app(state, control))
+    forged = (f'<form id="f" method="POST" enctype="text/plain" action="{console_url}'
+              '/api/control/marker"><input name=\'{"text": "forged by a form", "x": "\' '
+              'value=\'"}\'></form>')
+
+    async def attacker_page(request):
+        return web.Response(text=f"<!doctype html><html><body>{forged}</body></html>",
+                            content_type="text/html")
+
+    attacker = web.Application()
+    attacker.router.add_get("/", attacker_page)
+    attacker_url, stop_attacker = _serve_in_thread(attacker)
+    driver = _new_driver()
+    try:
+        driver.get(f"{console_url}/?token={TOKEN}")  # the user opened the console: the cookie
+        assert driver.current_url == f"{console_url}/"  # the token left the address bar
+        # The console's own page: its post() (console.js), JSON from its own origin.
+        driver.execute_script('post("marker", {text: "from the console page"});')
+        _wait("the console page's marker", lambda: calls, 10)
+        assert calls == [("marker", {"text": "from the console page"})], calls
+        calls.clear()
+        driver.get(attacker_url)
+        statuses = driver.execute_async_script("""
+            const done = arguments[arguments.length - 1];
+            const target = arguments[0];
+            const tries = [
+              ["marker", {"Content-Type": "text/plain"}, "no-cors"],
+              ["reload", {"Content-Type": "text/plain"}, "no-cors"],
+              ["stop", {}, "no-cors"],
+              ["marker", {"Content-Type": "application/json"}, "cors"],
+            ];
+            Promise.all(tries.map(([action, headers, mode]) =>
+              fetch(`${target}/api/control/${action}`, {method: "POST", mode, headers,
+                    credentials: "include", body: JSON.stringify({text: "forged by fetch"})})
+                .then(r => r.status, e => "blocked: " + e)))
+              .then(done);
+        """, console_url)
+        driver.execute_script('document.getElementById("f").submit();')
+        _wait("the form's answer", lambda: "refused" in driver.page_source
+              or "ok" in driver.page_source, 10)
+        assert "cross-site" in driver.page_source, driver.page_source[:500]
+        assert calls == [], (calls, statuses)
+    finally:
+        driver.quit()
+        stop_attacker()
+        stop_console()
