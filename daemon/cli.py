@@ -18,8 +18,52 @@ def _check_config(args) -> int:
     # The source may hold an RTSP password: shown masked, as in the log and `facecast status`.
     cameras = ", ".join(f"{c.id} ({config.redact_url(str(c.source))}, {loaded.transport_for(c)})"
                         for c in loaded.cameras)
+    problems = [f"cameras.{c.id}.source: {problem}" for c in loaded.cameras
+                if (problem := _source_problem(c.source))]
+    if problems:
+        for problem in problems:
+            print(f"facecast: {args.config}: {problem}", file=sys.stderr)
+        print(f"{args.config}: valid, but {len(problems)} camera source(s) cannot work on this "
+              f"machine; cameras: {cameras}")
+        return 1
     print(f"{args.config}: ok; cameras: {cameras}")
     return 0
+
+
+def _source_problem(source: str | int) -> str:
+    """Why a camera's source can never work on this machine ("" when it may): a V4L2 device or
+    a video file that is not there. Looked at by `check-config` only, never while a config is
+    validated (STYLE §10: no probing in validation); streams are not probed (`facecast cameras
+    --probe URL` does that)."""
+    import os
+    import stat
+
+    from facecast.workers.sources import SourceConfigError, source_kind
+
+    try:
+        kind = source_kind(source)
+    except SourceConfigError:
+        return ""  # the config's validation already said it
+    if kind == "v4l2":
+        path = source if isinstance(source, str) and source.startswith("/dev/") \
+            else f"/dev/video{int(source)}"
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            return (f"{path}: {exc.strerror.lower()} (allowed: a V4L2 device of this machine; "
+                    "`facecast cameras` lists them)")
+        if not stat.S_ISCHR(mode):
+            return f"{path}: not a device (allowed: a V4L2 device such as /dev/video0)"
+        return "" if os.access(path, os.R_OK | os.W_OK) else (
+            f"{path}: no permission to open it (the daemon's user needs the video group)")
+    if kind == "file":
+        path = source.removeprefix("file://")
+        if not os.path.isfile(path):
+            return (f"{config.redact_url(path)}: no such video file" if not os.path.exists(path)
+                    else f"{config.redact_url(path)}: not a regular file (allowed: a video file)")
+        if not os.access(path, os.R_OK):
+            return f"{config.redact_url(path)}: not readable by this user"
+    return ""
 
 
 def _models_install(args) -> int:

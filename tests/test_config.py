@@ -135,3 +135,42 @@ def test_check_config_masks_a_password_with_an_at_sign(tmp_path, capsys):
     assert cli.main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     assert out == f"{path}: ok; cameras: ip0 (rtsp://lab:***@10.1.2.3:554/s1, auto)\n"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("/dev/video97", "/dev/video97: no such file or directory (allowed: a V4L2 device of this "
+                     "machine; `facecast cameras` lists them)"),
+    (97, "/dev/video97: no such file or directory"),
+    ("@MISSING@", "@MISSING@: no such video file"),
+    ("file://@MISSING@", "@MISSING@: no such video file"),
+    ("/dev/shm", "/dev/shm: not a device (allowed: a V4L2 device such as /dev/video0)"),
+])
+def test_check_config_reports_a_source_that_can_never_work(tmp_path, capsys, source, expected):
+    """Issue 21: a camera that is not there was 'ok' and the daemon retried it forever."""
+    from facecast.daemon import cli
+
+    missing = str(tmp_path / "no-such-clip.mp4")
+    if isinstance(source, str):
+        source = source.replace("@MISSING@", missing)
+    expected = expected.replace("@MISSING@", missing)
+    path = tmp_path / "lab.toml"
+    value = source if isinstance(source, int) else f'"{source}"'
+    path.write_text(f'[[cameras]]\nid = "cam0"\nsource = {value}\n')
+    code = cli.main(["check-config", str(path)])
+    captured = capsys.readouterr()
+    assert code == 1, captured
+    assert captured.err.startswith(f"facecast: {path}: cameras.cam0.source: {expected}"), \
+        captured.err
+    assert captured.out.startswith(f"{path}: valid, but 1 camera source(s) cannot work on this "
+                                   "machine; cameras: cam0 ("), captured.out
+
+
+def test_check_config_accepts_a_video_file_that_is_there(tmp_path, capsys):
+    from facecast.daemon import cli
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"\0" * 16)  # its content is the capture worker's to judge
+    path = tmp_path / "lab.toml"
+    path.write_text(f'[[cameras]]\nid = "cam0"\nsource = "{clip}"\n')
+    assert cli.main(["check-config", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"{path}: ok;")
