@@ -160,6 +160,23 @@ def test_a_missing_runtime_directory_is_made_0700_with_its_parents_whatever_the_
     assert runtime_dir.for_daemon(str(target)) == target  # and then trusted
 
 
+def test_only_systemds_runtime_directory_may_be_group_readable_and_never_group_writable(
+        tmp_path, monkeypatch):
+    """The unit's RuntimeDirectoryMode=0750 (group facecast runs `facecast status`) is the one
+    exception, and only for the directory systemd made ($RUNTIME_DIRECTORY)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.chmod(run_dir, 0o750)
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    with pytest.raises(runtime_dir.UnsafeRuntimeDir, match="has mode 0750"):
+        runtime_dir.for_daemon(str(run_dir))
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(run_dir))
+    assert runtime_dir.for_daemon("") == run_dir
+    os.chmod(run_dir, 0o770)
+    with pytest.raises(runtime_dir.UnsafeRuntimeDir, match="mode 0770.*0750 or 0700"):
+        runtime_dir.for_daemon("")
+
+
 def test_the_token_file_is_trusted_only_as_this_users_0600_file(other_user, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
