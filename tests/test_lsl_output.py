@@ -25,6 +25,7 @@ from facecast.workers.lsl_output import (
     FaceSample,
     MarkerOutlet,
     PoseOutlet,
+    close_in_parallel,
     encode_event,
 )
 
@@ -396,3 +397,32 @@ def test_output_worker_publishes_the_best_pose_of_each_frame_that_measured_pose(
     with pytest.raises(ValueError, match="pose"):  # OutputWorker._push counts it as rejected
         worker._push_pose(broken)
     worker.pose_outlets["cam0"].close()
+
+
+def test_outlets_closed_in_parallel_are_each_closed_once_and_gone_from_the_network() -> None:
+    """Note [Closing outlets in parallel]: the output worker's many outlets, closed side by side."""
+    host = _unique_host()
+    # 12 streams: liblsl gives each outlet ports of the loopback config's PortRange (32), and
+    # streams beyond it are not found through KnownPeers (README "Finding many streams").
+    owners = [FaceOutlets(host, f"cam{k}", max_faces=2, fps=30.0, landmarks=False)
+              for k in range(6)]
+    source_ids = [source_id for owner in owners for source_id in owner.source_ids]
+    _resolve("Face", source_ids)
+    calls: list[int] = []
+
+    def closer(index: int):
+        def close() -> None:
+            calls.append(index)
+            owners[index].close()
+        return close
+
+    close_in_parallel([closer(k) for k in range(len(owners))])
+    assert sorted(calls) == list(range(len(owners)))
+    assert all(not owner._outlets for owner in owners)
+    deadline = time.monotonic() + RESOLVE_TIMEOUT_S
+    while True:
+        still = [info.source_id() for info in pylsl.resolve_byprop("type", "Face", timeout=1.0)
+                 if info.source_id() in source_ids]
+        if not still:
+            break
+        assert time.monotonic() < deadline, f"still on the network after closing: {still}"
