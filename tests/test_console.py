@@ -276,6 +276,8 @@ def test_the_query_token_only_sets_the_cookie(daemon):
                                "POST", json.dumps(payload).encode(), token=None)
         assert status == 401, (action, status, body)
     assert _get(f"{daemon.url}api/status?token=wrong-token-0123456789", token=None)[0] == 401
+    status, headers, _ = _get(f"{daemon.url}/evil.example/x?token={TOKEN}", token=None)
+    assert status == 303 and headers["Location"] == "/evil.example/x"  # never another host
     assert _get(daemon.url + "api/status", {"Cookie": cookie}, token=None)[0] == 200
 
 

@@ -327,9 +327,11 @@ async def _guard(request: web.Request, handler):
                 text="?token= only opens the console in a browser (GET, the right token), and "
                 "then the cookie is what counts: " + how_to,
                 headers={"WWW-Authenticate": "Bearer"})
-        response = web.Response(status=303, headers={
-            "Location": str(request.rel_url.without_query_params("token")),
-            "Cache-Control": "no-store"})
+        location = str(request.rel_url.without_query_params("token"))
+        if location.startswith("//"):  # a path that a browser would read as another host
+            location = "/" + location.lstrip("/")
+        response = web.Response(status=303, headers={"Location": location,
+                                                     "Cache-Control": "no-store"})
         response.set_cookie(TOKEN_COOKIE, state.token, httponly=True, samesite="Strict",
                             path="/")
         return response
