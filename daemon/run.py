@@ -135,6 +135,16 @@ def main(args) -> int:
         print(f"facecast: {problem}", file=sys.stderr)
         return 1
 
+    from facecast.daemon import lsl_peers
+
+    other = lsl_peers.other_daemon(config.host())  # Note [One daemon per stream id]
+    if other:
+        print(f"facecast: another facecast daemon already publishes streams as host "
+              f"{config.host()!r} ({other}); a second one would publish the same stream ids, "
+              "and recordings could not tell them apart. Stop that one (`facecast stop` with "
+              "its config), or give this one another daemon.host_name", file=sys.stderr)
+        return 1
+
     from facecast.daemon.runtime_dir import AlreadyRunning
     from facecast.daemon.supervisor import Supervisor
 

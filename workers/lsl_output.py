@@ -634,7 +634,10 @@ class MarkerOutlet:
     recordings' record_start, record_segment, record_stop, record_error (README "Recording").
     """
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, *, daemon_pid: int = 0, runtime_dir: str = "") -> None:
+        """`daemon_pid`, `runtime_dir`: the supervisor's, in the metadata, so that a second
+        daemon that would publish the same ids can say where this one runs (Note [One daemon
+        per stream id] in facecast.daemon.lsl_peers)."""
         if not host:
             raise ValueError("host must be non-empty")
         self.host = host
@@ -648,7 +651,12 @@ class MarkerOutlet:
         _append_text(channel, "type", "Marker")
         _append_text(channel, "format", "JSON object with key 'event'")
         _acquisition(desc, "facecast daemon events")
-        _append_text(desc.append_child("facecast"), "host", host)
+        facecast = desc.append_child("facecast")
+        _append_text(facecast, "host", host)
+        if daemon_pid:
+            _append_text(facecast, "pid", daemon_pid)
+        if runtime_dir:
+            _append_text(facecast, "runtime_dir", runtime_dir)
         self._outlet = pylsl.StreamOutlet(info)
 
     def event(self, kind: str, /, *, event_ts_lsl: float | None = None, **fields: Any) -> str:

@@ -25,6 +25,7 @@ carries no pose measurement (`FaceResults.poses` is None) adds no MoCap sample.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -64,7 +65,9 @@ class OutputWorker(Worker):
 
     def boot(self) -> None:
         self.host = self.config.host()
-        self.markers = MarkerOutlet(self.host)
+        # The supervisor is this process's parent (Note [One daemon per stream id]).
+        self.markers = MarkerOutlet(self.host, daemon_pid=os.getppid(),
+                                    runtime_dir=self.runtime_dir)
         self.blendshapes_missing = blendshapes_missing_reason(self.config)
         if self.blendshapes_missing:
             self.markers.event("model_missing", model="face_blendshapes",
