@@ -6,11 +6,12 @@ reads such a path.
 
 Note [Private files]
     What facecast makes for one user stays that user's: the runtime directory (its sockets, the
-    console's token) and every recording directory are 0700, the token and every recording
-    file (video, sidecar, XDF, LabRecorderCLI's log) 0600. The mode is set explicitly (fchmod
-    on the open file, chmod on a directory just made), never left to the umask, which is 022
-    outside systemd: a recording made 0644 in a 0755 directory lets every local user watch
-    the lab's participants (issue 21). A directory that exists already is trusted only if it is
+    console's token) and every directory it makes for recordings are 0700 (one the user made
+    keeps the mode they gave it), the token and every recording file (video, sidecar, XDF,
+    LabRecorderCLI's log) 0600. The mode is set explicitly (fchmod on the open file, chmod on
+    a directory just made; LabRecorderCLI, which creates the XDF itself, runs under umask 077),
+    never left to the umask, which is 022 outside systemd: a recording made 0644 in a 0755
+    directory lets every local user watch the lab's participants (issue 21). A directory that exists already is trusted only if it is
     a real directory (not a symbolic link, which its owner could point elsewhere later) owned
     by this user with no access for anyone else: another local user who makes
     /tmp/facecast-<uid> first, or a configured runtime_dir, would otherwise hold the directory
