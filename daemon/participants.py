@@ -212,7 +212,7 @@ def enroll_main(args) -> int:
     try:
         gallery.check_name(args.name)
         models, path = _settings(args)
-        gallery.load(path)  # a gallery that cannot take the enrolment: say so before the models load
+        gallery.load(path)  # one that cannot take the enrolment: said before the models load
     except (config_mod.ConfigError, gallery.GalleryError) as exc:
         print(f"facecast: nobody enrolled: {exc}", file=sys.stderr)
         return 2

@@ -688,11 +688,12 @@ def _verified_landmarker_members(model_dir: str | os.PathLike | None) -> Landmar
                 return None
         except OSError:
             return None
+    members = {member: directory / member for member in LANDMARKER_TASK_MEMBERS}
     return LandmarkerBundle(task_path=directory, task_sha256=LANDMARKER_TASK_SHA256,
-                            face_detector=directory / "face_detector.tflite",
-                            face_landmarks_detector=directory / "face_landmarks_detector.tflite",
-                            face_blendshapes=directory / "face_blendshapes.tflite",
-                            geometry_metadata=directory / "geometry_pipeline_metadata_landmarks.binarypb")
+                            face_detector=members["face_detector.tflite"],
+                            face_landmarks_detector=members["face_landmarks_detector.tflite"],
+                            face_blendshapes=members["face_blendshapes.tflite"],
+                            geometry_metadata=members["geometry_pipeline_metadata_landmarks.binarypb"])
 
 
 # ---------------------------------------------------------------------------------------------
