@@ -558,6 +558,15 @@ def landmarker_bundle(task_path: str | os.PathLike | None = None,
             f"{bundle.task_path} (models.face_landmarker_task; SHA-256 {bundle.task_sha256[:16]}...)"))
     try:
         path = landmarker_task_path(model_dir)
+    except ModelChecksumError as damage:
+        # Note [Model files checked at load]: the workers use the verified copy meanwhile, so
+        # the channels that need the bundle stay (the output worker, status and doctor ask here).
+        cached = _verified_landmarker_members(model_dir)
+        if cached is None:
+            return BundleChoice(None, "none", str(damage))
+        return BundleChoice(resolve_model_dir(model_dir) / LANDMARKER_TASK_FILE, "installed", (
+            f"{damage}; the verified copy of its models in {cached.face_detector.parent} is "
+            "used meanwhile"))
     except ModelError as error:
         return BundleChoice(None, "none", str(error))
     return BundleChoice(path, "installed", (

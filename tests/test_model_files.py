@@ -72,6 +72,9 @@ def test_a_truncated_bundle_is_replaced_by_the_verified_copy_and_said(model_dir,
                               "models install` to replace it"), problem
     assert "using the verified copy of its models in" in problem
     assert problem in caplog.text  # the log; the worker sends it as a marker and in status
+    # The output worker, status and doctor ask `landmarker_bundle`: the channels stay.
+    choice = assets.landmarker_bundle(None, model_dir)
+    assert choice.available and "(truncated;" in choice.detail and "verified copy" in choice.detail
     blendshapes = _blendshapes(face)
     assert blendshapes.shape[1] == 52 and np.isfinite(blendshapes).all()
 
@@ -80,6 +83,7 @@ def test_a_truncated_bundle_without_a_verified_copy_is_refused(model_dir):
     _truncate(model_dir / assets.LANDMARKER_TASK_FILE)  # before any load: nothing unpacked
     with pytest.raises(BootError) as error:
         build_pipeline(_config(model_dir), torch.device("cpu"), blendshapes=True)
+    assert not assets.landmarker_bundle(None, model_dir).available
     assert "(truncated; pinned SHA-256" in str(error.value) and "no verified copy of its models in" in \
         str(error.value), error.value
 
