@@ -111,7 +111,7 @@ class WorkerProcess:
     spec: WorkerSpec
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     popen: subprocess.Popen | None = None
-    secret: str = ""  # its process's, for the control socket (Note [Worker connections])
+    secret: str = field(default="", repr=False)  # its process's (Note [Worker connections])
     state: WorkerState = WorkerState.STOPPED  # change it with move_to (Note [Worker states])
     restarts: int = 0
     consecutive_failures: int = 0
