@@ -38,7 +38,7 @@ def _source_problem(source: str | int) -> str:
     import os
     import stat
 
-    from facecast.workers.sources import SourceConfigError, source_kind
+    from facecast.shared.camera_sources import SourceConfigError, source_kind
 
     try:
         kind = source_kind(source)

@@ -74,6 +74,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from facecast.shared.face_schema import BLENDSHAPE_NAMES
 from facecast.shared.version import __version__
 
 HEAD_SIGNALS: tuple[str, ...] = ("head_yaw", "head_pitch", "head_roll")
@@ -97,13 +98,8 @@ def synchrony_source_id(host: str) -> str:
 
 
 def blendshape_names() -> tuple[str, ...]:
-    """MediaPipe's 52 blendshape names, from the one list the Face streams are made from.
-
-    Imported when first needed (validating `signals`), not with this module: the list lives in
-    facecast.workers.lsl_output, which loads pylsl, and importing this module stays free of it.
-    """
-    from facecast.workers.lsl_output import BLENDSHAPE_NAMES
-
+    """MediaPipe's 52 blendshape names, the one list the Face streams are made from
+    (facecast.shared.face_schema)."""
     return BLENDSHAPE_NAMES
 
 

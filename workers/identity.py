@@ -54,10 +54,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where embeddings are made: the output worker, which
+    import torch  # reads the gallery here (GalleryWatch), never loads it (issue 20)
 
 from facecast.shared import gallery as gallery_mod
 from facecast.shared.config import ParticipantsConfig
@@ -307,6 +309,8 @@ class EmbeddingIdentities(Identities):
         due = sorted(due)[:MAX_EMBEDDINGS_PER_STEP]
         if not due:
             return
+        import torch
+
         from facecast.models.roi import FrameBatch
 
         used = sorted({frame_index for _, frame_index, _ in due})

@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import random
-import re
 import threading
 import time
 import zlib
@@ -43,12 +42,11 @@ import cv2
 import numpy as np
 import pylsl
 
+from facecast.shared.camera_sources import SourceConfigError, source_kind  # noqa: F401
 from facecast.shared.config import CameraConfig, StagingConfig, redact_url
 
 log = logging.getLogger(__name__)
 
-_STREAM_SCHEMES = ("rtsp", "rtsps", "http", "https")
-_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class SourceLost(RuntimeError):
@@ -58,10 +56,6 @@ class SourceLost(RuntimeError):
         super().__init__(f"camera {camera_id}: {reason}")
         self.camera_id = camera_id
         self.reason = reason
-
-
-class SourceConfigError(ValueError):
-    """The camera's `source` can never work as written; retrying will not help."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,35 +99,6 @@ class FrameSource:
 
     def _lost(self, reason: str) -> SourceLost:
         return SourceLost(self.camera_id, reason)
-
-
-def source_kind(source: str | int) -> str:
-    """"synthetic", "synthetic-replay", "v4l2", "stream" or "file" for a `CameraConfig.source`."""
-    if isinstance(source, bool):
-        raise SourceConfigError(f"source must be a string or a V4L2 index, got {source!r}")
-    if isinstance(source, int):
-        if source < 0:
-            raise SourceConfigError(f"a V4L2 index must be >= 0, got {source}")
-        return "v4l2"
-    if source in ("synthetic", "synthetic-replay"):
-        return source
-    if source.isdigit() or source.startswith("/dev/"):
-        return "v4l2"
-    url = _URL.match(source)
-    if url:
-        scheme = url["scheme"].lower()
-        if scheme in _STREAM_SCHEMES:
-            return "stream"
-        if scheme == "file":
-            return "file"
-        raise SourceConfigError(
-            f"source {redact_url(repr(source))}: unsupported URL scheme {scheme!r} "
-            f"(allowed: {', '.join(_STREAM_SCHEMES)}, file, a /dev/video path, an index, "
-            "\"synthetic\" or \"synthetic-replay\")"
-        )
-    if not source.strip():
-        raise SourceConfigError("source is empty")
-    return "file"
 
 
 def open_source(
