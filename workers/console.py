@@ -103,7 +103,8 @@ class ConsoleWorker(Worker):
         self._next_read_monotonic: dict[str, float] = {}
         self.subscriber = FrameSubscriber(self.context, self.runtime_dir, self.camera_ids,
                                           device="cpu",
-                                          checksum_every=self.config.daemon.checksum_every)
+                                          checksum_every=self.config.daemon.checksum_every,
+                                          on_event=self.event)  # Note [Mismatches are events]
         self._results_gate = MessageGate("results tap")
         self.results = results_subscriber(self.context, rcvhwm=1000)
         self.results.connect(endpoints.results_tap(self.runtime_dir))
@@ -149,7 +150,8 @@ class ConsoleWorker(Worker):
         self.subscriber.close()
         self.subscriber = FrameSubscriber(self.context, self.runtime_dir, self.camera_ids,
                                           device="cpu",
-                                          checksum_every=self.config.daemon.checksum_every)
+                                          checksum_every=self.config.daemon.checksum_every,
+                                          on_event=self.event)  # Note [Mismatches are events]
 
     # -- the loop ------------------------------------------------------------------------------
 
