@@ -168,7 +168,8 @@ class WebConfig(_Strict):
             # once; __post_init__ then checks that it is a real address (web_host_problem).
             pattern=r"^(localhost|[0-9.]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$",
             description='address to bind: an IP address or "localhost" (never a name resolved '
-            "at start); anything but a loopback address makes every request need the token",
+            "at start); every request needs the token, on loopback too (any local user's "
+            "browser reaches 127.0.0.1: README's Security section)",
         ),
     ] = "127.0.0.1"
     port: Annotated[
