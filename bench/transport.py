@@ -9,7 +9,7 @@ docs/benchmarks.md`. Cases run in order of importance and --budget-s (225 s) ski
 would end later, saying so; a case that fails is reported and the run goes on.
 
 Cases (each in fresh processes: its consumers and one producer, started together):
-- cuda_ipc: CUDA ring (pinned staging, async H2D, IPC event), consumers read the slot in place;
+- cuda_ipc: CUDA ring (pinned staging, async H2D, IPC event), consumers copy the slot on the GPU (device to device) and check the copy;
 - shm: shared-memory ring, consumers copy the slot to their GPU (or CPU where there is none);
 - pickle: the naive baseline, the frame pickled through a ZeroMQ PUB socket, then to the device.
 The ring transports run in two producer modes: "copy" (`publish(frame)`: the frame is copied
@@ -66,7 +66,7 @@ HEADER_STAGES = {"begin_write": "generation odd", "end_write": "generation even"
 CONSUMER_STAGES = {
     "_precheck": "verdict (generation before)",
     "_wait_for_slot": "event wait",
-    "_slot_tensor": "tensor (view or copy)",
+    "_slot_tensor": "tensor (a copy of the slot)",
     "_checksum_start": "checksum (queue on GPU / host)",
     "generation_unchanged": "generation after",
 }
