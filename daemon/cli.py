@@ -200,6 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         status.add_arguments(sub)
         sub.set_defaults(handler=handler)
 
+    from facecast.daemon import analyze
+
+    analyze_parser = commands.add_parser(
+        "analyze", help="measure faces in recorded video files, every frame, with the daemon's "
+        "models: a table per video (CSV), resumable")
+    analyze.add_arguments(analyze_parser)
+    _add_verbose(analyze_parser)
+    analyze_parser.set_defaults(handler=analyze.main)
+
     args = parser.parse_args(argv)
     args.log_level_explicit = args.log_level
     logging.basicConfig(level=(args.log_level or "warning").upper(),

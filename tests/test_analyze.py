@@ -1,0 +1,241 @@
+"""`facecast analyze` (issue 23, its CPU part): recorded video through the live face stack
+(facecast.workers.video_analysis, facecast.daemon.analyze; README "Analysing recorded video").
+
+The recording is made by facecast's own recorder classes (PyAvEncoder: H.264 in Matroska, and
+its Sidecar) from the synthetic scene at known capture times, so every frame has a ground truth
+(SyntheticScene.faces_at) and a capture timestamp the table must carry.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from daemon_harness import BOX_TOLERANCE, box_close
+from facecast.models import assets
+from facecast.models.roi import FrameBatch
+from facecast.shared.messages import TRACK_ID_LIMIT, Detections, FaceResult
+from facecast.workers import video_analysis as va
+from facecast.workers.inference import build_pipeline
+from facecast.workers.lsl_output import FaceLayout, FaceSample
+from facecast.workers.roi_landmark import TRACK_HOLD_S, _as_tensors
+from facecast.workers.sources import SyntheticScene
+from facecast.workers.tracking import TrackIds, TrackIdSource
+from facecast.workers.video_encoder import PyAvEncoder, Sidecar
+from footage import make_face_free_clip
+
+WIDTH, HEIGHT, FPS, FRAMES = 320, 240, 15.0, 24
+FIRST_CAPTURE_TS_LSL = 1000.0
+RESUME_EVERY = 8  # resume points at frames 8 and 16 of the 24
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    """The roi_landmark worker's face pipeline (build_pipeline) on the CPU, loaded once."""
+    assets.install(embeddings=False)  # nothing to do where $FACECAST_MODEL_DIR holds them
+    torch.set_num_threads(1)  # as the other model tests: 2 cores shared with busy processes
+    face, problem = build_pipeline(va.StackConfig(), torch.device("cpu"), blendshapes=True)
+    assert face.landmarker == "face_landmarker" and not problem, problem
+    return face
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory) -> tuple[Path, SyntheticScene, list[float]]:
+    """A facecast recording: the synthetic scene rendered at each capture time, through the
+    recorder's encoder (libx264, Matroska), and its sidecar."""
+    folder = tmp_path_factory.mktemp("recording")
+    path = folder / "cam0_20260101-000000.000Z_000.mkv"
+    scene = SyntheticScene(WIDTH, HEIGHT, seed="analyze")
+    stamps = [FIRST_CAPTURE_TS_LSL + index / FPS for index in range(FRAMES)]
+    encoder = PyAvEncoder(path, WIDTH, HEIGHT, FPS, container="mkv")
+    sidecar = Sidecar(path.with_suffix(".csv"))
+    for index, capture_ts_lsl in enumerate(stamps):
+        encoder.write(scene.render(capture_ts_lsl), capture_ts_lsl)
+        sidecar.row(index, index, index, capture_ts_lsl, "written")
+    encoder.close()
+    sidecar.close()
+    return path, scene, stamps
+
+
+def _analyze(pipeline, videos, out: Path, settings: va.Settings, on_progress=None,
+             restart: bool = False) -> list[va.FileAnalysis]:
+    analyzer = va.Analyzer(pipeline, settings)
+    files = analyzer.open(videos, out, restart=restart)
+    analyzer.run(files, on_progress=on_progress)
+    return files
+
+
+def _rows(table: Path) -> list[dict[str, str]]:
+    with open(table, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def analysed(pipeline, recording, tmp_path_factory) -> va.FileAnalysis:
+    """The recording analysed in one go, with resume points every RESUME_EVERY frames."""
+    out = tmp_path_factory.mktemp("analysed")
+    return _analyze(pipeline, [recording[0]], out, va.Settings(resume_every_frames=RESUME_EVERY))[0]
+
+
+def test_every_frame_is_a_row_with_its_faces_on_the_truth_and_stable_ids(analysed, recording):
+    _, scene, stamps = recording
+    rows = _rows(analysed.table_path)
+    frames = sorted({int(row["frame"]) for row in rows})
+    assert frames == list(range(FRAMES))
+    ids_of = {}  # the truth's face name -> the track ids it was given
+    for index, capture_ts_lsl in enumerate(stamps):
+        mine = [row for row in rows if int(row["frame"]) == index]
+        # The sidecar's capture time, every digit; the file's own presentation time.
+        assert {row["capture_ts_lsl"] for row in mine} == {repr(capture_ts_lsl)}
+        assert all(math.isclose(float(row["pts_s"]), index / FPS, abs_tol=0.002) for row in mine)
+        assert all(row["problem"] == "" for row in mine)
+        truth = scene.faces_at(capture_ts_lsl)
+        assert len(mine) == len(truth) == 2, (index, mine)
+        for face in truth:
+            near = [row for row in mine if box_close(face.box_px, [tuple(
+                float(row[k]) for k in ("box_x1", "box_y1", "box_x2", "box_y2"))], BOX_TOLERANCE)]
+            assert len(near) == 1, (index, face, mine)
+            ids_of.setdefault(face.name, set()).add(int(near[0]["track_id"]))
+            assert 0.0 <= float(near[0]["eyeBlinkLeft"]) <= 1.0
+            assert float(near[0]["head_tz"]) < 0  # in front of the camera
+    assert all(len(ids) == 1 for ids in ids_of.values()), ids_of  # across the resume points
+    assert len(set().union(*ids_of.values())) == 2
+    # Face data of people, as private as the recording (Note [Private files]).
+    assert stat.S_IMODE(analysed.table_path.stat().st_mode) == 0o600
+    summary = json.loads(analysed.summary_path.read_text())
+    assert (summary["ok"], summary["complete"], summary["rows_frames"], summary["frames_measured"],
+            summary["faces"], summary["frames_unreadable"]) == (True, True, FRAMES, FRAMES,
+                                                               2 * FRAMES, 0)
+    assert summary["capture_timestamps"] == f"sidecar {recording[0].stem}.csv"
+    assert summary["frames_per_s"] > 0
+    units = {column["name"]: column["unit"] for column in summary["columns"]}
+    assert (units["head_yaw"], units["head_tx"], units["box_x1"]) == ("degrees", "centimeters",
+                                                                     "pixels")
+
+
+def test_an_interrupted_analysis_resumes_to_the_same_table(pipeline, recording, analysed,
+                                                           tmp_path):
+    settings = va.Settings(resume_every_frames=RESUME_EVERY)
+
+    def interrupt(item: va.FileAnalysis) -> None:  # what Ctrl-C does between two frames
+        if item.next_frame >= 13:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _analyze(pipeline, [recording[0]], tmp_path, settings, on_progress=interrupt)
+    table, _, progress = va.output_paths(recording[0], tmp_path)
+    saved = json.loads(progress.read_text())
+    assert (saved["frame"], saved["complete"]) == (8, False)
+    assert table.stat().st_size > saved["table_bytes"]  # rows past the resume point, dropped
+    resumed = _analyze(pipeline, [recording[0]], tmp_path, settings)[0]
+    assert resumed.resumed_from_frame == 8
+    assert table.read_bytes() == analysed.table_path.read_bytes()
+    summary = json.loads(resumed.summary_path.read_text())
+    assert (summary["frames_measured"], summary["faces"]) == (FRAMES, 2 * FRAMES)
+    again = _analyze(pipeline, [recording[0]], tmp_path, settings)[0]  # finished: skipped
+    assert again.already_complete and table.read_bytes() == analysed.table_path.read_bytes()
+
+
+def test_footage_without_a_face_has_a_row_per_frame_and_no_face(pipeline, tmp_path):
+    clip = make_face_free_clip(tmp_path / "coffee.mp4", "coffee", WIDTH, HEIGHT, frames=10)
+    item = _analyze(pipeline, [clip], tmp_path, va.Settings())[0]
+    rows = _rows(item.table_path)
+    assert [int(row["frame"]) for row in rows] == list(range(10))
+    assert not any(row["track_id"] or row["presence"] or row["problem"] for row in rows)
+    summary = json.loads(item.summary_path.read_text())
+    assert (summary["ok"], summary["frames_measured"], summary["faces"]) == (True, 10, 0)
+    assert summary["capture_timestamps"].startswith("none")
+
+
+def test_the_command_says_what_is_wrong_with_each_file(recording, tmp_path):
+    """Missing, not a video, truncated: each said, the truncated one's lost frames are rows with
+    the reason, the summary says so; `--json` progress and summaries; exit status 1."""
+    video, _, _ = recording
+    truncated = tmp_path / "cut.mkv"
+    truncated.write_bytes(video.read_bytes()[:video.stat().st_size // 2])
+    (tmp_path / "cut.csv").write_bytes(video.with_suffix(".csv").read_bytes())
+    not_video = tmp_path / "notes.mkv"
+    not_video.write_text("not a video\n" * 100)
+    done = subprocess.run(
+        [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--out",
+         str(tmp_path / "out"), str(tmp_path / "missing.mkv"), str(not_video), str(truncated)],
+        capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert done.returncode == 1, done.stderr
+    assert f"{tmp_path / 'missing.mkv'}: no such file" in done.stderr
+    assert f"{not_video}: not a video FFmpeg can read" in done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    summaries = {Path(line["video"]).name: line for line in lines if line["type"] == "summary"}
+    assert summaries["missing.mkv"]["ok"] is False and summaries["notes.mkv"]["ok"] is False
+    cut = summaries["cut.mkv"]
+    assert cut["ok"] is False and cut["rows_frames"] == FRAMES
+    assert 0 < cut["frames_measured"] < FRAMES and cut["frames_unreadable"] > 0
+    assert cut["frames_measured"] + cut["frames_unreadable"] == FRAMES
+    assert any(line["type"] == "progress" and line["done"] for line in lines)
+    rows = _rows(Path(cut["table"]))
+    assert sorted({int(row["frame"]) for row in rows}) == list(range(FRAMES))
+    lost = [row for row in rows if row["problem"]]
+    assert len({row["frame"] for row in lost}) == cut["frames_unreadable"]
+    assert all(row["problem"].startswith(("missing", "unreadable")) and not row["track_id"]
+               for row in lost)
+    assert "truncated" in lost[-1]["problem"] and int(lost[-1]["frame"]) == FRAMES - 1
+
+
+def test_offline_results_equal_the_live_workers_on_the_same_frames(pipeline, recording, tmp_path):
+    """The recording's frames through a second pipeline the way the detection and roi_landmark
+    workers use it (Detections message, _as_tensors, track with detections, TrackIds on capture
+    time, FaceResult -> FaceSample as the output worker makes it) give the table's numbers."""
+    video, _, stamps = recording
+    item = _analyze(pipeline, [video], tmp_path, va.Settings(landmarks=True))[0]
+    table = _rows(item.table_path)
+    live, _ = build_pipeline(va.StackConfig(), torch.device("cpu"), blendshapes=True)
+    live.detect_interval_frames = 1 << 62  # as RoiLandmarkWorker.boot
+    source = TrackIdSource()
+    source.add(1, TRACK_ID_LIMIT - 1)
+    track_ids = TrackIds(source, hold_s=TRACK_HOLD_S)
+    layout = FaceLayout(landmarks=True, blendshapes=True, head_translation=True)
+    last_pass_ts = -math.inf
+    with av.open(str(video)) as container:
+        frames = [frame.to_ndarray(format="bgr24") for frame in container.decode(video=0)]
+    assert len(frames) == FRAMES
+    compared = 0
+    for index, (frame, capture_ts_lsl) in enumerate(zip(frames, stamps)):
+        detections = {}
+        if live.wants_detection("cam0") or capture_ts_lsl - last_pass_ts >= 0.5:
+            last_pass_ts = capture_ts_lsl
+            boxes, keypoints, scores = live.detect(FrameBatch([frame], "cpu"))[0]
+            detections[0] = _as_tensors(Detections(
+                camera_id="cam0", ring_epoch=1, frame_seq=index, capture_ts_lsl=capture_ts_lsl,
+                boxes_px=[tuple(b) for b in boxes.tolist()],
+                keypoints_px=[[tuple(p) for p in k] for k in keypoints.tolist()],
+                scores=scores.tolist()))
+        faces = live.track([frame], ["cam0"], detections=detections)[0]
+        ids = track_ids.assign([face.box for face in faces], capture_ts_lsl)
+        mine = [row for row in table if int(row["frame"]) == index]
+        assert len(mine) == len(faces) == 2
+        for track_id, face, row in zip(ids, faces, mine):
+            result = FaceResult(
+                track_id=track_id, presence=face.presence, score=face.score, box_px=face.box,
+                head_pose_deg=face.head_pose, head_translation_cm=face.head_translation_cm,
+                blendshapes=face.blendshapes.tolist(),
+                landmarks_px=np.ascontiguousarray(face.landmarks, dtype="<f4").tobytes())
+            sample = layout.sample(FaceSample(
+                track_id=result.track_id, presence=result.presence, box_px=result.box_px,
+                head_pose_deg=result.head_pose_deg,
+                head_translation_cm=result.head_translation_cm, blendshapes=result.blendshapes,
+                landmarks_px=np.frombuffer(result.landmarks_px, "<f4").reshape(478, 3)))
+            offline = np.array([float(row[label]) for label in layout.labels], np.float32)
+            np.testing.assert_allclose(offline, sample, rtol=1e-5, atol=1e-3,
+                                       err_msg=f"frame {index}")
+            compared += 1
+    assert compared == 2 * FRAMES
