@@ -76,6 +76,18 @@ def _analyze(pipeline, videos, out: Path, settings: va.Settings, on_progress=Non
     return files
 
 
+def _damaged_copy(video: Path, path: Path, sidecar: bool) -> Path:
+    """The recording with 2,000 bytes overwritten mid-file: FFmpeg conceals errors in frame 10
+    and its demuxer skips frame 11 without an error (Note [Frames that are not in the table])."""
+    data = bytearray(video.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 2000] = bytes((i * 151 + 7) % 256 for i in range(2000))
+    path.write_bytes(bytes(data))
+    if sidecar:
+        path.with_suffix(".csv").write_bytes(video.with_suffix(".csv").read_bytes())
+    return path
+
+
 def _rows(table: Path) -> list[dict[str, str]]:
     with open(table, newline="") as handle:
         return list(csv.DictReader(handle))
@@ -147,6 +159,30 @@ def test_an_interrupted_analysis_resumes_to_the_same_table(pipeline, recording, 
     assert again.already_complete and table.read_bytes() == analysed.table_path.read_bytes()
 
 
+def test_a_damaged_file_without_a_sidecar_resumes_to_the_same_table(pipeline, recording,
+                                                                    tmp_path):
+    """The frames after the skipped one are placed by their times after the damage, the same
+    way when a resume decodes the file up to its resume point again."""
+    video = _damaged_copy(recording[0], tmp_path / "damaged.mkv", sidecar=False)
+    settings = va.Settings(resume_every_frames=RESUME_EVERY)
+    whole = _analyze(pipeline, [video], tmp_path / "whole", settings)[0]
+    rows = _rows(whole.table_path)
+    assert sorted({int(row["frame"]) for row in rows}) == list(range(FRAMES))
+    assert any(row["problem"].startswith("missing: not in the file") for row in rows)
+    assert all(math.isclose(float(row["pts_s"]), int(row["frame"]) / FPS, abs_tol=0.002)
+               for row in rows if row["pts_s"])
+
+    def interrupt(item: va.FileAnalysis) -> None:
+        if item.next_frame >= 20:  # past the damage, past the resume point at 16
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _analyze(pipeline, [video], tmp_path / "cut", settings, on_progress=interrupt)
+    resumed = _analyze(pipeline, [video], tmp_path / "cut", settings)[0]
+    assert resumed.resumed_from_frame == 16
+    assert resumed.table_path.read_bytes() == whole.table_path.read_bytes()
+
+
 def test_footage_without_a_face_has_a_row_per_frame_and_no_face(pipeline, tmp_path):
     clip = make_face_free_clip(tmp_path / "coffee.mp4", "coffee", WIDTH, HEIGHT, frames=10)
     item = _analyze(pipeline, [clip], tmp_path, va.Settings())[0]
@@ -159,17 +195,18 @@ def test_footage_without_a_face_has_a_row_per_frame_and_no_face(pipeline, tmp_pa
 
 
 def test_the_command_says_what_is_wrong_with_each_file(recording, tmp_path):
-    """Missing, not a video, truncated: each said, the truncated one's lost frames are rows with
-    the reason, the summary says so; `--json` progress and summaries; exit status 1."""
-    video, _, _ = recording
+    """Missing, not a video, truncated, damaged: each said, lost frames are rows with the
+    reason, the summary says so; `--json` progress and summaries; exit status 1."""
+    video, _, stamps = recording
     truncated = tmp_path / "cut.mkv"
     truncated.write_bytes(video.read_bytes()[:video.stat().st_size // 2])
     (tmp_path / "cut.csv").write_bytes(video.with_suffix(".csv").read_bytes())
+    damaged = _damaged_copy(video, tmp_path / "damaged.mkv", sidecar=True)
     not_video = tmp_path / "notes.mkv"
     not_video.write_text("not a video\n" * 100)
     done = subprocess.run(
         [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--out",
-         str(tmp_path / "out"), str(tmp_path / "missing.mkv"), str(not_video), str(truncated)],
+         str(tmp_path / "out"), str(tmp_path / "missing.mkv"), str(not_video), str(truncated), str(damaged)],
         capture_output=True, text=True, timeout=120, env=os.environ.copy())
     assert done.returncode == 1, done.stderr
     assert f"{tmp_path / 'missing.mkv'}: no such file" in done.stderr
@@ -189,6 +226,19 @@ def test_the_command_says_what_is_wrong_with_each_file(recording, tmp_path):
     assert all(row["problem"].startswith(("missing", "unreadable")) and not row["track_id"]
                for row in lost)
     assert "truncated" in lost[-1]["problem"] and int(lost[-1]["frame"]) == FRAMES - 1
+    # Damage mid-file: FFmpeg conceals errors in one frame and skips the next; every frame
+    # after the gap keeps its own index (its time, its capture time), none is shifted.
+    hurt = summaries["damaged.mkv"]
+    assert hurt["ok"] is False and hurt["rows_frames"] == FRAMES
+    assert hurt["frames_concealed"] >= 1 and hurt["frames_unreadable"] >= 1
+    rows = _rows(Path(hurt["table"]))
+    assert sorted({int(row["frame"]) for row in rows}) == list(range(FRAMES))
+    skipped = [row for row in rows if row["problem"].startswith("missing: not in the file")]
+    assert skipped and all(not row["pts_s"] for row in skipped)
+    measured = [row for row in rows if row["pts_s"]]
+    assert len({row["frame"] for row in measured}) == FRAMES - len(skipped)
+    assert all(math.isclose(float(row["pts_s"]), int(row["frame"]) / FPS, abs_tol=0.002)
+               and row["capture_ts_lsl"] == repr(stamps[int(row["frame"])]) for row in measured)
 
 
 def test_offline_results_equal_the_live_workers_on_the_same_frames(pipeline, recording, tmp_path):

@@ -41,18 +41,24 @@ Note [Resume points]
     measure them side by side, as cameras.
 
 Note [Frames that are not in the table]
-    Every frame has a row. A packet the decoder cannot read is a row with its reason in
-    `problem` (its index is the next frame's: the recorder's files have no B-frames, so decode
-    order is presentation order; with B-frames the index of a frame after a bad packet may be
-    off by the frames the packet held). A frame FFmpeg decoded with errors concealed (flagged
-    corrupt) is measured, and its `problem` says so. Frames a file should have but does not
-    (truncated: fewer than the sidecar's written rows, or the container's frame count) are
-    rows at the end, each with the reason; where only the header's duration says so, one row
-    says how many are missing.
+    Every frame has a row, at its own index. A frame FFmpeg decoded with errors concealed
+    (flagged corrupt) is measured, and its `problem` says so; a packet the decoder cannot read
+    is a row with the reason. FFmpeg's demuxer skips damaged data silently (seen: 2 KB
+    overwritten in a Matroska file lost the frame after a concealed one, with no error), so
+    frames are placed by their presentation time, not counted: in facecast's recordings every
+    frame's time is known from the sidecar (capture time minus the first frame's, Note
+    [Container timestamps] in facecast.workers.video_encoder), and a frame the file lacks is a
+    `missing` row; in other files, a gap in the times right after a damaged frame is taken as
+    the frames skipped (at the stream's nominal rate). Frames a file should have but does not
+    at its end (truncated: fewer than the sidecar lists, or than the container's frame count)
+    are rows, each with the reason; where only the header's duration says so, one row says
+    about how many are missing. (The recorder's files have no B-frames: decode order is
+    presentation order, so an unreadable packet's row is the next frame's.)
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import logging
@@ -62,6 +68,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +87,9 @@ log = logging.getLogger(__name__)
 
 TABLE_VERSION = 1
 RESUME_EVERY_FRAMES = 300  # Note [Resume points]
+# A decoded frame's time matches a sidecar frame's within this (Matroska's 1 ms tick rounds by
+# up to half of it; the recorder's "pts must increase" bump adds a tick at most at 1000 fps).
+PTS_MATCH_S = 0.0011
 LEADING_COLUMNS = ("frame", "pts_s", "capture_ts_lsl", "problem")
 TABLE_SUFFIX = ".faces.csv"
 SUMMARY_SUFFIX = ".faces.json"
@@ -96,8 +106,9 @@ class VideoError(Exception):
 
 @dataclass
 class DecodedFrame:
-    index: int  # in presentation order, from 0
-    pts_s: float | None  # presentation time in seconds (None: unknown)
+    index: int  # the decoder's count from 0 (Note [Frames that are not in the table])
+    pts: int | None  # presentation timestamp in the stream's time base (None: unknown)
+    pts_s: float | None  # the same in seconds
     image: np.ndarray | None  # HxWx3 uint8 BGR; None when the frame could not be read
     problem: str = ""  # why it could not be read, or what was wrong with it ("" when fine)
 
@@ -110,11 +121,12 @@ class FrameDecoder(ABC):
     fps: float  # the stream's nominal rate (0.0 when the file does not say)
     expected_frames: int  # what the container's header says it holds (0: it does not say)
     duration_s: float  # the header's duration (0.0: it does not say)
+    time_base: Fraction  # of DecodedFrame.pts
 
     @abstractmethod
     def frames(self, decode_from: int = 0) -> Iterator[DecodedFrame]:
-        """Every frame; those before `decode_from` without their pixels (image None, no
-        problem): they are decoded (the codec needs them) but not converted."""
+        """Every frame; those the decoder counts before `decode_from` without their pixels
+        (image None): they are decoded (the codec needs them) but not converted."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -142,6 +154,7 @@ class PyAvDecoder(FrameDecoder):
             self._container.close()
             raise VideoError(f"{path}: has no video stream")
         self._stream = self._container.streams.video[0]
+        self.time_base = Fraction(self._stream.time_base or Fraction(1, 1000))
         rate = self._stream.average_rate or self._stream.guessed_rate
         self.fps = float(rate) if rate else 0.0
         self.expected_frames = int(self._stream.frames or 0)
@@ -154,7 +167,6 @@ class PyAvDecoder(FrameDecoder):
 
     def frames(self, decode_from: int = 0) -> Iterator[DecodedFrame]:
         av = self._av
-        time_base = self._stream.time_base
         index = 0
         packets = self._container.demux(self._stream)
         while True:
@@ -163,25 +175,26 @@ class PyAvDecoder(FrameDecoder):
             except StopIteration:
                 break
             except av.FFmpegError as exc:  # the demuxer gave up: the rest of the file is lost
-                yield DecodedFrame(index, None, None, "unreadable: the container breaks off "
-                                   f"here ({_ffmpeg_reason(exc)})")
+                yield DecodedFrame(index, None, None, None, "unreadable: the container breaks "
+                                   f"off here ({_ffmpeg_reason(exc)})")
                 return
             try:
                 decoded = packet.decode()
             except av.FFmpegError as exc:
-                pts_s = float(packet.pts * time_base) if packet.pts is not None else None
-                yield DecodedFrame(index, pts_s, None, f"unreadable: {_ffmpeg_reason(exc)}")
+                yield DecodedFrame(index, packet.pts, self._seconds(packet.pts), None,
+                                   f"unreadable: {_ffmpeg_reason(exc)}")
                 index += 1
                 continue
             for frame in decoded:
-                pts_s = float(frame.pts * time_base) if frame.pts is not None else None
-                if index < decode_from:
-                    yield DecodedFrame(index, pts_s, None)
-                else:
-                    problem = ("decoded with errors concealed (FFmpeg flagged it corrupt)"
-                               if frame.is_corrupt else "")
-                    yield DecodedFrame(index, pts_s, frame.to_ndarray(format="bgr24"), problem)
+                # Said of a skipped frame too: the analyzer places frames after damage by it.
+                problem = ("decoded with errors concealed (FFmpeg flagged it corrupt)"
+                           if frame.is_corrupt else "")
+                image = frame.to_ndarray(format="bgr24") if index >= decode_from else None
+                yield DecodedFrame(index, frame.pts, self._seconds(frame.pts), image, problem)
                 index += 1
+
+    def _seconds(self, pts: int | None) -> float | None:
+        return None if pts is None else float(pts * self.time_base)
 
     def close(self) -> None:
         self._container.close()
@@ -262,8 +275,13 @@ class FileAnalysis:
     _table = None
     _writer = None
     _last_pass_pts_s: float = -math.inf
-    _last_pts_s: float | None = None
     _started_monotonic: float = 0.0
+    # Placing decoded frames (Note [Frames that are not in the table]):
+    _frame_times_s: list[float] = field(default_factory=list)  # the sidecar's, as pts seconds
+    _decoded_next: int = 0  # the index the next decoded frame has if nothing was skipped
+    _last_pts_s: float | None = None
+    _damaged: bool = False  # the last frame was unreadable or concealed
+    _next_resume_point: int = 0
     _seconds_before: float = 0.0
     done: bool = False
 
@@ -338,6 +356,8 @@ class Analyzer:
         source = TrackIdSource()
         source.add(1, TRACK_ID_LIMIT - 1)
         item.track_ids = TrackIds(source, hold_s=TRACK_HOLD_S)
+        item._frame_times_s = recorded_pts_s(item.capture_ts)
+        item._next_resume_point = self.settings.resume_every_frames
         saved = None if restart else self._saved_progress(item)
         # Face data of people: 0600 files, a 0700 folder if made here (Note [Private files] in
         # facecast.shared.private_files), as the recordings they come from.
@@ -356,6 +376,7 @@ class Analyzer:
             item.counts = Counts(**saved["counts"])
             item.problems = saved.get("problems", [])
             item.next_frame = item.resumed_from_frame = saved["frame"]
+            item._next_resume_point = saved["frame"]  # its reset again, as the first run did
             item._seconds_before = saved["seconds"]
             item._table = open(item.table_path, "a", newline="")
             item._writer = csv.writer(item._table)
@@ -363,7 +384,9 @@ class Analyzer:
             item._table = private_files.open_private(item.table_path, binary=False)
             item._writer = csv.writer(item._table)
             item._writer.writerow(self.columns)
-        item._frames = decoder.frames(decode_from=item.next_frame)
+        # The decoder counts no frame the file lacks: its count at the resume point is at least
+        # this (converting a few frames too many costs a millisecond each).
+        item._frames = decoder.frames(decode_from=max(0, item.next_frame - item.counts.unreadable))
         item._started_monotonic = time.monotonic()
 
     def _saved_progress(self, item: FileAnalysis) -> dict | None:
@@ -448,10 +471,15 @@ class Analyzer:
         """The file's next frame with a picture; rows of frames without one on the way; None
         when the file ended (then it is finished: missing frames, summary, progress)."""
         for frame in item._frames:
+            frame.index = self._place(item, frame)
             if frame.index < item.next_frame:
                 continue  # before the resume point
-            if frame.index > 0 and frame.index % self.settings.resume_every_frames == 0:
-                self._resume_point(item, frame.index)
+            for missing in range(item.next_frame, frame.index):
+                self._before_row(item, missing)
+                self._write_problem_row(item, missing, None, (
+                    f"missing: not in the file (FFmpeg skipped damaged data before frame "
+                    f"{frame.index})"))
+            self._before_row(item, frame.index)
             item.next_frame = frame.index + 1
             if frame.image is None:
                 self._write_problem_row(item, frame.index, frame.pts_s, frame.problem)
@@ -460,8 +488,32 @@ class Analyzer:
         self._finish(item)
         return None
 
-    def _resume_point(self, item: FileAnalysis, frame_index: int) -> None:
-        """Note [Resume points]: the tracker starts afresh at this frame, in every run."""
+    @staticmethod
+    def _place(item: FileAnalysis, frame: DecodedFrame) -> int:
+        """The frame's index in the file (Note [Frames that are not in the table]): by its
+        presentation time where the sidecar gives every frame's; else counted, with a gap in
+        the times right after damage taken as frames the demuxer skipped."""
+        index = item._decoded_next
+        if item._frame_times_s and frame.pts_s is not None:
+            found = _nearest(item._frame_times_s, frame.pts_s)
+            if found is not None and found >= index:
+                index = found
+        elif (item._damaged and frame.pts_s is not None and item._last_pts_s is not None
+              and item.decoder.fps):
+            index += max(0, round((frame.pts_s - item._last_pts_s) * item.decoder.fps) - 1)
+        item._damaged = bool(frame.problem)
+        if frame.pts_s is not None:
+            item._last_pts_s = frame.pts_s
+        item._decoded_next = index + 1
+        return index
+
+    def _before_row(self, item: FileAnalysis, frame_index: int) -> None:
+        """Note [Resume points]: at each, in every run, the progress is saved and the tracker
+        starts afresh."""
+        if frame_index == 0 or frame_index < item._next_resume_point:
+            return
+        every = self.settings.resume_every_frames
+        item._next_resume_point = (frame_index // every + 1) * every
         self.pipeline.reset(item.camera_id)
         item._last_pass_pts_s = -math.inf
         self._save_progress(item, frame_index, complete=False)
@@ -586,6 +638,26 @@ class Analyzer:
                           ("problem", "text"))]
                         + [{"name": label, "unit": unit} for label, unit, _ in self.channels]),
         }
+
+
+def recorded_pts_s(capture_ts: dict[int, str]) -> list[float]:
+    """Each frame's presentation time as the recorder wrote it, in seconds, by frame index:
+    its capture time minus the first frame's (Note [Container timestamps] in
+    facecast.workers.video_encoder; the container rounds it to its tick, PTS_MATCH_S allows
+    for that). [] unless the sidecar lists every frame of the file from 0."""
+    if not capture_ts or sorted(capture_ts) != list(range(len(capture_ts))):
+        return []
+    origin_ts = float(capture_ts[0])
+    return [float(capture_ts[index]) - origin_ts for index in range(len(capture_ts))]
+
+
+def _nearest(times_s: list[float], pts_s: float) -> int | None:
+    """The index of the time within PTS_MATCH_S of `pts_s` (the container's rounding: 1 ms in
+    Matroska), else None."""
+    at = bisect.bisect_left(times_s, pts_s)
+    best = min((i for i in (at - 1, at) if 0 <= i < len(times_s)),
+               key=lambda i: abs(times_s[i] - pts_s), default=None)
+    return best if best is not None and abs(times_s[best] - pts_s) <= PTS_MATCH_S else None
 
 
 def _number(value) -> str:
