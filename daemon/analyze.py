@@ -109,7 +109,7 @@ def main(args) -> int:
 
 def _summary_line(summary: dict) -> str:
     rate = summary["frames_per_s"]
-    line = (f"{summary['video']}: {summary['rows_frames']} frames, {summary['frames_measured']} "
+    line = (f"{summary['video']}: {summary['frames']} frames, {summary['frames_measured']} "
             f"measured, {summary['faces']} faces in {summary['frames_with_faces']} frames; "
             f"{summary['seconds']:.1f} s" + (f" ({rate:.1f} frames/s)" if rate else "")
             + f" -> {summary['table']}")

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from daemon_harness import BOX_TOLERANCE, box_close
+from facecast.daemon.analyze import _summary_line as summary_line
 from facecast.models import assets
 from facecast.models.roi import FrameBatch
 from facecast.shared.messages import TRACK_ID_LIMIT, Detections, FaceResult
@@ -126,11 +127,14 @@ def test_every_frame_is_a_row_with_its_faces_on_the_truth_and_stable_ids(analyse
     # Face data of people, as private as the recording (Note [Private files]).
     assert stat.S_IMODE(analysed.table_path.stat().st_mode) == 0o600
     summary = json.loads(analysed.summary_path.read_text())
-    assert (summary["ok"], summary["complete"], summary["rows_frames"], summary["frames_measured"],
+    assert (summary["ok"], summary["complete"], summary["frames"], summary["frames_measured"],
             summary["faces"], summary["frames_unreadable"]) == (True, True, FRAMES, FRAMES,
                                                                2 * FRAMES, 0)
     assert summary["capture_timestamps"] == f"sidecar {recording[0].stem}.csv"
     assert summary["frames_per_s"] > 0
+    line = summary_line(summary)  # what the command prints
+    assert line.startswith(f"{recording[0]}: {FRAMES} frames, {FRAMES} measured, {2 * FRAMES} "
+                           f"faces in {FRAMES} frames; ") and "\n" not in line
     units = {column["name"]: column["unit"] for column in summary["columns"]}
     assert (units["head_yaw"], units["head_tx"], units["box_x1"]) == ("degrees", "centimeters",
                                                                      "pixels")
@@ -215,7 +219,7 @@ def test_the_command_says_what_is_wrong_with_each_file(recording, tmp_path):
     summaries = {Path(line["video"]).name: line for line in lines if line["type"] == "summary"}
     assert summaries["missing.mkv"]["ok"] is False and summaries["notes.mkv"]["ok"] is False
     cut = summaries["cut.mkv"]
-    assert cut["ok"] is False and cut["rows_frames"] == FRAMES
+    assert cut["ok"] is False and cut["frames"] == FRAMES
     assert 0 < cut["frames_measured"] < FRAMES and cut["frames_unreadable"] > 0
     assert cut["frames_measured"] + cut["frames_unreadable"] == FRAMES
     assert any(line["type"] == "progress" and line["done"] for line in lines)
@@ -229,8 +233,10 @@ def test_the_command_says_what_is_wrong_with_each_file(recording, tmp_path):
     # Damage mid-file: FFmpeg conceals errors in one frame and skips the next; every frame
     # after the gap keeps its own index (its time, its capture time), none is shifted.
     hurt = summaries["damaged.mkv"]
-    assert hurt["ok"] is False and hurt["rows_frames"] == FRAMES
+    assert hurt["ok"] is False and hurt["frames"] == FRAMES
     assert hurt["frames_concealed"] >= 1 and hurt["frames_unreadable"] >= 1
+    said = summary_line(hurt)
+    assert "unreadable or missing" in said and "errors concealed" in said
     rows = _rows(Path(hurt["table"]))
     assert sorted({int(row["frame"]) for row in rows}) == list(range(FRAMES))
     skipped = [row for row in rows if row["problem"].startswith("missing: not in the file")]

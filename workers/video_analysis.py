@@ -618,9 +618,10 @@ class Analyzer:
         counts = item.counts
         return {
             "version": TABLE_VERSION, "facecast": __version__, "video": str(item.video),
-            "table": str(item.table_path), "ok": counts.unreadable == 0,
+            "table": str(item.table_path),
+            "ok": counts.unreadable == 0 and counts.concealed == 0,  # every frame read cleanly
             "complete": item.done,
-            "rows_frames": item.next_frame, "frames_measured": counts.frames,
+            "frames": item.next_frame, "frames_measured": counts.frames,
             "frames_with_faces": counts.frames_with_faces, "faces": counts.faces,
             "frames_unreadable": counts.unreadable, "frames_concealed": counts.concealed,
             "problems": item.problems,
