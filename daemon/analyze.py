@@ -64,9 +64,11 @@ def main(args) -> int:
                                        detect_interval_s=config.daemon.detect_interval_s)
     import torch
 
-    # Note [One thread on the CPU]: measured on the 2-core machine, 640x360, two faces: 47 ms of
-    # CPU a frame with one thread, 450 ms with two (a busy machine: the threads wait on each
-    # other at every small kernel). Another core is better used by another file's process.
+    # Note [One thread on the CPU]: measured on the 2-core machine while other work kept it
+    # busy (load average 7-8), 640x360, two faces: 16 frames/s (47 ms of CPU a frame) with one
+    # torch thread, 1.2 frames/s (450 ms) with two: the threads wait on each other at every
+    # small kernel. FFmpeg decodes on its own threads; a second file's process is the better
+    # use of another core.
     torch.set_num_threads(1)
     try:
         # The CPU stack (this machine's decoder is PyAV's); the GPU device and NVDEC come with
