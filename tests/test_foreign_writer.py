@@ -27,10 +27,11 @@ def _run(runtime_dir: str, transport: str, device: str, change: str) -> tuple[di
     peers = Peers(runtime_dir)
     description = Path(runtime_dir) / "ring.msgpack"
     try:
+        # Bounded in time: a writer that spoils every frame leaves none to reach until_seq.
         consumer = peers.start("consumer", device=device, shape=SHAPE, until_seq=FRAMES - 1,
-                               timeout_s=30)
+                               timeout_s=8)
         tamperer = peers.start("tamper-loop", description=str(description), change=change,
-                               timeout_s=8, slow_s=0.0005, seed=5)
+                               timeout_s=7, slow_s=0.0005, seed=5)
         producer = peers.start("producer", frames=FRAMES, fps=30, shape=SHAPE,
                                transport=transport, description_out=str(description))
         Peers.result(producer)
