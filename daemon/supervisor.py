@@ -43,8 +43,8 @@ Note [Worker connections]
     and accepts from that identity only: a worker message whose connection is not the claimed
     worker's own is refused, counted with the malformed ones (`rejected_messages` in status)
     and logged. A promoted spare keeps its process's secret under its new name. Clients (the
-    CLI, the console) connect with any identity and may send only the requests in
-    CLIENT_REQUESTS; the replies go back on their own connection. What a same-user process
+    CLI, the console) connect with any identity and may send only the requests that
+    `Supervisor._client_handlers` names; the replies go back on their own connection. What a same-user process
     could still do is read a worker's memory, which Yama's ptrace scope (1 on common
     distributions) denies to non-descendants; the runtime directory's mode keeps other users
     out altogether. One simpler design was refused: the bare worker name as the identity
@@ -69,6 +69,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -114,9 +115,6 @@ OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker befo
 STOP_RESERVE_PER_ROLE_S = 0.5
 FAULT_INJECTION_ENV = "FACECAST_ALLOW_FAULT_INJECTION"  # Note [Fault injection]
 # Note [Worker connections]: what only a worker's own connection may send, and what anyone may.
-WORKER_MESSAGES = (Hello, Heartbeat, BootFailed, Event, TrackIdsWanted)
-CLIENT_REQUESTS = ("StatusRequest", "ReloadRequest", "StopRequest", "RecordRequest",
-                   "InjectFault")
 GALLERY_CHECK_S = 2.0  # as the workers' (Note [Gallery reload] in facecast.workers.identity)
 
 
@@ -399,26 +397,50 @@ class Supervisor:
             message = self._gate.decode(payload)
             if message is None:
                 continue
-            if isinstance(message, WORKER_MESSAGES):
+            on_worker = self._worker_handlers().get(type(message))
+            on_client = self._client_handlers().get(type(message))
+            if on_worker is not None:
                 worker = self._worker_of(identity, message)
                 if worker is not None:
-                    self._on_worker_message(identity, worker, message)
-            elif isinstance(message, StatusRequest):
-                self._reply(identity, self.status(message.id))
-            elif isinstance(message, ReloadRequest):
-                ok, error = self.reload()
-                self._reply(identity, Ack(reply_to=message.id, ok=ok, error=error))
-            elif isinstance(message, StopRequest):
-                self._reply(identity, Ack(reply_to=message.id))
-                self._stop_requested = True
-            elif isinstance(message, RecordRequest):
-                self._reply(identity, self.recordings.request(
-                    message, self.config, stopping=self._shutdown is not None))
-            elif isinstance(message, InjectFault):
-                self._reply(identity, self._inject_fault(message))
+                    on_worker(identity, worker, message)
+            elif on_client is not None:
+                on_client(identity, message)
             else:  # a message the supervisor sends, never receives (Assignment, Ack...)
+                allowed = ", ".join(t.__name__ for t in self._client_handlers())
                 self._gate.refuse(f"{type(message).__name__} is not a request a client may send "
-                                  f"(allowed: {', '.join(CLIENT_REQUESTS)})")
+                                  f"(allowed: {allowed})")
+
+    def _worker_handlers(self) -> dict[type, Callable[..., None]]:
+        """A handler per message that only a worker's own connection may send."""
+        return {Hello: self._on_hello, Heartbeat: self._on_heartbeat,
+                BootFailed: self._on_boot_failed, Event: self._on_event,
+                TrackIdsWanted: self._on_track_ids_wanted}
+
+    def _client_handlers(self) -> dict[type, Callable[..., None]]:
+        """A handler per request that any connection of this user may send (the CLI's)."""
+        return {StatusRequest: self._on_status_request, ReloadRequest: self._on_reload_request,
+                StopRequest: self._on_stop_request, RecordRequest: self._on_record_request,
+                InjectFault: self._on_inject_fault}
+
+    # -- clients' requests ------------------------------------------------------------------------
+
+    def _on_status_request(self, identity: bytes, message: StatusRequest) -> None:
+        self._reply(identity, self.status(message.id))
+
+    def _on_reload_request(self, identity: bytes, message: ReloadRequest) -> None:
+        ok, error = self.reload()
+        self._reply(identity, Ack(reply_to=message.id, ok=ok, error=error))
+
+    def _on_stop_request(self, identity: bytes, message: StopRequest) -> None:
+        self._reply(identity, Ack(reply_to=message.id))
+        self._stop_requested = True
+
+    def _on_record_request(self, identity: bytes, message: RecordRequest) -> None:
+        self._reply(identity, self.recordings.request(message, self.config,
+                                                      stopping=self._shutdown is not None))
+
+    def _on_inject_fault(self, identity: bytes, message: InjectFault) -> None:
+        self._reply(identity, self._inject_fault(message))
 
     def _worker_of(self, identity: bytes, message: messages.Message) -> WorkerProcess | None:
         """The worker whose own connection sent `message`, or None: refused, counted and logged
@@ -440,20 +462,19 @@ class Supervisor:
                           "started may send it")
         return None
 
-    def _on_worker_message(self, identity: bytes, worker: WorkerProcess,
-                           message: messages.Message) -> None:
-        if isinstance(message, Hello):
-            self._on_hello(identity, worker, message)
-        elif isinstance(message, Heartbeat):
-            self._on_heartbeat(worker, message)
-        elif isinstance(message, BootFailed):
-            worker.boot_error = message.reason
-        elif isinstance(message, Event):
-            log.info("event %s %s", message.kind, message.fields)
-            self.events.add(message)
-            self.recordings.on_event(message)
-        elif isinstance(message, TrackIdsWanted):
-            self._reply(identity, self.track_ids.answer(message))
+    # -- workers' messages (from their own connections only) -------------------------------------
+
+    def _on_boot_failed(self, identity: bytes, worker: WorkerProcess, message: BootFailed) -> None:
+        worker.boot_error = message.reason
+
+    def _on_event(self, identity: bytes, worker: WorkerProcess, message: Event) -> None:
+        log.info("event %s %s", message.kind, message.fields)
+        self.events.add(message)
+        self.recordings.on_event(message)
+
+    def _on_track_ids_wanted(self, identity: bytes, worker: WorkerProcess,
+                             message: TrackIdsWanted) -> None:
+        self._reply(identity, self.track_ids.answer(message))
 
     def _send_to(self, worker_name: str, message: messages.Message) -> bool:
         """To a worker over its control connection; False when it is not connected."""
@@ -491,7 +512,8 @@ class Supervisor:
                           camera_ids=list(spec.camera_ids), device=spec.device,
                           standby=spec.standby, track_ids=track_ids)
 
-    def _on_heartbeat(self, worker: WorkerProcess, heartbeat: Heartbeat) -> None:
+    def _on_heartbeat(self, identity: bytes, worker: WorkerProcess,
+                      heartbeat: Heartbeat) -> None:
         if not worker.alive() or worker.state is S.STOPPING:
             return
         worker.last_heartbeat_monotonic = time.monotonic()
