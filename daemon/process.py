@@ -14,7 +14,7 @@ Note [Worker states]
               promoted, a worker started afresh by a reload);
     booting   its process runs and has not said it is up;
     running   it heartbeats from its main loop;
-    standby   a warm spare, booted and waiting (Note [Warm standby] in supervisor.py);
+    standby   a warm spare, booted and waiting (Note [Warm standby] in worker_table.py);
     backoff   its process ended unexpectedly; it starts again at `next_start_monotonic`;
     failed    it could not boot (exit code EXIT_BOOT_ERROR): never respawned;
     flapping  it ended too often within a window: given up on;
@@ -74,7 +74,6 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     S.FLAPPING: frozenset({S.STOPPED}),
     S.STOPPING: frozenset({S.STOPPED}),
 }
-ALIVE_STATES = frozenset({S.BOOTING, S.RUNNING, S.STANDBY, S.STOPPING})  # a process exists
 GIVEN_UP_STATES = frozenset({S.FAILED, S.FLAPPING})
 
 

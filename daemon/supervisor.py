@@ -131,7 +131,8 @@ class _Reload:
 
 @dataclass
 class _Shutdown:
-    """The ordered shutdown in progress: capture first, output last (DESIGN §5)."""
+    """The ordered shutdown in progress, role by role in ROLES_IN_STOP_ORDER: the console
+    first, a recorder before capture, output last (DESIGN §5)."""
 
     deadline_monotonic: float
     started_monotonic: float = field(default_factory=time.monotonic)
@@ -323,7 +324,7 @@ class Supervisor:
                 self._stop_requested = True
 
     # ============================================================================================
-    # Shutdown: capture first, output last, everything within daemon.stop_timeout_s (DESIGN §5)
+    # Shutdown: console first, output last, everything within daemon.stop_timeout_s (DESIGN §5)
     # ============================================================================================
 
     def _begin_shutdown(self) -> None:

@@ -11,7 +11,7 @@ Use (any device, float32, batched over faces of any frames)::
 
     embedder = FaceEmbedder.from_model_dir(device="cuda")      # or FaceEmbedder(path, device)
     vectors = embedder.embed_landmarks(frames, frame_index, landmarks_px)   # (N, 128)
-    same = embedding_distance(vectors[0], vectors[1]) < SAME_PERSON_DISTANCE
+    same = torch.linalg.vector_norm(vectors[0] - vectors[1]) < SAME_PERSON_DISTANCE  # Euclidean
 
 :meth:`FaceEmbedder.embed_chips` takes ready chips (dlib's ``get_face_chip`` output, for one).
 Two embeddings of one person are within :data:`SAME_PERSON_DISTANCE` (dlib's 0.6, Euclidean) of
@@ -403,8 +403,3 @@ class FaceEmbedder:
         chips = extract_chips(frames, frame_index, mesh_chip_points(landmarks_px.to(frames.device)),
                               self.antialias_samples)
         return self.network(chips.to(self.device))
-
-
-def embedding_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Euclidean distance over the last axis, the measure dlib's threshold is for."""
-    return torch.linalg.vector_norm(a - b, dim=-1)

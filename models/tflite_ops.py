@@ -85,9 +85,6 @@ class OpSpec:
             raise self.unsupported(f"input {position} must be a constant")
         return tensor.data
 
-    def activation_inputs(self) -> list[TensorSpec]:
-        return [t for t in self.inputs if t is not None and t.data is None]
-
 
 # ---------------------------------------------------------------------------------------------
 # Layout helpers — see Note [Batch and layout]

@@ -156,7 +156,8 @@ class OutputConfig(_Strict):
 
 class WebConfig(_Strict):
     """The web console (facecast.workers.console; README "Web console"): read-only previews and
-    health in a browser, safe by default (Note [Console security] in facecast.workers.console)."""
+    health in a browser, safe by default (Note [Console security] in
+    facecast.workers.console_http)."""
 
     enabled: Annotated[
         bool, msgspec.Meta(description="serve the web console (its own worker process)")

@@ -22,11 +22,6 @@ class LatencyWindow:
         self._values_ms.append(value_ms)
         self.count += 1
 
-    def add_since(self, start_monotonic: float) -> float:
-        elapsed_ms = (time.monotonic() - start_monotonic) * 1e3
-        self.add_ms(elapsed_ms)
-        return elapsed_ms
-
     def timing(self) -> StageTiming | None:
         if not self._values_ms:
             return None

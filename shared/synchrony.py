@@ -108,7 +108,7 @@ def allowed_signals() -> tuple[str, ...]:
 
 
 # ================================================================================================
-# Config (the lead wires it into shared/config.py as the `synchrony` table)
+# Config (shared/config.py holds it as the `synchrony` table)
 # ================================================================================================
 
 

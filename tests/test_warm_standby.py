@@ -1,4 +1,4 @@
-"""Warm standbys (Note [Warm standby] in facecast.daemon.supervisor): which spares a config gets,
+"""Warm standbys (Note [Warm standby] in facecast.daemon.worker_table): which spares a config gets,
 and, with a real daemon on this CPU (`daemon.warm_standby = "on"`), that a SIGKILLed inference
 worker is replaced by its booted spare (the same process, under the dead worker's name), that
 its stream continues, and that a fresh spare follows."""

@@ -100,7 +100,8 @@ class BootError(RuntimeError):
 
 
 class Worker:
-    """Base of the four worker roles. Subclasses implement boot, step and close."""
+    """Base of the six worker roles (capture, detection, roi_landmark, output, recorder, console).
+    Subclasses implement boot, step and close."""
 
     role: ClassVar[str] = ""
 

@@ -113,7 +113,6 @@ class CameraPreview:
             maxlen=max(2, math.ceil(PREVIEW_HISTORY_S * preview_fps)))
         self.results: collections.OrderedDict[int, FaceResults] = collections.OrderedDict()
         self.frames_read = 0
-        self.previews_encoded = 0
         self._cache: dict[tuple[str, bool], tuple[int, bytes, dict]] = {}
 
     def add_frame(self, frame_seq: int, capture_ts_lsl: float, image_bgr: np.ndarray) -> None:
@@ -158,7 +157,6 @@ class CameraPreview:
         info = {"frame_seq": frame.frame_seq, "capture_ts_lsl": frame.capture_ts_lsl,
                 "paired": results is not None, "faces": faces, "width": width, "height": height}
         self._cache[key] = (frame.frame_seq, jpeg, info)
-        self.previews_encoded += 1
         return jpeg, info
 
 

@@ -119,7 +119,6 @@ class RoiLandmarkWorker(Worker):
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}
         self.track_ids: dict[str, TrackIds] = {}
-        self.dropped_overwritten = 0
         self._pending: dict[str, Detections] = {}
         # Not self._gate: that one is the control socket's (Worker.serve_control).
         self._detections_gate = MessageGate("detections")
@@ -246,7 +245,6 @@ class RoiLandmarkWorker(Worker):
         if frame.read.still_valid():
             return False
         camera_id = frame.message.camera_id
-        self.dropped_overwritten += 1
         self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
         self._reset(camera_id)
         return True
