@@ -14,7 +14,7 @@ Note [Worker states]
               promoted, a worker started afresh by a reload);
     booting   its process runs and has not said it is up;
     running   it heartbeats from its main loop;
-    standby   a warm spare, booted and waiting (Note [Warm standby] in worker_table.py);
+    standby   a warm spare, booted and waiting (Note [Warm standby]);
     backoff   its process ended unexpectedly; it starts again at `next_start_monotonic`;
     failed    it could not boot (exit code EXIT_BOOT_ERROR): never respawned;
     flapping  it ended too often within a window: given up on;

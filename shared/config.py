@@ -156,8 +156,7 @@ class OutputConfig(_Strict):
 
 class WebConfig(_Strict):
     """The web console (facecast.workers.console; README "Web console"): read-only previews and
-    health in a browser, safe by default (Note [Console security] in
-    facecast.workers.console_http)."""
+    health in a browser, safe by default (Note [Console security])."""
 
     enabled: Annotated[
         bool, msgspec.Meta(description="serve the web console (its own worker process)")

@@ -272,7 +272,7 @@ class Assignment(Message, tag="assignment"):
     camera_ids: list[str]
     device: str = "cpu"  # "cpu" or "cuda:<index>"
     # A warm standby: load what a worker of this role needs on this device, then wait for
-    # Promote (Note [Warm standby] in facecast.daemon.worker_table).
+    # Promote (Note [Warm standby]).
     standby: bool = False
     # roi_landmark workers: a first block of track ids (None from a supervisor that predates
     # it, and for a standby): the worker then asks with TrackIdsWanted.
