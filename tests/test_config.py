@@ -89,11 +89,13 @@ def test_a_config_without_cameras_is_refused_with_the_reason(text):
         'and a source (config/default.toml has two with source = "synthetic")')
 
 
-def test_check_config_masks_an_rtsp_password(tmp_path, capsys):
+@pytest.mark.parametrize("source", ["rtsp://lab:pa55word@10.1.2.3:554/s1",
+                                    "rtsp://lab:p@ss/1@10.1.2.3:554/s1"])  # an '@' in it too
+def test_check_config_masks_an_rtsp_password(tmp_path, capsys, source):
     from facecast.daemon import cli
 
     path = tmp_path / "lab.toml"
-    path.write_text('[[cameras]]\nid = "ip0"\nsource = "rtsp://lab:pa55word@10.1.2.3:554/s1"\n')
+    path.write_text(f'[[cameras]]\nid = "ip0"\nsource = "{source}"\n')
     assert cli.main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     assert out == f"{path}: ok; cameras: ip0 (rtsp://lab:***@10.1.2.3:554/s1, auto)\n"
@@ -125,16 +127,6 @@ def test_redact_url_masks_passwords_with_slashes_spaces_and_at_signs(text, maske
     assert config.redact_url(text) == masked
     for secret in ("pa/ss", "pa ss", "p@ss", "ss@", "pass", "se cret", "q/2"):
         assert secret not in config.redact_url(text)
-
-
-def test_check_config_masks_a_password_with_an_at_sign(tmp_path, capsys):
-    from facecast.daemon import cli
-
-    path = tmp_path / "lab.toml"
-    path.write_text('[[cameras]]\nid = "ip0"\nsource = "rtsp://lab:p@ss/1@10.1.2.3:554/s1"\n')
-    assert cli.main(["check-config", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert out == f"{path}: ok; cameras: ip0 (rtsp://lab:***@10.1.2.3:554/s1, auto)\n"
 
 
 @pytest.mark.parametrize("source, expected", [
