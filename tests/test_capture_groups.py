@@ -12,7 +12,6 @@ import pytest
 
 from daemon_harness import Daemon, Recorder
 from facecast.daemon import layout
-from facecast.models import assets
 from facecast.shared import config as config_mod
 from rtsp_peer import RtspPeer
 
@@ -69,8 +68,9 @@ def test_a_changed_group_restarts_its_capture_worker_on_reload():
 # --- a real daemon --------------------------------------------------------------------------------
 
 
-def test_one_camera_of_a_group_lost_and_back_while_the_other_publishes(gst_python, tmp_path):
-    assets.install()
+@pytest.mark.daemon
+def test_one_camera_of_a_group_lost_and_back_while_the_other_publishes(gst_python, installed_models,
+                                                                       tmp_path):
     peer = RtspPeer(gst_python, width=320, height=240)
     peer.start()
     text = ("[daemon]\ncameras_per_capture_worker = 2\nwarm_standby = \"off\"\n"

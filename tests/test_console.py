@@ -107,6 +107,7 @@ def _paired_preview(url: str, size: str, timeout_s: float = 60.0):
     raise AssertionError(f"no paired preview with faces within {timeout_s} s")
 
 
+@pytest.mark.daemon
 def test_status_command_shows_the_console(daemon):
     import subprocess
     import sys
@@ -119,6 +120,7 @@ def test_status_command_shows_the_console(daemon):
         shown.stdout)
 
 
+@pytest.mark.daemon
 def test_pages_and_static_files_load(daemon):
     status, headers, body = _get(daemon.url)
     assert status == 200 and b"/static/console.js" in body, body[:200]
@@ -129,6 +131,7 @@ def test_pages_and_static_files_load(daemon):
         assert body, path
 
 
+@pytest.mark.daemon
 def test_preview_shows_the_camera_with_a_box_on_each_true_face(daemon):
     headers, body = _paired_preview(daemon.url, "large")
     image = cv2.imdecode(np.frombuffer(body, np.uint8), cv2.IMREAD_COLOR)
@@ -157,6 +160,7 @@ def test_preview_shows_the_camera_with_a_box_on_each_true_face(daemon):
     assert small_status == 200 and small.shape == (180, 320, 3)  # web.preview_width = 320
 
 
+@pytest.mark.daemon
 def test_status_and_events_stream_deliver_updates_and_markers(daemon):
     status, _, body = _get(daemon.url + "api/status")
     snapshot = json.loads(body)
@@ -198,6 +202,7 @@ def test_status_and_events_stream_deliver_updates_and_markers(daemon):
     assert len(history) >= 2
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("path, method, expected", [
     ("api/cameras/nope/preview.jpg", "GET", 404),
     ("camera/nope", "GET", 404),
@@ -217,6 +222,7 @@ def test_bad_requests_get_4xx_with_a_short_reason(daemon, path, method, expected
     assert b"Traceback" not in body and len(body) < 400 and body.strip(), body
 
 
+@pytest.mark.daemon
 def test_bad_marker_bodies_get_400(daemon):
     url = daemon.url + "api/control/marker"
     for payload in (b"not json", b'{"text": ""}', b'{"text": 5}', json.dumps({"text": "x" * 201}).encode()):
@@ -224,6 +230,7 @@ def test_bad_marker_bodies_get_400(daemon):
         assert status == 400 and b"Traceback" not in body, (payload, status, body)
 
 
+@pytest.mark.daemon
 def test_control_needs_the_token(daemon):
     url = daemon.url + "api/control/reload"
     assert _post(url, None)[0] == 401
@@ -239,6 +246,7 @@ def test_control_needs_the_token(daemon):
     raise AssertionError(f"no reload marker on the console's log\n{daemon.log_tail()}")
 
 
+@pytest.mark.daemon
 def test_loopback_console_needs_the_token_for_every_read(daemon):
     """Issue 21: the loopback console showed live previews and enrolled names to any local user
     (README "Security" says why every request needs the token, on loopback too)."""
@@ -258,6 +266,7 @@ def _browser_cookie(daemon) -> str:
     return headers["Set-Cookie"].split(";", 1)[0]
 
 
+@pytest.mark.daemon
 def test_the_query_token_only_sets_the_cookie(daemon):
     """`?token=` answers with the cookie and a redirect without the token, and authenticates
     nothing else: not a read, not a control request."""
@@ -281,6 +290,7 @@ def test_the_query_token_only_sets_the_cookie(daemon):
     assert _get(daemon.url + "api/status", {"Cookie": cookie}, token=None)[0] == 200
 
 
+@pytest.mark.daemon
 def test_cross_site_requests_that_change_something_are_refused(daemon):
     """Issue 21's CSRF: a page of another origin (another site, or another port of this host,
     which is the same site and so gets the SameSite cookie) posting a marker or a reload with
@@ -325,6 +335,7 @@ def _log_lines(daemon) -> list[str]:
     return daemon.log_tail(lines=1_000_000).splitlines()
 
 
+@pytest.mark.daemon
 def test_oversized_headers_get_400_without_an_error_traceback_in_the_log(daemon):
     """Issue 21: each request with a header over aiohttp's limit logged a 9-line ERROR
     traceback (200 requests, 1,800 lines)."""
@@ -351,6 +362,7 @@ def test_oversized_headers_get_400_without_an_error_traceback_in_the_log(daemon)
     assert not noisy, "\n".join(added[-40:])
 
 
+@pytest.mark.daemon
 def test_deeply_nested_or_malformed_json_markers_get_400(daemon):
     """Issue 21: JSON nested past the parser's depth gave 500 (RecursionError)."""
     url = daemon.url + "api/control/marker"
@@ -363,6 +375,7 @@ def test_deeply_nested_or_malformed_json_markers_get_400(daemon):
     assert not any("RecursionError" in line for line in _log_lines(daemon))
 
 
+@pytest.mark.daemon
 def test_console_killed_comes_back_while_the_face_streams_flow(daemon):
     from daemon_harness import Recorder
 
@@ -394,6 +407,7 @@ def test_console_killed_comes_back_while_the_face_streams_flow(daemon):
     assert np.diff(window).max() < 2.0, np.diff(window).max()
 
 
+@pytest.mark.daemon
 def test_stop_from_the_console_stops_the_daemon(daemon):
     status, body = _post(daemon.url + "api/control/stop", TOKEN)
     assert status == 200 and json.loads(body)["ok"], body

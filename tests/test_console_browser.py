@@ -197,6 +197,7 @@ def _severe_browser_log(driver) -> list[dict]:
 # ================================================================================================
 
 
+@pytest.mark.daemon
 @needs_browser
 def test_page_loads_without_errors_and_every_camera_preview_is_live(daemon, browser):
     firsts = {}
@@ -225,6 +226,7 @@ def test_page_loads_without_errors_and_every_camera_preview_is_live(daemon, brow
     assert _severe_browser_log(browser) == []
 
 
+@pytest.mark.daemon
 @needs_browser
 def test_overlay_box_lies_on_the_synthetic_faces(daemon, browser):
     for camera_id in CAMERA_IDS:
@@ -267,6 +269,7 @@ def _drawn_box_near(is_green: np.ndarray, box: list[float]) -> list[float] | Non
     return [left + columns[0], top + rows[0], left + columns[-1], top + rows[-1]]
 
 
+@pytest.mark.daemon
 @needs_browser
 def test_health_numbers_on_the_page_match_facecast_status(daemon, browser):
     def matches():
@@ -303,6 +306,7 @@ def test_health_numbers_on_the_page_match_facecast_status(daemon, browser):
     _wait("the page's health numbers equal to `facecast status`", matches, 20, interval_s=0.3)
 
 
+@pytest.mark.daemon
 @needs_browser
 def test_screenshot_of_the_console(daemon, browser, tmp_path_factory):
     """A screenshot as the test's artifact, in the steady state (README's docs/console.png is
@@ -321,6 +325,7 @@ def test_screenshot_of_the_console(daemon, browser, tmp_path_factory):
     assert _severe_browser_log(browser) == []
 
 
+@pytest.mark.daemon
 @needs_browser
 def test_a_killed_worker_shows_as_restarted_within_5_s(daemon, browser):
     victim = daemon.wait_for_worker("capture:brw1", "running")
@@ -369,6 +374,7 @@ def _samples(text: str) -> dict[str, dict[tuple, float]]:
     return samples
 
 
+@pytest.mark.daemon
 def test_metrics_match_the_daemon_status(daemon):
     def matches():
         status_code, headers, body = _get(daemon.url + "metrics",

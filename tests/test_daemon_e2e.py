@@ -21,7 +21,6 @@ import pylsl
 import pytest
 
 from daemon_harness import REPO, Daemon, Recorder, frames_of, score_against_truth
-from facecast.models import assets
 from facecast.shared import config as config_mod
 from facecast.shared import shm
 from facecast.workers.lsl_output import face_channels
@@ -33,14 +32,11 @@ WORKERS_TO_KILL = ("capture:synth0", "detection:cpu", "roi_landmark:cpu:0", "out
 RESUME_LIMIT_S = 2.0
 FRAMES_TO_SCORE = 100  # per camera: ~7 s at the cameras' 15 fps
 
-
-@pytest.fixture(scope="module")
-def models():
-    return assets.install()  # downloads the mediapipe wheel once when the cache is empty
+pytestmark = pytest.mark.daemon
 
 
 @pytest.fixture(scope="module")
-def daemon(models, tmp_path_factory):
+def daemon(installed_models, tmp_path_factory):
     daemon = Daemon(tmp_path_factory.mktemp("e2e"))
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=90), daemon.log_tail()

@@ -18,7 +18,7 @@ from facecast.shared import config as config_mod
 from facecast.shared.cuda_driver import cuda_unavailable_reason
 from facecast.workers.sources import SyntheticScene
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
 WIDTH, HEIGHT, FPS = 1280, 720, 30
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from daemon_harness import Daemon, Recorder
-from facecast.models import assets
 from facecast.workers.lsl_output import pose_channels
+
+pytestmark = pytest.mark.daemon
 
 CONFIG = """
 [daemon]
@@ -31,8 +32,7 @@ fps = 10
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    assets.install()
+def daemon(installed_models, tmp_path_factory):
     daemon = Daemon(tmp_path_factory.mktemp("pose"), config_text=CONFIG)
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()

@@ -5,6 +5,7 @@ is committed, generation intact, so that only the checksum catches it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import zmq
 
 from facecast.daemon.supervisor import FAULT_INJECTION_ENV, Supervisor
@@ -73,7 +74,8 @@ def test_the_publisher_spoils_the_next_frame_even_before_its_ring_exists(runtime
             publisher.close()
 
 
-def test_a_mismatch_on_shm_reaches_the_markers_stream(tmp_path):
+@pytest.mark.daemon
+def test_a_mismatch_on_shm_reaches_the_markers_stream(installed_models, tmp_path):
     """Note [Mismatches are events]: a frame whose bytes are not the camera's is a
     `frame_mismatch` marker, not only a counter. The consumers read the newest frame only, so a
     spoiled frame may be passed over by all of them: the test spoils frames until one is caught."""
@@ -82,9 +84,7 @@ def test_a_mismatch_on_shm_reaches_the_markers_stream(tmp_path):
 
     from daemon_harness import Recorder, ready_daemon
     from facecast.daemon.control_client import request
-    from facecast.models import assets
 
-    assets.install(embeddings=False)  # downloads the mediapipe wheel once when the cache is empty
     with ready_daemon(tmp_path, env={FAULT_INJECTION_ENV: "1"}) as daemon:
         markers = Recorder(daemon.resolve("Markers", count=1))
         try:

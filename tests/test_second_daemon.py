@@ -10,13 +10,17 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from daemon_harness import REPO
-from facecast.models import assets
 from facecast.workers.lsl_output import MarkerOutlet
 
+pytestmark = pytest.mark.daemon
 
-def test_a_second_daemon_with_the_same_stream_ids_is_refused_naming_the_first(tmp_path):
-    assets.install(embeddings=False)  # `facecast run` checks its models before this question
+
+def test_a_second_daemon_with_the_same_stream_ids_is_refused_naming_the_first(installed_models,
+                                                                            tmp_path):
+    # installed_models: `facecast run` checks its models before this question
     host = f"twice{uuid.uuid4().hex[:8]}"
     first = MarkerOutlet(host, daemon_pid=4242, runtime_dir="/run/user/1000/facecast")
     config = (REPO / "config/default.toml").read_text().replace(

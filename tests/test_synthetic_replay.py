@@ -14,7 +14,6 @@ import pylsl
 import pytest
 
 from daemon_harness import Recorder, frames_of, ready_daemon, score_against_truth
-from facecast.models import assets
 from facecast.shared import config as config_mod
 from facecast.shared.config import CameraConfig
 from facecast.workers.sources import (
@@ -138,12 +137,12 @@ CONFIG = ('[daemon]\ntransport = "shm"\n[output]\nmax_faces = 2\n[[cameras]]\nid
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    assets.install()
+def daemon(installed_models, tmp_path_factory):
     with ready_daemon(tmp_path_factory.mktemp("replay"), CONFIG) as daemon:
         yield daemon
 
 
+@pytest.mark.daemon
 def test_the_daemon_publishes_the_replayed_faces_where_its_truth_says(daemon):
     slots = daemon.resolve("Face", count=2)
     assert len(slots) == 2, daemon.log_tail()

@@ -21,8 +21,9 @@ import pylsl
 import pytest
 
 from daemon_harness import REPO, Recorder, ready_daemon
-from facecast.models import assets
 from facecast.shared.messages import TRACK_ID_LIMIT
+
+pytestmark = pytest.mark.daemon
 
 CAMERAS = ("synth0", "synth1")
 FACES_PER_CAMERA = 2  # the synthetic scene's two photos, both in view all the time
@@ -31,8 +32,7 @@ SPARE = "standby:roi_landmark:cpu"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    assets.install()
+def daemon(installed_models, tmp_path_factory):
     text = (REPO / "config/default.toml").read_text().replace(
         "[daemon]\n", '[daemon]\nwarm_standby = "on"\n')
     with ready_daemon(tmp_path_factory.mktemp("track_ids"), config_text=text) as daemon:

@@ -16,7 +16,6 @@ import pytest
 from daemon_harness import REPO, Daemon, Recorder
 from facecast.daemon import layout
 from facecast.daemon.process import WorkerProcess, WorkerState
-from facecast.models import assets
 from facecast.shared import config as config_mod
 
 
@@ -80,8 +79,7 @@ def test_hand_over_gives_the_spare_process_to_the_dead_worker():
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    assets.install()
+def daemon(installed_models, tmp_path_factory):
     # config/default.toml: warm_standby = "auto" keeps CPU spares as well.
     daemon = Daemon(tmp_path_factory.mktemp("standby"))
     try:
@@ -122,6 +120,7 @@ def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: 
     return gap_s
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("role, name", [("roi_landmark", "roi_landmark:cpu:0"),
                                         ("detection", "detection:cpu"),
                                         ("output", "output")])
@@ -129,6 +128,7 @@ def test_a_killed_worker_is_replaced_by_its_warm_standby(daemon, role, name):
     _kill_and_watch_the_standby_take_over(daemon, role, name, "cpu")
 
 
+@pytest.mark.daemon
 def test_restart_events_say_the_standby_took_over(daemon):
     # The events that went to the Markers stream, as `facecast status` keeps them.
     restarts = [json.loads(line.partition(" ")[2]) for line in daemon.status().recent_events
@@ -138,8 +138,9 @@ def test_restart_events_say_the_standby_took_over(daemon):
     assert all(event["warm_standby"] is True for event in restarts), restarts
 
 
+@pytest.mark.daemon
 @pytest.mark.gpu
-def test_gpu_workers_killed_are_replaced_by_their_warm_standbys(tmp_path):
+def test_gpu_workers_killed_are_replaced_by_their_warm_standbys(installed_models, tmp_path):
     """On a GPU, with CUDA IPC (the default `warm_standby = "auto"`): a capture, roi_landmark and
     detection worker killed in turn are each replaced by their device's spare. The gaps are
     printed (the soak's long form holds them to 2 s)."""
@@ -148,7 +149,6 @@ def test_gpu_workers_killed_are_replaced_by_their_warm_standbys(tmp_path):
     reason = cuda_unavailable_reason()
     if reason:
         pytest.skip(f"needs CUDA IPC: {reason}")
-    assets.install()
     text = (REPO / "config/default.toml").read_text().replace(
         'transport = "auto"', 'transport = "cuda_ipc"') + '\n[models]\ndevice = "cuda"\n'
     daemon = Daemon(tmp_path, config_text=text)

@@ -1,9 +1,8 @@
-"""Fixtures of the model tests: the installed MediaPipe models, real face photos, and the parity
-table printed at the end of the session."""
+"""Fixtures of the model tests: where the installed models are, real face photos, and the parity
+table printed at the end of the session. The models themselves are tests/conftest.py's
+`installed_models` and `embedding_network`, installed once per session for every test."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,21 +11,6 @@ from footage import face_photos
 from litert_reference import PARITY_TABLE
 
 from facecast.models import assets
-
-
-@pytest.fixture(scope="session")
-def installed_models() -> dict:
-    """Every model of assets.MODELS and face_landmarker.task, installed once per session
-    (downloads the mediapipe wheel from PyPI unless $FACECAST_MODEL_DIR or the XDG cache
-    already holds them). dlib's embedding network is `embedding_network`'s: only its own tests
-    need its 31 MB (the offline GPU machine is sent no more than it needs)."""
-    return assets.install(embeddings=False)
-
-
-@pytest.fixture(scope="session")
-def embedding_network(model_dir) -> Path:
-    """dlib's face embedding network, installed beside the other models."""
-    return assets.install_face_embedding_model(model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,6 @@ import rtsp_peer
 from daemon_harness import Daemon, Recorder, StreamRecord, shm_entries_of
 from facecast.daemon.control_client import request
 from facecast.daemon.process import RestartPolicy
-from facecast.models import assets
 from facecast.shared import config as config_mod
 from facecast.shared import endpoints, messages
 from facecast.shared.messages import (
@@ -76,7 +75,7 @@ SOAK_S = float(os.environ.get("FACECAST_SOAK_S", "120"))
 TRANSPORT = os.environ.get("FACECAST_SOAK_TRANSPORT", "auto")
 SEED = int(os.environ.get("FACECAST_SOAK_SEED") or random.SystemRandom().randrange(2**32))
 
-pytestmark = [pytest.mark.soak, pytest.mark.timeout(SOAK_S + 600)]
+pytestmark = [pytest.mark.soak, pytest.mark.daemon, pytest.mark.timeout(SOAK_S + 600)]
 
 SYNTHETIC = ("synth0", "synth1")
 RTSP = "rtsp0"
@@ -603,9 +602,8 @@ class Soak:
 
 
 @pytest.fixture(scope="module")
-def soak(tmp_path_factory, soak_report):
+def soak(installed_models, tmp_path_factory, soak_report):
     python = rtsp_peer.gst_python()
-    assets.install()  # downloads the mediapipe wheel once when the cache is empty
     gc.collect()
     print(f"soak: {SOAK_S:g} s, transport {TRANSPORT}, seed {SEED} (FACECAST_SOAK_SEED)",
           file=sys.stderr)
