@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 import accounting  # bench/accounting.py: this script's folder is first on sys.path
+from facecast.shared.camera_sources import SYNTHETIC_SOURCES  # light: no OpenCV, no pylsl
 
 REPO = Path(__file__).resolve().parent.parent
 WIDTH, HEIGHT, FPS = 1920, 1080, 30
@@ -778,10 +779,12 @@ def main() -> int:
     parser.add_argument("--cameras", nargs="+", default=["1", "4", "8", "16", "32"],
                         help="camera counts, space- or comma-separated (1 4 8, or 32,64)")
     parser.add_argument("--transports", nargs="+", default=["cuda_ipc", "shm"])
-    parser.add_argument("--source", choices=("synthetic", "synthetic-replay"), default="synthetic",
+    parser.add_argument("--source", choices=SYNTHETIC_SOURCES, default="synthetic",
                         help="the cameras' source (and the MediaPipe baseline's): rendered live "
-                             "(costs a core per 1080p30 camera), or a loop rendered once "
-                             "(Note [Synthetic replay] in workers/sources.py)")
+                             "(costs a core per 1080p30 camera), a loop rendered once "
+                             "(Note [Synthetic replay] in workers/sources.py), or that loop "
+                             "encoded once and decoded every frame on the CPU (Note [Encoded "
+                             "synthetic loop])")
     parser.add_argument("--roi-workers", type=int, default=1)
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")

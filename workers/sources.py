@@ -27,6 +27,7 @@ Kinds, chosen from `CameraConfig.source`:
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
 import logging
 import math
@@ -42,7 +43,11 @@ import cv2
 import numpy as np
 import pylsl
 
-from facecast.shared.camera_sources import SourceConfigError, source_kind  # noqa: F401
+from facecast.shared.camera_sources import (  # noqa: F401
+    ENCODED_SYNTHETIC_CODECS,
+    SourceConfigError,
+    source_kind,
+)
 from facecast.shared.config import CameraConfig, StagingConfig, redact_url
 
 log = logging.getLogger(__name__)
@@ -110,6 +115,8 @@ def open_source(
         return SyntheticSource(camera)
     if kind == "synthetic-replay":
         return SyntheticReplaySource(camera)
+    if kind in ENCODED_SYNTHETIC_CODECS:
+        return EncodedSyntheticSource(camera)
     if kind == "v4l2":
         return V4L2Source(camera)
     if kind == "stream":
@@ -476,11 +483,23 @@ class SyntheticReplay:
     def for_camera(cls, camera: CameraConfig) -> SyntheticReplay:
         return cls(SyntheticScene.for_camera(camera), camera.fps)
 
+    @property
+    def cycle_frames(self) -> int:
+        """Frames of one round trip through the loop: 0, 1, .., L-1, L-2, .., 1."""
+        return 2 * (self.loop_frames - 1)
+
+    def cycle_position(self, capture_ts_lsl: float) -> int:
+        """Where in the round trip the frame captured at `capture_ts_lsl` is (0..cycle_frames-1):
+        the frame number in the encoded loop's file (Note [Encoded synthetic loop])."""
+        return math.floor(capture_ts_lsl * self.fps) % self.cycle_frames
+
+    def loop_index_of_position(self, position: int) -> int:
+        """The loop frame at `position` of the round trip."""
+        return position if position < self.loop_frames else self.cycle_frames - position
+
     def loop_index(self, capture_ts_lsl: float) -> int:
         """The loop frame shown at `capture_ts_lsl` (Note [Synthetic replay])."""
-        cycle_frames = 2 * (self.loop_frames - 1)
-        position = math.floor(capture_ts_lsl * self.fps) % cycle_frames
-        return position if position < self.loop_frames else cycle_frames - position
+        return self.loop_index_of_position(self.cycle_position(capture_ts_lsl))
 
     def scene_time_s(self, capture_ts_lsl: float) -> float:
         """The scene time of the frame shown at `capture_ts_lsl`."""
@@ -501,14 +520,25 @@ class SyntheticReplay:
 
 def synthetic_truth(camera: CameraConfig) -> SyntheticScene | SyntheticReplay:
     """The ground truth of a synthetic camera: its `faces_at(capture_ts_lsl)` gives the faces
-    in the frame captured at that time, for "synthetic" and "synthetic-replay" alike."""
+    in the frame captured at that time, for "synthetic", "synthetic-replay" and the encoded
+    loops ("synthetic-h264", "synthetic-mjpeg": the replayed loop's truth, Note [Encoded
+    synthetic loop]) alike."""
     kind = source_kind(camera.source)
     if kind == "synthetic":
         return SyntheticScene.for_camera(camera)
-    if kind == "synthetic-replay":
+    if kind == "synthetic-replay" or kind in ENCODED_SYNTHETIC_CODECS:
         return SyntheticReplay.for_camera(camera)
     raise ValueError(f"camera {camera.id}: source {camera.source!r} is not synthetic; only "
-                     '"synthetic" and "synthetic-replay" have a ground truth')
+                     '"synthetic" and "synthetic-replay" (and its encoded loops, '
+                     '"synthetic-h264" and "synthetic-mjpeg") have a ground truth')
+
+
+def _capture_half_into_ticks(pacer: _Pacer, fps: float) -> None:
+    """Schedule `pacer`'s captures half a period into the capture clock's ticks (Note
+    [Synthetic replay]); the pacer runs on the monotonic clock, the ticks on the capture clock."""
+    lsl_minus_monotonic_s = pylsl.local_clock() - time.monotonic()
+    tick = math.floor((time.monotonic() + lsl_minus_monotonic_s) * fps)
+    pacer.next_due_monotonic = (tick + 1.5) / fps - lsl_minus_monotonic_s
 
 
 class SyntheticReplaySource(SyntheticSource):
@@ -525,11 +555,7 @@ class SyntheticReplaySource(SyntheticSource):
         log.info("camera %s: replays a %d-frame loop back and forth (%.0f MB, rendered in %.2f s)",
                  camera.id, self.replay.loop_frames, self._loop.nbytes / 1e6,
                  time.monotonic() - started_s)
-        # Captures half a period into a tick (Note [Synthetic replay]); the pacer runs on the
-        # monotonic clock, the ticks on the capture clock.
-        lsl_minus_monotonic_s = pylsl.local_clock() - time.monotonic()
-        tick = math.floor((time.monotonic() + lsl_minus_monotonic_s) * camera.fps)
-        self._pacer.next_due_monotonic = (tick + 1.5) / camera.fps - lsl_minus_monotonic_s
+        _capture_half_into_ticks(self._pacer, camera.fps)
 
     def _frame_at(self, capture_ts_lsl: float) -> np.ndarray:
         return self._loop[self.replay.loop_index(capture_ts_lsl)]
@@ -738,10 +764,12 @@ class FileSource(_OpenCVSource):
     kind = "file"
     backend = "FFMPEG"
 
-    def __init__(self, camera: CameraConfig) -> None:
+    def __init__(self, camera: CameraConfig, path: Path | None = None) -> None:
         super().__init__(camera)
         source = str(camera.source)
-        self.path = Path(source[len("file://") :] if source.startswith("file://") else source)
+        if path is None:
+            path = Path(source[len("file://") :] if source.startswith("file://") else source)
+        self.path = path
         if not self.path.is_file():
             raise self._lost(f"video file {str(self.path)!r} does not exist or is not a file")
         self.loops = 0
@@ -795,3 +823,158 @@ class FileSource(_OpenCVSource):
 
     def _grab_failure(self) -> str:
         return f"video file {str(self.path)!r} yields no frames"
+
+
+# --- the synthetic scene, encoded ----------------------------------------------------------------
+
+
+class EncodedSyntheticLoop:
+    """A `SyntheticReplay`'s round trip (loop frames 0, 1, .., L-1, L-2, .., 1) encoded once to
+    H.264 or MJPEG with PyAV, held in an anonymous memory file that `path` opens.
+
+    Note [Encoded synthetic loop]
+        Real cameras send compressed video, and decoding it is a cost a lab pays on every frame.
+        `source = "synthetic-h264"` (or "synthetic-mjpeg") is synthetic-replay's loop encoded
+        once when the source opens and then decoded frame by frame by the file source's decoder
+        (OpenCV's FFMPEG backend today; a GPU decoder can take the same `path`), so that tests
+        and benchmarks pay for decoding and still know every frame's faces.
+        The file is the round trip played forwards, 2(L-1) frames, one an fps tick: frame p is
+        loop frame `SyntheticReplay.loop_index_of_position(p)`. A capture is paced and stamped
+        as synthetic-replay's (half a period into its tick, stamped when due, i.e. when a camera
+        would have sent the compressed frame; decoding follows), and the frame it publishes is
+        file frame `cycle_position(capture_ts_lsl)`: the decoder goes forward to it, decoding
+        the frames a late reader skipped as a camera's stream would make it, and starts the
+        file again after its last frame. So the truth is synthetic-replay's, a pure function of
+        the capture time (`synthetic_truth`). H.264 is encoded as IP cameras send it: no
+        B-frames (one packet, one frame, in capture order), an IDR frame a second, CABAC and
+        deblocking on (libx264 "superfast", CRF 20); MJPEG at a fixed quantiser 3 (JPEG quality
+        ~90, as USB cameras send). Both are 4:2:0, so width and height must be even; the
+        colour conversion alone limits the decoded frames to ~38-41 dB PSNR against the renders.
+        The file is a memfd (mode 0600), not a file in the runtime directory: nothing names it,
+        the kernel frees it when the source closes it or the process dies however it dies, and
+        only this user's processes can open /proc/<pid>/fd/<n>. A 1080p H.264 loop is about
+        1 MB (MJPEG 6 MB) against synthetic-replay's 187 MB of raw frames; encoding it costs a
+        few seconds of CPU at open (the frames are rendered one by one, never all held).
+    """
+
+    _CONTAINERS = {"h264": "mp4", "mjpeg": "avi"}
+    H264_OPTIONS = {"preset": "superfast", "crf": "20", "bframes": "0"}
+    MJPEG_QSCALE = 3
+
+    def __init__(self, replay: SyntheticReplay, codec: str, name: str = "") -> None:
+        if codec not in self._CONTAINERS:
+            raise SourceConfigError(f"cannot encode a synthetic loop as {codec!r} (allowed: "
+                                    f"{', '.join(self._CONTAINERS)})")
+        width, height = replay.scene.width, replay.scene.height
+        if width % 2 or height % 2:
+            raise SourceConfigError(f"an encoded synthetic loop ({codec}, 4:2:0) needs an even "
+                                    f"width and height, got {width}x{height}")
+        self.replay = replay
+        self.codec = codec
+        self.frame_count = replay.cycle_frames
+        started_s = time.monotonic()
+        self._fd: int | None = os.memfd_create(f"facecast-synthetic-{codec}-{name}",
+                                               os.MFD_CLOEXEC)
+        try:
+            os.fchmod(self._fd, 0o600)
+            self.path = Path(f"/proc/{os.getpid()}/fd/{self._fd}")
+            self._encode()
+        except BaseException:
+            self.close()
+            raise
+        self.encode_s = time.monotonic() - started_s
+        self.nbytes = os.fstat(self._fd).st_size
+
+    def _encode(self) -> None:
+        import av  # only the encoded synthetic sources need PyAV in the capture worker
+
+        replay = self.replay
+        rate = fractions.Fraction(replay.fps).limit_denominator(1001)
+        with av.open(str(self.path), mode="w", format=self._CONTAINERS[self.codec]) as output:
+            if self.codec == "h264":
+                keyint = str(max(1, round(replay.fps)))
+                stream = output.add_stream("libx264", rate=rate, options={
+                    **self.H264_OPTIONS, "keyint": keyint, "min-keyint": keyint})
+                stream.pix_fmt = "yuv420p"
+            else:
+                stream = output.add_stream("mjpeg", rate=rate)
+                stream.pix_fmt = "yuvj420p"
+                stream.codec_context.qmin = stream.codec_context.qmax = self.MJPEG_QSCALE
+            stream.width, stream.height = replay.scene.width, replay.scene.height
+            for position in range(self.frame_count):
+                # Rendered again on the way back: one frame in memory, not the whole loop.
+                scene_time_s = replay.loop_index_of_position(position) / replay.fps
+                frame = av.VideoFrame.from_ndarray(replay.scene.render(scene_time_s),
+                                                   format="bgr24")
+                frame.pts = position
+                output.mux(stream.encode(frame))
+            output.mux(stream.encode(None))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> EncodedSyntheticLoop:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class EncodedSyntheticSource(FileSource):
+    """"synthetic-h264" / "synthetic-mjpeg": the replayed loop encoded once at open and decoded
+    by the file source's decoder at the camera's fps (Note [Encoded synthetic loop])."""
+
+    def __init__(self, camera: CameraConfig) -> None:
+        self.kind = source_kind(camera.source)
+        self.replay = SyntheticReplay.for_camera(camera)
+        self.encoded = EncodedSyntheticLoop(self.replay, ENCODED_SYNTHETIC_CODECS[self.kind],
+                                            name=camera.id)
+        try:
+            super().__init__(camera, path=self.encoded.path)
+        except BaseException:
+            self.encoded.close()
+            raise
+        log.info("camera %s: %s encoded its %d-frame round trip once (%.2f MB in memory, "
+                 "%.2f s) and decodes it at %g fps", camera.id, self.kind,
+                 self.encoded.frame_count, self.encoded.nbytes / 1e6, self.encoded.encode_s,
+                 camera.fps)
+        # The camera's rate, not the file's (rounded) one: the truth is on the camera's ticks.
+        self._pacer = _Pacer(camera.fps)
+        _capture_half_into_ticks(self._pacer, camera.fps)
+        self._next_position = 0  # the file frame the decoder gives next
+        self.frames_decoded = 0
+
+    def read(self) -> tuple[np.ndarray, float]:
+        if self._capture is None:
+            raise self._lost("source is closed")
+        self._pacer.wait()
+        capture_ts_lsl = pylsl.local_clock()  # when a camera would have sent it
+        position = self.replay.cycle_position(capture_ts_lsl)
+        # A late reader's frames are decoded, not shown; the file's end is its frame 0.
+        while self._next_position % self.encoded.frame_count != position:
+            self._grab_next()
+        self._grab_next()
+        return self._retrieve(capture_ts_lsl)
+
+    def _grab_next(self) -> None:
+        assert self._capture is not None
+        if self._next_position == self.encoded.frame_count:
+            self._capture.release()
+            self._capture = self._open()
+            self._next_position = 0
+            self.loops += 1
+        if not self._capture.grab():
+            raise self._lost(f"{self.kind}: the encoded loop ended after {self._next_position} "
+                             f"of its {self.encoded.frame_count} frames")
+        self._next_position += 1
+        self.frames_decoded += 1
+
+    def ground_truth(self, capture_ts_lsl: float) -> list[FaceTruth]:
+        """The faces in the frame that was captured at `capture_ts_lsl`."""
+        return self.replay.faces_at(capture_ts_lsl)
+
+    def close(self) -> None:
+        super().close()
+        self.encoded.close()

@@ -1,0 +1,208 @@
+"""The encoded synthetic cameras (`source = "synthetic-h264"` / `"synthetic-mjpeg"`, Note
+[Encoded synthetic loop] in workers/sources.py): the replayed loop encoded once with PyAV and
+decoded by the file source's CPU decoder, its frames the loop frames its truth names (by PSNR
+against the renders), the file made once per open and gone at close, the errors for what is not
+allowed, and two such cameras through the whole daemon with their faces where the truth says."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daemon_harness import Recorder, frames_of, ready_daemon, score_against_truth
+from facecast.shared import config as config_mod
+from facecast.shared.camera_sources import SYNTHETIC_SOURCES
+from facecast.shared.config import CameraConfig
+from facecast.workers import sources
+from facecast.workers.sources import (
+    EncodedSyntheticLoop,
+    EncodedSyntheticSource,
+    SourceConfigError,
+    SyntheticReplay,
+    open_source,
+    source_kind,
+    synthetic_truth,
+)
+
+# The decoded frames against the renders: 4:2:0 colour alone costs ~38-41 dB (the Note); a
+# neighbouring loop frame is ~28 dB away, so the bound also tells the right frame from its
+# neighbours.
+MIN_PSNR_DB = 34.0
+CODECS = ("synthetic-h264", "synthetic-mjpeg")
+
+
+def _camera(source: str, fps: float = 20.0, width: int = 320, height: int = 240) -> CameraConfig:
+    return CameraConfig(id="enc0", source=source, width=width, height=height, fps=fps)
+
+
+def _psnr_db(frame: np.ndarray, reference: np.ndarray) -> float:
+    mse = np.mean((frame.astype(np.float64) - reference) ** 2)
+    return 10 * math.log10(255.0**2 / mse) if mse else math.inf
+
+
+def _facecast_memfds() -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:facecast-synthetic-"):
+            found.append(target)
+    return found
+
+
+def test_the_encoded_sources_are_accepted_and_share_the_replays_truth() -> None:
+    for source in CODECS:
+        assert source in SYNTHETIC_SOURCES and source_kind(source) == source
+        loaded = config_mod.loads(f'[[cameras]]\nid = "cam0"\nsource = "{source}"\n')
+        truth = synthetic_truth(loaded.cameras[0])
+        assert isinstance(truth, SyntheticReplay)
+        replay_alike = synthetic_truth(CameraConfig(id="cam0", source="synthetic-replay"))
+        assert truth.faces_at(1234.567) == replay_alike.faces_at(1234.567)
+
+
+@pytest.mark.parametrize("source", ["synthetic-h265", "synthetic-H264", "synthetic_mjpeg",
+                                    "Synthetic"])
+def test_an_unknown_synthetic_source_is_a_config_error_naming_the_allowed(source: str) -> None:
+    with pytest.raises(SourceConfigError, match="unknown synthetic source") as caught:
+        source_kind(source)
+    assert "'synthetic-h264', 'synthetic-mjpeg'" in str(caught.value)
+    with pytest.raises(SourceConfigError):  # not SourceLost: the capture worker won't retry
+        open_source(_camera(source))
+    # A video file of such a name is still one, written as a path.
+    assert source_kind(f"./{source}") == "file"
+
+
+def test_an_odd_size_is_a_config_error() -> None:
+    with pytest.raises(SourceConfigError, match="even width and height, got 321x240"):
+        open_source(_camera("synthetic-h264", width=321))
+    assert not _facecast_memfds()  # nothing left behind by the failed open
+
+
+def test_staging_stays_for_the_live_scene_only() -> None:
+    text = ('[[cameras]]\nid = "stg0"\nsource = "synthetic-h264"\n[cameras.staging]\n'
+            'cycle_s = 10.0\n')
+    with pytest.raises(config_mod.ConfigError, match="only source = \"synthetic\" can be staged"):
+        config_mod.loads(text)
+
+
+@pytest.mark.parametrize("source", CODECS)
+def test_decoded_frames_are_the_loop_frames_their_truth_names(source: str) -> None:
+    camera = _camera(source)
+    truth = synthetic_truth(camera)
+    loop = truth.render_loop()
+    with open_source(camera) as opened:
+        assert isinstance(opened, EncodedSyntheticSource) and opened.kind == source
+        granted = opened.granted
+        assert (granted.width, granted.height, granted.fps) == (320, 240, 20.0)
+        assert (granted.backend, granted.fourcc) == (
+            "FFMPEG", "h264" if source == "synthetic-h264" else "MJPG")
+        shown = set()
+        # Past the file's end (58 frames at 20 fps: 2.9 s), so that the decoder starts it again.
+        reads = opened.encoded.frame_count + 12
+        for _ in range(reads):
+            frame, capture_ts_lsl = opened.read()
+            assert frame.shape == (240, 320, 3) and frame.dtype == np.uint8
+            index = truth.loop_index(capture_ts_lsl)
+            psnr_db = [_psnr_db(frame, reference) for reference in loop]
+            assert psnr_db[index] >= MIN_PSNR_DB, (index, psnr_db[index])
+            assert int(np.argmax(psnr_db)) == index, (index, np.round(psnr_db, 1))
+            assert opened.ground_truth(capture_ts_lsl) == truth.faces_at(capture_ts_lsl)
+            shown.add(index)
+        assert opened.loops >= 1, "the file was not started again after its last frame"
+        # A late reader skips frames but the decoder decodes them all, as a stream makes it.
+        assert opened.frames_decoded >= opened.frames_read
+    assert shown >= {0, truth.loop_frames - 1}, sorted(shown)
+
+
+def test_a_late_reader_gets_the_frame_of_its_capture_time() -> None:
+    camera = _camera("synthetic-h264")
+    truth = synthetic_truth(camera)
+    loop = truth.render_loop()
+    with open_source(camera) as opened:
+        opened.read()
+        time.sleep(0.33)  # 6-7 frames late
+        frame, capture_ts_lsl = opened.read()
+        assert opened.frames_skipped >= 5
+        psnr_db = [_psnr_db(frame, reference) for reference in loop]
+        assert int(np.argmax(psnr_db)) == truth.loop_index(capture_ts_lsl)
+
+
+def test_the_file_is_made_once_per_open_private_and_gone_at_close(monkeypatch) -> None:
+    encodes = []
+    original = EncodedSyntheticLoop._encode
+
+    def counting(self) -> None:
+        encodes.append(self.codec)
+        original(self)
+
+    monkeypatch.setattr(EncodedSyntheticLoop, "_encode", counting)
+    before = _facecast_memfds()
+    with open_source(_camera("synthetic-mjpeg", fps=40.0, width=160, height=120)) as opened:
+        path = opened.encoded.path
+        assert path.parent == Path(f"/proc/{os.getpid()}/fd")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert os.readlink(path).startswith("/memfd:facecast-synthetic-mjpeg-enc0")
+        # Ours, and the decoder's own open of it.
+        assert len(_facecast_memfds()) > len(before)
+        assert opened.encoded.nbytes > 0
+        for _ in range(opened.encoded.frame_count + 5):  # through the file's end and again
+            opened.read()
+        assert opened.loops >= 1
+    assert encodes == ["mjpeg"]  # once at open, not at each start of the file
+    assert _facecast_memfds() == before  # freed at close
+
+
+def test_a_file_that_ends_early_is_a_lost_source() -> None:
+    with open_source(_camera("synthetic-h264", fps=50.0, width=160, height=120)) as opened:
+        opened.encoded.frame_count += 3  # the file has 3 frames fewer than the source expects
+        with pytest.raises(sources.SourceLost, match="ended after 58 of its 61 frames"):
+            for _ in range(opened.encoded.frame_count + 2):
+                opened.read()
+
+
+# --- through the whole daemon ---------------------------------------------------------------------
+
+CAMERAS = ("h264cam", "mjpegcam")
+CONFIG = ('[daemon]\ntransport = "shm"\n[output]\nmax_faces = 2\n'
+          '[[cameras]]\nid = "h264cam"\nsource = "synthetic-h264"\nwidth = 640\nheight = 360\n'
+          'fps = 15\n'
+          '[[cameras]]\nid = "mjpegcam"\nsource = "synthetic-mjpeg"\nwidth = 640\nheight = 360\n'
+          'fps = 15\n')
+
+
+@pytest.fixture(scope="module")
+def daemon(installed_models, tmp_path_factory):
+    with ready_daemon(tmp_path_factory.mktemp("encoded"), CONFIG) as daemon:
+        yield daemon
+
+
+@pytest.mark.daemon
+def test_the_daemon_publishes_the_decoded_faces_where_the_truth_says(daemon):
+    parsed = config_mod.loads(CONFIG)
+    records = daemon.resolve("Face", count=4)
+    by_camera = {camera: [r for r in records if f"-{camera}-face" in r.source_id]
+                 for camera in CAMERAS}
+    assert all(len(slots) == 2 for slots in by_camera.values()), (
+        [r.source_id for r in records], daemon.log_tail())
+    recorder = Recorder(records)
+    try:
+        # 3 s of each camera at 15 fps: the loop's turn at both ends.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and min(len(r.timestamps) for r in records) < 45:
+            time.sleep(0.1)
+    finally:
+        recorder.stop()
+    for camera, slots in by_camera.items():
+        frames, stamps = frames_of(slots)
+        assert len(stamps) >= 30, (camera, len(stamps), daemon.log_tail())
+        truth = synthetic_truth(parsed.camera(camera))
+        score = score_against_truth(frames, stamps, truth.faces_at)
+        print(f"{camera} ({parsed.camera(camera).source}) through the daemon:", score.describe())
+        assert score.good >= 0.9 * len(stamps), (camera, score.describe())
