@@ -42,8 +42,8 @@ def _source_problem(source: str | int) -> str:
 
     try:
         kind = source_kind(source)
-    except SourceConfigError:
-        return ""  # the config's validation already said it
+    except SourceConfigError as exc:  # what the config's shape check lets through (synthetic-h265)
+        return str(exc)
     if kind == "v4l2":
         path = source if isinstance(source, str) and source.startswith("/dev/") \
             else f"/dev/video{int(source)}"
