@@ -136,6 +136,7 @@ def test_redact_url_masks_passwords_with_slashes_spaces_and_at_signs(text, maske
     ("@MISSING@", "@MISSING@: no such video file"),
     ("file://@MISSING@", "@MISSING@: no such video file"),
     ("/dev/shm", "/dev/shm: not a device (allowed: a V4L2 device such as /dev/video0)"),
+    ("synthetic-h265", "unknown synthetic source 'synthetic-h265' (allowed: 'synthetic', "),
 ])
 def test_check_config_reports_a_source_that_can_never_work(tmp_path, capsys, source, expected):
     """Issue 21: a camera that is not there was 'ok' and the daemon retried it forever."""
