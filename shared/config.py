@@ -420,8 +420,10 @@ class CameraConfig(_Strict):
         msgspec.Meta(
             description='"synthetic" (two real faces on a known path, rendered per frame), '
             '"synthetic-replay" (the same scene as a 30-frame loop rendered once and replayed '
-            "back and forth: next to no CPU, 187 MB of memory per 1080p camera), a V4L2 index or "
-            "/dev/video path, an rtsp:// or http:// URL, or a video file"
+            "back and forth: next to no CPU, 187 MB of memory per 1080p camera), "
+            '"synthetic-h264" or "synthetic-mjpeg" (that loop encoded once and decoded every '
+            "frame, as a real camera's stream is), a V4L2 index or /dev/video path, an rtsp:// "
+            "or http:// URL, or a video file"
         ),
     ]
     width: Annotated[int, msgspec.Meta(ge=16, le=8192)] = 1280
