@@ -45,13 +45,14 @@ import math
 import os
 import re
 import stat as stat_mod
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import msgspec
 import numpy as np
+
+from facecast.shared import private_files
 
 FORMAT = "facecast-gallery"
 FORMAT_VERSION = 1
@@ -273,29 +274,10 @@ def _changing(path: Path) -> Iterator[tuple[_File, Callable[[list[_Participant]]
         def write(participants: list[_Participant]) -> Gallery:
             updated = _File(FORMAT, FORMAT_VERSION, document.revision + 1, EMBEDDING_MODEL,
                             sorted(participants, key=lambda p: p.name))
-            _write_atomically(path, msgspec.json.format(msgspec.json.encode(updated)))
+            private_files.write_atomically(path, msgspec.json.format(msgspec.json.encode(updated)))
             return _parse(path, updated)
 
         yield document, write
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as file:  # mkstemp's files are mode 0600
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 UNUSABLE = "gallery unusable: "  # how status_line begins for a gallery that cannot be used

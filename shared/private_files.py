@@ -22,9 +22,11 @@ Note [Private files]
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import stat
+import tempfile
 from pathlib import Path
 
 DIR_MODE = 0o700
@@ -111,24 +113,11 @@ def make_dirs(path: Path) -> Path:
     return path
 
 
-def open_new(path: Path, *, binary: bool = True):
-    """A new file, 0600 from its creation (O_EXCL: never an existing file or a link someone
-    put in its place), opened for writing."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, FILE_MODE)
-    try:
-        os.fchmod(descriptor, FILE_MODE)  # O_CREAT's mode is filtered by the umask
-    except BaseException:
-        os.close(descriptor)
-        raise
-    return os.fdopen(descriptor, "wb") if binary else os.fdopen(descriptor, "w", newline="")
-
-
 def open_private(path: Path, *, binary: bool = True):
     """`path` opened for writing (created, or emptied), a regular file made 0600 whatever the
-    umask: a recording's file, in a directory that is the user's. Unlike `open_new` it follows
-    what is there, as any writer would (the recording tests put /dev/full in a segment's place);
-    the mode of what is not a regular file of this user is left alone."""
+    umask: a recording's file, in a directory that is the user's. Unlike `write_atomically` it
+    follows what is there, as any writer would (the recording tests put /dev/full in a
+    segment's place); the mode of what is not a regular file of this user is left alone."""
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
         info = os.fstat(descriptor)
@@ -138,3 +127,26 @@ def open_private(path: Path, *, binary: bool = True):
         os.close(descriptor)
         raise
     return os.fdopen(descriptor, "wb") if binary else os.fdopen(descriptor, "w", newline="")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`, a regular file 0600 (mkstemp's mode, whatever the umask):
+    a reader, or a process that starts again after a kill, sees the old file or the new one,
+    never half of one, and never a link or a foreign file's target (the rename replaces the name
+    itself). Synced to disk, the directory too, so a power cut keeps one of the two."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -217,15 +217,23 @@ def test_the_token_file_is_trusted_only_as_this_users_0600_file(other_user, tmp_
         resolve_token("", run_dir)
 
 
-def test_private_files_helpers_refuse_existing_files_and_links(tmp_path):
-    existing = tmp_path / "existing"
-    existing.write_text("x")
-    with pytest.raises(FileExistsError):
-        private_files.open_new(existing)
-    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
-    with pytest.raises(FileExistsError):
-        private_files.open_new(tmp_path / "link")
-    assert not (tmp_path / "nowhere").exists()
+def test_private_files_are_written_0600_and_replace_links_never_their_targets(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        target = tmp_path / "elsewhere"
+        target.write_text("theirs")
+        link = tmp_path / "link"
+        link.symlink_to(target)
+        private_files.write_atomically(link, b"ours")
+        assert not link.is_symlink() and link.read_bytes() == b"ours"
+        assert stat.S_IMODE(link.stat().st_mode) == 0o600
+        assert target.read_text() == "theirs"
+        (tmp_path / "link2").symlink_to(tmp_path / "nowhere")
+        private_files.write_atomically(tmp_path / "link2", b"x")
+        assert not (tmp_path / "nowhere").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link", "link2"]
+    finally:
+        os.umask(previous)
 
 
 RECORDING_CONFIG = """[daemon]

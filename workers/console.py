@@ -345,11 +345,8 @@ def resolve_token(configured: str, runtime_dir: Path) -> tuple[str, bool]:
     if len(existing) >= 16:
         return existing, False
     token = secrets.token_urlsafe(24)
-    temporary = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
-    temporary.unlink(missing_ok=True)  # one of a console of this pid that died writing it
-    with private_files.open_new(temporary, binary=False) as file:
-        file.write(token + "\n")
-    os.replace(temporary, path)  # replaces a link or a foreign file itself, never its target
+    # 0600 from its creation; replaces a link or a foreign file itself, never its target.
+    private_files.write_atomically(path, (token + "\n").encode())
     return token, True
 
 

@@ -670,11 +670,8 @@ def _number(value) -> str:
 
 
 def write_private_json(path: Path, data: dict) -> None:
-    """Atomically (a reader, or a resume after a kill, sees the old file or the new one)."""
-    temporary = path.with_name(path.name + ".tmp")
-    with private_files.open_private(temporary, binary=False) as handle:
-        handle.write(json.dumps(data, indent=1) + "\n")
-    os.replace(temporary, path)
+    """Atomically, 0600 (a reader, or a resume after a kill, sees the old file or the new one)."""
+    private_files.write_atomically(path, (json.dumps(data, indent=1) + "\n").encode())
 
 
 @dataclass(frozen=True)
