@@ -13,6 +13,7 @@ forked), as in the daemon.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -228,13 +229,11 @@ def tampered(pixels, change: str, position: int, seed: int):
     return None
 
 
-def run_tamper(args) -> None:
-    """A third process: attach the ring described in a file through its shm name or its CUDA IPC
-    handle (never the producer's pointer), change a published slot, and say so once the change
-    is in memory. It reads no message: what a buggy or hostile process with the handle can do."""
-    from facecast.shared import messages
-
-    description = messages.decode(open(args.description, "rb").read())
+@contextlib.contextmanager
+def foreign_slots(description):
+    """The ring's frame slots as a third process maps them, through its shm name or its CUDA IPC
+    handle (never the producer's pointer): (a frame-shaped view per slot, a function that waits
+    until the writes are in memory)."""
     shape = tuple(description.frame_shape)
     frame_bytes = int(np.prod(shape))
     if description.transport == "shm":
@@ -244,24 +243,37 @@ def run_tamper(args) -> None:
         segment = shm.SharedSegment.attach(description.data_name, size_bytes)
         try:
             slots = np.frombuffer(segment.buffer, np.uint8).reshape(description.slot_count + 1, -1)
-            tampered(slots[args.slot, :frame_bytes].reshape(shape), args.change, args.position,
-                     args.seed)
-            del slots
+            views = [slots[slot, :frame_bytes].reshape(shape)
+                     for slot in range(description.slot_count)]
+            yield views, lambda: None
+            del views, slots  # no export of the mapping may outlive it
         finally:
             segment.close()
-    else:
-        import torch
+        return
+    import torch
 
-        from facecast.shared.cuda_ring import CudaRingReader
+    from facecast.shared.cuda_ring import CudaRingReader
 
-        reader = CudaRingReader(description)  # opens the IPC handle: another process (rule 6)
-        try:
-            assert CudaRingReader.opens_total == 1, "the tamperer must map the ring through IPC"
-            tampered(reader.slots[args.slot, :frame_bytes].view(shape), args.change,
-                     args.position, args.seed)
-            torch.cuda.synchronize(reader.device_index)
-        finally:
-            reader.close()
+    reader = CudaRingReader(description)  # opens the IPC handle: another process (rule 6)
+    try:
+        assert CudaRingReader.opens_total == 1, "the tamperer must map the ring through IPC"
+        yield ([reader.slots[slot, :frame_bytes].view(shape)
+                for slot in range(description.slot_count)],
+               lambda: torch.cuda.synchronize(reader.device_index))
+    finally:
+        reader.close()
+
+
+def run_tamper(args) -> None:
+    """A third process: attach the ring described in a file (`foreign_slots`), change a
+    published slot, and say so once the change is in memory. It reads no message: what a buggy
+    or hostile process with the handle can do."""
+    from facecast.shared import messages
+
+    description = messages.decode(open(args.description, "rb").read())
+    with foreign_slots(description) as (views, sync):
+        tampered(views[args.slot], args.change, args.position, args.seed)
+        sync()
     print(json.dumps({"tampered": args.change, "slot": args.slot}), flush=True)
 
 
@@ -280,43 +292,17 @@ def run_tamper_loop(args) -> None:
             raise SystemExit(f"no ring description at {path}")
         time.sleep(0.01)
     description = messages.decode(path.read_bytes())
-    shape = tuple(description.frame_shape)
-    frame_bytes = int(np.prod(shape))
+    frame_bytes = int(np.prod(description.frame_shape))
     rng = np.random.default_rng(args.seed)
     changes = 0
-    if description.transport == "shm":
-        from facecast.shared import shm
-
-        size_bytes = description.slot_bytes * (description.slot_count + 1)
-        segment = shm.SharedSegment.attach(description.data_name, size_bytes)
-        slots = np.frombuffer(segment.buffer, np.uint8).reshape(description.slot_count + 1, -1)
-        views = [slots[slot, :frame_bytes].reshape(shape) for slot in range(description.slot_count)]
-        sync = None
-    else:
-        import torch
-
-        from facecast.shared.cuda_ring import CudaRingReader
-
-        reader = CudaRingReader(description)  # opens the IPC handle, as another process does
-        views = [reader.slots[slot, :frame_bytes].view(shape)
-                 for slot in range(description.slot_count)]
-        sync = lambda: torch.cuda.synchronize(reader.device_index)  # noqa: E731
-    try:
+    with foreign_slots(description) as (views, sync):
         while time.monotonic() < deadline:
             for view in views:
                 tampered(view, args.change, int(rng.integers(0, frame_bytes)),
                          int(rng.integers(0, 2**31)))
                 changes += 1
-            if sync is not None:
-                sync()
+            sync()
             time.sleep(args.slow_s)
-    finally:
-        del views
-        if description.transport == "shm":
-            del slots
-            segment.close()
-        else:
-            reader.close()
     print(json.dumps({"changes": changes}), flush=True)
 
 
