@@ -191,9 +191,8 @@ def _camera_frames(args, seconds: float):
                     if now < next_take_monotonic:
                         continue
                     pixels = frame.tensor.numpy().copy()
-                    if frame.read.still_valid():  # else overwritten while copied: next one
-                        taken.append((frame.message.capture_ts_lsl, pixels))
-                        next_take_monotonic = now + CAMERA_FRAME_EVERY_S
+                    taken.append((frame.message.capture_ts_lsl, pixels))
+                    next_take_monotonic = now + CAMERA_FRAME_EVERY_S
         finally:
             subscriber.close()
 

@@ -39,9 +39,8 @@ def _consume(runtime_dir: str, results: multiprocessing.Queue) -> None:
             for frame in subscriber.receive(100):
                 last_seq = frame.message.frame_seq
                 same = torch.equal(frame.tensor, deck[last_seq % 3])
-                if frame.read.still_valid():
-                    verified += same
-                    wrong += not same
+                verified += same
+                wrong += not same
         status = subscriber.status["check"]
         results.put({"verified": verified, "wrong": wrong, "transport": status.transport,
                      "reason": status.fallback_reason, "counts": dict(status.counts)})

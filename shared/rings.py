@@ -399,10 +399,6 @@ class SlotRead:
     def ok(self) -> bool:
         return self.verdict is Verdict.OK
 
-    def still_valid(self) -> bool:
-        """Whether the frame may be used: it was read, and the tensor is the reader's own copy,
-        checked when it was made (Note [The consumer's own copy]), so nothing can change it."""
-        return self.ok
 
 
 class RingReader(ABC):

@@ -142,7 +142,6 @@ def test_rule4_a_slow_consumer_uses_its_own_copy_while_the_slots_are_overwritten
     Peers.result(producer)
     seen = Peers.result(consumer, timeout_s=90)
     assert seen["received"] > 0 and seen["mismatched"] == 0, seen
-    assert seen["invalid_after_use"] == 0 and seen["wrong_but_caught"] == 0, seen
     assert seen["transports"] == ["cuda_ipc"], seen
 
 

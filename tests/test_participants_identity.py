@@ -57,7 +57,7 @@ def _frame(stack, scene: SyntheticScene, t_s: float, track_ids: list[int],
     faces = sorted(stack.pipeline([pixels])[0], key=lambda face: face.box[0])  # left to right
     assert len(faces) == len(track_ids), f"{len(faces)} faces at {t_s}"
     return FrameFaces(camera_id=camera_id, capture_ts_lsl=t_s, tensor=torch.from_numpy(pixels),
-                      still_valid=lambda: True, track_ids=track_ids,
+                      track_ids=track_ids,
                       boxes_px=[face.box for face in faces],
                       landmarks_px=[face.landmarks for face in faces])
 

@@ -279,7 +279,7 @@ def test_read_batch_judges_every_frame_on_its_own():
         np.testing.assert_array_equal(reads[0].tensor.numpy(), deck[0])
         assert reads[1].tensor is None and reads[2].tensor is None
         assert [r.counts[Verdict.OK] for r in readers] == [1, 0, 0]
-        assert reads[0].still_valid() and not reads[1].still_valid()
+        assert reads[0].ok and not reads[1].ok
     finally:
         for reader in readers:
             reader.close()

@@ -181,8 +181,6 @@ class ConsoleWorker(Worker):
                                                     + 1.0 / self.config.web.preview_fps)
             with self.timer.stage("preview_read"):
                 image = downscale(frame.tensor, preview.sizes["large"])
-            if not frame.read.still_valid():
-                continue  # a GPU slot overwritten while we copied it: not the camera's frame
             preview.add_frame(frame.message.frame_seq, frame.message.capture_ts_lsl, image)
             self.view.frame_added(camera_id)
 

@@ -91,10 +91,6 @@ class DetectionWorker(Worker):
             camera_id = frame.message.camera_id
             self._wanted.discard(camera_id)
             self._last_pass_monotonic[camera_id] = now
-            if not frame.read.still_valid():
-                # The slot was overwritten while we read it (Note [Slot generations]).
-                self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
-                continue
             self.rates.setdefault(camera_id, RateMeter()).tick()
             self.faces[camera_id] = int(boxes.shape[0])
             message = Detections(

@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
@@ -88,9 +88,7 @@ class FrameFaces:
 
     camera_id: str
     capture_ts_lsl: float
-    tensor: torch.Tensor  # (H, W, 3) uint8 BGR, the ring slot's pixels
-    # () -> bool: the slot was not overwritten meanwhile (Note [Slot generations])
-    still_valid: Callable[[], bool]
+    tensor: torch.Tensor  # (H, W, 3) uint8 BGR, the subscriber's checked copy of the frame
     track_ids: list[int]
     boxes_px: list[tuple[float, float, float, float]]
     landmarks_px: list[np.ndarray]  # (478, 3) per face
@@ -321,10 +319,8 @@ class EmbeddingIdentities(Identities):
         vectors = self.embedder.embed_landmarks(batch, frame_index.to(batch.device),
                                                 landmarks.to(batch.device)).float().cpu().numpy()
         self.embeddings_computed += len(due)
-        valid = {f: bool(frames[f].still_valid()) for f in used}
         for (_, f, i), (name, distance) in zip(due, self.matcher.match(vectors)):
-            if valid[f]:  # pixels overwritten while read say nothing about this face
-                self._learn(frames[f].track_ids[i], frames[f].capture_ts_lsl, name, distance)
+            self._learn(frames[f].track_ids[i], frames[f].capture_ts_lsl, name, distance)
 
     def _learn(self, track_id: int, capture_ts_lsl: float, name: str, distance: float) -> None:
         track = self.tracks[track_id]

@@ -178,13 +178,10 @@ class RoiLandmarkWorker(Worker):
             self.timer.add_ms("pose", (time.monotonic() - start) * 1e3)
         named_frames = [(frame, self._track(frame, faces), poses)
                         for frame, faces, poses in zip(received, faces_per_frame, poses_per_frame)]
-        named_frames = [(frame, named, poses) for frame, named, poses in named_frames
-                        if named is not None]
         start = time.monotonic()
         identities = self.identities.identify([
             FrameFaces(camera_id=frame.message.camera_id,
                        capture_ts_lsl=frame.message.capture_ts_lsl, tensor=frame.tensor,
-                       still_valid=frame.read.still_valid,
                        track_ids=[track_id for track_id, _ in named],
                        boxes_px=[face.box for _, face in named],
                        landmarks_px=[face.landmarks for _, face in named])
@@ -223,12 +220,10 @@ class RoiLandmarkWorker(Worker):
             self.pose_pipeline.reset(camera_id)
 
     def _track(self, frame, faces):
-        """The frame's faces with their track ids ([(track_id, face)]); None when the slot was
-        overwritten while it was read (the result is not of this frame: dropped, counted)."""
+        """The frame's faces with their track ids ([(track_id, face)]). (The frame is the
+        subscriber's own checked copy: Note [The consumer's own copy] in shared/rings.py.)"""
         message = frame.message
         camera_id = message.camera_id
-        if self._overwritten(frame):
-            return None
         tracker = self.track_ids.get(camera_id)
         if tracker is None:
             tracker = self.track_ids[camera_id] = TrackIds(self.track_id_source,
@@ -238,16 +233,6 @@ class RoiLandmarkWorker(Worker):
         if len(named) < len(faces):
             self._no_track_id_for(camera_id, len(faces) - len(named))
         return named
-
-    def _overwritten(self, frame) -> bool:
-        """Whether the frame's slot was overwritten while we read it: then what was measured is
-        not of this frame, and it is dropped (counted) with the camera's tracks."""
-        if frame.read.still_valid():
-            return False
-        camera_id = frame.message.camera_id
-        self.subscriber.status[camera_id].counts["overwritten_after_use"] += 1
-        self._reset(camera_id)
-        return True
 
     def _say_identities_trouble(self) -> None:
         trouble = self.identities.trouble()
@@ -259,8 +244,6 @@ class RoiLandmarkWorker(Worker):
     def _publish(self, frame, named, poses, identities) -> None:
         message = frame.message
         camera_id = message.camera_id
-        if self._overwritten(frame):
-            return
         with_landmarks = self.config.output.landmarks
         results = [
             FaceResult(
