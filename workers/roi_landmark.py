@@ -8,8 +8,8 @@ Faces are followed from frame to frame by their own landmarks (FacePipeline.trac
 from the detection worker add faces (a newcomer, a face found again). When a camera has no face
 or lost one, this worker asks the detection worker for a pass on that camera's next frame.
 
-A result computed from a slot that was overwritten while it was read is dropped and counted,
-never published (Note [Slot generations]).
+Every frame it measures is the frame subscriber's own checked copy: one overwritten while it was
+copied never reaches the models (Note [The consumer's own copy] in shared/rings.py).
 
 With `participants.enabled`, every published face also names its participant
 (facecast.workers.identity: face embeddings on a schedule per track, batched over the step's
