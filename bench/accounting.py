@@ -33,7 +33,7 @@ import numpy as np
 #     - dropped = due - published, a count and a share of due, never clamped (a negative value
 #       would be a counting error on display, not hidden);
 #     - faces: every published frame against the synthetic scene's ground truth (its capture
-#       timestamp gives the faces' boxes, workers/sources.py SyntheticScene.faces_at);
+#       timestamp gives the faces' boxes, workers/capture/sources.py SyntheticScene.faces_at);
 #     - latency: capture timestamp → result available in the process that produced it (facecast:
 #       the output worker, right after the LSL push; MediaPipe: `FaceMesh.process` returned),
 #       p50 and p99 per camera, the worst camera's reported.
@@ -127,7 +127,7 @@ def worst_camera_latency(per_camera_ms: Iterable[tuple[float, float]]) -> dict:
 
 Box = Sequence[float]  # x1, y1, x2, y2 in frame pixels
 
-# Note [Box of a tracked face] in models/face_mesh.py: how facecast turns a face's mesh into the
+# Note [Box of a tracked face]: how facecast turns a face's mesh into the
 # box MediaPipe's detector would draw. The baseline's results are meshes only, so their boxes are
 # made the same way, with facecast's constants (tests/test_bench_accounting.py checks that they and
 # mesh_box_px agree with models/face_mesh.py, which cannot be imported here: it needs torch).

@@ -1,4 +1,4 @@
-"""What a frame's checksum costs (Note [Frame checksum] in shared/frames.py), per frame, in one run.
+"""What a frame's checksum costs (Note [Frame checksum]), per frame, in one run.
 
     python bench/checksum.py                          # measure here; print the tables
     python bench/checksum.py --json docs/benchmarks-checksum.json --docs docs/benchmarks.md
@@ -20,7 +20,7 @@ formulations of the full checksum that were tried (the chosen one is marked). GP
 time per frame from CUDA events around 200 checksums queued back to back, the host CPU time to
 queue one, and the latency of one frame's value (queue + the one sync of `settle_checksums`);
 then what a CUDA producer would pay to checksum the slot instead of its staged bytes (Note
-[Producer checksum] in shared/cuda_ring.py). Writes JSON (runs by machine, merged) and, with
+[Producer checksum]). Writes JSON (runs by machine, merged) and, with
 --docs, the "Frame checksum" section of docs/benchmarks.md.
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from facecast.shared import frames
+from facecast.shared.transport import frames
 
 RESOLUTIONS = {"1080p": (1080, 1920, 3), "4K": (2160, 3840, 3)}
 CYCLE_FRAMES = 8
@@ -292,7 +292,7 @@ def gpu_table(run: dict) -> list[str]:
 def section(runs: list[dict]) -> str:
     lines = [SECTION, "",
              "Cost per frame of proving that a frame is the camera's (Note [Frame checksum] in "
-             "`shared/frames.py`): none, the old sampled check (4096 bytes, 1 frame in 30) and the "
+             "`shared/transport/frames.py`): none, the old sampled check (4096 bytes, 1 frame in 30) and the "
              "full check of every byte of every frame (the default since issue 11). How it is "
              "measured: the docstring of `bench/checksum.py`. Raw figures: "
              "[benchmarks-checksum.json](benchmarks-checksum.json).", ""]

@@ -83,7 +83,7 @@ def _browser(url: str, camera_ids: list[str], preview_fps: float, seconds: float
 
     async def main():
         end_monotonic = time.monotonic() + seconds
-        # Every request needs the token (Note [Console security] in facecast.workers.console_http).
+        # Every request needs the token (Note [Console security]).
         async with aiohttp.ClientSession(
                 headers={"Authorization": f"Bearer {BENCH_TOKEN}"}) as session:
             await session.get(url)  # the page itself
@@ -99,7 +99,7 @@ def _browser(url: str, camera_ids: list[str], preview_fps: float, seconds: float
 
 
 def _console_url(runtime_dir: Path, timeout_s: float = 120.0) -> str:
-    from facecast.workers.console import read_console_file
+    from facecast.workers.console.worker import read_console_file
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -6,7 +6,8 @@
 
 This is how tools before facecast ran MediaPipe: one process per camera, each grabbing the
 newest frame and calling MediaPipe's face mesh on it, single file. Every camera process here
-renders facecast's synthetic 1920x1080 @ 30 fps camera (`facecast.workers.sources.SyntheticSource`:
+renders facecast's synthetic 1920x1080 @ 30 fps camera
+(`facecast.workers.capture.sources.SyntheticSource`:
 the scene that the daemon's capture worker of the same camera id renders, paced the same way:
 a frame the process is too busy to take is skipped and counted), converts it to RGB and runs
 `mediapipe.solutions.face_mesh.FaceMesh(static_image_mode=False, refine_landmarks=True,
@@ -60,7 +61,7 @@ import numpy as np
 import pylsl
 
 import accounting  # bench/accounting.py: this script's folder is first on sys.path
-from facecast.workers.sources import SyntheticScene
+from facecast.workers.capture.sources import SyntheticScene
 
 WIDTH, HEIGHT, FPS = 1920, 1080, 30
 MAX_FACES = 2
@@ -149,10 +150,10 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
     import importlib.metadata
 
     from facecast.shared.config import CameraConfig
-    from facecast.workers.sources import open_source
+    from facecast.workers.capture.sources import open_source
 
     face_mesh = import_face_mesh()
-    cv2.setNumThreads(1)  # as facecast's capture workers render (workers/capture.py)
+    cv2.setNumThreads(1)  # as facecast's capture workers render (workers/capture/worker.py)
     # The daemon's capture worker of this camera id opens the same source: same frames, paced
     # the same way ("synthetic-replay": a loop rendered once, Note [Synthetic replay]).
     source = open_source(CameraConfig(id=camera_id, source=source_kind, width=WIDTH,

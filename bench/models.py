@@ -19,7 +19,7 @@ scales; the ROIs are the float32 pipeline's detections, repeated up to B):
 - "results": the same through ``FaceMeasurer.measure``, i.e. until the Face objects are built on
   the host (one transfer), what the roi_landmark worker waits for; "host" is its share after the
   one transfer (``FaceMeasurer.last_host_work_s``: slicing the table and making the Face objects,
-  Note [Measuring on the device] in models/face_mesh.py), median over the same timed calls.
+  Note [Measuring on the device]), median over the same timed calls.
 *Detection*, per call over C = 1 … 32 1080p frames held as one uint8 (C, 1080, 1920, 3) tensor on
 the device (as the daemon's rings give them): ``FacePipeline.detect``, short-range letterbox plus
 full-range letterbox and 8 tiles per frame, decode, weighted NMS, merge; ends with the per-frame
@@ -58,9 +58,9 @@ operations per detection call grew by ~190 per frame (1,445 at 1 frame, 4,234 at
 Changes (results unchanged to float rounding: < 3e-3 px on the photos):
 - detection plans (inputs, owners, tile borders, pooling) made once per frame-size list on the
   host; the pass is a fixed sequence of batched operations with one wait at the end (Note
-  [Detection without per-frame work] in models/face_detection.py); the same for measuring and tracking;
+  [Detection without per-frame work]); the same for measuring and tracking;
 - crops sample the frames' uint8 pixels with one gather, no float copy of the frames (Note
-  [Sampling the frames where they lie] in models/roi.py);
+  [Sampling the frames where they lie]);
 - the converter's models: PRELU of an image as one ``F.prelu`` kernel (was three, writing three
   tensors); fused activations applied in place; the full-range detector's 43 zero PADs folded
   into their convolutions (outputs bitwise equal on the CPU); on CUDA the convolution weights are

@@ -249,8 +249,8 @@ class DaemonUnderTest:
         return ready_monotonic is not None
 
     def status(self, timeout_s: float = 30.0):
-        from facecast.daemon.control_client import request
-        from facecast.shared.messages import StatusRequest
+        from facecast.daemon.cli.control_client import request
+        from facecast.shared.transport.messages import StatusRequest
 
         return request(self.runtime_dir, StatusRequest(), timeout_s)
 
@@ -314,7 +314,7 @@ class FaceStreamReader:
     def __init__(self, host: str, streams: int, timeout_s: float) -> None:
         import pylsl
 
-        from facecast.workers.lsl_output import face_channels
+        from facecast.workers.output.outlets import face_channels
 
         labels = [label for label, _, _ in face_channels(landmarks=False)]
         self.box_channels = [labels.index(n) for n in ("box_x1", "box_y1", "box_x2", "box_y2")]
@@ -379,7 +379,7 @@ def published_frames(samples, window: accounting.Window, camera_ids: list[str],
     """Frames published in the window, faces against the ground truth and capture → inlet
     latency, from every sample the inlets got (Note [One definition for both sides])."""
     from facecast.shared.config import CameraConfig
-    from facecast.workers.sources import synthetic_truth
+    from facecast.workers.capture.sources import synthetic_truth
 
     faces = accounting.FaceTally()
     published = 0
@@ -782,7 +782,7 @@ def main() -> int:
     parser.add_argument("--source", choices=SYNTHETIC_SOURCES, default="synthetic",
                         help="the cameras' source (and the MediaPipe baseline's): rendered live "
                              "(costs a core per 1080p30 camera), a loop rendered once "
-                             "(Note [Synthetic replay] in workers/sources.py), or that loop "
+                             "(Note [Synthetic replay]), or that loop "
                              "encoded once and decoded every frame on the CPU (Note [Encoded "
                              "synthetic loop])")
     parser.add_argument("--roi-workers", type=int, default=1)

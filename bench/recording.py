@@ -5,7 +5,8 @@ recording costs the running daemon.
                               [--cameras 2] [--width 640 --height 360 --fps 15]
                               [--measure-s 40] [--out docs/benchmarks-recording.json]
 
-Part 1, encoder (facecast.workers.video_encoder.PyAvEncoder, exactly what the recorder runs, one
+Part 1, encoder (facecast.workers.recorder.video_encoder.PyAvEncoder, exactly what the recorder
+runs, one
 thread per camera): this process pinned to one core (sched_setaffinity), libx264 with one thread,
 `--frames` 1920x1080 frames of the synthetic scene (two real faces moving on their path,
 rendered beforehand at 30 fps capture times: rendering is not timed), written to an MKV file in
@@ -79,8 +80,8 @@ def cpu_name() -> str:
 
 
 def bench_encoder(presets: list[str], frame_count: int) -> list[dict]:
-    from facecast.workers.sources import SyntheticScene
-    from facecast.workers.video_encoder import PyAvEncoder
+    from facecast.workers.capture.sources import SyntheticScene
+    from facecast.workers.recorder.video_encoder import PyAvEncoder
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     scene = SyntheticScene(1920, 1080, seed="bench")

@@ -1,4 +1,4 @@
-"""What live synchrony costs (facecast.shared.synchrony; docs/synchrony.md), per update.
+"""What live synchrony costs (facecast.workers.output.synchrony; docs/synchrony.md), per update.
 
     python3 bench/synchrony.py                                   # measure here; print the table
     python3 bench/synchrony.py --json docs/benchmarks-synchrony.json
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from facecast.shared.synchrony import SynchronyConfig, SynchronyEngine, allowed_signals
+from facecast.workers.output.synchrony import SynchronyConfig, SynchronyEngine, allowed_signals
 
 PEOPLE = (2, 4, 8)
 SIGNAL_COUNTS = (3, 7, 20)

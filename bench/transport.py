@@ -14,14 +14,14 @@ Cases (each in fresh processes: its consumers and one producer, started together
 - pickle: the naive baseline, the frame pickled through a ZeroMQ PUB socket, then to the device.
 The ring transports run in two producer modes: "copy" (`publish(frame)`: the frame is copied
 into the ring, what a capture source that returns arrays costs) and "staged" (`staging_view()` +
-`publish_staged()`: the source made the frame in the ring's staging memory, Note [Staged writes]
-in shared/rings.py; the bench's stand-in for the decoder fills it before the clock starts).
+`publish_staged()`: the source made the frame in the ring's staging memory, Note [Staged writes];
+the bench's stand-in for the decoder fills it before the clock starts).
 
 Latency is from just before the producer hands the frame over to the moment the consumer's data
 is ready on its device (stream synchronised), on CLOCK_MONOTONIC, which all processes share. The
 host-to-device copy of one frame, timed alone in the same run, is the reference that the ring
 transports' overhead is stated against. Every process also times each stage of the library's
-path (Note [Stage methods] in shared/rings.py) by wrapping those methods on the instance, so the
+path (Note [Stage methods]) by wrapping those methods on the instance, so the
 library carries no timing code. The many-camera scenario runs N producer processes at 30 fps
 into one consumer, in windows with different `checksum_every` values, after a warm-up; frames
 are counted by their capture timestamp, so "expected" is exactly what the producers stamped in
@@ -163,7 +163,7 @@ def producer(args) -> None:
         socket.setsockopt(zmq.LINGER, 0)
         socket.bind(f"ipc://{args.runtime_dir}/pickle-{args.camera}")
     else:
-        from facecast.shared.transport import FramePublisher
+        from facecast.shared.transport.publisher import FramePublisher
 
         publisher = FramePublisher(context, args.runtime_dir, args.camera, transport=args.transport)
         clock.wrap_all(publisher, {"_send": "encode + send"})
@@ -225,9 +225,10 @@ def consumer(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
-        from facecast.shared.cuda_driver import wait_by_blocking
+        from facecast.shared.transport.cuda_driver import wait_by_blocking
 
-        wait_by_blocking(0)  # as a daemon worker waits (workers/inference.py), pickle included
+        wait_by_blocking(0)  # as a daemon worker waits (workers/inference/pipelines.py), pickle
+        included
     context = zmq.Context()
     cameras = args.cameras.split(",")
     clock = StageClock()
@@ -245,8 +246,8 @@ def consumer(args) -> None:
         socket.connect(f"ipc://{args.runtime_dir}/pickle-{cameras[0]}")
         socket.setsockopt(zmq.SUBSCRIBE, b"")
     else:
-        from facecast.shared import rings
-        from facecast.shared.transport import FrameSubscriber
+        from facecast.shared.transport import rings
+        from facecast.shared.transport.subscriber import FrameSubscriber
 
         subscriber = FrameSubscriber(context, args.runtime_dir, cameras, device=device,
                                      checksum_every=args.checksum_every)
@@ -622,7 +623,7 @@ def markdown(result: dict, command: str, raw_path: str) -> str:
         table = stage_table(rows, resolution)
         if table:
             out += ["", f"Where the time goes, {resolution}, one consumer: p50 / p99 in µs of each "
-                    "stage (Note [Stage methods] in shared/rings.py), timed in the processes "
+                    "stage (Note [Stage methods]), timed in the processes "
                     "themselves. \"claim slot\" includes \"generation odd\" on shm; "
                     "\"receive + decode\", \"read batch\" (all of a batch's reading, the stages "
                     "under it included) and \"settle\" are per `receive()` call, which with one "

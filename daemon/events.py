@@ -18,7 +18,7 @@ from typing import Callable
 
 import msgspec
 
-from facecast.shared.messages import Event
+from facecast.shared.transport.messages import Event
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from facecast.shared.messages import GpuStatus
+from facecast.shared.transport.messages import GpuStatus
 
 
 class GpuMonitor:

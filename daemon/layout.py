@@ -12,7 +12,7 @@ without starting anything.
   [Console after READY]);
 - warm standbys (`standby:<role>:<device>`, `standby:output`, `standby_plan`): per device, one
   booted spare of each role whose boot is slow there, and one of the output worker (Note [Warm
-  standby] in facecast.daemon.worker_table).
+  standby]).
 
 Cameras go to GPUs as `cameras[].gpu` says, `-1` round-robin; with no GPU, or with
 `models.device = "cpu"`, everything runs on the CPU. CUDA IPC never crosses GPUs (DESIGN §8).
@@ -45,7 +45,7 @@ ROLES_STARTED_AT_READY = ("console",)
 #     45 s to prepare among 67 contexts time-slicing the GPU; at SIGTERM the processes ending
 #     together needed SIGKILL, 31 of them still there 2 s after it. So on a GPU a capture worker
 #     serves a group of cameras, one thread each (Note [Camera threads] in
-#     facecast.workers.capture), sharing one context: `daemon.cameras_per_capture_worker`,
+#     facecast.workers.capture.worker), sharing one context: `daemon.cameras_per_capture_worker`,
 #     "auto" keeping at most MAX_CAPTURE_WORKERS_PER_GPU capture processes per GPU (so a lab with
 #     up to 8 cameras keeps one process per camera) and one per camera on the CPU. A camera
 #     whose source fails is retried by its thread while the others go on; a group's process that
@@ -127,7 +127,7 @@ def recorder_plan(config: Config, gpu_count: int, camera_ids: list[str]) -> list
 
 
 # Note [One recorder per device]
-#     Recorders (facecast.workers.recorder) are not part of `plan`: they run only while a
+#     Recorders (facecast.workers.recorder.worker) are not part of `plan`: they run only while a
 #     recording does (`facecast record start` to `record stop`, or from the start with
 #     `record.start`), so that a daemon that records nothing pays nothing for them, and a reload
 #     never starts or stops one (the supervisor owns them: Note [Recording] in
@@ -138,13 +138,13 @@ def recorder_plan(config: Config, gpu_count: int, camera_ids: list[str]) -> list
 #     others', and a recorder that dies is restarted into new files while capture and the
 #     streams go on. Per device is also where an NVENC encoder would sit (one CUDA context per
 #     GPU). No warm spare: a recorder boots in 0.3-1.0 s on the busy 2-core CI machine (no
-#     torch: facecast.workers.recorder.HostShmReader) and records START_MARGIN_S (0.5 s) later,
+#     torch: facecast.workers.recorder.worker.HostShmReader) and records START_MARGIN_S (0.5 s) later,
 #     inside the 2 s promise; the frames of that gap are in no file, which the frame-index stream
 #     and the new record_start marker show, and nothing else waits for it.
 
 
 def standby_plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
-    """The warm standbys of this config (Note [Warm standby] in facecast.daemon.worker_table):
+    """The warm standbys of this config (Note [Warm standby]):
     per device a spare capture worker (on a GPU its CUDA context is what makes its boot slow;
     on a busy 2-core CPU its cold start took 2.02 s), detection and roi_landmark worker (models
     loaded and run once), and one spare output worker (its Python, pylsl and numpy imported:

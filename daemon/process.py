@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from facecast.daemon.layout import WorkerSpec
 from facecast.shared.exit_codes import EXIT_BOOT_ERROR
-from facecast.shared.messages import CameraReport, StageTiming, WorkerStatus
+from facecast.shared.transport.messages import CameraReport, StageTiming, WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,8 @@ class WorkerProcess:
 
     @property
     def routing_id(self) -> bytes:
-        """Its connection's identity on the control socket (Note [Worker connections] in
-        facecast.daemon.supervisor); b"" without a process."""
+        """Its connection's identity on the control socket (Note [Worker connections]); b""
+        without a process."""
         return f"{self.name}#{self.secret}".encode() if self.secret else b""
 
     def start(self, control_endpoint: str, env: dict[str, str]) -> None:

@@ -1,7 +1,7 @@
 """The supervisor's side of recording: which cameras are being recorded, where, by which
 recorder workers, and what `facecast status` keeps showing once a recording has ended.
 
-Runs in the supervisor only; the recorders themselves are facecast.workers.recorder.
+Runs in the supervisor only; the recorders themselves are facecast.workers.recorder.worker.
 
 Note [Recording]
     `facecast record start` (a RecordRequest) starts a recorder worker per device of the
@@ -28,7 +28,7 @@ from facecast.daemon import layout
 from facecast.daemon.process import WorkerState
 from facecast.daemon.worker_table import WorkerTable
 from facecast.shared.config import Config
-from facecast.shared.messages import CameraReport, Event, RecordReply, RecordRequest
+from facecast.shared.transport.messages import CameraReport, Event, RecordReply, RecordRequest
 from facecast.shared.recording import recording_dir, writable_dir_problem
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Iterable
 
 from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.shared.config import Config
-from facecast.shared.messages import CameraReport
+from facecast.shared.transport.messages import CameraReport
 
 S = WorkerState
 _HEALTHY = (S.RUNNING, S.BOOTING, S.STANDBY, S.PENDING)

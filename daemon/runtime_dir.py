@@ -1,5 +1,5 @@
 """The runtime directory: where a running daemon keeps its lock and its `ipc://` sockets
-(facecast.shared.endpoints). One resolver for the daemon and the CLI, the supervisor's lock, and
+(facecast.shared.transport.endpoints). One resolver for the daemon and the CLI, the supervisor's lock, and
 what a killed supervisor left behind.
 
 The supervisor holds an exclusive `flock` on `supervisor.lock` (holding the pid) for its whole
@@ -9,7 +9,7 @@ is the truth about whether a daemon runs there, whatever files remain: the CLI u
 and the next `facecast run` removes what the dead one left and says what it removed.
 
 The directory holds the control socket and the console's token, so it is trusted only if it is
-this user's alone (Note [Private files] in facecast.shared.private_files): made 0700 when it is
+this user's alone (Note [Private files]): made 0700 when it is
 missing; an existing one owned by another user, with access for others, or a symbolic link is
 refused (UnsafeRuntimeDir), by the daemon before it starts and by the CLI before it talks to
 what is there. The one exception is systemd's RuntimeDirectory, which facecast's unit makes
@@ -24,7 +24,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from facecast.shared import endpoints, private_files, shm
+from facecast.shared import private_files
+from facecast.shared.transport import endpoints, shm
 
 log = logging.getLogger(__name__)
 

@@ -86,8 +86,9 @@ from facecast.daemon.sd_notify import Notifier
 from facecast.daemon.track_ids import TrackIdAllocator
 from facecast.daemon.worker_table import WorkerTable
 from facecast.shared import config as config_mod
-from facecast.shared import endpoints, gallery, messages, shm
-from facecast.shared.messages import (
+from facecast.shared import gallery
+from facecast.shared.transport import endpoints, messages, shm
+from facecast.shared.transport.messages import (
     Ack,
     Assignment,
     BootFailed,
@@ -115,7 +116,7 @@ OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker befo
 STOP_RESERVE_PER_ROLE_S = 0.5
 FAULT_INJECTION_ENV = "FACECAST_ALLOW_FAULT_INJECTION"  # Note [Fault injection]
 # Note [Worker connections]: what only a worker's own connection may send, and what anyone may.
-GALLERY_CHECK_S = 2.0  # as the workers' (Note [Gallery reload] in facecast.workers.identity)
+GALLERY_CHECK_S = 2.0  # as the workers' (Note [Gallery reload])
 
 
 @dataclass
@@ -180,7 +181,7 @@ class Supervisor:
         self._stop_requested = False
         self._reload: _Reload | None = None
         self._captures_to_start: list[WorkerSpec] = []  # Note [Boot order]
-        self._start_at_ready: list[WorkerSpec] = []  # Note [Console after READY] in layout.py
+        self._start_at_ready: list[WorkerSpec] = []  # Note [Console after READY]
         self._shutdown: _Shutdown | None = None
         self._gate = MessageGate("control socket")
         self.recordings = Recordings(self.workers, self.gpu_count)  # Note [Recording]
@@ -254,7 +255,7 @@ class Supervisor:
         specs = layout.plan(self.config, self.gpu_count)
         # Note [Boot order]: on a GPU, capture starts once the device's inference workers are up.
         self._captures_to_start = [s for s in specs if s.role == "capture" and s.device != "cpu"]
-        # Note [Console after READY] in facecast.daemon.layout.
+        # Note [Console after READY].
         self._start_at_ready = [s for s in specs if s.role in layout.ROLES_STARTED_AT_READY]
         for spec in specs:
             if spec not in self._captures_to_start and spec not in self._start_at_ready:
@@ -711,8 +712,8 @@ class Supervisor:
 
     def _gallery_line(self) -> str:
         """The gallery's status line; when it turns unusable (or usable again), the log and the
-        Markers stream say so, once per change (Note [Gallery validation] in
-        facecast.shared.gallery): a bad gallery costs the names, never the daemon."""
+        Markers stream say so, once per change (Note [Gallery validation]): a bad gallery costs
+        the names, never the daemon."""
         line = gallery.status_line(self.config.participants.gallery)
         if line != self._gallery_seen:
             if line.startswith(gallery.UNUSABLE):

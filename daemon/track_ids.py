@@ -13,7 +13,7 @@ Note [Track id blocks]
     `TrackIdAllocator` hands out blocks of `block_size` consecutive ids, in increasing order,
     never overlapping, never twice. A roi_landmark worker gets a first block with its
     `Assignment` and asks for the next one (`TrackIdsWanted` → `TrackIdGrant`) as soon as half
-    of what it holds is used (facecast.workers.tracking.TrackIdSource). The other half is the
+    of what it holds is used (facecast.workers.inference.tracking.TrackIdSource). The other half is the
     reserve that covers the round trip, so the worker never waits for a grant. Should it run dry
     all the same, a face that needs a new id is not published (counted, logged as an error, a
     `track_ids_dry` marker, and the heartbeat's `trouble`): no id is ever made up or reused.
@@ -40,7 +40,12 @@ from __future__ import annotations
 import logging
 import time
 
-from facecast.shared.messages import TRACK_ID_LIMIT, TrackIdBlock, TrackIdGrant, TrackIdsWanted
+from facecast.shared.transport.messages import (
+    TRACK_ID_LIMIT,
+    TrackIdBlock,
+    TrackIdGrant,
+    TrackIdsWanted,
+)
 
 log = logging.getLogger(__name__)
 

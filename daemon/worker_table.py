@@ -49,9 +49,9 @@ from typing import Callable, Iterator
 
 from facecast.daemon.layout import WorkerSpec
 from facecast.daemon.process import GIVEN_UP_STATES, RestartPolicy, WorkerProcess, WorkerState
-from facecast.shared import shm
+from facecast.shared.transport import shm
 from facecast.shared.config import DaemonConfig
-from facecast.shared.messages import Promote
+from facecast.shared.transport.messages import Promote
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class WorkerTable:
         return self._workers.get(name)
 
     def capture_of(self, camera_id: str) -> WorkerProcess | None:
-        """The capture worker of a camera (Note [Capture groups] in facecast.daemon.layout)."""
+        """The capture worker of a camera (Note [Capture groups])."""
         return next((w for w in self if w.spec.role == "capture" and not w.spec.standby
                      and camera_id in w.spec.camera_ids), None)
 

@@ -695,7 +695,7 @@ def _verified_landmarker_members(model_dir: str | os.PathLike | None) -> Landmar
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI side: `facecast models install` (daemon/cli.py parses the arguments and calls these)
+# CLI side: `facecast models install` (daemon/cli/models.py parses the arguments and calls these)
 
 
 def add_install_arguments(parser: argparse.ArgumentParser) -> None:

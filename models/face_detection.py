@@ -38,7 +38,7 @@ from facecast.models.nms import Detections, box_iou, weighted_nms
 #     wait for the device, until one transfer of the per-frame counts at the end. Measuring is the
 #     same (models/face_mesh.py): one crop, one mesh pass, one transfer of everything the Face
 #     objects need. This is also what lets a CUDA graph replay the stages (Note [CUDA graphs of
-#     the pipeline] in models/cuda_graphs.py).
+#     the pipeline]).
 MAX_GRAPH_FRAMES = 32
 PLAN_CACHE_SIZE = 32
 NO_CUT = (-math.inf, -math.inf, math.inf, math.inf)
@@ -47,7 +47,7 @@ TILE_BORDER_MARGIN_PX = 4.0
 # configured at it: a camera's configured size is a request, and a file or stream delivers its
 # own (up to 1080p is what lab cameras send; larger sizes are warmed where they are configured).
 WARM_FRAME_HW = (1080, 1920)
-# The detectors' smallest batch bucket (Note [Warm shapes] in models/cuda_graphs.py).
+# The detectors' smallest batch bucket (Note [Warm shapes]).
 SMALLEST_DETECTOR_BATCH = 16
 
 
@@ -116,7 +116,7 @@ class FaceDetector:
         """On a GPU, run each detector once per batch bucket of as many inputs as ``max_frames``
         frames can give, of the sizes named or of 1080p, whichever has more; then, with graphs,
         every graph bucket of up to ``max_frames`` frames of each named size (Note [Warm
-        shapes] in models/cuda_graphs.py). A camera whose frames turn out to have another size
+        shapes]). A camera whose frames turn out to have another size
         (a file or stream whose size the config did not know) then costs one graph capture,
         not seconds of cuDNN's preparations while its faces go unseen."""
         count = min(max_frames, MAX_GRAPH_FRAMES)
@@ -226,7 +226,7 @@ class FaceDetector:
 
     def outputs(self, full_range: bool, crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.full_range if full_range else self.short_range
-        # On a GPU in batch buckets (Note [Warm shapes] in models/cuda_graphs.py).
+        # On a GPU in batch buckets (Note [Warm shapes]).
         outputs = (forward_in_buckets(model, crops, SMALLEST_DETECTOR_BATCH)
                    if self.device.type == "cuda" else model(crops))
         boxes = next(o for o in outputs if o.dim() == 3 and o.shape[-1] > 1)
@@ -277,8 +277,8 @@ class FaceDetector:
         )
 
     def _detect_graphed(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> Detections | None:
-        """:meth:`core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline] in
-        models/cuda_graphs.py); None when the stage cannot be captured."""
+        """:meth:`core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline]); None when
+        the stage cannot be captured."""
         height, width = batch.sizes_hw[frame_indices[0]]
         count = len(frame_indices)
         padded = bucket(count, MAX_GRAPH_FRAMES)

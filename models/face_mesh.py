@@ -327,7 +327,7 @@ class FaceMeasurer:
 
     def warm_up(self, max_faces: int) -> None:
         """On a GPU, run every batch bucket of up to ``max_faces`` faces once, captured as graphs
-        where they are on (Note [Warm shapes] in models/cuda_graphs.py)."""
+        where they are on (Note [Warm shapes])."""
         count = min(max_faces, MAX_GRAPH_FACES)
         if count >= 1 and (self.device.type == "cuda" or self.graphs.enabled):
             crops = torch.zeros(count, self.input_px, self.input_px, 3, dtype=self.model_dtype,
@@ -373,7 +373,7 @@ class FaceMeasurer:
         padded = bucket(count)
         if self.device.type != "cuda" or padded == count:
             return self.landmarks_core(crops, rects)
-        # Eager on a GPU: in batch buckets too (Note [Warm shapes] in models/cuda_graphs.py),
+        # Eager on a GPU: in batch buckets too (Note [Warm shapes]),
         # padded with copies of the first face (real values: no degenerate rect in the models).
         rows = torch.cat([torch.arange(count, device=crops.device),
                           torch.zeros(padded - count, dtype=torch.long, device=crops.device)])
@@ -389,7 +389,7 @@ class FaceMeasurer:
         else:
             landmarks_model, presence = refine_attention_mesh(self.mesh(crops))
         landmarks = roi_mod.project_points(landmarks_model, rects, self.input_px)
-        # float32 even with half=True (Note [Blendshapes in float32] in models/blendshapes.py).
+        # float32 even with half=True (Note [Blendshapes in float32]).
         blendshapes = (blendshapes_mod.blendshapes(self.blendshapes, landmarks)
                        if self.blendshapes is not None else None)
         return landmarks, presence, blendshapes

@@ -78,7 +78,7 @@ class FaceTracks:
         frame index → (boxes, keypoints, scores)) of faces not tracked yet, up to ``max_faces``
         a frame. Counts the frames since each camera's last detection."""
         # Every track of every frame, and every detection, each as one batch (Note [Detection
-        # without per-frame work] in models/face_detection.py).
+        # without per-frame work]).
         tracks = [track for state in states for track in state.tracks]
         track_owner = [i for i, state in enumerate(states) for _ in state.tracks]
         det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]

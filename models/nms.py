@@ -14,7 +14,7 @@ captured in a CUDA graph) for any number of frames or tiles.
 
 IoU is invariant under scaling each axis, so boxes may be in pixels or in normalized units.
 :func:`box_iou` is facecast's one IoU (the detectors, the trackers, the duplicate filters of
-:func:`drop_overlapping` and :func:`drop_overlapping_batched`, and workers/tracking.py's track
+:func:`drop_overlapping` and :func:`drop_overlapping_batched`, and workers/inference/tracking.py's track
 ids).
 """
 

@@ -165,7 +165,7 @@ class FacePipeline:
     def _prepare(self, module: torch.nn.Module) -> torch.nn.Module:
         """A loaded model, ready to run here: zero PADs folded into their convolutions, on the
         device, in the model dtype, eval mode; on CUDA with channels_last convolution weights (the
-        activations already are: Note [Batch and layout] in models/tflite_ops.py), which spares
+        activations already are: Note [Batch and layout]), which spares
         cuDNN a weight reorder per call. (On the CPU that measured no faster, so the weights stay
         as they are.)"""
         if isinstance(module, tflite_convert.TFLiteModule):
@@ -180,8 +180,7 @@ class FacePipeline:
     def _load_landmarker(self, task):
         """face_landmarker.task's v2 landmarker, blendshape model and face geometry, or None
         with a one-line reason (the attention mesh is then used). `task`: the bundle's path, or
-        a bundle a worker already checked and unpacked (Note [Model files checked at load] in
-        facecast.models.assets)."""
+        a bundle a worker already checked and unpacked (Note [Model files checked at load])."""
         from facecast.models import assets
         from facecast.models.face_geometry import FaceGeometry
 
@@ -189,7 +188,7 @@ class FacePipeline:
             bundle = (task if isinstance(task, assets.LandmarkerBundle)
                       else assets.blendshape_model(Path(task)))
             landmarks = self._prepare(tflite_convert.convert(bundle.face_landmarks_detector))
-            # float32 even with half=True: Note [Blendshapes in float32] in models/blendshapes.py.
+            # float32 even with half=True: Note [Blendshapes in float32].
             blendshapes = self._prepare(tflite_convert.convert(bundle.face_blendshapes)).float()
             geometry = FaceGeometry.read(bundle.geometry_metadata)
         except (assets.ModelError, OSError, ValueError) as error:

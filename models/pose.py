@@ -370,7 +370,7 @@ class PosePipeline:
         load = load_model or _model_loader(model_dir)
         self.detector = load(POSE_DETECTOR.name).to(self.device).eval()
         self.landmarker = load("pose_landmark_full").to(self.device).eval()
-        if self.device.type == "cuda":  # Note [Warm shapes] in models/cuda_graphs.py
+        if self.device.type == "cuda":  # Note [Warm shapes]
             self.detector = BatchBuckets(self.detector)
             self.landmarker = BatchBuckets(self.landmarker)
         self.anchors = anchors_mod.generate_anchors(self.spec.anchors).to(self.device)
@@ -381,7 +381,7 @@ class PosePipeline:
     @torch.inference_mode()
     def warm_up(self, max_frames: int) -> None:
         """Run both models once for every batch bucket a worker with ``max_frames`` cameras can
-        meet (Note [Warm shapes] in models/cuda_graphs.py); only on a GPU, where a new batch size
+        meet (Note [Warm shapes]); only on a GPU, where a new batch size
         costs seconds."""
         if self.device.type != "cuda":
             return

@@ -1,7 +1,8 @@
 """Cut the two face photos of the synthetic source out of their public-domain originals, once.
 
-facecast's `synthetic` camera (workers/sources.py) must run where only facecast's own
-dependencies are installed, so the photos ship with it as PNG crops in workers/synthetic_faces/:
+facecast's `synthetic` camera (workers/capture/sources.py) must run where only facecast's own
+dependencies are installed, so the photos ship with it as PNG crops in
+workers/capture/synthetic_faces/:
 NASA's astronaut portrait of Eileen Collins (scikit-image's `data.astronaut()`) and the US Navy's
 portrait of Grace Hopper (matplotlib's `grace_hopper.jpg` sample), both in the public domain.
 Each crop is the square of twice the face box (a little lower than its centre, keeping hair, ears
@@ -9,7 +10,7 @@ and chin) around the face box that MediaPipe 0.10.21's short-range detector find
 photo (tests/models/fixtures/mediapipe_faces.npz, "<name>/boxes_px").
 
 Run with scikit-image and matplotlib installed (the `test` extra); prints the face boxes in crop
-pixels for workers/sources.py.
+pixels for workers/capture/sources.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-OUT = Path(__file__).resolve().parent.parent / "workers" / "synthetic_faces"
+OUT = Path(__file__).resolve().parent.parent / "workers" / "capture" / "synthetic_faces"
 FACE_BOXES_PX = {
     "astronaut": (177.56541, 82.87118, 272.9095, 178.21541),
     "grace_hopper": (171.35315, 146.91507, 365.84296, 341.3939),

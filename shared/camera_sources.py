@@ -1,5 +1,5 @@
 """What a camera's `source` names (a synthetic scene, a V4L2 device, a stream URL, a video file),
-read from the text alone, opening nothing: for the capture worker (facecast.workers.sources),
+read from the text alone, opening nothing: for the capture worker (facecast.workers.capture.sources),
 which then opens it, and for `check-config`, which must stay light (no OpenCV, no pylsl: issue
 20's import weight).
 """
@@ -13,7 +13,7 @@ from facecast.shared.config import redact_url
 _STREAM_SCHEMES = ("rtsp", "rtsps", "http", "https")
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 # The synthetic scene rendered per frame, replayed from a loop rendered once, or that loop
-# encoded once and decoded per frame (Note [Encoded synthetic loop] in facecast.workers.sources).
+# encoded once and decoded per frame (Note [Encoded synthetic loop]).
 SYNTHETIC_SOURCES = ("synthetic", "synthetic-replay", "synthetic-h264", "synthetic-mjpeg")
 # The encoded ones: source -> codec.
 ENCODED_SYNTHETIC_CODECS = {"synthetic-h264": "h264", "synthetic-mjpeg": "mjpeg"}

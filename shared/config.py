@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from facecast.shared.synchrony import SynchronyConfig
+from facecast.workers.output.synchrony import SynchronyConfig
 
 TransportName = Literal["auto", "cuda_ipc", "shm"]
 DeviceName = Literal["auto", "cuda", "cpu"]
@@ -82,7 +82,7 @@ class DaemonConfig(_Strict):
         Annotated[int, msgspec.Meta(ge=1, le=256)] | Literal["auto"],
         msgspec.Meta(
             description="cameras one capture process serves, a thread each (Note [Capture "
-            "groups] in facecast.daemon.layout); auto: one per camera on the CPU and up to 8 "
+            "groups]); auto: one per camera on the CPU and up to 8 "
             "cameras per GPU, beyond that groups so that a GPU has at most 8 capture processes "
             "(CUDA contexts)"
         ),
@@ -155,7 +155,7 @@ class OutputConfig(_Strict):
 
 
 class WebConfig(_Strict):
-    """The web console (facecast.workers.console; README "Web console"): read-only previews and
+    """The web console (facecast.workers.console.worker; README "Web console"): read-only previews and
     health in a browser, safe by default (Note [Console security])."""
 
     enabled: Annotated[
@@ -224,7 +224,7 @@ RecordPreset = Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "
 
 
 class RecordConfig(_Strict):
-    """Video recording per camera (facecast.workers.recorder; README "Recording")."""
+    """Video recording per camera (facecast.workers.recorder.worker; README "Recording")."""
 
     start: Annotated[
         bool, msgspec.Meta(description="record every camera from the daemon's start (else only "
@@ -264,7 +264,7 @@ class RecordConfig(_Strict):
         bool, msgspec.Meta(description="burn each frame's own faces into the video: boxes, track "
                            "ids, participant names (`record start --overlays` turns it on for "
                            "one recording); the recorder then waits up to 0.5 s for a frame's "
-                           "results (Note [Overlays] in facecast.workers.recorder)")
+                           "results (Note [Overlays])")
     ] = False
 
     def __post_init__(self) -> None:
@@ -274,8 +274,7 @@ class RecordConfig(_Strict):
 
 
 class SeatConfig(_Strict):
-    """A participant pinned to a camera, or to a region of its frame (Note [Seat map] in
-    facecast.workers.identity)."""
+    """A participant pinned to a camera, or to a region of its frame (Note [Seat map])."""
 
     participant: Annotated[
         str,
@@ -345,15 +344,14 @@ class ParticipantsConfig(_Strict):
                              '"seats" (now "embeddings"); remove the seats or change identify')
 
 
-# The face photos that ship with the synthetic source (facecast.workers.sources._PHOTOS; a test
+# The face photos that ship with the synthetic source (facecast.workers.capture.sources._PHOTOS; a test
 # keeps the two lists equal): config stays free of worker imports.
 SyntheticPhoto = Literal["astronaut", "grace_hopper"]
 SYNTHETIC_SEATS = 2  # the synthetic scene's places: 0 on the left, 1 on the right
 
 
 class StagedAppearance(_Strict):
-    """One person's time in one seat of a staged synthetic camera (Note [Staged scenes] in
-    facecast.workers.sources)."""
+    """One person's time in one seat of a staged synthetic camera (Note [Staged scenes])."""
 
     photo: Annotated[
         SyntheticPhoto,

@@ -1,6 +1,6 @@
 """What a face and a body are made of, defined once: MediaPipe's blendshape categories, the pose
 landmarks' names, the mesh's point count. The models (facecast.models), the LSL outlets
-(facecast.workers.lsl_output) and synchrony (facecast.shared.synchrony) import it; it imports
+(facecast.workers.output.outlets) and synchrony (facecast.workers.output.synchrony) import it; it imports
 nothing, so a process that needs the names loads neither torch nor pylsl (issue 20).
 """
 

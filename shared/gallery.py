@@ -31,8 +31,8 @@ Note [Gallery validation]
     more; a regular file of at most MAX_FILE_BYTES) and turns whatever else goes wrong into a
     GalleryError naming the file. A bad gallery costs the names, never the daemon: status says
     why (`status_line`), the supervisor puts a `gallery_unusable` marker on the Markers stream
-    and a line in the log, the workers keep the gallery they had (Note [Gallery reload] in
-    facecast.workers.identity), and `facecast participants`/`enroll` print the reason (issue 21:
+    and a line in the log, the workers keep the gallery they had (Note [Gallery reload]), and
+    `facecast participants`/`enroll` print the reason (issue 21:
     an embedding of 127 values stopped the supervisor).
 """
 

@@ -1,6 +1,6 @@
 """Files and directories private to the daemon's user: made with their final mode whatever the
 umask, and checked before they are trusted. For the runtime directory and the console's token
-(facecast.daemon.runtime_dir, facecast.workers.console) and the recordings (the recorder worker,
+(facecast.daemon.runtime_dir, facecast.workers.console.worker) and the recordings (the recorder worker,
 the supervisor's side of recording, LabRecorderCLI's XDF). Runs in whichever process makes or
 reads such a path.
 

@@ -1,8 +1,7 @@
 """Where recordings go and how their files are named: one place for the supervisor (which checks
 the directory before it starts a recording), the recorder worker, the frame-index stream's
 metadata and the tests (README "Recording"). Every directory made here is 0700, whatever the
-umask; its files are made 0600 by their writers (Note [Private files] in
-facecast.shared.private_files).
+umask; its files are made 0600 by their writers (Note [Private files]).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from facecast.shared.messages import StageTiming
+from facecast.shared.transport.messages import StageTiming
 
 
 class LatencyWindow:

@@ -88,8 +88,9 @@ _running_item: pytest.Item | None = None
 
 
 def _boots_a_daemon(args) -> bool:
-    """Whether a Popen command line is `facecast run`: `python -m facecast.daemon.cli run`, the
-    verb's own module (`-m facecast.daemon.cli.run`, should it ever be started so) or the
+    """Whether a Popen command line is `facecast run`: `python -m facecast.daemon.cli run` (or
+    `.cli.main run`), the verb's own module (`-m facecast.daemon.cli.run`, should it ever be
+    started so) or the
     installed `facecast` script, as an argument list or a shell string."""
     try:
         argv = (shlex.split(os.fsdecode(args)) if isinstance(args, (str, bytes, os.PathLike))

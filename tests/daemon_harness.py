@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pylsl
 
-from facecast.daemon.control_client import request
-from facecast.shared import shm
-from facecast.shared.messages import StatusRequest
+from facecast.daemon.cli.control_client import request
+from facecast.shared.transport import shm
+from facecast.shared.transport.messages import StatusRequest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 #     files in parallel; a developer's daemon may be up), so a test that diffs the whole of
 #     /dev/shm, or every facecast-* segment, fails for what it does not own. A daemon's own
 #     entries are named after the processes that made them: facecast-<pid>-<epoch>-<camera>-<part>
-#     (shared/shm.py) and the CUDA driver's cuda.shm.<n>.<pid in hex>.<n>. Its processes are the
+#     (shared/transport/shm.py) and the CUDA driver's cuda.shm.<n>.<pid in hex>.<n>. Its processes
+# are the
 #     supervisor and every worker it ever started: the supervisor logs each start ("started
 #     <name> (pid <pid>)", daemon/process.py, at the default log level "info"), and `status`
 #     reports the live ones; `Daemon.own_pids()` is the union of both, and refuses to answer when
@@ -169,7 +170,7 @@ def score_against_truth(frames: dict[float, list[np.ndarray]], stamps: np.ndarra
                         ) -> TruthScore:
     """Face-stream samples (box_x1..box_y2 in channels 2..5; NaN: the slot has no face) of
     the frames at `stamps` against `faces_at(capture_ts_lsl)`, a synthetic camera's ground truth
-    (facecast.workers.sources.synthetic_truth)."""
+    (facecast.workers.capture.sources.synthetic_truth)."""
     good, wrong_count, misplaced = 0, 0, []
     for stamp in stamps:
         truth = faces_at(stamp)

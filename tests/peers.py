@@ -64,7 +64,7 @@ def make_deck(seed: int, shape: tuple[int, ...]) -> list[np.ndarray]:
 
 
 def run_producer(args) -> None:
-    from facecast.shared.transport import FramePublisher
+    from facecast.shared.transport.publisher import FramePublisher
 
     deck = make_deck(args.seed, args.shape)
     faults = {}
@@ -72,7 +72,7 @@ def run_producer(args) -> None:
         faults["delay_copy_cycles"] = args.delay_copy_cycles
     cuda_options = {}
     if faults:
-        from facecast.shared.cuda_ring import CudaFaults
+        from facecast.shared.transport.cuda_ring import CudaFaults
 
         cuda_options["faults"] = CudaFaults(**faults)
     with zmq.Context() as context:
@@ -93,7 +93,7 @@ def run_producer(args) -> None:
                     publisher.corrupt_next_frame()
                 publisher.publish(deck[publisher.frame_seq % DECK_SIZE], time.monotonic())
                 if index == 0 and args.description_out:  # for a third process (tamper-loop)
-                    from facecast.shared import messages
+                    from facecast.shared.transport import messages
 
                     path = Path(args.description_out)
                     path.with_suffix(".tmp").write_bytes(
@@ -122,7 +122,7 @@ def run_producer(args) -> None:
 def run_consumer(args) -> None:
     import torch
 
-    from facecast.shared.transport import FrameSubscriber
+    from facecast.shared.transport.subscriber import FrameSubscriber
 
     deck = make_deck(args.seed, args.shape)
     device = torch.device(args.device)
@@ -170,15 +170,15 @@ def run_consumer(args) -> None:
 
 
 def _ipc_opens() -> int:
-    module = sys.modules.get("facecast.shared.cuda_ring")
+    module = sys.modules.get("facecast.shared.transport.cuda_ring")
     return module.CudaRingReader.opens_total if module else 0
 
 
 def run_attach(args) -> None:
     """Open the ring described in a file, as a fresh process would; report the verdict."""
-    from facecast.shared import messages
-    from facecast.shared.ring_errors import TransportUnavailable
-    from facecast.shared.transport import open_reader
+    from facecast.shared.transport import messages
+    from facecast.shared.transport.ring_errors import TransportUnavailable
+    from facecast.shared.transport.subscriber import open_reader
 
     description = messages.decode(open(args.description, "rb").read())
     try:
@@ -232,7 +232,7 @@ def foreign_slots(description):
     shape = tuple(description.frame_shape)
     frame_bytes = int(np.prod(shape))
     if description.transport == "shm":
-        from facecast.shared import shm
+        from facecast.shared.transport import shm
 
         size_bytes = description.slot_bytes * (description.slot_count + 1)
         segment = shm.SharedSegment.attach(description.data_name, size_bytes)
@@ -247,7 +247,7 @@ def foreign_slots(description):
         return
     import torch
 
-    from facecast.shared.cuda_ring import CudaRingReader
+    from facecast.shared.transport.cuda_ring import CudaRingReader
 
     reader = CudaRingReader(description)  # opens the IPC handle: another process (rule 6)
     try:
@@ -263,7 +263,7 @@ def run_tamper(args) -> None:
     """A third process: attach the ring described in a file (`foreign_slots`), change a
     published slot, and say so once the change is in memory. It reads no message: what a buggy
     or hostile process with the handle can do."""
-    from facecast.shared import messages
+    from facecast.shared.transport import messages
 
     description = messages.decode(open(args.description, "rb").read())
     with foreign_slots(description) as (views, sync):
@@ -278,7 +278,7 @@ def run_tamper_loop(args) -> None:
     (the one the producer is filling included, whichever that is), changing each as `--change`
     says at a position that moves from change to change. What a buggy or hostile writer with
     the ring's name or handle does all the time, not once."""
-    from facecast.shared import messages
+    from facecast.shared.transport import messages
 
     path = Path(args.description)
     deadline = time.monotonic() + args.timeout_s

@@ -1,5 +1,5 @@
 """`facecast analyze` (issue 23, its CPU part): recorded video through the live face stack
-(facecast.workers.video_analysis, facecast.daemon.analyze; README "Analysing recorded video").
+(facecast.daemon.cli.video_analysis, facecast.daemon.cli.analyze; README "Analysing recorded video").
 
 The recording is made by facecast's own recorder classes (PyAvEncoder: H.264 in Matroska, and
 its Sidecar) from the synthetic scene at known capture times, so every frame has a ground truth
@@ -23,16 +23,16 @@ import pytest
 import torch
 
 from daemon_harness import BOX_TOLERANCE, box_close
-from facecast.daemon.analyze import _summary_line as summary_line
+from facecast.daemon.cli.analyze import _summary_line as summary_line
 from facecast.models.roi import FrameBatch
-from facecast.shared.messages import TRACK_ID_LIMIT, Detections, FaceResult
-from facecast.workers import video_analysis as va
-from facecast.workers.inference import build_pipeline
-from facecast.workers.lsl_output import FaceLayout, FaceSample
-from facecast.workers.roi_landmark import TRACK_HOLD_S, _as_tensors
-from facecast.workers.sources import SyntheticScene
-from facecast.workers.tracking import TrackIds, TrackIdSource
-from facecast.workers.video_encoder import PyAvEncoder, Sidecar
+from facecast.shared.transport.messages import TRACK_ID_LIMIT, Detections, FaceResult
+from facecast.daemon.cli import video_analysis as va
+from facecast.workers.inference.pipelines import build_pipeline
+from facecast.workers.output.outlets import FaceLayout, FaceSample
+from facecast.workers.inference.roi_landmark import TRACK_HOLD_S, _as_tensors
+from facecast.workers.capture.sources import SyntheticScene
+from facecast.workers.inference.tracking import TrackIds, TrackIdSource
+from facecast.workers.recorder.video_encoder import PyAvEncoder, Sidecar
 from footage import make_face_free_clip
 
 WIDTH, HEIGHT, FPS, FRAMES = 320, 240, 15.0, 24

@@ -18,12 +18,12 @@ import accounting  # noqa: E402 (bench/ is not a package)
 import pipeline  # noqa: E402
 
 from facecast.shared.config import CameraConfig  # noqa: E402
-from facecast.workers.sources import SyntheticScene, synthetic_truth  # noqa: E402
+from facecast.workers.capture.sources import SyntheticScene, synthetic_truth  # noqa: E402
 
 
 def test_mesh_box_is_facecasts_box_of_a_tracked_face():
     """The baseline's meshes get the box facecast gives a tracked face (Note [Box of a tracked
-    face] in models/face_mesh.py): same constants, same box to float32 precision."""
+    face]): same constants, same box to float32 precision."""
     torch = pytest.importorskip("torch")
     from facecast.models import face_mesh
 

@@ -1,4 +1,4 @@
-"""Note [Boot order] in facecast.daemon.supervisor: on a GPU a device's capture workers start
+"""Note [Boot order]: on a GPU a device's capture workers start
 once its inference workers are up; on the CPU everything starts at once. The supervisor's own
 start decisions, with the process spawning recorded instead of done."""
 

@@ -26,7 +26,7 @@ import pytest
 import rtsp_peer as rtsp_peer_mod
 from rtsp_peer import RtspPeer, free_port
 
-from facecast.daemon import cameras
+from facecast.daemon.cli import cameras
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
-"""Capture groups (Note [Capture groups] in facecast.daemon.layout, Note [Camera threads] in
-facecast.workers.capture): which cameras share a capture process, and, with a real daemon, that
+"""Capture groups (Note [Capture groups], Note [Camera threads]): which cameras share a capture
+process, and, with a real daemon, that
 one camera of a group that loses its source is retried while the group's other camera keeps
 publishing, in the same process."""
 

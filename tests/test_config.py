@@ -92,7 +92,7 @@ def test_a_config_without_cameras_is_refused_with_the_reason(text):
 @pytest.mark.parametrize("source", ["rtsp://lab:pa55word@10.1.2.3:554/s1",
                                     "rtsp://lab:p@ss/1@10.1.2.3:554/s1"])  # an '@' in it too
 def test_check_config_masks_an_rtsp_password(tmp_path, capsys, source):
-    from facecast.daemon import cli
+    from facecast.daemon.cli import main as cli
 
     path = tmp_path / "lab.toml"
     path.write_text(f'[[cameras]]\nid = "ip0"\nsource = "{source}"\n')
@@ -112,7 +112,7 @@ def test_redact_url_masks_only_the_password(text, masked):
 
 
 @pytest.mark.parametrize("text, masked", [
-    # Note [Masking passwords] in facecast.shared.config: passwords as users write them.
+    # Note [Masking passwords]: passwords as users write them.
     ("rtsp://lab:pa/ss@10.1.2.3:554/s1", "rtsp://lab:***@10.1.2.3:554/s1"),
     ("rtsp://lab:pa ss@10.1.2.3/s1", "rtsp://lab:***@10.1.2.3/s1"),
     ("rtsp://lab:p@ss@10.1.2.3/s1", "rtsp://lab:***@10.1.2.3/s1"),
@@ -140,7 +140,7 @@ def test_redact_url_masks_passwords_with_slashes_spaces_and_at_signs(text, maske
 ])
 def test_check_config_reports_a_source_that_can_never_work(tmp_path, capsys, source, expected):
     """Issue 21: a camera that is not there was 'ok' and the daemon retried it forever."""
-    from facecast.daemon import cli
+    from facecast.daemon.cli import main as cli
 
     missing = str(tmp_path / "no-such-clip.mp4")
     if isinstance(source, str):
@@ -159,7 +159,7 @@ def test_check_config_reports_a_source_that_can_never_work(tmp_path, capsys, sou
 
 
 def test_check_config_accepts_a_video_file_that_is_there(tmp_path, capsys):
-    from facecast.daemon import cli
+    from facecast.daemon.cli import main as cli
 
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(b"\0" * 16)  # its content is the capture worker's to judge

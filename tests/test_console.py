@@ -2,7 +2,7 @@
 console on a free port, real HTTP requests; the token rules also against the real aiohttp app
 served in-process (a non-loopback bind is decided by the config, served here on loopback).
 
-Note [Console security] in facecast.workers.console_http is what the token tests guard.
+Note [Console security] is what the token tests guard.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pytest
 
 from daemon_harness import box_close, ready_daemon
 from facecast.shared import config as config_mod
-from facecast.workers.console import read_console_file
-from facecast.workers.sources import synthetic_truth
+from facecast.workers.console.worker import read_console_file
+from facecast.workers.capture.sources import synthetic_truth
 
 TOKEN = "console-test-token-0123456789"
 CONFIG = f"""
@@ -423,8 +423,8 @@ def test_stop_from_the_console_stops_the_daemon(daemon):
 def _serve(config_text: str, checks) -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from facecast.workers.console_http import ConsoleState, build_app
-    from facecast.workers.console_preview import OpenCvJpegEncoder
+    from facecast.workers.console.http import ConsoleState, build_app
+    from facecast.workers.console.preview import OpenCvJpegEncoder
 
     config = config_mod.loads(config_text)
 

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import box_close, ready_daemon
 from facecast.shared import config as config_mod
-from facecast.workers.console import read_console_file
-from facecast.workers.sources import synthetic_truth
+from facecast.workers.console.worker import read_console_file
+from facecast.workers.capture.sources import synthetic_truth
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -241,7 +241,7 @@ def test_overlay_box_lies_on_the_synthetic_faces(daemon, browser):
         scale = image.shape[1] / PARSED.camera(camera_id).width
         truth = synthetic_truth(PARSED.camera(camera_id)).faces_at(shown["capture_ts_lsl"])
         assert len(truth) == 2, truth
-        # The box as drawn into the pixels: workers/console_preview.py draws it green
+        # The box as drawn into the pixels: workers/console/preview.py draws it green
         # (BGR 80, 220, 80); JPEG blurs it, so the test takes clearly green pixels.
         blue, green, red = (image[..., i].astype(np.int16) for i in range(3))
         is_green = (green > 150) & (green - red > 50) & (green - blue > 50)
@@ -436,8 +436,8 @@ def test_metrics_follow_the_console_security_rules():
     names."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from facecast.workers.console_http import ConsoleState, build_app
-    from facecast.workers.console_preview import OpenCvJpegEncoder
+    from facecast.workers.console.http import ConsoleState, build_app
+    from facecast.workers.console.preview import OpenCvJpegEncoder
 
     token = TOKEN
     config = config_mod.loads(CONFIG.replace("[web]\n", '[web]\nhost = "0.0.0.0"\n'))
@@ -522,11 +522,11 @@ def test_a_page_of_another_origin_cannot_make_the_browser_change_anything():
     """Another local user's page on another port of this machine is the same site, so the
     browser sends it the console's SameSite cookie: its form and its fetches, with the cookie,
     must change nothing, while the console's own page still sends markers (Note [Console
-    security] in facecast.workers.console_http)."""
+    security])."""
     from aiohttp import web
 
-    from facecast.workers.console_http import ConsoleState, build_app
-    from facecast.workers.console_preview import OpenCvJpegEncoder
+    from facecast.workers.console.http import ConsoleState, build_app
+    from facecast.workers.console.preview import OpenCvJpegEncoder
 
     config = config_mod.loads(CONFIG.replace("[web]\n", "[web]\nallow_control = true\n"))
     calls: list[tuple[str, dict]] = []

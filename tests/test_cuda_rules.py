@@ -18,10 +18,10 @@ import pytest
 import torch
 import zmq
 
-from facecast.shared import frames, messages
-from facecast.shared.cuda_driver import cuda_unavailable_reason
-from facecast.shared.ring_errors import TransportUnavailable
-from facecast.shared.rings import Verdict, read_batch
+from facecast.shared.transport import frames, messages
+from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
+from facecast.shared.transport.ring_errors import TransportUnavailable
+from facecast.shared.transport.rings import Verdict, read_batch
 from peers import Peers
 from test_frames import SHM_CASES, tamper_after_publish
 from test_shm_ring import staged_round_trip
@@ -42,7 +42,7 @@ def attach_in_fresh_process(description, tmp_path: Path) -> dict:
 
 
 def cuda_producer(**faults):
-    from facecast.shared.cuda_ring import CudaFaults, CudaRingProducer
+    from facecast.shared.transport.cuda_ring import CudaFaults, CudaRingProducer
 
     return CudaRingProducer("rules", (64, 96, 3), slot_count=4, faults=CudaFaults(**faults))
 
@@ -89,7 +89,7 @@ def test_rule2_one_open_per_epoch_and_stale_epochs_are_refused(peers):
     assert seen["ipc_opens"] == 1 and seen["transports"] == ["cuda_ipc"], seen
     assert seen["received"] > 100 and seen["mismatched"] == 0, seen
 
-    from facecast.shared.cuda_ring import CudaRingReader
+    from facecast.shared.transport.cuda_ring import CudaRingReader
 
     first, second = cuda_producer(), cuda_producer()
     reader = CudaRingReader(first.description(), checksum_every=1)
@@ -149,8 +149,8 @@ def test_rule4_a_slow_consumer_uses_its_own_copy_while_the_slots_are_overwritten
 
 
 def test_rule5_mapping_in_a_non_primary_context_is_refused():
-    from facecast.shared import cuda_driver
-    from facecast.shared.cuda_ring import CudaRingReader
+    from facecast.shared.transport import cuda_driver
+    from facecast.shared.transport.cuda_ring import CudaRingReader
 
     producer = cuda_producer()
     cuda = cuda_driver.driver(0)
@@ -168,7 +168,7 @@ def test_rule5_mapping_in_a_non_primary_context_is_refused():
 
 
 def test_rule6_same_process_reader_uses_the_pointer_and_ipc_open_is_refused_cleanly():
-    from facecast.shared.cuda_ring import CudaRingReader
+    from facecast.shared.transport.cuda_ring import CudaRingReader
 
     producer = cuda_producer()
     try:
@@ -270,7 +270,7 @@ def test_staged_writes_round_trip_byte_exact_across_processes(peers):
 
 
 def test_staging_view_is_handed_out_only_after_its_slots_upload_finished():
-    from facecast.shared.cuda_ring import CudaRingReader
+    from facecast.shared.transport.cuda_ring import CudaRingReader
 
     producer = cuda_producer(delay_copy_cycles=SLOW_COPY_CYCLES)  # 4 slots, ~20 ms per upload
     try:
@@ -296,9 +296,10 @@ def test_staging_view_is_handed_out_only_after_its_slots_upload_finished():
 
 
 def test_a_staged_frame_pending_during_a_fallback_goes_out_on_the_shm_ring(runtime_dir):
-    from facecast.shared.messages import TransportFault
-    from facecast.shared.rings import ShmRingReader
-    from facecast.shared.transport import FramePublisher, ring_control_endpoint
+    from facecast.shared.transport.messages import TransportFault
+    from facecast.shared.transport.rings import ShmRingReader
+    from facecast.shared.transport.endpoints import ring_control as ring_control_endpoint
+    from facecast.shared.transport.publisher import FramePublisher
 
     shape = (64, 96, 3)
     frame = np.random.default_rng(5).integers(0, 256, shape, dtype=np.uint8)
@@ -332,7 +333,7 @@ def test_a_staged_frame_pending_during_a_fallback_goes_out_on_the_shm_ring(runti
 
 
 def test_one_sync_settles_a_batch_of_gpu_checksums_and_judges_each_frame():
-    from facecast.shared.cuda_ring import CudaRingReader
+    from facecast.shared.transport.cuda_ring import CudaRingReader
 
     producers = [cuda_producer(), cuda_producer(corrupt_after_publish=True)]
     readers = [CudaRingReader(p.description(), checksum_every=1) for p in producers]
@@ -351,7 +352,7 @@ def test_one_sync_settles_a_batch_of_gpu_checksums_and_judges_each_frame():
 
 
 def test_shm_reader_on_the_gpu_pins_its_mapping_and_checks_the_generation_after_the_dma():
-    from facecast.shared.rings import ShmRingProducer, ShmRingReader
+    from facecast.shared.transport.rings import ShmRingProducer, ShmRingReader
 
     shape = (1080, 1920, 3)
     producer = ShmRingProducer("pin", shape, slot_count=4)
@@ -379,7 +380,7 @@ def test_shm_reader_on_the_gpu_pins_its_mapping_and_checks_the_generation_after_
         producer.close()
 
 
-# --- the frame checksum on the GPU (Note [Frame checksum] in shared/frames.py) -------------------
+# --- the frame checksum on the GPU (Note [Frame checksum]) -------------------
 
 
 def test_gpu_checksums_equal_the_host_checksums_on_frames_of_odd_sizes():

@@ -1,4 +1,5 @@
-"""Note [Blocking waits] (shared/cuda_driver.py): a facecast process's primary context is made with
+"""Note [Blocking waits] (shared/transport/cuda_driver.py): a facecast process's primary context
+is made with
 CU_CTX_SCHED_BLOCKING_SYNC, so that waiting for the GPU sleeps instead of spinning a core."""
 
 from __future__ import annotations
@@ -8,13 +9,13 @@ import sys
 
 import pytest
 
-from facecast.shared.cuda_driver import cuda_unavailable_reason
+from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
 
 pytestmark = pytest.mark.gpu
 
 _CHILD = """
 import ctypes, time, torch
-from facecast.shared.cuda_driver import wait_by_blocking
+from facecast.shared.transport.cuda_driver import wait_by_blocking
 if {block}:
     wait_by_blocking(0)
 x = torch.randn(4096, 4096, device="cuda")

@@ -2,7 +2,7 @@
 face photos) and the models `facecast models install` installs, MediaPipe's face_landmarker.task
 included, read by real pylsl inlets: every face found carries finite blendshapes and head
 translation, and no channel of any stream is NaN in every sample (Note [No channel that is always
-NaN] in workers/lsl_output.py). The 478 landmarks are switched on (`output.landmarks = true`) so
+NaN]). The 478 landmarks are switched on (`output.landmarks = true`) so
 that their channels are checked too.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from daemon_harness import REPO, Recorder, ready_daemon
 from facecast.models import assets
-from facecast.workers.lsl_output import BLENDSHAPE_NAMES, face_channels
+from facecast.workers.output.outlets import BLENDSHAPE_NAMES, face_channels
 
 CAMERAS = ("synth0", "synth1")
 MAX_FACES = 2

@@ -22,9 +22,9 @@ import pytest
 
 from daemon_harness import REPO, Daemon, Recorder, frames_of, score_against_truth
 from facecast.shared import config as config_mod
-from facecast.shared import shm
-from facecast.workers.lsl_output import face_channels
-from facecast.workers.sources import synthetic_truth
+from facecast.shared.transport import shm
+from facecast.workers.output.outlets import face_channels
+from facecast.workers.capture.sources import synthetic_truth
 
 CAMERAS = ("synth0", "synth1")
 MAX_FACES = 2

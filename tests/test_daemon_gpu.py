@@ -15,8 +15,8 @@ import pytest
 
 from daemon_harness import REPO, Daemon, Recorder
 from facecast.shared import config as config_mod
-from facecast.shared.cuda_driver import cuda_unavailable_reason
-from facecast.workers.sources import SyntheticScene
+from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
+from facecast.workers.capture.sources import SyntheticScene
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
@@ -89,7 +89,7 @@ def test_daemon_end_to_end_over_cuda_ipc(gpu, tmp_path):
                     for t in truth)
             assert good >= 0.95 * len(stamps), f"camera {camera}: {good} of {len(stamps)}"
         print("status at the end of the GPU run:\n" + __import__(
-            "facecast.daemon.status", fromlist=["render"]).render(status))
+            "facecast.daemon.cli.status", fromlist=["render"]).render(status))
 
         daemon.process.send_signal(signal.SIGTERM)
         assert daemon.process.wait(timeout=10) == 0, daemon.log_tail()

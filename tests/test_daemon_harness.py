@@ -1,5 +1,5 @@
 """The e2e harness's shared-memory check sees its own daemon's entries only (Note [A test's own
-shared memory] in daemon_harness.py): other processes' segments are not its business, its own
+shared memory]): other processes' segments are not its business, its own
 are, and it refuses to guess when the daemon's log does not name the processes status reports."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from daemon_harness import Daemon, shm_entries_of
-from facecast.shared import shm
+from facecast.shared.transport import shm
 
 
 @pytest.fixture

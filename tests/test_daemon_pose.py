@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from daemon_harness import Daemon, Recorder
-from facecast.workers.lsl_output import pose_channels
+from facecast.workers.output.outlets import pose_channels
 
 pytestmark = pytest.mark.daemon
 

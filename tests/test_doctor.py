@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from facecast.daemon import doctor, reporting
+from facecast.daemon import reporting
+from facecast.daemon.cli import doctor
 from facecast.models import assets
 from facecast.shared import config as config_mod
-from facecast.shared.cuda_driver import cuda_unavailable_reason
+from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
 
 no_gpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="expects a machine without a CUDA device (this one has one)")

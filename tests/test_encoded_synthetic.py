@@ -1,5 +1,5 @@
 """The encoded synthetic cameras (`source = "synthetic-h264"` / `"synthetic-mjpeg"`, Note
-[Encoded synthetic loop] in workers/sources.py): the replayed loop encoded once with PyAV and
+[Encoded synthetic loop]): the replayed loop encoded once with PyAV and
 decoded by the file source's CPU decoder, its frames the loop frames its truth names (by PSNR
 against the renders), the file made once per open and gone at close, the errors for what is not
 allowed, and two such cameras through the whole daemon with their faces where the truth says."""
@@ -18,8 +18,8 @@ from daemon_harness import Recorder, frames_of, ready_daemon, score_against_trut
 from facecast.shared import config as config_mod
 from facecast.shared.camera_sources import SYNTHETIC_SOURCES
 from facecast.shared.config import CameraConfig
-from facecast.workers import sources
-from facecast.workers.sources import (
+from facecast.workers.capture import sources
+from facecast.workers.capture.sources import (
     EncodedSyntheticLoop,
     EncodedSyntheticSource,
     SourceConfigError,

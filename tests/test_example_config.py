@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from facecast.shared import config
-from facecast.workers.sources import source_kind
+from facecast.workers.capture.sources import source_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "config" / "example-lab.toml"

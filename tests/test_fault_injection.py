@@ -1,4 +1,4 @@
-"""The fault-injection hook the soak test uses (Note [Fault injection] in daemon/supervisor.py):
+"""The fault-injection hook the soak test uses (Note [Fault injection]):
 refused unless the daemon allows it, and what it does to a shm ring: the slot changes after it
 is committed, generation intact, so that only the checksum catches it."""
 
@@ -11,9 +11,9 @@ import zmq
 from facecast.daemon.supervisor import FAULT_INJECTION_ENV, Supervisor
 from facecast.daemon.sd_notify import Notifier
 from facecast.shared import config as config_mod
-from facecast.shared.messages import InjectFault
-from facecast.shared.rings import ShmRingProducer, ShmRingReader, Verdict
-from facecast.shared.transport import FramePublisher
+from facecast.shared.transport.messages import InjectFault
+from facecast.shared.transport.rings import ShmRingProducer, ShmRingReader, Verdict
+from facecast.shared.transport.publisher import FramePublisher
 
 
 def _supervisor(runtime_dir) -> Supervisor:
@@ -83,7 +83,7 @@ def test_a_mismatch_on_shm_reaches_the_markers_stream(installed_models, tmp_path
     import time
 
     from daemon_harness import Recorder, ready_daemon
-    from facecast.daemon.control_client import request
+    from facecast.daemon.cli.control_client import request
 
     with ready_daemon(tmp_path, env={FAULT_INJECTION_ENV: "1"}) as daemon:
         markers = Recorder(daemon.resolve("Markers", count=1))

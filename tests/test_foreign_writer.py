@@ -53,7 +53,7 @@ def test_a_writer_looping_over_every_shm_slot_gets_no_wrong_frame_accepted(runti
 @pytest.mark.gpu
 @pytest.mark.parametrize("change", TAMPER_CHANGES)
 def test_a_writer_looping_over_every_cuda_slot_gets_no_wrong_frame_accepted(runtime_dir, change):
-    from facecast.shared.cuda_driver import cuda_unavailable_reason
+    from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason:

@@ -1,4 +1,4 @@
-"""The frame checksum (Note [Frame checksum] in shared/frames.py): host and torch agree, every
+"""The frame checksum (Note [Frame checksum]): host and torch agree, every
 byte counts, and a third process that changes a published shm slot never gets its frame accepted.
 
 The GPU side of the same guarantees (the CUDA kernels' values, a third process writing through a
@@ -16,8 +16,8 @@ import torch
 import zmq
 
 from facecast.shared import config as config_mod
-from facecast.shared import frames, messages
-from facecast.shared.rings import ShmRingProducer, ShmRingReader, Verdict
+from facecast.shared.transport import frames, messages
+from facecast.shared.transport.rings import ShmRingProducer, ShmRingReader, Verdict
 from peers import PATCH_SIDE, Peers
 
 FRAME_1080P = (1080, 1920, 3)
@@ -221,7 +221,8 @@ def tamper_after_publish(runtime_dir: str, transport: str, device: str, change: 
     """Publish frames to a FrameSubscriber at the given settings; after one of them is published,
     a third process (tests/peers.py tamper) changes its slot through the ring's shm name or CUDA
     IPC handle; only then does the subscriber receive. What happened to that frame and after."""
-    from facecast.shared.transport import FramePublisher, FrameSubscriber
+    from facecast.shared.transport.publisher import FramePublisher
+    from facecast.shared.transport.subscriber import FrameSubscriber
 
     rng = np.random.default_rng(position)
     with zmq.Context() as context:

@@ -1,11 +1,11 @@
 """Issue 21, "Files and input", on a real daemon: a file or a local process that the daemon does
 not control must never stop it or speak in its name.
 
-- A gallery that cannot be used costs the names, never the daemon (Note [Gallery validation] in
-  facecast.shared.gallery): status says why, the Markers stream and the log say so.
+- A gallery that cannot be used costs the names, never the daemon (Note [Gallery validation]):
+status says why, the Markers stream and the log say so.
 - The control socket takes worker messages (Event, Heartbeat, Hello, BootFailed,
-  TrackIdsWanted) only from the workers' own connections (Note [Worker connections] in
-  facecast.daemon.supervisor): a forged `record_start` from a plain DEALER never reaches the
+  TrackIdsWanted) only from the workers' own connections (Note [Worker connections]): a forged
+  `record_start` from a plain DEALER never reaches the
   Markers stream and is counted and logged as refused.
 """
 
@@ -22,8 +22,9 @@ import pytest
 import zmq
 
 from daemon_harness import Recorder, ready_daemon
-from facecast.shared import endpoints, gallery, messages
-from facecast.shared.messages import Event, Heartbeat, Hello
+from facecast.shared import gallery
+from facecast.shared.transport import endpoints, messages
+from facecast.shared.transport.messages import Event, Heartbeat, Hello
 
 pytestmark = pytest.mark.daemon
 
@@ -111,7 +112,7 @@ def test_a_bad_gallery_written_while_the_daemon_runs_costs_the_names_not_the_dae
 
 
 def test_a_forged_worker_message_never_reaches_the_markers_stream(daemon):
-    """Note [Worker connections] in facecast.daemon.supervisor. A local process connects as a
+    """Note [Worker connections]. A local process connects as a
     CLI does, and also as the output worker (its bare name, the identity workers had before),
     and sends what only workers may: a `record_start` Event, a Heartbeat, a Hello."""
     before = daemon.status()
@@ -162,7 +163,7 @@ def test_a_forged_worker_message_never_reaches_the_markers_stream(daemon):
 
 
 def test_a_bundle_truncated_while_the_daemon_runs_is_replaced_and_said(tmp_path):
-    """Note [Model files checked at load] in facecast.models.assets, on real processes: the
+    """Note [Model files checked at load], on real processes: the
     roi_landmark worker that starts after face_landmarker.task was truncated measures with the
     verified copy of the bundle's models, and says so in status, on the Markers stream and in
     the log (before: the attention mesh, NaN blendshapes, nothing said)."""

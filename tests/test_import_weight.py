@@ -17,15 +17,15 @@ REPO = Path(__file__).resolve().parent.parent
 # What is imported (a worker kind's entry module, as workers/__main__.py imports it by role, or a
 # CLI verb's module), then what must not be loaded after it.
 CASES = {
-    "output worker": ("import facecast.workers.output", ("torch",)),
-    "console worker": ("import facecast.workers.console", ("torch",)),
-    "recorder worker": ("import facecast.workers.recorder", ("torch",)),
-    "capture worker (shm, CPU)": ("import facecast.workers.capture", ("torch",)),
-    "facecast command": ("import facecast.daemon.cli", ("torch", "pylsl")),
-    "facecast status": ("import facecast.daemon.status", ("torch", "pylsl")),
-    "facecast streams": ("import facecast.daemon.streams", ("torch", "pylsl")),
-    "facecast check-config": ("from facecast.daemon import cli; "
-                              "assert cli.main(['check-config', 'config/default.toml']) == 0",
+    "output worker": ("import facecast.workers.output.worker", ("torch",)),
+    "console worker": ("import facecast.workers.console.worker", ("torch",)),
+    "recorder worker": ("import facecast.workers.recorder.worker", ("torch",)),
+    "capture worker (shm, CPU)": ("import facecast.workers.capture.worker", ("torch",)),
+    "facecast command": ("import facecast.daemon.cli.main", ("torch", "pylsl")),
+    "facecast status": ("import facecast.daemon.cli.status", ("torch", "pylsl")),
+    "facecast streams": ("import facecast.daemon.cli.streams", ("torch", "pylsl")),
+    "facecast check-config": ("from facecast.daemon.cli.main import main; "
+                              "assert main(['check-config', 'config/default.toml']) == 0",
                               ("torch", "pylsl")),
     "config loading": ("from facecast.shared import config; "
                        "config.load('config/default.toml'); "

@@ -17,7 +17,7 @@ import pylsl
 import pytest
 
 from facecast.shared.version import __version__
-from facecast.workers.lsl_output import (
+from facecast.workers.output.outlets import (
     BLENDSHAPE_NAMES,
     FACE_LANDMARK_COUNT,
     POSE_LANDMARK_NAMES,
@@ -359,8 +359,8 @@ def test_event_encoding_handles_numpy_and_odd_values() -> None:
 
 
 def test_output_worker_publishes_the_best_pose_of_each_frame_that_measured_pose() -> None:
-    from facecast.shared import messages
-    from facecast.workers.output import OutputWorker
+    from facecast.shared.transport import messages
+    from facecast.workers.output.worker import OutputWorker
 
     host = _unique_host()
     worker = OutputWorker.__new__(OutputWorker)  # only its pose path: no sockets, no supervisor

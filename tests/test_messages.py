@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import zmq
 
-from facecast.shared import messages
-from facecast.shared.messages import BadMessage, FrameReady, MessageGate, TransportFault
+from facecast.shared.transport import messages
+from facecast.shared.transport.messages import BadMessage, FrameReady, MessageGate, TransportFault
 
 
 def frame_message(**overrides) -> FrameReady:
@@ -62,7 +62,7 @@ def test_gate_counts_refusals_and_rate_limits_the_log(caplog):
 
 
 def test_choose_transport_decisions():
-    from facecast.shared.transport import choose_transport
+    from facecast.shared.transport.publisher import choose_transport
 
     assert choose_transport("shm", None) == ("shm", "")
     assert choose_transport("auto", None) == ("cuda_ipc", "")
@@ -73,8 +73,8 @@ def test_choose_transport_decisions():
 
 
 def test_on_a_machine_without_cuda_auto_and_cuda_ipc_fall_back_to_shm_with_the_reason():
-    from facecast.shared.cuda_driver import cuda_unavailable_reason
-    from facecast.shared.transport import make_producer
+    from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
+    from facecast.shared.transport.publisher import make_producer
 
     reason = cuda_unavailable_reason()
     if reason is None:
@@ -89,7 +89,8 @@ def test_on_a_machine_without_cuda_auto_and_cuda_ipc_fall_back_to_shm_with_the_r
 
 
 def test_publisher_survives_garbage_on_its_control_socket(tmp_path):
-    from facecast.shared.transport import FramePublisher, ring_control_endpoint
+    from facecast.shared.transport.endpoints import ring_control as ring_control_endpoint
+    from facecast.shared.transport.publisher import FramePublisher
 
     with zmq.Context() as context:
         publisher = FramePublisher(context, tmp_path, "g", transport="shm")
@@ -145,7 +146,7 @@ def test_pose_arrays_are_checked_on_both_sides():
         truncated.world_landmarks_array()
 
 
-# --- track ids (Note [Track id blocks] in facecast.daemon.track_ids) ------------------------------
+# --- track ids (Note [Track id blocks]) ------------------------------
 
 
 def test_track_id_request_and_grant_round_trip_and_the_grant_echoes_the_request():

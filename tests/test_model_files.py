@@ -1,5 +1,5 @@
-"""Issue 21: a model file damaged under a running daemon (Note [Model files checked at load] in
-facecast.models.assets). The worker that loads it checks its size and SHA-256 then, and a
+"""Issue 21: a model file damaged under a running daemon (Note [Model files checked at load]). The
+worker that loads it checks its size and SHA-256 then, and a
 damaged official face_landmarker.task is replaced by the verified copy of its members or refused,
 never loaded as the attention mesh with NaN blendshapes and nothing said. On the CPU."""
 
@@ -16,8 +16,8 @@ import torch
 from facecast.models import assets
 from facecast.shared import config as config_mod
 from facecast.workers.base import BootError
-from facecast.workers.inference import build_pipeline
-from facecast.workers.sources import SyntheticScene
+from facecast.workers.inference.pipelines import build_pipeline
+from facecast.workers.capture.sources import SyntheticScene
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Participants end to end on this machine's CPU (issue 15): `facecast run` with two staged
 synthetic cameras between which two enrolled people swap, one of whom also leaves and comes
 back; what the daemon says about each face is checked against the scene's ground truth
-(Note [Staged scenes] in facecast.workers.sources).
+(Note [Staged scenes]).
 
 One daemon for the module; the tests read what it published over the same span of capture time.
 """
@@ -22,13 +22,14 @@ import zmq
 
 from daemon_harness import Recorder, StreamRecord, box_close, ready_daemon
 from facecast.shared import config as config_mod
-from facecast.shared import endpoints, gallery, messages
-from facecast.shared.messages import FaceResults
-from facecast.workers.sources import synthetic_truth
+from facecast.shared import gallery
+from facecast.shared.transport import endpoints, messages
+from facecast.shared.transport.messages import FaceResults
+from facecast.workers.capture.sources import synthetic_truth
 
 pytestmark = pytest.mark.daemon
 
-PHOTOS = Path(__file__).resolve().parents[1] / "workers" / "synthetic_faces"
+PHOTOS = Path(__file__).resolve().parents[1] / "workers" / "capture" / "synthetic_faces"
 CAMERAS = ("ppl0", "ppl1")
 PEOPLE = {"astronaut": "eileen", "grace_hopper": "grace"}  # photo → enrolled name
 CYCLE_S = 14.0
@@ -87,7 +88,7 @@ RECORD_S = CYCLE_S + 2.0  # every appearance of the cycle at least once
 
 @pytest.fixture(scope="module")
 def enrolled(request, tmp_path_factory) -> Path:
-    from facecast.daemon import participants
+    from facecast.daemon.cli import participants
     from facecast.models import assets
 
     try:
@@ -110,7 +111,7 @@ def daemon(enrolled, tmp_path_factory):
 
 
 class ResultsTap:
-    """Every FaceResults the output worker passed on (Note [Results tap] in workers/console.py)."""
+    """Every FaceResults the output worker passed on (Note [Results tap])."""
 
     def __init__(self, runtime_dir: Path) -> None:
         self.results: list[FaceResults] = []
@@ -197,7 +198,7 @@ def _truths():
 
 
 def _blendshapes_missing() -> str:
-    from facecast.workers.output import blendshapes_missing_reason
+    from facecast.workers.output.worker import blendshapes_missing_reason
 
     return blendshapes_missing_reason(config_mod.loads(CONFIG.replace("@GALLERY@", "/g.json")))
 
@@ -238,11 +239,11 @@ def test_every_face_is_named_as_the_ground_truth_says_through_swaps_and_absences
         assert all(0.0 < row[4] <= 1.0 for row in right)
 
 
-# --- participant streams (Note [Participant streams] in facecast.workers.participant_streams) ---
+# --- participant streams (Note [Participant streams]) ---
 
 
 def test_each_participant_stream_follows_its_person_across_cameras(daemon, recorded):
-    from facecast.workers.lsl_output import PARTICIPANT_EXTRA_CHANNELS, face_channels
+    from facecast.workers.output.outlets import PARTICIPANT_EXTRA_CHANNELS, face_channels
 
     truths = _truths()
     with_bundle = not _blendshapes_missing()
@@ -312,7 +313,11 @@ def test_slot_streams_keep_every_face(daemon, recorded):
 
 
 def test_synchrony_is_finite_while_both_are_present_and_nan_while_one_is_away(daemon, recorded):
-    from facecast.shared.synchrony import SynchronyConfig, effective_signals, synchrony_channels
+    from facecast.workers.output.synchrony import (
+        SynchronyConfig,
+        effective_signals,
+        synchrony_channels,
+    )
 
     source_id = f"facecast-{daemon.host}-synchrony"
     info = recorded.stream(source_id).inlet.info(timeout=5)
@@ -348,7 +353,7 @@ def test_synchrony_is_finite_while_both_are_present_and_nan_while_one_is_away(da
 
 
 def test_enrol_from_a_camera_of_the_running_daemon(daemon, recorded, tmp_path, capsys):
-    from facecast.daemon import cli
+    from facecast.daemon.cli import main as cli
     from facecast.models.face_embedding import SAME_PERSON_DISTANCE
 
     # ppl0 shows eileen alone from 0 to 6 s into the cycle and grace from 7.5 to 12.5: start

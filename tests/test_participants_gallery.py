@@ -14,11 +14,11 @@ import cv2
 import numpy as np
 import pytest
 
-from facecast.daemon import cli, doctor, status
+from facecast.daemon.cli import main as cli, doctor, status
 from facecast.shared import gallery
-from facecast.shared.messages import DaemonStatus
+from facecast.shared.transport.messages import DaemonStatus
 
-PHOTOS = Path(__file__).resolve().parents[1] / "workers" / "synthetic_faces"
+PHOTOS = Path(__file__).resolve().parents[1] / "workers" / "capture" / "synthetic_faces"
 
 
 def _vectors(seed: int, count: int = 1) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Who each tracked face is (facecast.workers.identity), on real frames of staged synthetic
+"""Who each tracked face is (facecast.workers.inference.identity), on real frames of staged
+synthetic
 scenes with the real face stack and embedding network, no daemon: the schedule (Note [Identity
 per track]), confirmation before a rename, one face per name, the gallery re-read when its file
 changes (Note [Gallery reload]), the seat map without embeddings (Note [Seat map])."""
@@ -14,18 +15,24 @@ import torch
 
 from facecast.shared import config as config_mod
 from facecast.shared import gallery
-from facecast.workers import identity
-from facecast.workers.identity import EmbeddingIdentities, FrameFaces, Identity, identities_for
-from facecast.workers.sources import SyntheticScene
+from facecast.workers.inference import identity
+from facecast.workers.inference.identity import (
+    EmbeddingIdentities,
+    FrameFaces,
+    Identity,
+    identities_for,
+)
+from facecast.workers.capture.sources import SyntheticScene
 
-PHOTOS = Path(__file__).resolve().parents[1] / "workers" / "synthetic_faces"
+PHOTOS = Path(__file__).resolve().parents[1] / "workers" / "capture" / "synthetic_faces"
 WIDTH, HEIGHT = 640, 360
 
 
 @pytest.fixture(scope="module")
 def stack():
-    """The enrolment's face stack and embedding network (daemon/participants.py), loaded once."""
-    from facecast.daemon import participants
+    """The enrolment's face stack and embedding network (daemon/cli/participants.py), loaded
+    once."""
+    from facecast.daemon.cli import participants
     from facecast.models import assets
 
     try:
@@ -177,7 +184,7 @@ def test_matcher_takes_each_participants_nearest_enrolment() -> None:
 def test_a_result_from_a_sender_without_names_reads_as_unknown() -> None:
     import msgspec
 
-    from facecast.shared import messages
+    from facecast.shared.transport import messages
 
     old = {"type": "faces", "v": 1, "id": "1-1", "camera_id": "idt0", "frame_seq": 1,
            "capture_ts_lsl": 2.0, "faces": [{"track_id": 4, "presence": 1.0, "score": 1.0,
@@ -204,9 +211,9 @@ def test_a_changed_participants_table_reassigns_the_workers_that_read_it() -> No
 
 
 def test_a_participant_stream_follows_the_largest_face_and_leaves_a_camera_that_lost_them():
-    from facecast.shared.messages import FaceResult, FaceResults
-    from facecast.workers import participant_streams
-    from facecast.workers.lsl_output import FaceSample, MarkerOutlet
+    from facecast.shared.transport.messages import FaceResult, FaceResults
+    from facecast.workers.output import participant_streams
+    from facecast.workers.output.outlets import FaceSample, MarkerOutlet
 
     text = ('[daemon]\nhost_name = "idt-{}"\n[participants]\nenabled = true\nidentify = "seats"\n'
             '[[participants.seats]]\nparticipant = "ann"\ncamera = "idt0"\n'

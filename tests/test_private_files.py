@@ -1,5 +1,5 @@
-"""Issue 21, Access: what facecast keeps for one user stays that user's (Note [Private files] in
-facecast.shared.private_files). The runtime directory another local user planted, or one open to
+"""Issue 21, Access: what facecast keeps for one user stays that user's (Note [Private files]).
+The runtime directory another local user planted, or one open to
 others, is refused by `facecast run` and by the CLI with the reason; a token file that is not
 this user's 0600 file is replaced; recordings, sidecars and the XDF are 0600 in 0700
 directories under umask 022. Real processes: the other user is a second local account, made
@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from facecast.daemon import runtime_dir
-from facecast.shared import endpoints, private_files
+from facecast.shared import private_files
+from facecast.shared.transport import endpoints
 from facecast.workers.base import BootError
-from facecast.workers.console import TOKEN_FILE, resolve_token
+from facecast.workers.console.worker import TOKEN_FILE, resolve_token
 
 OTHER_USER = "facecast-test-other"
 PLANTED_TOKEN = "planted-token-0123456789abcdef"

@@ -3,8 +3,8 @@ stack (issue 24, item 0; marker gpu).
 
 What synthetic scenes of small pasted photos hid: on real video the CUDA daemon lost the face for
 seconds while the CPU stack found it in every frame. The cause was the detection worker's first
-passes over detector batch shapes it had not prepared (Note [Warm shapes] in
-models/cuda_graphs.py): a file camera configured without its size delivers frames of another
+passes over detector batch shapes it had not prepared (Note [Warm shapes]): a file camera
+configured without its size delivers frames of another
 size than the config's, and with graphs off nothing was prepared at all. Until its first
 detection the roi_landmark worker has no face to follow, so every frame of those seconds was
 published without one.
@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 from daemon_harness import Daemon, Recorder
-from facecast.shared.cuda_driver import cuda_unavailable_reason
-from facecast.workers.lsl_output import FACE_LANDMARK_COUNT, face_channels
+from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
+from facecast.workers.output.outlets import FACE_LANDMARK_COUNT, face_channels
 from footage import make_face_clip, read_clip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]

@@ -25,10 +25,10 @@ import pytest
 
 from daemon_harness import Daemon, Recorder, ready_daemon
 from facecast.shared import config as config_mod
-from facecast.shared.messages import FramesRecorded, RecordingState
-from facecast.workers.frame_index import VERDICT_WAIT_S, CameraFrameIndex
-from facecast.workers.lsl_output import FRAME_INDEX_CHANNELS
-from facecast.workers.sources import SyntheticScene
+from facecast.shared.transport.messages import FramesRecorded, RecordingState
+from facecast.workers.output.frame_index import VERDICT_WAIT_S, CameraFrameIndex
+from facecast.workers.output.outlets import FRAME_INDEX_CHANNELS
+from facecast.workers.capture.sources import SyntheticScene
 
 av = pytest.importorskip("av", reason="PyAV (the `av` wheel) records the videos")
 
@@ -154,7 +154,7 @@ def test_record_config_defaults_record_nothing_until_asked():
 def test_frame_index_waits_for_verdicts_in_frame_order_and_not_for_a_dead_recorder():
     pushed = []
     index = CameraFrameIndex("cam", lambda ts, values: pushed.append((ts, values)))
-    from facecast.shared.messages import FrameReady
+    from facecast.shared.transport.messages import FrameReady
 
     def frame(seq, ts):
         return FrameReady(camera_id="cam", transport="shm", ring_epoch=7, slot=0,
@@ -516,7 +516,7 @@ def events_in(markers, kind: str, camera: str, directory: Path) -> list[dict]:
 @pytest.mark.daemon
 def test_record_start_overlays_draws_each_frames_own_faces_and_never_drops_for_want_of_them(
         daemon, streams, tmp_path):
-    """Note [Overlays] in facecast.workers.recorder: each written frame with its own results
+    """Note [Overlays]: each written frame with its own results
     drawn in ("drawn") or, when none came in time, as captured ("no results")."""
     frame_streams, markers = streams
     started = cli(daemon, "record", "start", "--cameras", "rec0", "--dir", str(tmp_path),

@@ -9,15 +9,21 @@ import zmq
 
 from facecast.daemon.track_ids import TrackIdAllocator
 from facecast.shared import config as config_mod
-from facecast.shared import messages
-from facecast.shared.messages import Assignment, Detections, Event, TrackIdBlock, TrackIdsWanted
-from facecast.workers.roi_landmark import (
+from facecast.shared.transport import messages
+from facecast.shared.transport.messages import (
+    Assignment,
+    Detections,
+    Event,
+    TrackIdBlock,
+    TrackIdsWanted,
+)
+from facecast.workers.inference.roi_landmark import (
     TRACK_IDS_ASK_AGAIN_AFTER_REFUSAL_S,
     TRACK_IDS_ASK_AGAIN_S,
     RoiLandmarkWorker,
     _as_tensors,
 )
-from facecast.workers.tracking import TrackIds
+from facecast.workers.inference.tracking import TrackIds
 
 
 def test_a_detection_pass_that_found_no_face_is_usable():
@@ -34,7 +40,7 @@ def test_a_detection_pass_that_found_no_face_is_usable():
     assert boxes.shape == (1, 4) and keypoints.shape == (1, 6, 2) and scores.shape == (1,)
 
 
-# --- track ids from the supervisor (Note [Track id blocks] in facecast.daemon.track_ids) ----------
+# --- track ids from the supervisor (Note [Track id blocks]) ----------
 # The worker's side of the protocol against a ROUTER playing the supervisor, answering with the
 # supervisor's own allocator (no models: the track id half of the worker needs none).
 

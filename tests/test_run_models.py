@@ -1,10 +1,10 @@
-"""What `facecast run` installs before it starts (daemon/run.py): the face models always, the
+"""What `facecast run` installs before it starts (daemon/cli/run.py): the face models always, the
 face embedding network only when participants are named by their faces, and a failure to fetch
 that network costs the names, never the start."""
 
 from __future__ import annotations
 
-from facecast.daemon import run
+from facecast.daemon.cli import run
 from facecast.models import assets
 from facecast.shared import config as config_mod
 

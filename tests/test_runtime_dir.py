@@ -13,19 +13,19 @@ import time
 import pytest
 
 from facecast.daemon import runtime_dir
-from facecast.daemon.control_client import NotRunning, request
+from facecast.daemon.cli.control_client import NotRunning, request
 from facecast.daemon.layout import WorkerSpec
 from facecast.daemon.process import RestartPolicy, WorkerState
 from facecast.daemon.worker_table import WorkerTable
-from facecast.shared import endpoints, shm
-from facecast.shared.messages import StatusRequest
+from facecast.shared.transport import endpoints, shm
+from facecast.shared.transport.messages import StatusRequest
 
 # A process that does what a supervisor does to its runtime dir (lock, control socket) and what
 # a worker does to /dev/shm (a segment named after its pid), then waits to be killed.
 _HOLDER = textwrap.dedent("""
     import os, socket, sys, time
     from facecast.daemon.runtime_dir import RuntimeDir
-    from facecast.shared import endpoints, shm
+    from facecast.shared.transport import endpoints, shm
     holder = RuntimeDir(sys.argv[1])
     holder.take_lock()
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

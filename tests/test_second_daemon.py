@@ -1,5 +1,5 @@
 """A second daemon that would publish this daemon's stream ids is refused at start, saying
-where the first runs (Note [One daemon per stream id] in facecast.daemon.lsl_peers; issue 21).
+where the first runs (Note [One daemon per stream id]; issue 21).
 
 The first daemon is stood for by its Markers outlet (the output worker's own class, with the
 metadata a running daemon gives it); the second is a real `facecast run`."""
@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from daemon_harness import REPO
-from facecast.workers.lsl_output import MarkerOutlet
+from facecast.workers.output.outlets import MarkerOutlet
 
 pytestmark = pytest.mark.daemon
 

@@ -19,9 +19,9 @@ import multiprocessing
 
 import zmq
 
-from facecast.shared import frames, shm
+from facecast.shared.transport import frames, shm
 from peers import DECK_SIZE, Peers, make_deck
-from facecast.shared.rings import (
+from facecast.shared.transport.rings import (
     ShmRingProducer,
     ShmRingReader,
     TransportUnavailable,
@@ -288,7 +288,7 @@ def test_read_batch_judges_every_frame_on_its_own():
 
 
 def test_publisher_staged_api(runtime_dir):
-    from facecast.shared.transport import FramePublisher
+    from facecast.shared.transport.publisher import FramePublisher
 
     shape = (24, 32, 3)
     rng = np.random.default_rng(11)
@@ -325,7 +325,7 @@ def run_staged_producer(runtime_dir: str, transport: str, shape, frames_total: i
                         results) -> None:
     """A capture process whose source makes each frame in the ring (Note [Staged writes]),
     from the same deck as tests/peers.py's producer, so peers' consumer checks every byte."""
-    from facecast.shared.transport import FramePublisher
+    from facecast.shared.transport.publisher import FramePublisher
 
     deck = make_deck(0, shape)
     with zmq.Context() as context:
@@ -377,7 +377,8 @@ def test_staged_frames_cross_processes_byte_exact(peers):
 
 
 def test_one_receive_reads_the_newest_frame_of_every_camera(runtime_dir):
-    from facecast.shared.transport import FramePublisher, FrameSubscriber
+    from facecast.shared.transport.publisher import FramePublisher
+    from facecast.shared.transport.subscriber import FrameSubscriber
 
     shape = (8, 8, 3)
     cameras = ["cam0", "cam1", "cam2"]
@@ -412,7 +413,8 @@ def test_one_receive_reads_the_newest_frame_of_every_camera(runtime_dir):
 def test_receive_reads_only_wanted_cameras_and_counts_no_skip_for_the_rest(runtime_dir):
     """The detection worker reads a camera's frame only when a pass is due (receive(wanted=));
     the frames it passes over are neither read (no verdict) nor counted as skipped."""
-    from facecast.shared.transport import FramePublisher, FrameSubscriber
+    from facecast.shared.transport.publisher import FramePublisher
+    from facecast.shared.transport.subscriber import FrameSubscriber
 
     shape = (8, 8, 3)
     cameras = ["cam0", "cam1"]

@@ -29,8 +29,8 @@ from rtsp_peer import free_port as _free_port
 from rtsp_peer import stop as _stop
 
 from facecast.shared.config import CameraConfig
-from facecast.workers import sources
-from facecast.workers.sources import (
+from facecast.workers.capture import sources
+from facecast.workers.capture.sources import (
     FileSource,
     SourceConfigError,
     SourceLost,
@@ -154,8 +154,8 @@ def test_synthetic_ground_truth_boxes_frame_the_rendered_faces() -> None:
 
 
 def test_shipped_face_crops_are_the_photos_and_their_boxes_mediapipes() -> None:
-    """workers/synthetic_faces/*.png are exact crops of the public-domain photos, and the face box
-    in crop pixels is the box MediaPipe found on the whole photo (the fixtures)."""
+    """workers/capture/synthetic_faces/*.png are exact crops of the public-domain photos, and the
+    face box in crop pixels is the box MediaPipe found on the whole photo (the fixtures)."""
     fixtures = Path(__file__).parent / "models" / "fixtures" / "mediapipe_faces.npz"
     if not fixtures.exists():
         pytest.skip(f"{fixtures} is not in this checkout")
@@ -304,7 +304,7 @@ def test_v4l2_requests_in_order_and_logs_what_was_granted(
 ) -> None:
     monkeypatch.setattr(sources.cv2, "VideoCapture", _FakeV4L2Capture)
     camera = CameraConfig(id="usb0", source="2", width=1280, height=720, fps=30.0, fourcc="MJPG")
-    with caplog.at_level(logging.INFO, logger="facecast.workers.sources"):
+    with caplog.at_level(logging.INFO, logger="facecast.workers.capture.sources"):
         source = open_source(camera)
     assert isinstance(source, V4L2Source)
     fake = _FakeV4L2Capture.last
@@ -354,7 +354,8 @@ def test_reopen_backoff_refuses_settings_that_would_spin_or_shrink(arguments: di
 
 
 def _reopen(open_fn, backoff: ReopenBackoff, on_failure=None) -> sources.FrameSource:
-    """The capture worker's reconnect loop (workers/capture.py), without its control socket."""
+    """The capture worker's reconnect loop (workers/capture/worker.py), without its control
+    socket."""
     while True:
         time.sleep(backoff.wait_s())
         try:

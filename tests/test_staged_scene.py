@@ -1,4 +1,4 @@
-"""Staged synthetic scenes (issue 15 item 5, Note [Staged scenes] in facecast.workers.sources):
+"""Staged synthetic scenes (issue 15 item 5, Note [Staged scenes]):
 who sits in which seat of which synthetic camera and when, from config, with a ground truth that
 names the person and is a pure function of the capture time."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from facecast.shared import config
-from facecast.workers import sources
-from facecast.workers.sources import SyntheticScene, open_source, synthetic_truth
+from facecast.workers.capture import sources
+from facecast.workers.capture.sources import SyntheticScene, open_source, synthetic_truth
 
 # Two cameras, one person each, who swap cameras halfway through a 12 s cycle; grace_hopper
 # leaves stg1's right seat for 2 s and comes back.

@@ -18,8 +18,8 @@ import uuid
 import pylsl
 import pytest
 
-from facecast.daemon import streams
-from facecast.workers.lsl_output import FaceOutlets, MarkerOutlet
+from facecast.daemon.cli import streams
+from facecast.workers.output.outlets import FaceOutlets, MarkerOutlet
 
 PUSH_RATE_HZ = 50.0
 
@@ -104,7 +104,7 @@ def test_no_streams_is_one_clear_line_and_exit_1(tmp_path):
                       f"SessionID = facecast-empty-{uuid.uuid4().hex}\n")
     code = textwrap.dedent("""
         import argparse, sys
-        from facecast.daemon import streams
+        from facecast.daemon.cli import streams
         parser = argparse.ArgumentParser()
         streams.add_arguments(parser)
         sys.exit(streams.main(parser.parse_args(["--resolve-wait", "0.5", "--wait", "0.5"])))

@@ -1,4 +1,5 @@
-"""Synchrony between people (facecast.shared.synchrony; docs/synchrony.md): the lag of a known
+"""Synchrony between people (facecast.workers.output.synchrony; docs/synchrony.md): the lag of a
+known
 delay is recovered within one grid sample, with rMEA's sign convention (Note [Windowed lagged
 cross-correlation]), whatever the cameras' rates and drops (Note [Common time base]); absent
 partners give NaN; the stream's layout and the config's errors.
@@ -15,7 +16,7 @@ import numpy as np
 import pylsl
 import pytest
 
-from facecast.shared.synchrony import (
+from facecast.workers.output.synchrony import (
     DEFAULT_SIGNALS,
     SynchronyConfig,
     SynchronyEngine,
@@ -24,7 +25,7 @@ from facecast.shared.synchrony import (
     signal_columns,
     synchrony_layout,
 )
-from facecast.workers.lsl_output import face_channels
+from facecast.workers.output.outlets import face_channels
 
 T0_LSL = 5000.0  # LSL times of a machine up for a while: far from 0, as in the daemon
 SIGNALS = ["head_yaw", "head_pitch", "jawOpen"]

@@ -1,5 +1,5 @@
-"""The replaying synthetic camera (`source = "synthetic-replay"`, Note [Synthetic replay] in
-workers/sources.py): its frames are the live scene's at the scene time its truth names, it turns
+"""The replaying synthetic camera (`source = "synthetic-replay"`, Note [Synthetic replay]): its
+frames are the live scene's at the scene time its truth names, it turns
 round at the loop's ends without a jump, its truth is a pure function of the capture timestamp,
 and the whole daemon's faces for such a camera follow that truth. What it costs is measured by
 bench/pipeline.py, not here: a test is never timed."""
@@ -16,7 +16,7 @@ import pytest
 from daemon_harness import Recorder, frames_of, ready_daemon, score_against_truth
 from facecast.shared import config as config_mod
 from facecast.shared.config import CameraConfig
-from facecast.workers.sources import (
+from facecast.workers.capture.sources import (
     SyntheticReplay,
     SyntheticReplaySource,
     SyntheticScene,

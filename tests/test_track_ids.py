@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from facecast.daemon.track_ids import TrackIdAllocator
-from facecast.shared import messages
-from facecast.shared.messages import TRACK_ID_LIMIT, TrackIdsWanted
+from facecast.shared.transport import messages
+from facecast.shared.transport.messages import TRACK_ID_LIMIT, TrackIdsWanted
 
 
 def test_blocks_start_at_1_and_never_overlap_across_workers():

@@ -1,5 +1,5 @@
-"""Track ids stay unique across restarts of the roi_landmark worker (Note [Track id blocks] in
-facecast.daemon.track_ids), end to end: `facecast run` on this CPU with config/default.toml (two
+"""Track ids stay unique across restarts of the roi_landmark worker (Note [Track id blocks]), end
+to end: `facecast run` on this CPU with config/default.toml (two
 synthetic cameras, two faces each) and `daemon.warm_standby = "on"`, its Face streams read by
 real pylsl inlets. The roi_landmark worker is SIGKILLed twice: once its warm standby takes over,
 once it is started cold. No track id published after a kill was ever published before it, and
@@ -21,7 +21,7 @@ import pylsl
 import pytest
 
 from daemon_harness import REPO, Recorder, ready_daemon
-from facecast.shared.messages import TRACK_ID_LIMIT
+from facecast.shared.transport.messages import TRACK_ID_LIMIT
 
 pytestmark = pytest.mark.daemon
 

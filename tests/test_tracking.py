@@ -1,11 +1,11 @@
-"""Track ids (workers/tracking.py): stable while a face stays, kept over a short occlusion, and
-taken only from blocks the supervisor granted (Note [Track id blocks] in
-facecast.daemon.track_ids)."""
+"""Track ids (workers/inference/tracking.py): stable while a face stays, kept over a short
+occlusion, and
+taken only from blocks the supervisor granted (Note [Track id blocks])."""
 
 import pytest
 
 from facecast.daemon.track_ids import TrackIdAllocator
-from facecast.workers.tracking import TrackIds, TrackIdSource
+from facecast.workers.inference.tracking import TrackIds, TrackIdSource
 
 FPS = 30.0
 

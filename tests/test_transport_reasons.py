@@ -1,4 +1,4 @@
-"""Note [Transport reasons] (shared/transport.py): every ring a camera gets comes with the reason
+"""Note [Transport reasons]: every ring a camera gets comes with the reason
 it got it, which the capture worker's `transport` marker carries; none is empty."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import zmq
 
-from facecast.shared.cuda_driver import cuda_unavailable_reason
-from facecast.shared.transport import FramePublisher
+from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
+from facecast.shared.transport.publisher import FramePublisher
 
 
 def ring_reasons(runtime_dir, shapes, **options) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Warm standbys (Note [Warm standby] in facecast.daemon.worker_table): which spares a config gets,
+"""Warm standbys (Note [Warm standby]): which spares a config gets,
 and, with a real daemon on this CPU (`daemon.warm_standby = "on"`), that a SIGKILLed inference
 worker is replaced by its booted spare (the same process, under the dead worker's name), that
 its stream continues, and that a fresh spare follows."""
@@ -144,7 +144,7 @@ def test_gpu_workers_killed_are_replaced_by_their_warm_standbys(installed_models
     """On a GPU, with CUDA IPC (the default `warm_standby = "auto"`): a capture, roi_landmark and
     detection worker killed in turn are each replaced by their device's spare. The gaps are
     printed (the soak's long form holds them to 2 s)."""
-    from facecast.shared.cuda_driver import cuda_unavailable_reason
+    from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason:

@@ -20,9 +20,9 @@ import pytest
 import zmq
 
 from facecast.shared import config as config_mod
-from facecast.shared import messages
+from facecast.shared.transport import messages
 from facecast.shared.exit_codes import EXIT_BOOT_ERROR
-from facecast.shared.messages import Assignment, Heartbeat, Hello, Promote
+from facecast.shared.transport.messages import Assignment, Heartbeat, Hello, Promote
 from facecast.workers import base
 from facecast.workers.base import COMM_BYTES, process_titles
 

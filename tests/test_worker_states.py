@@ -1,4 +1,4 @@
-"""The worker state machine (Note [Worker states] in facecast.daemon.process): every change the
+"""The worker state machine (Note [Worker states]): every change the
 supervisor may make, and every one it may not, enumerated."""
 
 from __future__ import annotations

@@ -25,22 +25,22 @@ def _worker_class(role: str):
     # Imported by role: a capture worker never loads the models, an output worker never torch's
     # inference stack beyond what the transport needs.
     if role == "capture":
-        from facecast.workers.capture import CaptureWorker
+        from facecast.workers.capture.worker import CaptureWorker
         return CaptureWorker
     if role == "detection":
-        from facecast.workers.detection import DetectionWorker
+        from facecast.workers.inference.detection import DetectionWorker
         return DetectionWorker
     if role == "roi_landmark":
-        from facecast.workers.roi_landmark import RoiLandmarkWorker
+        from facecast.workers.inference.roi_landmark import RoiLandmarkWorker
         return RoiLandmarkWorker
     if role == "output":
-        from facecast.workers.output import OutputWorker
+        from facecast.workers.output.worker import OutputWorker
         return OutputWorker
     if role == "console":
-        from facecast.workers.console import ConsoleWorker
+        from facecast.workers.console.worker import ConsoleWorker
         return ConsoleWorker
     if role == "recorder":
-        from facecast.workers.recorder import RecorderWorker
+        from facecast.workers.recorder.worker import RecorderWorker
         return RecorderWorker
     raise SystemExit(f"unknown worker role {role!r} (capture, detection, roi_landmark, output, "
                      "console, recorder)")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _connection_secret() -> str:
     """The secret the supervisor wrote to this process's stdin at spawn (Note [Worker
-    connections] in facecast.daemon.supervisor); "" when started otherwise (stdin a terminal
+    connections]); "" when started otherwise (stdin a terminal
     or /dev/null: a test's own ROUTER, which knows no secrets)."""
     if sys.stdin is None or sys.stdin.isatty():
         return ""

@@ -50,9 +50,9 @@ import setproctitle
 import zmq
 
 from facecast.shared import config as config_mod
-from facecast.shared import messages
+from facecast.shared.transport import messages
 from facecast.shared.exit_codes import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
-from facecast.shared.messages import (
+from facecast.shared.transport.messages import (
     Assignment,
     BootFailed,
     CameraReport,
@@ -123,7 +123,7 @@ class Worker:
     def _connect_control(self) -> zmq.Socket:
         control = self.context.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 100)  # a last event may still matter; never hang exit
-        # Note [Worker connections] in facecast.daemon.supervisor: the name and this process's
+        # Note [Worker connections]: the name and this process's
         # secret, which only the supervisor knows besides.
         control.setsockopt(zmq.IDENTITY, connection_identity(self.name, _connection_secret))
         control.setsockopt(zmq.SNDHWM, 1000)
@@ -166,7 +166,7 @@ class Worker:
 
     def accept_track_ids(self, block: TrackIdBlock) -> None:
         """Track ids the supervisor granted this worker (roi_landmark only: Note [Track id
-        blocks] in facecast.daemon.track_ids)."""
+        blocks])."""
         log.warning("%s: track ids %d..%d granted to a %s worker, which has no use for them",
                     self.name, block.start, block.end - 1, self.role)
 
@@ -333,8 +333,8 @@ def _die_with_parent() -> None:
 
 
 def connection_identity(name: str, secret: str) -> bytes:
-    """A worker's routing identity on the control socket (Note [Worker connections] in
-    facecast.daemon.supervisor): `name#secret`, or the bare name without a secret."""
+    """A worker's routing identity on the control socket (Note [Worker connections]):
+    `name#secret`, or the bare name without a secret."""
     return f"{name}#{secret}".encode() if secret else name.encode()
 
 
@@ -344,7 +344,7 @@ _connection_secret = ""  # this process's, from its spawn (one per process: a pr
 def run(worker_class: type[Worker], name: str, control_endpoint: str, secret: str = "") -> int:
     """The whole life of a worker process after its entry point (facecast.workers.__main__)
     set its title and stack dumps up; returns its exit code. `secret`: the one the supervisor
-    gave this process (Note [Worker connections] in facecast.daemon.supervisor)."""
+    gave this process (Note [Worker connections])."""
     global _connection_secret
     _connection_secret = secret
     parent_pid = os.getppid()

@@ -1,6 +1,6 @@
 """Faces drawn into a frame: a box, the track id and the participant's name, where a FaceResults
-says they are. One drawing for the web console's previews (facecast.workers.console_preview) and
-the recorder's burned-in overlays (facecast.workers.recorder, `record.overlays`), so that a
+says they are. One drawing for the web console's previews (facecast.workers.console.preview) and
+the recorder's burned-in overlays (facecast.workers.recorder.worker, `record.overlays`), so that a
 video and a preview of the same frame show the same thing.
 
 Runs in the console worker and in the recorder worker's encoder threads (OpenCV's drawing
@@ -14,7 +14,7 @@ import math
 import cv2
 import numpy as np
 
-from facecast.shared.messages import FaceResults
+from facecast.shared.transport.messages import FaceResults
 
 LANDMARK_COUNT = 478
 

@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from facecast.daemon import doctor
+from facecast.daemon.cli import doctor
 from facecast.models import assets
 
 

@@ -1,5 +1,5 @@
 """Issue 24 item 1: the measuring stage's per-face host work, moved onto the device and batched
-(Note [Measuring on the device] in models/face_mesh.py), gives what the per-face code gave.
+(Note [Measuring on the device]), gives what the per-face code gave.
 
 The references are facecast's per-face implementations from before issue 24, kept here (the
 library keeps only the batched ones): MediaPipe's geometry pipeline in numpy (Note [Face geometry

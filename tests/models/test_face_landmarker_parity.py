@@ -85,7 +85,7 @@ def test_blendshape_input_is_mediapipes_subset_in_pixels():
 def test_blendshape_names_are_the_ones_mediapipe_reports():
     import json
 
-    from facecast.workers.lsl_output import BLENDSHAPE_NAMES as CHANNEL_NAMES
+    from facecast.workers.output.outlets import BLENDSHAPE_NAMES as CHANNEL_NAMES
 
     meta = json.loads((FIXTURES / "mediapipe_face_landmarker.json").read_text())
     assert list(blendshapes_mod.BLENDSHAPE_NAMES) == meta["blendshape_names"] == list(CHANNEL_NAMES)

@@ -256,7 +256,7 @@ def test_tracked_boxes_stay_on_the_moving_faces_for_20_seconds(cpu_pipeline):
     """Landmark tracking over 300 frames of the synthetic scene: boxes of tracked faces come from
     the landmarks (Note [Box of a tracked face]) and never drift away from the truth."""
     from facecast.shared.config import CameraConfig
-    from facecast.workers.sources import SyntheticScene
+    from facecast.workers.capture.sources import SyntheticScene
 
     scene = SyntheticScene.for_camera(CameraConfig(id="synth0", source="synthetic", width=640,
                                                    height=360, fps=15))

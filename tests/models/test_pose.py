@@ -349,7 +349,7 @@ def test_matches_litert_reference(cpu_poses, reference, name):
 def test_reference_catches_a_wrong_pipeline(installed_models, frames, reference):
     """The reference comparison has teeth: the same graph with the ROI's rotation sign flipped,
     the ROI scaled 1.5 instead of 1.25, or its crop shifted by the half-pixel convention (Note
-    [ROI crop convention] in roi.py) lands far outside LANDMARK_MAX_FRACTION."""
+    [ROI crop convention]) lands far outside LANDMARK_MAX_FRACTION."""
     landmarker = _litert(installed_models["pose_landmark_full"])
     for name in ("astronaut_rot90", "grace_hopper"):
         right = reference[name]
@@ -364,8 +364,8 @@ def test_reference_catches_a_wrong_pipeline(installed_models, frames, reference)
 
 def test_a_pose_travels_to_the_mocap_stream_intact(cpu_poses):
     """Pose → PoseResult (what roi_landmark sends) → the arrays the output worker publishes."""
-    from facecast.shared import messages
-    from facecast.workers.lsl_output import POSE_LANDMARK_NAMES
+    from facecast.shared.transport import messages
+    from facecast.workers.output.outlets import POSE_LANDMARK_NAMES
 
     assert pose_mod.NUM_LANDMARKS == messages.POSE_LANDMARK_COUNT == len(POSE_LANDMARK_NAMES)
     pose = cpu_poses["grace_hopper"]

@@ -4,7 +4,7 @@ cameras, $FACECAST_SOAK_S seconds of faults, and what a lab user would see in a 
 The daemon (`facecast run`, tests/daemon_harness.py) runs the two synthetic cameras of
 config/default.toml and a third camera whose source is a real RTSP peer on loopback
 (tests/rtsp_peer.py), with every frame checksummed (`checksum_every = 1`) and fault injection
-allowed (Note [Fault injection] in daemon/supervisor.py). Real pylsl inlets record every Face
+allowed (Note [Fault injection]). Real pylsl inlets record every Face
 stream and the Markers stream while the test injects, one at a time:
 
 - sigkill: a random worker of any role, SIGKILLed every 20-40 s (seeded: $FACECAST_SOAK_SEED,
@@ -58,18 +58,18 @@ import zmq
 
 import rtsp_peer
 from daemon_harness import Daemon, Recorder, StreamRecord, shm_entries_of
-from facecast.daemon.control_client import request
+from facecast.daemon.cli.control_client import request
 from facecast.daemon.process import RestartPolicy
 from facecast.shared import config as config_mod
-from facecast.shared import endpoints, messages
-from facecast.shared.messages import (
+from facecast.shared.transport import endpoints, messages
+from facecast.shared.transport.messages import (
     DescribeRing,
     DetectionWanted,
     FaceResults,
     InjectFault,
     StatusRequest,
 )
-from facecast.workers.sources import SyntheticScene
+from facecast.workers.capture.sources import SyntheticScene
 
 SOAK_S = float(os.environ.get("FACECAST_SOAK_S", "120"))
 TRANSPORT = os.environ.get("FACECAST_SOAK_TRANSPORT", "auto")
@@ -758,7 +758,7 @@ def test_sigterm_exits_0_and_leaves_nothing_behind(soak):
     assert len(fds) <= len(soak.fds_before), (
         {fd: _fd_target(fd) for fd in set(fds) - set(soak.fds_before)})
     # This daemon's segments and CUDA IPC files only, whoever else uses /dev/shm (Note [A test's
-    # own shared memory] in daemon_harness.py): its log's every worker start, and status's pids.
+    # own shared memory]): its log's every worker start, and status's pids.
     assert shm_entries_of(soak.daemon.own_pids() | soak.our_pids) == []
 
 

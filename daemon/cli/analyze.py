@@ -1,0 +1,182 @@
+"""`facecast analyze VIDEO... [--out DIR]` (CLI side): recorded video through the live face
+stack, every frame, into a table per video (README "Analysing recorded video").
+
+This module parses the command, builds the analyzer (facecast.daemon.cli.video_analysis, which does
+the work in this same process) and shows progress: tqdm bars per file and overall, nothing with
+`--quiet`, one JSON object per line with `--json`. Runs alone or beside a running daemon (its
+own process and models).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+JSON_PROGRESS_EVERY_S = 1.0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("videos", nargs="+", metavar="VIDEO",
+                        help="video files (MKV, MP4, anything FFmpeg decodes); facecast's own "
+                        "recordings also get each frame's capture time from their sidecar")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="where the tables go (default: next to each video): "
+                        "<name>.faces.csv, <name>.faces.json (the summary) and "
+                        "<name>.faces.progress.json (what a re-run resumes from, or skips)")
+    parser.add_argument("--config", default=None,
+                        help="the daemon's config file, for its models (face_landmarker.task), "
+                        "output.max_faces and daemon.detect_interval_s (default: "
+                        "$FACECAST_CONFIG, else /etc/facecast/facecast.toml if it exists, else "
+                        "the defaults)")
+    parser.add_argument("--landmarks", action="store_true",
+                        help="add the 478 landmarks (1,434 columns, as the Face streams with "
+                        "output.landmarks)")
+    parser.add_argument("--restart", action="store_true",
+                        help="analyse every file from its start, even where an earlier run "
+                        "finished or stopped part-way (default: resume it, or skip a finished one)")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--quiet", action="store_true",
+                       help="no progress and no summary on the terminal (errors still show)")
+    shown.add_argument("--json", action="store_true",
+                       help="progress and summaries as JSON, one object per line, on stdout")
+
+
+def main(args) -> int:
+    from facecast.daemon.cli.run import config_path
+    from facecast.shared import config as config_mod
+    from facecast.daemon.cli import video_analysis
+    from facecast.workers.base import BootError
+
+    path = config_path(args.config)
+    try:
+        loaded = config_mod.load(path) if path is not None else None
+    except config_mod.ConfigError as exc:
+        print(f"facecast: {exc}", file=sys.stderr)
+        return 2
+    # Without a config file, the defaults (a Config needs cameras, which analysis has none of).
+    config = video_analysis.StackConfig.of(loaded)
+    settings = video_analysis.Settings(landmarks=args.landmarks,
+                                       detect_interval_s=config.daemon.detect_interval_s)
+    import torch
+
+    # Note [One thread on the CPU]
+    #     Measured on the 2-core machine while other work kept it busy (load average 7-8),
+    #     640x360, two faces: 16 frames/s (47 ms of CPU a frame) with one torch thread, 1.2
+    #     frames/s (450 ms) with two: the threads wait on each other at every small kernel.
+    #     FFmpeg decodes on its own threads; a second file's process is the better use of
+    #     another core.
+    torch.set_num_threads(1)
+    try:
+        # The CPU stack (this machine's decoder is PyAV's); the GPU device and NVDEC come with
+        # the capture work on NVDEC (issue 23).
+        analyzer = video_analysis.build_analyzer(config, torch.device("cpu"), settings)
+    except BootError as exc:
+        print(f"facecast: cannot load the models: {exc}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out) if args.out else None
+    files = analyzer.open([Path(video) for video in args.videos], out_dir, restart=args.restart)
+    for item in files:
+        if item.problem:
+            print(f"facecast: {item.problem}", file=sys.stderr)
+        elif item.already_complete and not args.quiet and not args.json:
+            print(f"{item.video}: already analysed ({item.table_path}); --restart to do it again")
+        elif item.resumed_from_frame and not args.quiet and not args.json:
+            print(f"{item.video}: resuming at frame {item.resumed_from_frame}")
+    working = any(not item.problem and not item.done for item in files)
+    shown = _JsonProgress(files) if args.json else (
+        None if args.quiet or not working else _Bars(files))
+    try:
+        analyzer.run(files, on_progress=shown)
+    except KeyboardInterrupt:
+        if shown is not None:
+            shown.close()
+        print("facecast: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    if shown is not None:
+        shown.close()
+    bad = 0
+    for item in files:
+        summary = analyzer.summary(item)
+        bad += not summary["ok"]
+        if args.json:
+            print(json.dumps({"type": "summary", **summary}), flush=True)
+        elif not args.quiet and not item.problem:
+            print(_summary_line(summary))
+    return 1 if bad else 0
+
+
+def _summary_line(summary: dict) -> str:
+    rate = summary["frames_per_s"]
+    line = (f"{summary['video']}: {summary['frames']} frames, {summary['frames_measured']} "
+            f"measured, {summary['faces']} faces in {summary['frames_with_faces']} frames; "
+            f"{summary['seconds']:.1f} s" + (f" ({rate:.1f} frames/s)" if rate else "")
+            + f" -> {summary['table']}")
+    if summary["frames_unreadable"]:
+        line += (f"\n  {summary['frames_unreadable']} frame(s) unreadable or missing (rows with "
+                 f"the reason in `problem`), first: {summary['problems'][0]}")
+    if summary["frames_concealed"]:
+        line += (f"\n  {summary['frames_concealed']} frame(s) decoded with errors concealed "
+                 "(measured; `problem` says so)")
+    return line
+
+
+class _Bars:
+    """tqdm bars: the whole job, then one per file (frames/s and time left in each)."""
+
+    def __init__(self, files) -> None:
+        from tqdm import tqdm
+
+        self._done = {id(item): item.next_frame for item in files}
+        working = [item for item in files if not item.problem and not item.done]
+        total = sum(item.total_frames for item in working)
+        self.overall = tqdm(total=total or None, unit="frame", desc="all files", position=0,
+                            initial=sum(item.next_frame for item in working), dynamic_ncols=True)
+        self.bars = {id(item): tqdm(total=item.total_frames or None, unit="frame",
+                                    desc=item.video.name, position=index + 1, leave=True,
+                                    initial=item.next_frame, dynamic_ncols=True)
+                     for index, item in enumerate(working)}
+
+    def __call__(self, item) -> None:
+        step = item.next_frame - self._done[id(item)]
+        self._done[id(item)] = item.next_frame
+        if step:
+            self.bars[id(item)].update(step)
+            self.overall.update(step)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+        self.overall.close()
+
+
+class _JsonProgress:
+    """`{"type": "progress", ...}` per file at most every JSON_PROGRESS_EVERY_S, and when it
+    ends."""
+
+    def __init__(self, files) -> None:
+        self._said_monotonic: dict[int, float] = {}
+        self._first = {id(item): (item.next_frame, time.monotonic()) for item in files}
+
+    def __call__(self, item) -> None:
+        now = time.monotonic()
+        if not item.done and now - self._said_monotonic.get(id(item), 0.0) < JSON_PROGRESS_EVERY_S:
+            return
+        self._said_monotonic[id(item)] = now
+        first_frame, first_monotonic = self._first[id(item)]
+        elapsed = now - first_monotonic
+        rate = (item.next_frame - first_frame) / elapsed if elapsed > 0 else 0.0
+        left = max(0, item.total_frames - item.next_frame) if item.total_frames else None
+        print(json.dumps({
+            "type": "progress", "video": str(item.video), "frame": item.next_frame,
+            "frames_total": item.total_frames or None, "faces": item.counts.faces,
+            "frames_per_s": round(rate, 2),
+            "seconds_left": round(left / rate, 1) if left is not None and rate > 0 else None,
+            "done": item.done}), flush=True)
+
+    def close(self) -> None:
+        pass

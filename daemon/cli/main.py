@@ -1,0 +1,152 @@
+"""The `facecast` command. Runs on the CLI side: it parses, validates and delegates."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _transport_check(args) -> int:
+    from facecast.daemon.cli import transport_check
+
+    return transport_check.main(args.transport)
+
+
+def _doctor(args) -> int:
+    from facecast.daemon.cli import doctor
+
+    return doctor.main(args)
+
+
+def _streams(args) -> int:
+    from facecast.daemon.cli import streams
+
+    return streams.main(args)
+
+
+def _cameras(args) -> int:
+    from facecast.daemon.cli import cameras
+
+    return cameras.main(args)
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show liblsl's, OpenCV's and FFmpeg's own log lines "
+                        "(hidden by default: facecast reports what they are about itself)")
+
+
+def _quiet_third_party_logs(args) -> None:
+    """Before the command touches LSL or OpenCV (`run` does it itself, in its runtime
+    directory, once its config is read)."""
+    if getattr(args, "verbose", None) is None or args.command == "run":
+        return
+    from facecast.daemon import runtime_dir
+    from facecast.shared import third_party_logs
+
+    try:
+        place = runtime_dir.for_daemon("")
+    except runtime_dir.UnsafeRuntimeDir as exc:  # liblsl's configuration copy is not put there
+        print(f"facecast: warning: {exc}; liblsl's INFO lines will show", file=sys.stderr)
+        if not args.verbose:
+            third_party_logs.quiet_opencv()
+        return
+    third_party_logs.quiet(place, verbose=args.verbose)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="facecast", description=__doc__)
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="default: warning; for `run`, the config's daemon.log_level")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from facecast.daemon.cli import check_config, models
+
+    check = commands.add_parser("check-config", help="validate a config file (exit 2 if invalid)")
+    check.add_argument("config")
+    check.set_defaults(handler=check_config.main)
+
+    models.add_arguments(commands.add_parser("models", help="manage the model cache"))
+
+    transport = commands.add_parser(
+        "transport-check", help="prove the frame transport between two fresh processes")
+    transport.add_argument("--transport", nargs="+", default=["auto", "shm"],
+                           choices=["auto", "cuda_ipc", "shm"])
+    transport.set_defaults(handler=_transport_check)
+
+    from facecast.daemon.cli import cameras, doctor, run, status, streams
+
+    doctor_parser = commands.add_parser(
+        "doctor", help="check this machine: GPU, NVML, CUDA IPC, LSL loopback, models")
+    doctor.add_arguments(doctor_parser)
+    _add_verbose(doctor_parser)
+    doctor_parser.set_defaults(handler=_doctor)
+
+    streams_parser = commands.add_parser(
+        "streams", help="list facecast's LSL streams visible here, with measured rates")
+    streams.add_arguments(streams_parser)
+    _add_verbose(streams_parser)
+    streams_parser.set_defaults(handler=_streams)
+
+    cameras_parser = commands.add_parser(
+        "cameras", help="list this machine's video devices and their capture modes, or "
+        "--probe a stream URL or file")
+    cameras.add_arguments(cameras_parser)
+    _add_verbose(cameras_parser)
+    cameras_parser.set_defaults(handler=_cameras)
+
+    run_parser = commands.add_parser("run", help="run the daemon in the foreground")
+    run.add_arguments(run_parser)
+    _add_verbose(run_parser)
+    run_parser.set_defaults(handler=run.main)
+
+    from facecast.daemon.cli import record
+
+    record_parser = commands.add_parser(
+        "record", help="record video of the cameras: `record start [--cameras ...] [--dir ...]`, "
+        "`record stop`")
+    record.add_arguments(record_parser)
+    record_parser.set_defaults(handler=record.main)
+
+    from facecast.daemon.cli import participants
+
+    enroll_parser = commands.add_parser(
+        "enroll", help="enrol a participant from photos or a camera: their face embeddings go "
+        "into the gallery, the pictures are not kept")
+    participants.add_enroll_arguments(enroll_parser)
+    _add_verbose(enroll_parser)
+    enroll_parser.set_defaults(handler=participants.enroll_main)
+    participants_parser = commands.add_parser(
+        "participants", help="list the enrolled participants, or `remove NAME`")
+    participants.add_participants_arguments(participants_parser)
+    participants_parser.set_defaults(handler=participants.participants_main)
+
+    for name, handler, text in (
+        ("status", status.status_main, "ask the running daemon what it is doing"),
+        ("reload", status.reload_main, "make the running daemon re-read its config"),
+        ("stop", status.stop_main, "stop the running daemon in order"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        status.add_arguments(sub)
+        sub.set_defaults(handler=handler)
+
+    from facecast.daemon.cli import analyze
+
+    analyze_parser = commands.add_parser(
+        "analyze", help="measure faces in recorded video files, every frame, with the daemon's "
+        "models: a table per video (CSV), resumable")
+    analyze.add_arguments(analyze_parser)
+    _add_verbose(analyze_parser)
+    analyze_parser.set_defaults(handler=analyze.main)
+
+    args = parser.parse_args(argv)
+    args.log_level_explicit = args.log_level
+    logging.basicConfig(level=(args.log_level or "warning").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_third_party_logs(args)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

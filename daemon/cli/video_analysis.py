@@ -1,0 +1,699 @@
+"""Recorded video through the live face stack (issue 23): every frame of each file decoded in
+order, measured by the roi_landmark worker's FacePipeline with the detection worker's schedule,
+named with the live track ids, and written as a table with the Face streams' channels.
+
+Runs in the `facecast analyze` process (the CLI side: facecast.daemon.cli.analyze parses the command
+and shows progress), never under the supervisor; it builds its models with
+facecast.workers.inference.pipelines.build_pipeline, so the models, the config's face_landmarker.task and
+max_faces are the daemon's. Each file is a "camera" of the pipeline; one frame of every file
+still going is measured per step, in one batch (files batch as the live cameras do).
+
+Note [Analysis as live]
+    Live, the detection worker runs a detection pass on a camera whenever the roi_landmark
+    worker asks for one (no face, a face lost) and every `daemon.detect_interval_s` for
+    newcomers; the roi_landmark worker follows faces by their landmarks
+    (`FacePipeline.track(..., detections=...)`, its own detection interval switched off) and
+    names them with `TrackIds` (hold `TRACK_HOLD_S`). Here the same, on the video's clock
+    (presentation time instead of capture time): a frame is due for a pass when the pipeline
+    wants one for its file or `detect_interval_s` of video time has passed since the last pass.
+    What live has and this does not: the pass lands one frame late live (the request travels
+    while the next frame is measured), and live skips frames when it falls behind; offline, the
+    pass is on the frame that wanted it and no frame is skipped. tests/test_analyze.py checks
+    that a roi_landmark-style loop over the same frames gives the same numbers.
+
+Note [Resume points]
+    An interrupted analysis is resumed from the last resume point, and the result is the
+    table an uninterrupted run writes, byte for byte. Every `resume_every_frames` frames of a
+    file (default RESUME_EVERY_FRAMES) the face tracker of that file is reset, in every run,
+    interrupted or not: the frame at a resume point is measured from a fresh detection pass,
+    as the first frame of a file is, so what follows depends on nothing before it but the
+    track ids. Just before it, the table is flushed and `<name>.faces.progress.json` written
+    (atomically): the frame, the table's length in bytes, the counts so far, and what the file
+    and the settings were. A re-run truncates the table to that length, gives `TrackIds` its
+    state back by replaying the table's boxes and times through a fresh one (geometry only:
+    milliseconds; the boxes are float32 in the table and in the run), decodes and discards the
+    frames before the point and goes on. The cost of a resume point is one detection pass and
+    one frame measured from a detector box instead of the last frame's landmarks, every
+    RESUME_EVERY_FRAMES frames (10 s at 30 fps). Re-running the tracker from the file's start
+    instead would cost the whole file again; keeping the tracker's device tensors in the
+    progress file would tie it to a model version and device. Resume points also cut a file
+    into pieces that do not depend on each other (but for track ids): the GPU session can
+    measure them side by side, as cameras.
+
+Note [Frames that are not in the table]
+    Every frame has a row, at its own index. A frame FFmpeg decoded with errors concealed
+    (flagged corrupt) is measured, and its `problem` says so; a packet the decoder cannot read
+    is a row with the reason. FFmpeg's demuxer skips damaged data silently (seen: 2 KB
+    overwritten in a Matroska file lost the frame after a concealed one, with no error), so
+    frames are placed by their presentation time, not counted: in facecast's recordings every
+    frame's time is known from the sidecar (capture time minus the first frame's, Note
+    [Container timestamps]), and a frame the file lacks is a
+    `missing` row; in other files, a gap in the times right after a damaged frame is taken as
+    the frames skipped (at the stream's nominal rate). Frames a file should have but does not
+    at its end (truncated: fewer than the sidecar lists, or than the container's frame count)
+    are rows, each with the reason; where only the header's duration says so, one row says
+    about how many are missing. (The recorder's files have no B-frames: decode order is
+    presentation order, so an unreadable packet's row is the next frame's.)
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import logging
+import math
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from facecast.models.roi import FrameBatch
+from facecast.shared import config as config_mod
+from facecast.shared import private_files
+from facecast.shared.transport.messages import TRACK_ID_LIMIT
+from facecast.shared.version import __version__
+from facecast.workers.output.outlets import FaceLayout, FaceSample, face_channels
+from facecast.workers.inference.roi_landmark import TRACK_HOLD_S
+from facecast.workers.inference.tracking import TrackIds, TrackIdSource
+
+log = logging.getLogger(__name__)
+
+TABLE_VERSION = 1
+RESUME_EVERY_FRAMES = 300  # Note [Resume points]
+# A decoded frame's time matches a sidecar frame's within this (Matroska's 1 ms tick rounds by
+# up to half of it; the recorder's "pts must increase" bump adds a tick at most at 1000 fps).
+PTS_MATCH_S = 0.0011
+LEADING_COLUMNS = ("frame", "pts_s", "capture_ts_lsl", "problem")
+TABLE_SUFFIX = ".faces.csv"
+SUMMARY_SUFFIX = ".faces.json"
+PROGRESS_SUFFIX = ".faces.progress.json"
+
+
+class VideoError(Exception):
+    """A file that cannot be analysed at all (missing, not a video, unreadable header): the
+    message says which file and why."""
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodedFrame:
+    index: int  # the decoder's count from 0 (Note [Frames that are not in the table])
+    pts: int | None  # presentation timestamp in the stream's time base (None: unknown)
+    pts_s: float | None  # the same in seconds
+    image: np.ndarray | None  # HxWx3 uint8 BGR; None when the frame could not be read
+    problem: str = ""  # why it could not be read, or what was wrong with it ("" when fine)
+
+
+class FrameDecoder(ABC):
+    """A video file's frames in presentation order. `PyAvDecoder` is the CPU implementation;
+    an NVDEC decoder handing frames that are already on the GPU (as uint8 HxWx3 tensors, which
+    FacePipeline takes as they are) is a second implementation of this interface."""
+
+    fps: float  # the stream's nominal rate (0.0 when the file does not say)
+    expected_frames: int  # what the container's header says it holds (0: it does not say)
+    duration_s: float  # the header's duration (0.0: it does not say)
+    time_base: Fraction  # of DecodedFrame.pts
+
+    @abstractmethod
+    def frames(self, decode_from: int = 0) -> Iterator[DecodedFrame]:
+        """Every frame; those the decoder counts before `decode_from` without their pixels
+        (image None): they are decoded (the codec needs them) but not converted."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class PyAvDecoder(FrameDecoder):
+    """FFmpeg's software decoders through PyAV, frame by frame (Note [Frames that are not in
+    the table])."""
+
+    def __init__(self, path: Path) -> None:
+        import av  # FFmpeg's libraries only where files are decoded
+
+        self._av = av
+        self.path = path
+        if not path.exists():
+            raise VideoError(f"{path}: no such file")
+        if not path.is_file():
+            raise VideoError(f"{path}: not a regular file (allowed: a video file)")
+        try:
+            self._container = av.open(str(path), metadata_errors="ignore")
+        except (av.FFmpegError, UnicodeDecodeError) as exc:
+            raise VideoError(
+                f"{path}: not a video FFmpeg can read ({_ffmpeg_reason(exc)})") from None
+        if not self._container.streams.video:
+            self._container.close()
+            raise VideoError(f"{path}: has no video stream")
+        self._stream = self._container.streams.video[0]
+        self.time_base = Fraction(self._stream.time_base or Fraction(1, 1000))
+        rate = self._stream.average_rate or self._stream.guessed_rate
+        self.fps = float(rate) if rate else 0.0
+        self.expected_frames = int(self._stream.frames or 0)
+        if self._stream.duration is not None and self._stream.time_base is not None:
+            self.duration_s = float(self._stream.duration * self._stream.time_base)
+        elif self._container.duration is not None:
+            self.duration_s = self._container.duration / 1e6  # AV_TIME_BASE
+        else:
+            self.duration_s = 0.0
+
+    def frames(self, decode_from: int = 0) -> Iterator[DecodedFrame]:
+        av = self._av
+        index = 0
+        packets = self._container.demux(self._stream)
+        while True:
+            try:
+                packet = next(packets)
+            except StopIteration:
+                break
+            except av.FFmpegError as exc:  # the demuxer gave up: the rest of the file is lost
+                yield DecodedFrame(index, None, None, None, "unreadable: the container breaks "
+                                   f"off here ({_ffmpeg_reason(exc)})")
+                return
+            try:
+                decoded = packet.decode()
+            except av.FFmpegError as exc:
+                yield DecodedFrame(index, packet.pts, self._seconds(packet.pts), None,
+                                   f"unreadable: {_ffmpeg_reason(exc)}")
+                index += 1
+                continue
+            for frame in decoded:
+                # Said of a skipped frame too: the analyzer places frames after damage by it.
+                problem = ("decoded with errors concealed (FFmpeg flagged it corrupt)"
+                           if frame.is_corrupt else "")
+                image = frame.to_ndarray(format="bgr24") if index >= decode_from else None
+                yield DecodedFrame(index, frame.pts, self._seconds(frame.pts), image, problem)
+                index += 1
+
+    def _seconds(self, pts: int | None) -> float | None:
+        return None if pts is None else float(pts * self.time_base)
+
+    def close(self) -> None:
+        self._container.close()
+
+
+def _ffmpeg_reason(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+# -- one file --------------------------------------------------------------------------------
+
+
+def output_paths(video: Path, out_dir: Path | None) -> tuple[Path, Path, Path]:
+    """(table, summary, progress) of a video: `<stem>.faces.csv`, `.faces.json` and
+    `.faces.progress.json`, in `out_dir` or next to the video. (Not `<stem>.csv`: that is the
+    recorder's sidecar.)"""
+    directory = out_dir if out_dir is not None else video.parent
+    return (directory / (video.stem + TABLE_SUFFIX), directory / (video.stem + SUMMARY_SUFFIX),
+            directory / (video.stem + PROGRESS_SUFFIX))
+
+
+def read_sidecar(video: Path) -> tuple[dict[int, str], str]:
+    """The capture time (the sidecar's text: every digit of the double) of each frame of a
+    facecast recording, by its index in the file, and where they came from (or why there are
+    none). The sidecar is `<segment>.csv` next to the video, with the recorder's columns."""
+    sidecar = video.with_suffix(".csv")
+    if not sidecar.is_file():
+        return {}, "none: no recorder sidecar next to the video"
+    try:
+        with open(sidecar, newline="") as handle:
+            rows = csv.reader(handle)
+            header = next(rows, None)
+            # A tolerant reader: the columns it needs, by name, whatever else a later recorder adds.
+            if header is None or not {"frame", "recording_frame", "capture_ts_lsl"} <= set(header):
+                return {}, f"none: {sidecar.name} is not a facecast recorder sidecar"
+            at_frame, at_ts = header.index("frame"), header.index("capture_ts_lsl")
+            stamps = {int(row[at_frame]): row[at_ts] for row in rows
+                      if len(row) > at_ts and row[at_frame] not in ("", "-1") and row[at_ts]}
+    except (OSError, ValueError) as exc:
+        return {}, f"none: {sidecar.name} unreadable ({exc})"
+    return stamps, f"sidecar {sidecar.name}"
+
+
+@dataclass
+class Counts:
+    frames: int = 0  # rows of decoded frames, measured
+    frames_with_faces: int = 0
+    faces: int = 0  # face rows
+    unreadable: int = 0  # rows of frames that could not be read or are missing
+    concealed: int = 0  # frames decoded with errors concealed (measured, flagged)
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+@dataclass
+class FileAnalysis:
+    """One video's analysis: its decoder, its table, its track ids and its counts."""
+
+    video: Path
+    camera_id: str
+    table_path: Path
+    summary_path: Path
+    progress_path: Path
+    decoder: FrameDecoder | None = None
+    problem: str = ""  # why the file cannot be analysed at all
+    capture_ts: dict[int, str] = field(default_factory=dict)
+    capture_ts_source: str = ""
+    counts: Counts = field(default_factory=Counts)
+    track_ids: TrackIds | None = None
+    resumed_from_frame: int = 0
+    already_complete: bool = False
+    problems: list[str] = field(default_factory=list)  # a few reasons, for the summary
+    seconds: float = 0.0  # of work, over every run
+    next_frame: int = 0  # the frame the next row is of
+    total_frames: int = 0  # best guess, for progress (0: unknown)
+    _frames: Iterator[DecodedFrame] | None = None
+    _table = None
+    _writer = None
+    _last_pass_pts_s: float = -math.inf
+    _started_monotonic: float = 0.0
+    # Placing decoded frames (Note [Frames that are not in the table]):
+    _frame_times_s: list[float] = field(default_factory=list)  # the sidecar's, as pts seconds
+    _decoded_next: int = 0  # the index the next decoded frame has if nothing was skipped
+    _last_pts_s: float | None = None
+    _damaged: bool = False  # the last frame was unreadable or concealed
+    _next_resume_point: int = 0
+    _seconds_before: float = 0.0
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    landmarks: bool = False  # the 1,434 landmark columns
+    detect_interval_s: float = 0.5  # the config's daemon.detect_interval_s
+    resume_every_frames: int = RESUME_EVERY_FRAMES
+
+
+Progress = Callable[[FileAnalysis], None]
+
+
+class Analyzer:
+    """Videos through one FacePipeline (Note [Analysis as live], Note [Resume points])."""
+
+    def __init__(self, pipeline, settings: Settings, *, landmarker_problem: str = "") -> None:
+        self.pipeline = pipeline
+        self.settings = settings
+        self.landmarker_problem = landmarker_problem
+        # Switched off as in the roi_landmark worker: passes follow the detection schedule.
+        self.pipeline.detect_interval_frames = 1 << 62
+        with_landmarker = pipeline.landmarker == "face_landmarker"
+        self.channels = face_channels(settings.landmarks, blendshapes=with_landmarker,
+                                      head_translation=with_landmarker)
+        self.layout = FaceLayout(settings.landmarks, with_landmarker, with_landmarker)
+        self.columns = list(LEADING_COLUMNS) + self.layout.labels
+
+    def settings_key(self) -> dict:
+        """What a table depends on besides the video: a resume with other settings starts over."""
+        return {"table_version": TABLE_VERSION, "landmarks": self.settings.landmarks,
+                "detect_interval_s": self.settings.detect_interval_s,
+                "resume_every_frames": self.settings.resume_every_frames,
+                "max_faces": self.pipeline.max_faces, "landmarker": self.pipeline.landmarker,
+                "columns": len(self.columns)}
+
+    # -- opening ---------------------------------------------------------------------------
+
+    def open(self, videos: Sequence[Path], out_dir: Path | None, restart: bool = False
+             ) -> list[FileAnalysis]:
+        files = []
+        seen: dict[Path, Path] = {}
+        for index, video in enumerate(videos):
+            table, summary, progress = output_paths(video, out_dir)
+            item = FileAnalysis(video, f"file{index}", table, summary, progress)
+            files.append(item)
+            if table.resolve() in seen:
+                item.problem = (f"{video}: its table would be {table}, as {seen[table.resolve()]}'s"
+                                " (same name): give them different --out folders")
+                continue
+            seen[table.resolve()] = video
+            try:
+                item.decoder = PyAvDecoder(video)
+            except VideoError as exc:
+                item.problem = str(exc)
+                continue
+            item.capture_ts, item.capture_ts_source = read_sidecar(video)
+            self._start(item, restart)
+        return files
+
+    def _video_identity(self, item: FileAnalysis) -> dict:
+        stat = item.video.stat()
+        return {"video": str(item.video.resolve()), "video_bytes": stat.st_size,
+                "video_mtime_ns": stat.st_mtime_ns}
+
+    def _start(self, item: FileAnalysis, restart: bool) -> None:
+        decoder = item.decoder
+        item.total_frames = decoder.expected_frames or len(item.capture_ts) or (
+            round(decoder.duration_s * decoder.fps) if decoder.fps else 0)
+        self.pipeline.reset(item.camera_id)  # an Analyzer may share its pipeline with another
+        source = TrackIdSource()
+        source.add(1, TRACK_ID_LIMIT - 1)
+        item.track_ids = TrackIds(source, hold_s=TRACK_HOLD_S)
+        item._frame_times_s = recorded_pts_s(item.capture_ts)
+        item._next_resume_point = self.settings.resume_every_frames
+        saved = None if restart else self._saved_progress(item)
+        # Face data of people: 0600 files, a 0700 folder if made here (Note [Private files] in
+        # facecast.shared.private_files), as the recordings they come from.
+        private_files.make_dirs(item.table_path.parent)
+        if saved is not None and saved.get("complete"):
+            item.already_complete = item.done = True
+            item.counts = Counts(**saved["counts"])
+            item.next_frame = item.resumed_from_frame = saved["frame"]
+            item.seconds = saved["seconds"]
+            item.problems = saved.get("problems", [])
+            decoder.close()
+            return
+        if saved is not None:
+            os.truncate(item.table_path, saved["table_bytes"])
+            self._replay_track_ids(item)
+            item.counts = Counts(**saved["counts"])
+            item.problems = saved.get("problems", [])
+            item.next_frame = item.resumed_from_frame = saved["frame"]
+            item._next_resume_point = saved["frame"]  # its reset again, as the first run did
+            item._seconds_before = saved["seconds"]
+            item._table = open(item.table_path, "a", newline="")
+            item._writer = csv.writer(item._table)
+        else:
+            item._table = private_files.open_private(item.table_path, binary=False)
+            item._writer = csv.writer(item._table)
+            item._writer.writerow(self.columns)
+        # The decoder counts no frame the file lacks: its count at the resume point is at least
+        # this (converting a few frames too many costs a millisecond each).
+        item._frames = decoder.frames(decode_from=max(0, item.next_frame - item.counts.unreadable))
+        item._started_monotonic = time.monotonic()
+
+    def _saved_progress(self, item: FileAnalysis) -> dict | None:
+        """The progress file of an earlier run of the same video with the same settings, else
+        None (then the file is analysed from its start)."""
+        try:
+            saved = json.loads(item.progress_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("%s: unreadable (%s): analysing %s from its start", item.progress_path,
+                        exc, item.video)
+            return None
+        if (saved.get("identity") != self._video_identity(item)
+                or saved.get("settings") != self.settings_key()):
+            log.warning("%s: made for another video or other settings: analysing %s from its "
+                        "start", item.progress_path, item.video)
+            return None
+        if not saved.get("complete"):
+            try:
+                if item.table_path.stat().st_size < saved["table_bytes"]:
+                    log.warning("%s is shorter than its progress file says: analysing %s from "
+                                "its start", item.table_path, item.video)
+                    return None
+            except OSError:
+                return None
+        return saved
+
+    def _replay_track_ids(self, item: FileAnalysis) -> None:
+        """TrackIds' state at the resume point, from the table's boxes and times (Note [Resume
+        points])."""
+        at = {name: self.columns.index(name) for name in
+              ("frame", "pts_s", "problem", "track_id", "box_x1", "box_y2")}
+        with open(item.table_path, newline="") as handle:
+            rows = csv.reader(handle)
+            next(rows)
+            frame, pts_s, boxes = None, 0.0, []
+            for row in rows:
+                if row[at["problem"]].startswith(("unreadable", "missing")):
+                    continue  # no picture: the live tracker never saw it either
+                if int(row[at["frame"]]) != frame:
+                    if frame is not None:
+                        item.track_ids.assign(boxes, pts_s)
+                    frame, boxes = int(row[at["frame"]]), []
+                    pts_s = float(row[at["pts_s"]]) if row[at["pts_s"]] else math.nan
+                if row[at["track_id"]]:
+                    # The float32 the run gave TrackIds (the text is its shortest form).
+                    boxes.append(tuple(float(np.float32(v))
+                                       for v in row[at["box_x1"]:at["box_y2"] + 1]))
+            if frame is not None:
+                item.track_ids.assign(boxes, pts_s)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self, files: Sequence[FileAnalysis], on_progress: Progress | None = None) -> None:
+        """Until every file is done (or KeyboardInterrupt: the progress files stay at their
+        last resume point)."""
+        active = [f for f in files if not f.problem and not f.done]
+        try:
+            while active:
+                batch: list[tuple[FileAnalysis, DecodedFrame]] = []
+                for item in active:
+                    frame = self._next_measurable(item)
+                    if frame is not None:
+                        batch.append((item, frame))
+                if batch:
+                    self._measure(batch)
+                for item in active:
+                    item.seconds = item._seconds_before + time.monotonic() - item._started_monotonic
+                    if on_progress is not None:
+                        on_progress(item)
+                active = [f for f in active if not f.done]
+        finally:
+            for item in files:
+                if item._table is not None:
+                    item._table.close()
+                    item._table = None
+                if item.decoder is not None:
+                    item.decoder.close()
+
+    def _next_measurable(self, item: FileAnalysis) -> DecodedFrame | None:
+        """The file's next frame with a picture; rows of frames without one on the way; None
+        when the file ended (then it is finished: missing frames, summary, progress)."""
+        for frame in item._frames:
+            frame.index = self._place(item, frame)
+            if frame.index < item.next_frame:
+                continue  # before the resume point
+            for missing in range(item.next_frame, frame.index):
+                self._before_row(item, missing)
+                self._write_problem_row(item, missing, None, (
+                    f"missing: not in the file (FFmpeg skipped damaged data before frame "
+                    f"{frame.index})"))
+            self._before_row(item, frame.index)
+            item.next_frame = frame.index + 1
+            if frame.image is None:
+                self._write_problem_row(item, frame.index, frame.pts_s, frame.problem)
+                continue
+            return frame
+        self._finish(item)
+        return None
+
+    @staticmethod
+    def _place(item: FileAnalysis, frame: DecodedFrame) -> int:
+        """The frame's index in the file (Note [Frames that are not in the table]): by its
+        presentation time where the sidecar gives every frame's; else counted, with a gap in
+        the times right after damage taken as frames the demuxer skipped."""
+        index = item._decoded_next
+        if item._frame_times_s and frame.pts_s is not None:
+            found = _nearest(item._frame_times_s, frame.pts_s)
+            if found is not None and found >= index:
+                index = found
+        elif (item._damaged and frame.pts_s is not None and item._last_pts_s is not None
+              and item.decoder.fps):
+            index += max(0, round((frame.pts_s - item._last_pts_s) * item.decoder.fps) - 1)
+        item._damaged = bool(frame.problem)
+        if frame.pts_s is not None:
+            item._last_pts_s = frame.pts_s
+        item._decoded_next = index + 1
+        return index
+
+    def _before_row(self, item: FileAnalysis, frame_index: int) -> None:
+        """Note [Resume points]: at each, in every run, the progress is saved and the tracker
+        starts afresh."""
+        if frame_index == 0 or frame_index < item._next_resume_point:
+            return
+        every = self.settings.resume_every_frames
+        item._next_resume_point = (frame_index // every + 1) * every
+        self.pipeline.reset(item.camera_id)
+        item._last_pass_pts_s = -math.inf
+        self._save_progress(item, frame_index, complete=False)
+
+    def _measure(self, batch: list[tuple[FileAnalysis, DecodedFrame]]) -> None:
+        camera_ids = [item.camera_id for item, _ in batch]
+        images = [frame.image for _, frame in batch]
+        due = []  # the detection worker's `_due` on the video's clock (Note [Analysis as live])
+        for index, (item, frame) in enumerate(batch):
+            pts_s = frame.pts_s if frame.pts_s is not None else item._last_pass_pts_s
+            if (self.pipeline.wants_detection(item.camera_id)
+                    or pts_s - item._last_pass_pts_s >= self.settings.detect_interval_s):
+                due.append(index)
+                item._last_pass_pts_s = pts_s
+        detections = {}
+        if due:
+            found = self.pipeline.detect(FrameBatch([images[i] for i in due], self.pipeline.device))
+            detections = dict(zip(due, found))
+        faces_per_frame = self.pipeline.track(images, camera_ids, detections=detections)
+        for (item, frame), faces in zip(batch, faces_per_frame):
+            self._write_faces(item, frame, faces)
+
+    def _write_faces(self, item: FileAnalysis, frame: DecodedFrame, faces) -> None:
+        pts_s = frame.pts_s if frame.pts_s is not None else math.nan
+        # float32, as in the table: a resume replays the table's boxes (Note [Resume points]).
+        boxes = [tuple(float(v) for v in np.asarray(face.box, np.float32)) for face in faces]
+        ids = item.track_ids.assign(boxes, pts_s)
+        lead = [frame.index, _number(pts_s), item.capture_ts.get(frame.index, ""), frame.problem]
+        item.counts.frames += 1
+        item.counts.concealed += bool(frame.problem)
+        if frame.problem:
+            self._note_problem(item, f"frame {frame.index}: {frame.problem}")
+        if not faces:
+            item._writer.writerow(lead + [""] * len(self.layout.labels))
+            return
+        item.counts.frames_with_faces += 1
+        for track_id, face in zip(ids, faces):
+            item.counts.faces += 1
+            sample = self.layout.sample(FaceSample(
+                track_id=track_id, presence=face.presence, box_px=face.box,
+                head_pose_deg=face.head_pose, head_translation_cm=face.head_translation_cm,
+                blendshapes=face.blendshapes,
+                landmarks_px=face.landmarks if self.settings.landmarks else None))
+            item._writer.writerow(lead + [str(track_id)] + [_number(v) for v in sample[1:]])
+
+    def _write_problem_row(self, item: FileAnalysis, index: int, pts_s: float | None,
+                           problem: str) -> None:
+        item.counts.unreadable += 1
+        self._note_problem(item, f"frame {index}: {problem}")
+        item._writer.writerow([index, _number(pts_s), item.capture_ts.get(index, ""), problem]
+                              + [""] * len(self.layout.labels))
+
+    @staticmethod
+    def _note_problem(item: FileAnalysis, problem: str) -> None:
+        if len(item.problems) < 20:
+            item.problems.append(problem)
+
+    def _finish(self, item: FileAnalysis) -> None:
+        """The file ended: rows for the frames it should have had, the summary, the progress
+        file marked complete."""
+        decoder = item.decoder
+        expected, said_by = 0, ""
+        if item.capture_ts:
+            expected, said_by = max(item.capture_ts) + 1, "the recorder's sidecar lists"
+        elif decoder.expected_frames:
+            expected, said_by = decoder.expected_frames, "the container's header gives"
+        if expected > item.next_frame:
+            for index in range(item.next_frame, expected):
+                self._write_problem_row(
+                    item, index, None,
+                    f"missing: the file ends after {item.next_frame} frames, {said_by} {expected}"
+                    " (truncated?)")
+            item.next_frame = expected
+        elif not expected and decoder.fps and decoder.duration_s:
+            about = round(decoder.duration_s * decoder.fps) - item.next_frame
+            if about > 1:  # one frame of slack: a duration is rounded to the time base
+                self._write_problem_row(
+                    item, item.next_frame, None,
+                    f"missing: about {about} frames: the file ends after {item.next_frame} "
+                    f"frames, its header's duration of {decoder.duration_s:.3f} s at "
+                    f"{decoder.fps:g} fps gives {item.next_frame + about} (truncated?)")
+        item._table.flush()
+        item.seconds = item._seconds_before + time.monotonic() - item._started_monotonic
+        item.done = True
+        self._save_progress(item, item.next_frame, complete=True)
+        write_private_json(item.summary_path, self.summary(item))
+
+    def _save_progress(self, item: FileAnalysis, frame_index: int, complete: bool) -> None:
+        item._table.flush()
+        os.fsync(item._table.fileno())
+        seconds = item._seconds_before + time.monotonic() - item._started_monotonic
+        write_private_json(item.progress_path, {
+            "version": TABLE_VERSION, "identity": self._video_identity(item),
+            "settings": self.settings_key(), "frame": frame_index,
+            "table_bytes": item._table.tell(), "counts": item.counts.as_dict(),
+            "problems": item.problems, "seconds": seconds, "complete": complete})
+
+    def summary(self, item: FileAnalysis) -> dict:
+        """What `facecast analyze` prints and writes to `<name>.faces.json`."""
+        if item.problem:
+            return {"video": str(item.video), "ok": False, "error": item.problem}
+        counts = item.counts
+        return {
+            "version": TABLE_VERSION, "facecast": __version__, "video": str(item.video),
+            "table": str(item.table_path),
+            "ok": counts.unreadable == 0 and counts.concealed == 0,  # every frame read cleanly
+            "complete": item.done,
+            "frames": item.next_frame, "frames_measured": counts.frames,
+            "frames_with_faces": counts.frames_with_faces, "faces": counts.faces,
+            "frames_unreadable": counts.unreadable, "frames_concealed": counts.concealed,
+            "problems": item.problems,
+            "video_seconds": round(item.decoder.duration_s, 3) if item.decoder else None,
+            "fps_nominal": item.decoder.fps if item.decoder else None,
+            "seconds": round(item.seconds, 3),
+            "frames_per_s": round(counts.frames / item.seconds, 2) if item.seconds > 0 else None,
+            "resumed_from_frame": item.resumed_from_frame,
+            "capture_timestamps": item.capture_ts_source,
+            "device": str(self.pipeline.device), "decoder": "PyAV (CPU)",
+            "landmarker": self.pipeline.landmarker,
+            "landmarker_problem": self.landmarker_problem or None,
+            "columns": ([{"name": name, "unit": unit} for name, unit in
+                         (("frame", "count"), ("pts_s", "seconds"), ("capture_ts_lsl", "seconds"),
+                          ("problem", "text"))]
+                        + [{"name": label, "unit": unit} for label, unit, _ in self.channels]),
+        }
+
+
+def recorded_pts_s(capture_ts: dict[int, str]) -> list[float]:
+    """Each frame's presentation time as the recorder wrote it, in seconds, by frame index:
+    its capture time minus the first frame's (Note [Container timestamps]; the container rounds it
+    to its tick, PTS_MATCH_S allows
+    for that). [] unless the sidecar lists every frame of the file from 0."""
+    if not capture_ts or sorted(capture_ts) != list(range(len(capture_ts))):
+        return []
+    origin_ts = float(capture_ts[0])
+    return [float(capture_ts[index]) - origin_ts for index in range(len(capture_ts))]
+
+
+def _nearest(times_s: list[float], pts_s: float) -> int | None:
+    """The index of the time within PTS_MATCH_S of `pts_s` (the container's rounding: 1 ms in
+    Matroska), else None."""
+    at = bisect.bisect_left(times_s, pts_s)
+    best = min((i for i in (at - 1, at) if 0 <= i < len(times_s)),
+               key=lambda i: abs(times_s[i] - pts_s), default=None)
+    return best if best is not None and abs(times_s[best] - pts_s) <= PTS_MATCH_S else None
+
+
+def _number(value) -> str:
+    """A table cell: empty for None/NaN, else the shortest text that reads back to the same
+    float32 (float64 for times)."""
+    if value is None or value != value:
+        return ""
+    return str(value) if isinstance(value, np.floating) else repr(float(value))
+
+
+def write_private_json(path: Path, data: dict) -> None:
+    """Atomically, 0600 (a reader, or a resume after a kill, sees the old file or the new one)."""
+    private_files.write_atomically(path, (json.dumps(data, indent=1) + "\n").encode())
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """The parts of a daemon's config that analysis uses: the models and output tables, which
+    build_pipeline reads, and the daemon table's detection interval. (A whole Config also needs
+    cameras, which analysis has none of.)"""
+
+    models: config_mod.ModelsConfig = field(default_factory=config_mod.ModelsConfig)
+    output: config_mod.OutputConfig = field(default_factory=config_mod.OutputConfig)
+    daemon: config_mod.DaemonConfig = field(default_factory=config_mod.DaemonConfig)
+
+    @classmethod
+    def of(cls, config: config_mod.Config | None) -> StackConfig:
+        return cls() if config is None else cls(config.models, config.output, config.daemon)
+
+
+def build_analyzer(config: StackConfig | config_mod.Config, device: torch.device, settings: Settings
+                   ) -> Analyzer:
+    """The daemon's face pipeline for this device (facecast.workers.inference.pipelines.build_pipeline:
+    the same models, face_landmarker.task and max_faces); BootError when a model cannot load."""
+    from facecast.workers.inference.pipelines import build_pipeline
+
+    pipeline, problem = build_pipeline(config, device, blendshapes=True)
+    return Analyzer(pipeline, settings, landmarker_problem=problem)

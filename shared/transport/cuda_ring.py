@@ -1,0 +1,332 @@
+"""A camera's frame ring in GPU memory, shared with consumer processes over CUDA IPC.
+
+Note [CUDA IPC rules]
+    DESIGN.md §2 lists seven ways CUDA IPC silently delivers stale, shifted or empty frames. This
+    module obeys them as follows; each is guarded by a test in tests/test_cuda_rules.py that
+    runs the broken variant (the `CudaFaults` knobs below) and shows it is caught.
+
+    1. Handles name whole allocations. The ring is its own cuMemAlloc allocation, rounded up to
+       2 MiB; the description still carries `offset_bytes` from cuMemGetAddressRange, so a ring
+       that starts inside an allocation (a PyTorch caching-allocator tensor) maps correctly.
+    2. Export once, open once, cache. The producer exports the handles when it creates the ring;
+       a consumer opens them once per epoch (`CudaRingReader`) and closes them when the epoch
+       changes. A new epoch is always a new reader: mappings are never reused across producers.
+    3. Memory IPC orders nothing: see Note [Events order slots].
+    4. Slots get overwritten: Note [Slot generations]; a consumer reads its own
+       device copy of the slot, checked (Note [The consumer's own copy]).
+    5. One context: Note [One context].
+    6. No same-process open: a reader in the producer's own process uses the producer's pointer
+       and events directly (`_IN_PROCESS`), since cuIpcOpenMemHandle of one's own handle fails.
+    7. Same device, same driver: the description names the GPU's UUID and the driver version; a
+       reader on another GPU or driver refuses to map.
+
+Note [Events order slots]
+    The producer copies each frame from a pinned staging buffer to its slot with an async copy on
+    its own stream, records the slot's interprocess event (disable-timing) on that stream, and only
+    then publishes the FrameReady. The consumer makes its current stream wait on that event before
+    it copies the slot, so its copy is of the finished upload. PyTorch's own CUDA tensor sharing
+    waits on an event only when a storage is first shared, which is not enough for a ring that is
+    re-read every frame. The frame gets into the staging buffer by a copy, or is made there
+    (Note [Staged writes]); either way a slot's staging buffer is handed out again only
+    once that slot's event has completed.
+
+Note [Producer checksum]
+    The producer computes a frame's checksum (Note [Frame checksum]) on the host,
+    from the pinned staging bytes, after the upload to the slot was issued, so that the host
+    work overlaps the DMA. It could instead compute it on the GPU from the slot once the upload
+    is done. The host is chosen for what the value means: it must say what the camera handed
+    over. A value computed from the slot certifies whatever the slot holds, a bad upload or a
+    third process's write that landed first included, and consumers would then accept exactly
+    the frames this check exists to refuse; a value from the staged bytes is independent of
+    everything on the GPU path, which is what the consumers check. The slot form would also
+    put a host sync per frame into the capture thread (the value must be in the FrameReady
+    before it is sent): the whole upload's latency, 184 us at 1080p and 522 us at 4K on the H200
+    host (upload + sync, bench/checksum.py). Its price is CPU: on the H200 host 399 us per 1080p
+    frame for bytes the source has just written, 781 us when the frames cycle through memory
+    while the DMA reads them (the bench's worst case), i.e. 1.2-2.3% of a core per 1080p30
+    camera. The slot form's own GPU cost was not measured validly in that run (the bench fetched
+    its value on another stream; fixed since, not re-run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from facecast.shared.transport import cuda_driver, frames
+from facecast.shared.transport.messages import CudaRingHandles, FrameReady, RingDescription
+from facecast.shared.transport.ring_errors import TransportUnavailable
+from facecast.shared.transport.rings import RingProducer, RingReader, aligned
+
+log = logging.getLogger(__name__)
+
+ALLOCATION_ALIGN_BYTES = 2 * 1024 * 1024
+
+# Rings produced in this process, by epoch, for readers in the same process (rule 6).
+_IN_PROCESS: weakref.WeakValueDictionary[int, CudaRingProducer] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class CudaFaults:
+    """Deliberately broken behaviour, for the tests that prove each rule's guard works.
+
+    Never set in production; every field defaults to correct behaviour.
+    """
+
+    ring_inside_torch_tensor: bool = False  # rule 1: ring is a view 2 MiB into a torch tensor
+    omit_offset: bool = False  # rule 1: ... and the description says offset 0
+    delay_copy_cycles: int = 0  # rule 3: GPU sleep before each copy, so publish races the copy
+    corrupt_after_publish: bool = False  # overwrite the next published slot after publishing
+
+
+# ================================================================================================
+# Producer side (runs in the capture worker)
+# ================================================================================================
+
+
+class CudaRingProducer(RingProducer):
+    transport = "cuda_ipc"
+
+    def __init__(
+        self,
+        camera_id: str,
+        frame_shape: tuple[int, ...],
+        slot_count: int,
+        device_index: int = 0,
+        faults: CudaFaults = CudaFaults(),
+        checksum_kind: frames.ChecksumKind = "full",
+    ) -> None:
+        cuda = cuda_driver.driver(device_index)  # raises TransportUnavailable with the reason
+        self.device_index = device_index
+        self.faults = faults
+        self.device_uuid, self.driver_version = cuda_driver.device_identity(device_index)
+        super().__init__(camera_id, frame_shape, slot_count, checksum_kind=checksum_kind)
+        ring_bytes = self.slot_bytes * (slot_count + 1)  # + the probe slot
+        try:
+            self._allocate(cuda, ring_bytes)
+            self.stream = torch.cuda.Stream(device=device_index)
+            self.events = [torch.cuda.Event(interprocess=True) for _ in range(slot_count)]
+            with torch.cuda.device(device_index):
+                event_handles = [event.ipc_handle() for event in self.events]
+            self._staging = [
+                torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=True)
+                for _ in range(slot_count)
+            ]
+            # Per slot, made once: what _claim hands out and where _upload copies to.
+            self._staging_views = [
+                buffer.numpy().reshape(self.frame_shape) for buffer in self._staging
+            ]
+            self._slot_targets = [self.slots[slot, : self.frame_bytes] for slot in range(slot_count)]
+            pattern = torch.from_numpy(frames.test_pattern(self.slot_bytes, self.ring_epoch))
+            self.slots[slot_count].copy_(pattern)
+            torch.cuda.synchronize(device_index)
+        except TransportUnavailable:
+            self.header.close()
+            raise
+        except Exception as exc:  # any CUDA API error here means: no CUDA ring for this camera
+            self.header.close()
+            raise TransportUnavailable(f"cannot create a CUDA ring: {exc}") from exc
+        self._handles = CudaRingHandles(
+            mem_handle=bytes(self._mem_handle),
+            offset_bytes=0 if faults.omit_offset else self.offset_bytes,
+            allocation_bytes=self.allocation_bytes,
+            event_handles=[bytes(h) for h in event_handles],
+            device_uuid=self.device_uuid,
+            device_index=device_index,
+            driver_version=self.driver_version,
+        )
+        self._corrupt_next = faults.corrupt_after_publish  # after RingProducer.__init__
+        _IN_PROCESS[self.ring_epoch] = self
+
+    def _allocate(self, cuda, ring_bytes: int) -> None:
+        if self.faults.ring_inside_torch_tensor:
+            # Broken on purpose (rule 1): the ring starts 2 MiB into a caching-allocator tensor.
+            self._torch_backing = torch.empty(
+                ring_bytes + ALLOCATION_ALIGN_BYTES, dtype=torch.uint8, device=self.device_index
+            )
+            self.ring_pointer = self._torch_backing.data_ptr() + ALLOCATION_ALIGN_BYTES
+            self.allocation = None
+        else:
+            self._torch_backing = None
+            self.allocation = cuda.mem_alloc(aligned(ring_bytes, ALLOCATION_ALIGN_BYTES))
+            self.ring_pointer = int(self.allocation)
+        base_pointer, self.allocation_bytes = cuda.mem_get_address_range(self.ring_pointer)
+        self.offset_bytes = self.ring_pointer - int(base_pointer)
+        self._mem_handle = cuda.mem_get_ipc_handle(self.ring_pointer)
+        self.slots = cuda_driver.tensor_at(self.ring_pointer, ring_bytes, self.device_index).view(
+            self.slot_count + 1, self.slot_bytes
+        )
+
+    def _claim(self, slot: int) -> np.ndarray:
+        # The staging buffer of this slot is free once its previous upload finished; that upload
+        # was issued slot_count frames ago, so this practically never waits.
+        self.events[slot].synchronize()
+        return self._staging_views[slot]
+
+    def _commit(self, slot: int, pixels: np.ndarray) -> int:
+        self.header.begin_write(slot)
+        self._upload(slot)
+        # Host work from here on overlaps the DMA: the consumer waits for the copy anyway
+        # (Note [Producer checksum]).
+        return self._checksum(pixels)
+
+    def _upload(self, slot: int) -> None:
+        """Stage "upload": the async copy to the slot and its event (Note [Events order slots])."""
+        with torch.cuda.stream(self.stream):
+            if self.faults.delay_copy_cycles:
+                torch.cuda._sleep(self.faults.delay_copy_cycles)
+            self._slot_targets[slot].copy_(self._staging[slot], non_blocking=True)
+            self.events[slot].record(self.stream)
+
+    def _corrupt_slot(self, slot: int) -> None:
+        # The published slot changes under the consumer, generation intact.
+        with torch.cuda.stream(self.stream):
+            self._slot_targets[slot].bitwise_not_()
+            self.events[slot].record(self.stream)
+
+    def _description_fields(self) -> dict:
+        return {"cuda": self._handles}
+
+    def close(self) -> None:
+        _IN_PROCESS.pop(self.ring_epoch, None)
+        try:
+            self.stream.synchronize()
+        except Exception:
+            pass
+        self.slots = self._slot_targets = None
+        self._staging = self._staging_views = self._staged_view = None
+        self.events = None
+        if self.allocation is not None:
+            self.allocation.free()
+            self.allocation = None
+        self._torch_backing = None
+        super().close()
+
+
+# ================================================================================================
+# Consumer side (runs in detection / roi_landmark workers, tests, benchmarks)
+# ================================================================================================
+
+
+class CudaRingReader(RingReader):
+    """Maps a CUDA ring once per epoch; each frame read is a device-to-device copy of its slot,
+    checked on the copy (Note [The consumer's own copy])."""
+
+    opens_total = 0  # cuIpcOpenMemHandle calls in this process (rule 2's test counts them)
+
+    def __init__(
+        self,
+        description: RingDescription,
+        checksum_every: int = 30,
+        *,
+        unsafe_skip_event_wait: bool = False,
+        force_ipc_open: bool = False,
+    ) -> None:
+        super().__init__(description, checksum_every)
+        self._ipc_memory = None
+        self._unsafe_skip_event_wait = unsafe_skip_event_wait
+        self.open_ms = 0.0
+        try:
+            self._map(description, force_ipc_open)
+        except TransportUnavailable:
+            self.close()
+            raise
+        except Exception as exc:  # a CUDA API error while mapping: the path is not proven
+            self.close()
+            raise TransportUnavailable(f"cannot map CUDA ring of {description.camera_id}: {exc}")
+
+    def _map(self, description: RingDescription, force_ipc_open: bool) -> None:
+        handles = description.cuda
+        if handles is None:
+            raise TransportUnavailable("ring description carries no CUDA handles")
+        device_index = cuda_driver.local_device_index(handles.device_uuid)
+        if device_index is None:
+            raise TransportUnavailable(
+                f"the ring lives on GPU {handles.device_uuid}, which this process cannot see"
+            )
+        cuda = cuda_driver.driver(device_index)
+        cuda_driver.require_primary_context(device_index)
+        local_driver = int(cuda.get_driver_version())
+        if local_driver != handles.driver_version:
+            raise TransportUnavailable(
+                f"driver version differs: producer {handles.driver_version}, here {local_driver}"
+            )
+        self.device_index = device_index
+        ring_bytes = description.slot_bytes * (description.slot_count + 1)
+        producer = _IN_PROCESS.get(description.ring_epoch)
+        if producer is not None and description.producer_pid == os.getpid() and not force_ipc_open:
+            ring_pointer, self.events = producer.ring_pointer, producer.events  # rule 6
+        else:
+            started = time.perf_counter()
+            # PyCUDA insists on a bytearray (msgspec decodes bytes).
+            self._ipc_memory = cuda.IPCMemoryHandle(bytearray(handles.mem_handle))
+            CudaRingReader.opens_total += 1
+            ring_pointer = int(self._ipc_memory) + handles.offset_bytes
+            self.events = [
+                torch.cuda.Event.from_ipc_handle(device_index, handle)
+                for handle in handles.event_handles
+            ]
+            self.open_ms = (time.perf_counter() - started) * 1000
+        if handles.offset_bytes + ring_bytes > handles.allocation_bytes:
+            raise TransportUnavailable(
+                f"ring of {ring_bytes} bytes at offset {handles.offset_bytes} does not fit its "
+                f"allocation of {handles.allocation_bytes} bytes"
+            )
+        self.slots = cuda_driver.tensor_at(ring_pointer, ring_bytes, device_index).view(
+            description.slot_count + 1, description.slot_bytes
+        )
+        self._prove_mapping(description)
+        # One view per slot for the whole epoch, the source of each frame's copy.
+        self._views = [
+            self.slots[slot, : self.frame_bytes].view(self.frame_shape)
+            for slot in range(description.slot_count)
+        ]
+
+    def _prove_mapping(self, description: RingDescription) -> None:
+        """The handshake: the probe slot must hold this epoch's pattern (Note [Probe slot])."""
+        expected = frames.test_pattern_tensor(
+            description.slot_bytes, description.ring_epoch, self.slots.device
+        )
+        probe = self.slots[description.slot_count]
+        if not torch.equal(probe, expected):
+            mismatched = int((probe != expected).sum().item())
+            raise TransportUnavailable(
+                f"CUDA IPC handshake failed for {description.camera_id}: {mismatched} of "
+                f"{description.slot_bytes} probe bytes differ from the test pattern (wrong "
+                "address, allocation or epoch)"
+            )
+
+    def _wait_for_slot(self, slot: int) -> None:
+        if not self._unsafe_skip_event_wait:
+            # Note [Events order slots]
+            self.events[slot].wait(torch.cuda.current_stream(self.device_index))
+
+    def _slot_tensor(self, message: FrameReady, read) -> torch.Tensor:
+        # Our own copy, queued on the current stream after the event wait (Note [The consumer's
+        # own copy]); complete at the batch's sync, before the generation check.
+        source = self._views[message.slot]
+        tensor = torch.empty_like(source)
+        tensor.copy_(source, non_blocking=True)
+        read._needs_sync = True
+        return tensor
+
+    def _checksum_start(self, message: FrameReady, read) -> frames.PendingChecksum:
+        # On the copy, after it on the same stream; settled with the batch.
+        return frames.checksum_start(read.tensor, self.checksum_kind)
+
+    def close(self) -> None:
+        self.slots = self._views = None
+        self.events = None
+        if self._ipc_memory is not None:
+            try:
+                self._ipc_memory.close()
+            except Exception as exc:
+                log.debug("closing IPC mapping: %s", exc)
+            self._ipc_memory = None
+        super().close()

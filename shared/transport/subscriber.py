@@ -1,0 +1,279 @@
+"""The consumer side of a camera's frames: the newest (or every) frame, attached to its current
+ring, verified. Runs in every consumer: the detection and roi_landmark workers, the console,
+tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
+import zmq
+
+from facecast.shared.transport import endpoints, messages, rings
+from facecast.shared.transport.frames import warm_up_checksums
+from facecast.shared.transport.messages import (
+    DescribeRing,
+    FrameReady,
+    MessageGate,
+    RingDescription,
+    TransportFault,
+)
+from facecast.shared.transport.publisher import TransportStatus
+from facecast.shared.transport.ring_errors import TransportUnavailable
+from facecast.shared.transport.rings import RingReader, Verdict
+
+log = logging.getLogger(__name__)
+
+DESCRIBE_RETRY_S = 0.5
+# A camera's checksum mismatches reach the Markers stream at most this often (the first at
+# once, then one with the count since): a flood of bad frames must not flood the stream.
+MISMATCH_EVENT_INTERVAL_S = 10.0
+
+
+def open_reader(
+    description: RingDescription, device: str | torch.device = "cpu", checksum_every: int = 30,
+    **options,
+) -> RingReader:
+    """Attach the ring a description names; raises TransportUnavailable with the reason. The
+    consumer's counterpart of `make_producer`, here above both ring modules so that rings.py
+    need not import cuda_ring.py (facecast.shared.transport.ring_errors says why)."""
+    if description.transport == "shm":
+        return rings.ShmRingReader(description, device=device, checksum_every=checksum_every)
+    from facecast.shared.transport.cuda_ring import CudaRingReader  # only where CUDA is used
+
+    return CudaRingReader(description, checksum_every=checksum_every, **options)
+
+
+class MismatchEvents:
+    """Note [Mismatches are events]: every checksum mismatch, on either transport, becomes a
+    `frame_mismatch` event (to the Markers stream through the worker's `event`), at most one per
+    camera per MISMATCH_EVENT_INTERVAL_S, each with the count since the last."""
+
+    def __init__(self, send: Callable[..., None] | None) -> None:
+        self._send = send
+        self._last_monotonic: dict[str, float] = {}
+        self._unsent: Counter = Counter()
+
+    def add(self, message: FrameReady, reason: str) -> None:
+        if self._send is None:
+            return
+        camera_id = message.camera_id
+        self._unsent[camera_id] += 1
+        now = time.monotonic()
+        if now - self._last_monotonic.get(camera_id, -math.inf) < MISMATCH_EVENT_INTERVAL_S:
+            return
+        self._last_monotonic[camera_id] = now
+        self._send("frame_mismatch", camera=camera_id, transport=message.transport,
+                   frame_seq=message.frame_seq, frames=self._unsent.pop(camera_id),
+                   reason=reason)
+
+
+
+
+@dataclass
+class ReceivedFrame:
+    message: FrameReady
+    read: rings.SlotRead
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.read.tensor
+
+
+class FrameSubscriber:
+    """Receives the newest frame of each camera, attached to its current ring, verified.
+
+    Note [Mismatches are events]
+        A frame whose bytes are not the ones the camera published is never handed on, and it is
+        never only a counter: on a CUDA ring the camera falls back to shm (Note [Transport
+        fallback]), on shm the frame is dropped; on both, `on_event` (a worker's `event`) gets a
+        `frame_mismatch` event with the camera, transport, frame and reason, so that it reaches
+        the Markers stream and a lab's recording says which data to distrust
+        (`MismatchEvents`). The recorder, which reads every frame, reports its own the same way.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        runtime_dir: str | Path,
+        camera_ids: list[str],
+        device: str | torch.device = "cpu",
+        checksum_every: int = 30,
+        on_event: Callable[..., None] | None = None,
+        **reader_options,
+    ) -> None:
+        import torch
+
+        self.mismatches = MismatchEvents(on_event)
+        self.device = torch.device(device)
+        warm_up_checksums(self.device)
+        self.checksum_every = checksum_every
+        self._reader_options = reader_options
+        self.readers: dict[str, rings.RingReader] = {}
+        self.status = {camera_id: TransportStatus(camera_id) for camera_id in camera_ids}
+        self._last_seq: dict[str, int] = {}
+        self._describe_sent: dict[str, float] = {}
+        self._faulted_epochs: set[int] = set()
+        self._gate = MessageGate("frame bus")
+        self.frames = context.socket(zmq.SUB)
+        self.frames.setsockopt(zmq.LINGER, 0)
+        self.frames.setsockopt(zmq.RCVHWM, 256)
+        self.control: dict[str, zmq.Socket] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self.frames, zmq.POLLIN)
+        for camera_id in camera_ids:
+            self.frames.connect(endpoints.frames(runtime_dir, camera_id))
+            self.frames.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoints.ring_control(runtime_dir, camera_id))
+            self.control[camera_id] = dealer
+            self._poller.register(dealer, zmq.POLLIN)
+
+    def receive(
+        self, timeout_ms: int = 100, wanted: Callable[[str], bool] | None = None
+    ) -> list[ReceivedFrame]:
+        """Verified frames, at most one per camera (the newest); [] when nothing came in time.
+
+        Blocks in one poll for at most timeout_ms, then takes whatever has arrived without
+        blocking again, and reads the newest frame of every camera as one batch (Note [One sync
+        per batch]). With `wanted`, only the cameras it accepts are read: the
+        detection worker needs a camera's frame only when a pass is due, and reading the others
+        would cost an event wait, or on shm a whole copy to the device, for nothing. Frames passed
+        over this way are not counted as skipped."""
+        newest: dict[str, FrameReady] = {}
+        events = self._poller.poll(timeout_ms)
+        if events:
+            self._drain(events, newest)
+        return self._read_all(newest, wanted) if newest else []
+
+    def _drain(self, events, newest: dict[str, FrameReady]) -> None:
+        """Stage "receive": everything waiting on the sockets, decoded; only the newest frame of
+        each camera is kept (older ones are counted as skipped in _reader_for)."""
+        for socket, _ in events:
+            if socket is not self.frames:  # a ring-control reply
+                self._handle(self._gate.decode(socket.recv()), newest)
+        for message in self._gate.drain(self.frames):  # bounded: a flood cannot keep us here
+            self._handle(message, newest)
+
+    def _read_all(
+        self, newest: dict[str, FrameReady], wanted: Callable[[str], bool] | None
+    ) -> list[ReceivedFrame]:
+        requests = []
+        for message in newest.values():
+            reader = self._reader_for(message)  # also keeps the ring attached while unwanted
+            if reader is not None and (wanted is None or wanted(message.camera_id)):
+                requests.append((reader, message))
+        frames: list[ReceivedFrame] = []
+        for (reader, message), read in zip(requests, rings.read_batch(requests)):
+            if self._judge(reader, message, read):
+                frames.append(ReceivedFrame(message, read))
+        return frames
+
+    def _handle(self, message, newest: dict[str, FrameReady]) -> None:
+        if isinstance(message, RingDescription):
+            self._attach(message)
+        elif isinstance(message, FrameReady) and message.camera_id in self.status:
+            newest[message.camera_id] = message  # older ones are skipped, counted in _read
+
+    def _attach(self, description: RingDescription) -> None:
+        camera_id = description.camera_id
+        current = self.readers.get(camera_id)
+        if description.ring_epoch in self._faulted_epochs or (
+            current is not None and current.ring_epoch == description.ring_epoch
+        ):
+            return
+        if current is not None:
+            current.close()  # a new epoch always means new handles (rule 2)
+            del self.readers[camera_id]
+        status = self.status[camera_id]
+        try:
+            reader = open_reader(
+                description, device=self.device, checksum_every=self.checksum_every,
+                **(self._reader_options if description.transport == "cuda_ipc" else {}),
+            )
+        except TransportUnavailable as exc:
+            self._report_fault(camera_id, description.ring_epoch, str(exc))
+            return
+        self.readers[camera_id] = reader
+        self._describe_sent.pop(camera_id, None)
+        status.transport, status.ring_epoch = description.transport, description.ring_epoch
+        status.reason = description.fallback_reason or (
+            f"the camera publishes on a {description.transport} ring")
+        if description.fallback_reason:
+            status.fallback_reason = description.fallback_reason
+        log.info("attached %s ring of camera %s (epoch %x)", description.transport, camera_id,
+                 description.ring_epoch)
+
+    def _reader_for(self, message: FrameReady) -> rings.RingReader | None:
+        camera_id = message.camera_id
+        status = self.status[camera_id]
+        last_seq = self._last_seq.get(camera_id)
+        if last_seq is not None and message.frame_seq > last_seq + 1:
+            # Frames this consumer never read: drained as older than the newest, or dropped by
+            # ZeroMQ's high-water mark while we were busy. Capture did not wait for us.
+            status.counts["skipped"] += message.frame_seq - last_seq - 1
+        self._last_seq[camera_id] = message.frame_seq
+        reader = self.readers.get(camera_id)
+        if reader is None or reader.ring_epoch != message.ring_epoch:
+            status.counts["awaiting_ring"] += 1
+            self._request_description(camera_id)
+            return None
+        return reader
+
+    def _judge(self, reader: rings.RingReader, message: FrameReady, read: rings.SlotRead) -> bool:
+        """Count the verdict, act on a mismatch; True when the frame may be handed on."""
+        camera_id = message.camera_id
+        status = self.status[camera_id]
+        status.counts[read.verdict.value] += 1
+        if read.verdict is Verdict.CHECKSUM_MISMATCH and message.transport == "cuda_ipc":
+            reason = (f"checksum mismatch on frame {message.frame_seq} (slot {message.slot}): the "
+                      "mapped GPU memory is not the frame the camera published")
+            self._report_fault(camera_id, message.ring_epoch, reason)
+            self.mismatches.add(message, reason)
+        elif read.verdict is Verdict.CHECKSUM_MISMATCH:
+            # shm is already the fallback: drop the frame, counted, and say so (never silently).
+            reason = (f"checksum mismatch on frame {message.frame_seq} (slot {message.slot}): its "
+                      "shared-memory slot does not hold the bytes the camera published")
+            log.warning("camera %s: frame %d dropped: %s (%d so far)", camera_id,
+                        message.frame_seq, reason, status.counts["checksum_mismatch"])
+            self.mismatches.add(message, reason)
+        return read.ok
+
+    def _request_description(self, camera_id: str) -> None:
+        now = time.monotonic()
+        if now - self._describe_sent.get(camera_id, -1e9) >= DESCRIBE_RETRY_S:
+            self._describe_sent[camera_id] = now
+            self.control[camera_id].send(messages.encode(DescribeRing(camera_id=camera_id)))
+
+    def _report_fault(self, camera_id: str, ring_epoch: int, reason: str) -> None:
+        status = self.status[camera_id]
+        status.fallback_reason = reason
+        if ring_epoch in self._faulted_epochs:
+            return
+        self._faulted_epochs.add(ring_epoch)
+        status.fallbacks += 1
+        log.warning("camera %s: CUDA ring not trusted, asking for shared memory: %s", camera_id,
+                    reason)
+        reader = self.readers.pop(camera_id, None)
+        if reader is not None:
+            reader.close()
+        fault = TransportFault(camera_id=camera_id, ring_epoch=ring_epoch, reason=reason)
+        self.control[camera_id].send(messages.encode(fault))
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+        self.frames.close()
+        for dealer in self.control.values():
+            dealer.close()

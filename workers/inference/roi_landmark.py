@@ -1,0 +1,365 @@
+"""The roi_landmark worker (DESIGN §1, §3): for the newest frame of each of its cameras, it crops
+every face's rotated ROI out of the ring slot, runs the landmark model (478 landmarks with
+irises), head pose, and with face_landmarker.task the blendshapes and head translation, in one
+batch across cameras and faces, names each face with a track id, and publishes the results for
+the output worker.
+
+Faces are followed from frame to frame by their own landmarks (FacePipeline.track); detections
+from the detection worker add faces (a newcomer, a face found again). When a camera has no face
+or lost one, this worker asks the detection worker for a pass on that camera's next frame.
+
+Every frame it measures is the frame subscriber's own checked copy: one overwritten while it was
+copied never reaches the models (Note [The consumer's own copy]).
+
+With `participants.enabled`, every published face also names its participant
+(facecast.workers.inference.identity: face embeddings on a schedule per track, batched over the step's
+frames, or the seat map).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from facecast.shared.transport import endpoints, messages
+from facecast.shared.transport.messages import (
+    CameraReport,
+    DetectionWanted,
+    Detections,
+    FaceResult,
+    FaceResults,
+    MessageGate,
+    PoseResult,
+    TrackIdBlock,
+    TrackIdGrant,
+    TrackIdsWanted,
+)
+from facecast.shared.stats import RateMeter, StageTimer
+from facecast.shared.transport.subscriber import FrameSubscriber
+from facecast.workers.base import Worker
+from facecast.workers.inference.identity import FrameFaces, Identities, identities_for
+from facecast.workers.inference.pipelines import (
+    consumer_reports,
+    open_frames,
+    pipelines_for,
+    prepare_pipelines,
+    torch_device,
+)
+from facecast.workers.inference.tracking import TrackIds, TrackIdSource
+
+log = logging.getLogger(__name__)
+
+# A detection is used on a later frame of its camera (the detector runs beside us, not before
+# us); after this much capture time the face may have moved out of the ROI it would give.
+MAX_DETECTION_AGE_S = 0.3
+# Faces are held in their track id (and their LSL slot) this long while unseen.
+TRACK_HOLD_S = 1.0
+# A request for track ids with no answer after this long was lost (a full control socket drops
+# it, STYLE §11): ask again. A refusal (the daemon's ids are used up) is asked again far later.
+TRACK_IDS_ASK_AGAIN_S = 2.0
+TRACK_IDS_ASK_AGAIN_AFTER_REFUSAL_S = 60.0
+
+
+class RoiLandmarkWorker(Worker):
+    """Track ids: Note [Track id blocks]. The blocks the supervisor
+    grants (the Assignment's first, then one per TrackIdsWanted) feed one TrackIdSource for all
+    this worker's cameras; a face that needs a new id while it is dry is not published."""
+
+    role = "roi_landmark"
+
+    def __init__(self, name: str, control_endpoint: str, context: zmq.Context) -> None:
+        # Before the Assignment, which brings the first block; kept across a promotion.
+        self.track_id_source = TrackIdSource()
+        self._track_ids_asked_monotonic: float | None = None  # a request not answered yet
+        self._track_ids_unanswered_warned = False
+        self._track_ids_refused = ""  # the supervisor's reason when it had no block for us
+        self._track_ids_dry = False  # a new face found no id since the last grant
+        self.faces_without_track_id = 0  # measured but not published: no id for them
+        super().__init__(name, control_endpoint, context)
+
+    def prepare(self) -> None:
+        self.torch_device = torch_device(self.device)
+        self.prepared = prepare_pipelines(self.config, self.torch_device, blendshapes=True,
+                                          pose=self.config.output.pose)
+        # A standby loads the embedding network too, so that a promotion does not wait on it.
+        self.prepared_identities = (self._identities_key(), self._new_identities())
+
+    def _identities_key(self) -> tuple:
+        return (self.config.participants, self.config.models.dir, str(self.torch_device))
+
+    def _new_identities(self) -> Identities:
+        identities = identities_for(self.config.participants, self.torch_device,
+                                    self.config.models.dir or None)
+        log.info("%s: %s", self.name, identities.describe())
+        return identities
+
+    def boot(self) -> None:
+        self.torch_device = torch_device(self.device)
+        pipelines = pipelines_for(self.prepared, self.config, self.torch_device,
+                                  blendshapes=True, pose=self.config.output.pose)
+        self.prepared = None
+        pipelines.report(self)  # Note [Model files checked at load]
+        self.model_problem = pipelines.model_problem
+        prepared_identities = getattr(self, "prepared_identities", None)
+        self.prepared_identities = None
+        self.identities = (prepared_identities[1] if prepared_identities is not None
+                           and prepared_identities[0] == self._identities_key()
+                           else self._new_identities())
+        self.identities_config = self.config.participants
+        self._identities_trouble_said = ""
+        self.pipeline = pipelines.face
+        self.pose_pipeline = pipelines.pose
+        # Periodic passes for newcomers are the detection worker's (daemon.detect_interval_s).
+        self.pipeline.detect_interval_frames = 1 << 62
+        self.timer = StageTimer()
+        self.rates: dict[str, RateMeter] = {}
+        self.faces: dict[str, int] = {}
+        self.track_ids: dict[str, TrackIds] = {}
+        self._pending: dict[str, Detections] = {}
+        # Not self._gate: that one is the control socket's (Worker.serve_control).
+        self._detections_gate = MessageGate("detections")
+        self.detections = self.context.socket(zmq.SUB)
+        self.detections.setsockopt(zmq.LINGER, 0)
+        self.detections.connect(endpoints.detections(self.runtime_dir, self.device))
+        self.requests = self.context.socket(zmq.PUSH)
+        self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.setsockopt(zmq.SNDHWM, 16)
+        self.requests.connect(endpoints.detection_requests(self.runtime_dir, self.device))
+        self.results = self.context.socket(zmq.PUB)
+        self.results.setsockopt(zmq.LINGER, 100)
+        self.results.setsockopt(zmq.SNDHWM, 1000)
+        self.results.connect(endpoints.results(self.runtime_dir))
+        self.subscriber: FrameSubscriber | None = None
+        self._subscribe(previous=[])
+
+    def _subscribe(self, previous: list[str]) -> None:
+        for camera_id in previous:
+            self.detections.setsockopt(zmq.UNSUBSCRIBE, camera_id.encode())
+        for camera_id in self.camera_ids:
+            self.detections.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+        self.subscriber = open_frames(self, self.subscriber)
+
+    def reassign(self, previous_camera_ids: list[str]) -> None:
+        for camera_id in set(previous_camera_ids) - set(self.camera_ids):
+            self._reset(camera_id)
+            self.track_ids.pop(camera_id, None)
+        self._subscribe(previous_camera_ids)
+        # A reload's new [participants] table (Note [Gallery reload]).
+        if self.identities_config != self.config.participants:
+            self.identities = self._new_identities()
+            self.identities_config = self.config.participants
+
+    def step(self) -> None:
+        self._ask_for_track_ids_if_low()
+        received = self.subscriber.receive(timeout_ms=50)
+        self._drain_detections()
+        if not received:
+            return
+        camera_ids = [frame.message.camera_id for frame in received]
+        detections = {}
+        for index, frame in enumerate(received):
+            found = self._pending.pop(frame.message.camera_id, None)
+            if found is not None and self._usable(found, frame.message):
+                detections[index] = _as_tensors(found)
+        start = time.monotonic()
+        faces_per_frame = self.pipeline.track(
+            [frame.tensor for frame in received], camera_ids, detections=detections)
+        self.timer.add_ms("landmarks", (time.monotonic() - start) * 1e3)
+        poses_per_frame = [None] * len(received)  # None: body pose is not measured
+        if self.pose_pipeline is not None:
+            start = time.monotonic()
+            poses_per_frame = self.pose_pipeline.track(
+                [frame.tensor for frame in received], camera_ids,
+                timestamps_s=[frame.message.capture_ts_lsl for frame in received])
+            self.timer.add_ms("pose", (time.monotonic() - start) * 1e3)
+        named_frames = [(frame, self._track(frame, faces), poses)
+                        for frame, faces, poses in zip(received, faces_per_frame, poses_per_frame)]
+        start = time.monotonic()
+        identities = self.identities.identify([
+            FrameFaces(camera_id=frame.message.camera_id,
+                       capture_ts_lsl=frame.message.capture_ts_lsl, tensor=frame.tensor,
+                       track_ids=[track_id for track_id, _ in named],
+                       boxes_px=[face.box for _, face in named],
+                       landmarks_px=[face.landmarks for _, face in named])
+            for frame, named, _ in named_frames])
+        if self.identities_config.enabled:  # no "identity" stage in status where none is named
+            self.timer.add_ms("identity", (time.monotonic() - start) * 1e3)
+        self._say_identities_trouble()
+        for (frame, named, poses), who in zip(named_frames, identities):
+            self._publish(frame, named, poses, who)
+        wanted = sorted({c for c in camera_ids if self.pipeline.wants_detection(c)})
+        if wanted:
+            try:
+                self.requests.send(messages.encode(DetectionWanted(camera_ids=wanted)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the detection worker is busy or restarting: we ask again next frame
+
+    def _drain_detections(self) -> None:
+        while self.detections.poll(0):
+            parts = self.detections.recv_multipart()
+            found = self._detections_gate.decode(parts[-1])
+            if not isinstance(found, Detections) or found.camera_id not in self.camera_ids:
+                continue
+            newest = self._pending.get(found.camera_id)
+            if newest is None or found.capture_ts_lsl >= newest.capture_ts_lsl:
+                self._pending[found.camera_id] = found
+
+    @staticmethod
+    def _usable(found: Detections, frame: messages.FrameReady) -> bool:
+        age_s = frame.capture_ts_lsl - found.capture_ts_lsl
+        return found.ring_epoch == frame.ring_epoch and -0.05 <= age_s <= MAX_DETECTION_AGE_S
+
+    def _reset(self, camera_id: str) -> None:
+        """Forget what was tracked on this camera."""
+        self.pipeline.reset(camera_id)
+        if self.pose_pipeline is not None:
+            self.pose_pipeline.reset(camera_id)
+
+    def _track(self, frame, faces):
+        """The frame's faces with their track ids ([(track_id, face)]). (The frame is the
+        subscriber's own checked copy: Note [The consumer's own copy].)"""
+        message = frame.message
+        camera_id = message.camera_id
+        tracker = self.track_ids.get(camera_id)
+        if tracker is None:
+            tracker = self.track_ids[camera_id] = TrackIds(self.track_id_source,
+                                                           hold_s=TRACK_HOLD_S)
+        ids = tracker.assign([face.box for face in faces], message.capture_ts_lsl)
+        named = [(track_id, face) for track_id, face in zip(ids, faces) if track_id is not None]
+        if len(named) < len(faces):
+            self._no_track_id_for(camera_id, len(faces) - len(named))
+        return named
+
+    def _say_identities_trouble(self) -> None:
+        trouble = self.identities.trouble()
+        if trouble and trouble != self._identities_trouble_said:
+            log.error("%s: %s", self.name, trouble)
+            self.event("participants_unavailable", reason=trouble)
+        self._identities_trouble_said = trouble
+
+    def _publish(self, frame, named, poses, identities) -> None:
+        message = frame.message
+        camera_id = message.camera_id
+        with_landmarks = self.config.output.landmarks
+        results = [
+            FaceResult(
+                track_id=track_id, presence=face.presence, score=face.score, box_px=face.box,
+                head_pose_deg=face.head_pose, head_translation_cm=face.head_translation_cm,
+                blendshapes=None if face.blendshapes is None else face.blendshapes.tolist(),
+                landmarks_px=(np.ascontiguousarray(face.landmarks, dtype="<f4").tobytes()
+                              if with_landmarks else None),
+                participant=who.participant, identity_confidence=who.confidence,
+            )
+            for (track_id, face), who in zip(named, identities)
+        ]
+        reason = self.pipeline.blendshapes_unavailable_reason or ""
+        self.results.send(messages.encode(FaceResults(
+            camera_id=camera_id, frame_seq=message.frame_seq,
+            capture_ts_lsl=message.capture_ts_lsl, faces=results,
+            blendshapes_missing_reason=reason,
+            poses=None if poses is None else [
+                PoseResult.from_arrays(presence=p.presence, score=p.score, box_px=p.box,
+                                       landmarks=p.landmarks,
+                                       world_landmarks_m=p.world_landmarks_m)
+                for p in poses],
+        )))
+        self.rates.setdefault(camera_id, RateMeter()).tick()
+        self.faces[camera_id] = len(results)
+
+    # -- track ids (Note [Track id blocks]) ---------------------------------------------------
+
+    def accept_track_ids(self, block: TrackIdBlock) -> None:
+        try:
+            self.track_id_source.add(block.start, block.count)
+        except ValueError as exc:
+            log.error("%s: refused a track id block from the supervisor: %s", self.name, exc)
+            return
+        log.debug("%s: track ids %d..%d", self.name, block.start, block.end - 1)
+        self._track_ids_asked_monotonic = None
+        self._track_ids_unanswered_warned = False
+        self._track_ids_refused = ""
+        if self._track_ids_dry:
+            self._track_ids_dry = False
+            log.warning("%s: track ids again; %d new face(s) went unpublished meanwhile",
+                        self.name, self.faces_without_track_id)
+
+    def on_track_id_grant(self, grant: TrackIdGrant) -> None:
+        if grant.block is None:
+            self._track_ids_refused = grant.error or "the supervisor gave no reason"
+            log.error("%s: the supervisor has no track ids for us: %s", self.name,
+                      self._track_ids_refused)
+            return
+        self.accept_track_ids(grant.block)
+
+    def _ask_for_track_ids_if_low(self) -> None:
+        """Ask for the next block while half of the newest is left (never wait for it)."""
+        if not self.track_id_source.wants_more():
+            return
+        now = time.monotonic()
+        if self._track_ids_asked_monotonic is not None:
+            wait_s = (TRACK_IDS_ASK_AGAIN_AFTER_REFUSAL_S if self._track_ids_refused
+                      else TRACK_IDS_ASK_AGAIN_S)
+            if now - self._track_ids_asked_monotonic < wait_s:
+                return
+            if not self._track_ids_refused and not self._track_ids_unanswered_warned:
+                self._track_ids_unanswered_warned = True
+                log.warning("%s: no answer to a request for track ids within %.0f s; asking "
+                            "again (%d id(s) left)", self.name, wait_s,
+                            self.track_id_source.remaining)
+        self.send(TrackIdsWanted(worker=self.name))
+        self._track_ids_asked_monotonic = now
+
+    def _no_track_id_for(self, camera_id: str, count: int) -> None:
+        """`count` new faces of this frame got no id: they are left out (never a used id)."""
+        self.faces_without_track_id += count
+        if self._track_ids_dry:
+            return
+        self._track_ids_dry = True
+        reason = self._track_ids_reason()
+        log.error("%s: no track id left for a new face on camera %s (%s): new faces are not "
+                  "published until ids come, rather than get an id used before (Note [Track id "
+                  "blocks])", self.name, camera_id, reason)
+        self.event("track_ids_dry", camera=camera_id, reason=reason)
+
+    def _track_ids_reason(self) -> str:
+        if self._track_ids_refused:
+            return self._track_ids_refused
+        if self.track_id_source.blocks_granted == 0:
+            return "the supervisor has granted this worker no track ids yet"
+        return "the next block of track ids has not come from the supervisor yet"
+
+    def trouble(self) -> str:
+        identities = getattr(self, "identities", None)
+        if not self._track_ids_dry:
+            said = identities.trouble() if identities is not None else ""
+        else:
+            said = (f"no track ids ({self._track_ids_reason()}): {self.faces_without_track_id} "
+                    "new face(s) not published")
+        return "; ".join(part for part in (getattr(self, "model_problem", ""), said) if part)
+
+    def camera_reports(self) -> list[CameraReport]:
+        return consumer_reports(self.camera_ids, self.subscriber, self.rates, self.faces)
+
+    def stage_timings(self):
+        return self.timer.timings()
+
+    def close(self) -> None:
+        for name in ("subscriber", "detections", "requests", "results"):
+            thing = getattr(self, name, None)
+            if thing is not None:
+                thing.close()
+
+
+def _as_tensors(found: Detections) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    count = len(found.scores)
+    boxes = torch.tensor(found.boxes_px, dtype=torch.float32).reshape(count, 4)
+    # A pass that found no face gives (0, 0, 2): reshape(0, -1, 2) is ambiguous and raised,
+    # which crash-looped this worker on any camera with nobody in view.
+    keypoints = torch.tensor(found.keypoints_px, dtype=torch.float32).reshape(
+        count, -1 if count else 0, 2)
+    scores = torch.tensor(found.scores, dtype=torch.float32).reshape(count)
+    return boxes, keypoints, scores
