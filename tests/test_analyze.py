@@ -17,10 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
+
+av = pytest.importorskip("av", reason="PyAV (the `av` wheel) decodes and writes the videos")
 
 from daemon_harness import BOX_TOLERANCE, box_close
 from facecast.daemon.cli.analyze import _summary_line as summary_line
