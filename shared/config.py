@@ -89,8 +89,17 @@ class DaemonConfig(_Strict):
     ] = "auto"
     detect_interval_s: Annotated[
         float,
-        msgspec.Meta(gt=0, le=60, description="a camera with faces is searched for newcomers this often"),
+        msgspec.Meta(gt=0, le=60, description="a camera with faces is searched for newcomers at "
+                     "least this often"),
     ] = 0.5
+    detection_share: Annotated[
+        Annotated[float, msgspec.Meta(gt=0, le=1)] | Literal["auto"],
+        msgspec.Meta(
+            description="the share of its device's time the detection worker may spend searching "
+            "every camera for newcomers between the passes it must make (Note [Detection while "
+            "the device has room]); auto: 0.5 on a GPU, 0.1 on the CPU"
+        ),
+    ] = "auto"
     heartbeat_timeout_s: Annotated[
         float,
         msgspec.Meta(ge=1, le=600, description="a running worker silent this long is killed and restarted"),
