@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from facecast.daemon.supervisor import FAULT_INJECTION_ENV, Supervisor
+from facecast.daemon.control import FAULT_INJECTION_ENV, inject_fault
+from facecast.daemon.supervisor import Supervisor
 from facecast.daemon.sd_notify import Notifier
 from facecast.shared import config as config_mod
 from facecast.shared.transport.messages import InjectFault
@@ -26,15 +27,15 @@ def test_the_supervisor_refuses_faults_unless_the_daemon_was_started_to_allow_th
         runtime_dir, monkeypatch):
     corrupt = InjectFault(kind="corrupt_next_frame", camera_id="cam0")
     monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
-    refused = _supervisor(runtime_dir)._inject_fault(corrupt)
+    refused = inject_fault(_supervisor(runtime_dir), corrupt)
     assert not refused.ok and refused.reply_to == corrupt.id
     assert f"{FAULT_INJECTION_ENV}=1" in refused.error
 
     monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
     allowed = _supervisor(runtime_dir)
-    unknown = allowed._inject_fault(InjectFault(kind="melt_the_gpu", camera_id="cam0"))
+    unknown = inject_fault(allowed, InjectFault(kind="melt_the_gpu", camera_id="cam0"))
     assert not unknown.ok and "unknown fault 'melt_the_gpu'" in unknown.error
-    no_worker = allowed._inject_fault(corrupt)  # nothing started: no capture worker to ask
+    no_worker = inject_fault(allowed, corrupt)  # nothing started: no capture worker to ask
     assert not no_worker.ok and "no running capture worker for camera 'cam0'" in no_worker.error
 
 
