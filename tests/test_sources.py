@@ -250,20 +250,47 @@ def test_video_file_loops_at_its_native_fps(tmp_path: Path) -> None:
     assert np.mean(np.diff(timestamps)) == pytest.approx(0.025, abs=0.004)
 
 
-def test_missing_file_is_a_lost_source_naming_it(tmp_path: Path) -> None:
+def test_missing_file_is_a_source_not_found_naming_it(tmp_path: Path) -> None:
+    # Note [Sources that can never work]: not found, a kind of lost that the capture worker
+    # gives up on at a camera's first open.
     camera = CameraConfig(id="gone", source=str(tmp_path / "nope.mp4"))
-    with pytest.raises(SourceLost, match="nope.mp4") as caught:
+    with pytest.raises(sources.SourceNotFound, match="no such video file.*nope.mp4") as caught:
         open_source(camera)
-    assert caught.value.camera_id == "gone"
+    assert isinstance(caught.value, SourceLost) and caught.value.camera_id == "gone"
+    camera = CameraConfig(id="dir", source=str(tmp_path))
+    with pytest.raises(sources.SourceNotFound, match="not a regular file"):
+        open_source(camera)
+
+
+def test_a_file_that_is_there_but_unreadable_is_only_lost(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-video.mp4"
+    path.write_bytes(b"no video here")
+    with pytest.raises(SourceLost) as caught:
+        open_source(CameraConfig(id="junk", source=str(path)))
+    assert not isinstance(caught.value, sources.SourceNotFound)
 
 
 # --- V4L2 -----------------------------------------------------------------------------------------
 
 
-def test_v4l2_device_that_does_not_exist_is_lost_with_the_device_named() -> None:
+def test_v4l2_device_that_does_not_exist_is_not_found_with_the_device_named(
+        tmp_path: Path) -> None:
     camera = CameraConfig(id="usb", source="/dev/video-facecast-test-none")
-    with pytest.raises(SourceLost, match="video-facecast-test-none"):
+    with pytest.raises(sources.SourceNotFound, match="no V4L2 device.*video-facecast-test-none"):
         open_source(camera)
+    with pytest.raises(sources.SourceNotFound, match="/dev/video9999"):
+        open_source(CameraConfig(id="usb", source=9999))
+    regular = Path(f"/dev/shm/facecast-test-{tmp_path.name}")  # a /dev path, a regular file
+    regular.write_bytes(b"")
+    try:
+        with pytest.raises(sources.SourceNotFound, match="is not a V4L2 device"):
+            open_source(CameraConfig(id="usb", source=str(regular)))
+    finally:
+        regular.unlink()
+    # A device node that is there is only lost when it cannot be opened: it may be busy.
+    with pytest.raises(SourceLost) as caught:
+        open_source(CameraConfig(id="usb", source="/dev/null"))
+    assert not isinstance(caught.value, sources.SourceNotFound)
 
 
 class _FakeV4L2Capture:
@@ -303,6 +330,7 @@ def test_v4l2_requests_in_order_and_logs_what_was_granted(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(sources.cv2, "VideoCapture", _FakeV4L2Capture)
+    monkeypatch.setattr(V4L2Source, "_check_device_node", lambda self: None)  # no /dev/video2
     camera = CameraConfig(id="usb0", source="2", width=1280, height=720, fps=30.0, fourcc="MJPG")
     with caplog.at_level(logging.INFO, logger="facecast.workers.capture.sources"):
         source = open_source(camera)

@@ -95,7 +95,7 @@ def render(status: DaemonStatus) -> str:
                    if output else "-")
         transport = (capture.transport if capture else "") or "-"
         why = capture.fallback_reason if capture else ""
-        source = capture.source if capture else "?"
+        source = capture.source if capture else _not_captured(status, camera_id)
         skipped = f", skipped {consumer.skipped}" if consumer and consumer.skipped else ""
         lines.append(
             f"{camera_id:<12} {(capture.fps if capture else 0):>7.1f}/s "
@@ -123,3 +123,13 @@ def render(status: DaemonStatus) -> str:
     if status.recent_events:
         lines += ["", "recent events:"] + [f"  {e}" for e in status.recent_events]
     return "\n".join(lines)
+
+
+def _not_captured(status: DaemonStatus, camera_id: str) -> str:
+    """A camera with no capture report: its capture worker's give-up, when that names it (a
+    source that can never work: Note [Sources that can never work])."""
+    for w in status.workers:
+        if w.role == "capture" and w.state in ("failed", "flapping") and (
+                f"camera {camera_id}:" in w.detail or w.name == f"capture:{camera_id}"):
+            return f"not captured: {w.name} {w.state} (above)"
+    return "?"

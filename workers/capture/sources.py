@@ -5,7 +5,8 @@ Runs in the capture worker (one process per camera). `open_source(camera)` retur
 frame and the `pylsl.local_clock()` time taken right at grab. A source that stops delivering
 raises `SourceLost` with the reason; the capture worker reopens it when `ReopenBackoff` (below)
 says a try is due. A source spec that can never work (an unknown URL scheme) is a
-`SourceConfigError`, which must not be retried.
+`SourceConfigError`, which must not be retried; a file or V4L2 device that is not on this
+machine at all is a `SourceNotFound` (a `SourceLost`: Note [Sources that can never work]).
 
 Kinds, chosen from `CameraConfig.source`:
 
@@ -36,6 +37,7 @@ import logging
 import math
 import os
 import random
+import stat
 import threading
 import time
 import zlib
@@ -64,6 +66,26 @@ class SourceLost(RuntimeError):
         super().__init__(f"camera {camera_id}: {reason}")
         self.camera_id = camera_id
         self.reason = reason
+
+
+class SourceNotFound(SourceLost):
+    """What the source names is not on this machine: no such video file or V4L2 device, or it
+    is not a regular file or a device.
+
+    Note [Sources that can never work]
+        A camera whose source is a typo, a file that is not there or a device this machine does
+        not have would be retried every 30 s for as long as the daemon runs, each try a warning
+        nobody reads, while status calls it "lost" as if it had worked. So the capture worker
+        gives such a camera up when it finds this at the camera's *first* open (the config
+        names something that is not there): not retried, a `camera_failed` marker, status says
+        why, and a capture worker whose every camera is given up on exits as one that could not
+        boot (EXIT_BOOT_ERROR: not respawned, status says why). A source that has opened once
+        and then vanishes (a USB camera unplugged takes its /dev node with it, a file moved
+        away) is lost, not given up on: it is retried and comes back when it is there again.
+        Streams are never given up on: a camera that refuses a connection now may be switched
+        on later. `facecast check-config` reports the same sources before a start
+        (daemon/cli/check_config.py).
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,6 +666,7 @@ class V4L2Source(_OpenCVSource):
         source = camera.source
         is_index = isinstance(source, int) or source.isdigit()
         self.device: int | str = int(source) if is_index else source
+        self._check_device_node()
         capture = cv2.VideoCapture(self.device, cv2.CAP_V4L2)
         if not capture.isOpened():
             capture.release()
@@ -679,6 +702,20 @@ class V4L2Source(_OpenCVSource):
             self.granted.describe(),
             requested.describe(),
         )
+
+    def _check_device_node(self) -> None:
+        """SourceNotFound when there is no such device node (Note [Sources that can never
+        work]); anything else (busy, no permission) is left to the open, and retried."""
+        path = f"/dev/video{self.device}" if isinstance(self.device, int) else self.device
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise SourceNotFound(self.camera_id, f"no V4L2 device {path} on this machine "
+                                 "(`facecast cameras` lists them)") from None
+        except OSError:
+            return
+        if not stat.S_ISCHR(mode):
+            raise SourceNotFound(self.camera_id, f"{path} is not a V4L2 device")
 
     def read(self) -> tuple[np.ndarray, float]:
         return self._grab()
@@ -773,8 +810,11 @@ class FileSource(_OpenCVSource):
         if path is None:
             path = Path(source[len("file://") :] if source.startswith("file://") else source)
         self.path = path
+        if not self.path.exists():
+            raise SourceNotFound(self.camera_id, f"no such video file {str(self.path)!r}")
         if not self.path.is_file():
-            raise self._lost(f"video file {str(self.path)!r} does not exist or is not a file")
+            raise SourceNotFound(self.camera_id,
+                                 f"{str(self.path)!r} is not a regular file (allowed: a video file)")
         self.loops = 0
         self._capture = self._open()
         fps = self._capture.get(cv2.CAP_PROP_FPS)

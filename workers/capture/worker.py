@@ -7,8 +7,10 @@ with `pylsl.local_clock()`, writes them into its ring and publishes them
 (facecast.shared.transport.publisher.FramePublisher). It never waits for consumers. A lost source is
 reported (`camera_lost` marker), retried with exponential backoff (sources.ReopenBackoff, the one
 reconnect policy) while the group's other cameras go on, and reported again when it is back
-(`camera_back`); a source that can never work as written (`SourceConfigError`) is a boot error,
-which the supervisor does not respawn.
+(`camera_back`). A source that can never work (`SourceConfigError`, or a `SourceNotFound` at the
+camera's first open: Note [Sources that can never work]) is given up on: not
+retried, a `camera_failed` marker, and status says why; a worker whose every camera is given up on
+is a boot error, which the supervisor does not respawn.
 
 Note [Camera threads]
     A camera's thread does all of its camera's work, CUDA included: it creates the ring (so the
@@ -42,8 +44,8 @@ from facecast.workers.capture.sources import (
     ReopenBackoff,
     SourceConfigError,
     SourceLost,
+    SourceNotFound,
     open_source,
-    source_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ OPEN_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 5.0
 FIRST_OPEN_WAIT_S = OPEN_TIMEOUT_S + 30.0  # boot waits this long for every camera's first open
 STOP_JOIN_S = 1.0  # at stop, how long the camera threads get to finish their step
+# What status adds to a camera given up on (Note [Sources that can never work]).
+NOT_RETRIED = ("not retried: it can never work as configured (correct the source and `facecast "
+               "reload`, or put the file or device in place and restart facecast)")
 
 
 def one_thread_per_camera() -> None:
@@ -88,6 +93,8 @@ class CameraCapture:
         self.first_open_done = threading.Event()
         self.error: BaseException | None = None  # what ended the thread, if anything
         self.boot_error = ""
+        self.given_up = ""  # why its source can never work (Note [Sources that can never work])
+        self._opened_once = False
         self._was_lost = False
         self._seen_epoch = 0
         self._seen_fallbacks = 0
@@ -104,7 +111,7 @@ class CameraCapture:
             self._boot()
             self.progress_monotonic = time.monotonic()  # booting is not a hang (rendering, CUDA)
             self.first_open_done.set()
-            while not self.worker.stopping:
+            while not self.worker.stopping and not self.given_up:
                 self.step()
                 self.progress_monotonic = time.monotonic()
         except BootError as exc:
@@ -161,10 +168,25 @@ class CameraCapture:
         try:
             self.source = open_source(self.camera, open_timeout_s=OPEN_TIMEOUT_S,
                                       read_timeout_s=READ_TIMEOUT_S)
+            self._opened_once = True
+        except SourceNotFound as exc:
+            # Note [Sources that can never work]: not there from the start is a wrong config;
+            # gone after it worked is a camera unplugged, which comes back.
+            if self._opened_once:
+                self._lost(exc.reason)
+            else:
+                self._give_up(exc.reason)
         except SourceLost as exc:
             self._lost(exc.reason)
         except SourceConfigError as exc:
-            raise BootError(f"camera {self.camera.id}: {exc}") from None
+            self._give_up(str(exc))
+
+    def _give_up(self, reason: str) -> None:
+        """Note [Sources that can never work]: the thread ends; the camera is not retried."""
+        self.given_up = reason
+        self.source_state = f"lost: {reason}; {NOT_RETRIED}"
+        log.error("camera %s: %s; %s", self.camera.id, reason, NOT_RETRIED)
+        self.worker.queue_event("camera_failed", camera=self.camera.id, reason=reason)
 
     def _lost(self, reason: str) -> None:
         if self.source is not None:
@@ -270,11 +292,6 @@ class CaptureWorker(Worker):
     def boot(self) -> None:
         if not self.camera_ids:
             raise BootError("a capture worker needs at least one camera")
-        for camera_id in self.camera_ids:
-            try:
-                source_kind(self.camera(camera_id).source)
-            except SourceConfigError as exc:
-                raise BootError(f"camera {camera_id}: {exc}") from None
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.cameras = {camera_id: CameraCapture(self.camera(camera_id), self.config, self)
                         for camera_id in self.camera_ids}
@@ -288,6 +305,10 @@ class CaptureWorker(Worker):
                 raise BootError(capture.boot_error)
             if capture.error is not None:
                 raise capture.error
+        given_up = [c for c in self.cameras.values() if c.given_up]
+        if len(given_up) == len(self.cameras):  # Note [Sources that can never work]
+            raise BootError("; ".join(f"camera {c.camera.id}: {c.given_up}" for c in given_up)
+                            + f"; {NOT_RETRIED}")
 
     def queue_event(self, kind: str, **fields: str | int | float | bool) -> None:
         """From a camera thread: the main thread sends it (Note [Camera threads])."""
@@ -311,6 +332,8 @@ class CaptureWorker(Worker):
                                    f"{capture.error!r}") from capture.error
             if capture.boot_error:
                 raise RuntimeError(f"camera {camera_id}: {capture.boot_error}")
+            if capture.given_up:
+                continue  # its thread ended: no progress to expect
             if now - capture.progress_monotonic > hung_after_s:
                 raise RuntimeError(f"camera {camera_id}: its capture thread made no progress "
                                    f"for {now - capture.progress_monotonic:.1f} s (hung)")

@@ -599,8 +599,9 @@ class MarkerOutlet:
 
     Each marker is `{"event": kind, ...fields}`, e.g.
     `{"event":"camera_lost","camera":"cam0","reason":"..."}`. Kinds the daemon sends: start,
-    stop, camera_lost, camera_back, transport_fallback, worker_restart, model_missing, and the
-    recordings' record_start, record_segment, record_stop, record_error (README "Recording").
+    stop, camera_lost, camera_back, camera_failed, transport_fallback, worker_restart,
+    model_missing, and the recordings' record_start, record_segment, record_stop, record_error
+    (README "Recording").
     """
 
     def __init__(self, host: str, *, daemon_pid: int = 0, runtime_dir: str = "") -> None:
