@@ -138,7 +138,7 @@ def recorder_plan(config: Config, gpu_count: int, camera_ids: list[str]) -> list
 #     others', and a recorder that dies is restarted into new files while capture and the
 #     streams go on. Per device is also where an NVENC encoder would sit (one CUDA context per
 #     GPU). No warm spare: a recorder boots in 0.3-1.0 s on the busy 2-core CI machine (no
-#     torch: facecast.workers.recorder.worker.HostShmReader) and records START_MARGIN_S (0.5 s) later,
+#     torch: it reads through a host-only FrameSubscriber) and records START_MARGIN_S (0.5 s) later,
 #     inside the 2 s promise; the frames of that gap are in no file, which the frame-index stream
 #     and the new record_start marker show, and nothing else waits for it.
 

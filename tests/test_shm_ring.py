@@ -455,6 +455,51 @@ def test_receive_reads_only_wanted_cameras_and_counts_no_skip_for_the_rest(runti
                 publisher.close()
 
 
+def test_every_frame_host_only_reads_each_frame_in_order_as_numpy(runtime_dir):
+    """The recorder's way (issue 20: one ring reader): every frame, in order, host only (numpy,
+    no torch); a corrupted frame is a mismatch verdict and a frame_mismatch event."""
+    from facecast.shared.transport.publisher import FramePublisher
+    from facecast.shared.transport.subscriber import FrameSubscriber
+
+    shape = (8, 8, 3)
+    events = []
+    with zmq.Context() as context:
+        publisher = FramePublisher(context, runtime_dir, "cam0", slot_count=8, transport="shm")
+        subscriber = FrameSubscriber(context, runtime_dir, ["cam0"], device=None, checksum_every=1,
+                                     on_event=lambda kind, **fields: events.append((kind, fields)),
+                                     every_frame=True)
+        poller = zmq.Poller()
+        subscriber.register(poller)
+        try:
+            assert subscriber.device is None
+            publisher.publish(np.zeros(shape, np.uint8), 0.0)  # creates the ring
+            subscriber.request_description("cam0")
+            deadline = time.monotonic() + 10
+            while "cam0" not in subscriber.readers and time.monotonic() < deadline:
+                publisher.serve_control()
+                list(subscriber.every_frame(poller.poll(50)))
+            assert "cam0" in subscriber.readers, subscriber.status
+            for value in range(1, 6):
+                if value == 4:
+                    publisher.corrupt_next_frame()
+                publisher.publish(np.full(shape, value, np.uint8), float(value))
+            time.sleep(0.2)  # all five queued: every one is handed out, not only the newest
+            got, verdicts = [], []
+            for message in subscriber.every_frame(poller.poll(1000)):
+                assert subscriber.attached(message)
+                read = subscriber.read(message)
+                verdicts.append(read.verdict.value)
+                if read.ok:
+                    assert isinstance(read.tensor, np.ndarray)
+                    got.append(int(read.tensor[0, 0, 0]))
+            assert verdicts == ["ok", "ok", "ok", "checksum_mismatch", "ok"], verdicts
+            assert got == [1, 2, 3, 5]
+            assert [kind for kind, _ in events] == ["frame_mismatch"], events
+        finally:
+            subscriber.close()
+            publisher.close()
+
+
 def test_slot_overwritten_during_the_copy_is_dropped():
     shape = (32, 32, 3)
     # A sampled ring checked 1 in 30: no checksum this frame, only the generation catches it.

@@ -1,7 +1,8 @@
 """Frames between processes: rings for the pixels, ZeroMQ for the messages that name them.
 
-A capture worker owns a `FramePublisher` per camera; detection and ROI/landmark workers own a
-`FrameSubscriber`. Per camera there are two sockets under the runtime directory:
+A capture worker owns a `FramePublisher` per camera; every consumer (the detection and
+roi_landmark workers, the console, the recorder) owns a `FrameSubscriber`, the one reader of
+rings. Per camera there are two sockets under the runtime directory:
 
 - ``frames-<camera>``: PUB → SUB. `RingDescription` whenever the ring changes (new epoch), then
   `FrameReady` for every frame. Topic = camera id.

@@ -375,12 +375,14 @@ class ShmRingProducer(RingProducer):
 
 
 # ================================================================================================
-# Consumer side (runs in detection / roi_landmark workers, tests, benchmarks)
+# Consumer side (runs in every consumer, through facecast.shared.transport.subscriber: detection
+# and roi_landmark workers, the console, the recorder, tests, benchmarks)
 # ================================================================================================
 
 
 class SlotRead:
-    """The result of reading one frame: a tensor (if the verdict is OK) and a late check."""
+    """The result of reading one frame: a tensor (if the verdict is OK; a numpy array from a
+    host-only shm reader) and a late check."""
 
     __slots__ = ("verdict", "tensor", "_reader", "_message", "_checksum", "_needs_sync")
 
@@ -514,7 +516,10 @@ def settle(reads: list[SlotRead]) -> None:
 
 
 class ShmRingReader(RingReader):
-    """Copies the slot out of shared memory to the consumer's device.
+    """Copies the slot out of shared memory to the consumer's device, or (`device=None`, host
+    only) into a numpy array without importing torch: the recorder and the console never load
+    it (tests/test_import_weight.py), the checks the same (Note [Slot generations], Note [The
+    consumer's own copy]).
 
     Note [Pinned shm mappings]
         A consumer on a GPU registers its mapping of the ring with the CUDA driver
@@ -532,13 +537,16 @@ class ShmRingReader(RingReader):
     """
 
     def __init__(
-        self, description, device: str | torch.device = "cpu", checksum_every: int = 30,
+        self, description, device: str | torch.device | None = "cpu", checksum_every: int = 30,
         pin: bool = True,
     ):
         super().__init__(description, checksum_every)
-        import torch
+        if device is None:
+            self.device = None  # host only: numpy copies, no torch
+        else:
+            import torch
 
-        self.device = torch.device(device)
+            self.device = torch.device(device)
         slot_count, slot_bytes = description.slot_count, description.slot_bytes
         try:
             self.data = shm.SharedSegment.attach(description.data_name, slot_bytes * (slot_count + 1))
@@ -561,7 +569,9 @@ class ShmRingReader(RingReader):
         self._slot_tensors = None
         self.pinned = False
         self.pin_failure = ""  # why the mapping is not pinned, where pinning was tried
-        if self.device.type == "cuda":
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
             self._slot_tensors = [torch.from_numpy(array) for array in self._slot_arrays]
             if pin:
                 self._pin()
@@ -581,10 +591,12 @@ class ShmRingReader(RingReader):
             log.info("shm ring of %s: pageable copies to %s (pinning the mapping failed: %s)",
                      self.description.camera_id, self.device, exc)
 
-    def _slot_tensor(self, message: FrameReady, read: SlotRead) -> torch.Tensor:
+    def _slot_tensor(self, message: FrameReady, read: SlotRead) -> torch.Tensor | np.ndarray:
+        # A copy, so the slot may be reused as soon as the generation check after it passes.
+        if self.device is None:
+            return self._slot_arrays[message.slot].copy()
         import torch
 
-        # A copy, so the slot may be reused as soon as the generation check after it passes.
         if self._slot_tensors is None:
             return torch.from_numpy(self._slot_arrays[message.slot].copy())
         source = self._slot_tensors[message.slot]
@@ -597,6 +609,8 @@ class ShmRingReader(RingReader):
 
     def _checksum_start(self, message: FrameReady, read: SlotRead):
         # On the copy, where it is (Note [Pinned shm mappings]).
+        if self.device is None:
+            return frames.checksum(read.tensor, self.checksum_kind)
         if read.tensor.device.type == "cpu":
             return frames.checksum(read.tensor.numpy(), self.checksum_kind)
         return frames.checksum_start(read.tensor, self.checksum_kind)  # settled with the batch

@@ -1,6 +1,16 @@
-"""The consumer side of a camera's frames: the newest (or every) frame, attached to its current
-ring, verified. Runs in every consumer: the detection and roi_landmark workers, the console,
-tests and benchmarks.
+"""The consumer side of a camera's frames: attached to its current ring, verified. Runs in every
+consumer: the detection and roi_landmark workers, the console, the recorder, the output worker's
+frame index, tests and benchmarks. It is the only code that attaches to a ring or speaks to a
+ring's control socket, so a change to the protocol (descriptions, faults, epochs, mismatch events)
+is made here and nowhere else.
+
+What each consumer takes from it:
+- `FrameSubscriber.receive`: the newest frame of each camera (the inference workers, the console);
+- `FrameSubscriber.every_frame` and `read`: every frame, in order (the recorder: Note [Recording
+  drops]);
+- `FrameSubscriber(device=None)`: host only, numpy frames from shm rings and torch never imported
+  (the console and the recorder, tests/test_import_weight.py);
+- `FrameBus`: the frame buses' messages alone, no ring (the frame index: it never reads pixels).
 """
 
 from __future__ import annotations
@@ -9,12 +19,14 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where it is used
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where it is used, never by a host-only consumer
     import torch
 import zmq
 
@@ -37,15 +49,22 @@ DESCRIBE_RETRY_S = 0.5
 # A camera's checksum mismatches reach the Markers stream at most this often (the first at
 # once, then one with the count since): a flood of bad frames must not flood the stream.
 MISMATCH_EVENT_INTERVAL_S = 10.0
+NEWEST_FRAME_RCVHWM = 256  # messages queued on the frame bus: the newest frame is what counts
+EVERY_FRAME_RCVHWM = 100_000  # every frame: deep enough for seconds of every camera's messages
 
 
 def open_reader(
-    description: RingDescription, device: str | torch.device = "cpu", checksum_every: int = 30,
-    **options,
+    description: RingDescription, device: str | torch.device | None = "cpu",
+    checksum_every: int = 30, **options,
 ) -> RingReader:
     """Attach the ring a description names; raises TransportUnavailable with the reason. The
     consumer's counterpart of `make_producer`, here above both ring modules so that rings.py
-    need not import cuda_ring.py (facecast.shared.transport.ring_errors says why)."""
+    need not import cuda_ring.py (facecast.shared.transport.ring_errors says why).
+
+    `device=None` is host only: an shm ring is read into numpy arrays without torch. A CUDA ring
+    (only a producer on a GPU makes one) is always read through its GPU, whatever `device` says:
+    its frames are device tensors, which `host_pixels` brings to the host (the NVENC encoder
+    that would take them where they are is not built: Note [Encoders])."""
     if description.transport == "shm":
         return rings.ShmRingReader(description, device=device, checksum_every=checksum_every)
     from facecast.shared.transport.cuda_ring import CudaRingReader  # only where CUDA is used
@@ -77,6 +96,41 @@ class MismatchEvents:
                    reason=reason)
 
 
+def host_pixels(pixels: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A frame read as a numpy array in host memory: a host-only shm reader's copy as it is, a
+    CUDA ring's device copy brought back (not run on a GPU yet: the CPU test machines have
+    none)."""
+    return pixels if isinstance(pixels, np.ndarray) else pixels.cpu().numpy()
+
+
+class FrameBus:
+    """The frame buses (`endpoints.frames`) of a set of cameras on one SUB socket, each message
+    decoded through one gate: `RingDescription` when a ring changes, `FrameReady` for every
+    frame. Every consumer's subscription; the frame index uses it alone, for the FrameReady
+    messages (it never reads pixels, so it attaches no ring)."""
+
+    def __init__(self, context: zmq.Context, runtime_dir: str | Path, source: str,
+                 rcvhwm: int) -> None:
+        self.runtime_dir = runtime_dir
+        self.gate = MessageGate(source)
+        self.socket = context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, rcvhwm)
+
+    def add(self, camera_id: str) -> None:
+        self.socket.connect(endpoints.frames(self.runtime_dir, camera_id))
+        self.socket.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+
+    def remove(self, camera_id: str) -> None:
+        self.socket.setsockopt(zmq.UNSUBSCRIBE, camera_id.encode())
+        self.socket.disconnect(endpoints.frames(self.runtime_dir, camera_id))
+
+    def drain(self) -> Iterator[messages.AnyMessage | None]:
+        """What is queued now, decoded, without blocking (bounded: MessageGate.drain)."""
+        return self.gate.drain(self.socket)
+
+    def close(self) -> None:
+        self.socket.close()
 
 
 @dataclass
@@ -85,12 +139,17 @@ class ReceivedFrame:
     read: rings.SlotRead
 
     @property
-    def tensor(self) -> torch.Tensor:
+    def tensor(self) -> torch.Tensor | np.ndarray:
+        """The frame, the consumer's own checked copy: on the subscriber's device, or a numpy
+        array from a host-only subscriber's shm ring (a CUDA ring's stays on its GPU)."""
         return self.read.tensor
 
 
 class FrameSubscriber:
-    """Receives the newest frame of each camera, attached to its current ring, verified.
+    """Receives the frames of its cameras, attached to each one's current ring, verified: the
+    newest of each camera (`receive`), or every one in order (`every_frame` and `read`, with
+    `every_frame=True`, whose frame bus queues deep enough for seconds of frames). `device=None`
+    reads host only (`open_reader`).
 
     Note [Mismatches are events]
         A frame whose bytes are not the ones the camera published is never handed on, and it is
@@ -98,7 +157,8 @@ class FrameSubscriber:
         fallback]), on shm the frame is dropped; on both, `on_event` (a worker's `event`) gets a
         `frame_mismatch` event with the camera, transport, frame and reason, so that it reaches
         the Markers stream and a lab's recording says which data to distrust
-        (`MismatchEvents`). The recorder, which reads every frame, reports its own the same way.
+        (`MismatchEvents`). The recorder, which reads every frame through `read`, reports its
+        own here too.
     """
 
     def __init__(
@@ -106,16 +166,19 @@ class FrameSubscriber:
         context: zmq.Context,
         runtime_dir: str | Path,
         camera_ids: list[str],
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = "cpu",
         checksum_every: int = 30,
         on_event: Callable[..., None] | None = None,
+        every_frame: bool = False,
         **reader_options,
     ) -> None:
-        import torch
-
         self.mismatches = MismatchEvents(on_event)
-        self.device = torch.device(device)
-        warm_up_checksums(self.device)
+        self.device = None  # host only (open_reader): torch is not imported
+        if device is not None:
+            import torch
+
+            self.device = torch.device(device)
+            warm_up_checksums(self.device)
         self.checksum_every = checksum_every
         self._reader_options = reader_options
         self.readers: dict[str, rings.RingReader] = {}
@@ -123,21 +186,24 @@ class FrameSubscriber:
         self._last_seq: dict[str, int] = {}
         self._describe_sent: dict[str, float] = {}
         self._faulted_epochs: set[int] = set()
-        self._gate = MessageGate("frame bus")
-        self.frames = context.socket(zmq.SUB)
-        self.frames.setsockopt(zmq.LINGER, 0)
-        self.frames.setsockopt(zmq.RCVHWM, 256)
+        self.bus = FrameBus(context, runtime_dir, "frame bus",
+                            EVERY_FRAME_RCVHWM if every_frame else NEWEST_FRAME_RCVHWM)
         self.control: dict[str, zmq.Socket] = {}
-        self._poller = zmq.Poller()
-        self._poller.register(self.frames, zmq.POLLIN)
         for camera_id in camera_ids:
-            self.frames.connect(endpoints.frames(runtime_dir, camera_id))
-            self.frames.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+            self.bus.add(camera_id)
             dealer = context.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(endpoints.ring_control(runtime_dir, camera_id))
             self.control[camera_id] = dealer
-            self._poller.register(dealer, zmq.POLLIN)
+        self._poller = zmq.Poller()
+        self.register(self._poller)
+
+    def register(self, poller: zmq.Poller) -> None:
+        """Put this subscriber's sockets into a caller's poller, for `every_frame`: a consumer
+        that waits on other sockets too (the recorder's results tap) polls them all at once."""
+        poller.register(self.bus.socket, zmq.POLLIN)
+        for dealer in self.control.values():
+            poller.register(dealer, zmq.POLLIN)
 
     def receive(
         self, timeout_ms: int = 100, wanted: Callable[[str], bool] | None = None
@@ -156,13 +222,47 @@ class FrameSubscriber:
             self._drain(events, newest)
         return self._read_all(newest, wanted) if newest else []
 
+    def every_frame(self, events) -> Iterator[FrameReady]:
+        """Every frame of the subscribed cameras that has arrived, in order, without blocking:
+        `events` is a poll of the caller's poller (`register`). Rings are attached on the way,
+        in the order their descriptions came, before the frames behind them. Each frame is read
+        with `read` (or passed over) by the caller, who counts what it missed."""
+        events = dict(events)
+        for dealer in self.control.values():
+            if dealer in events:  # a ring-control reply
+                message = self.bus.gate.decode(dealer.recv())
+                if isinstance(message, RingDescription) and message.camera_id in self.status:
+                    self._attach(message)
+        if self.bus.socket not in events:
+            return
+        for message in self.bus.drain():  # bounded: a flood cannot keep us here
+            if isinstance(message, RingDescription) and message.camera_id in self.status:
+                self._attach(message)
+            elif isinstance(message, FrameReady) and message.camera_id in self.status:
+                self._count_skipped(message)
+                yield message
+
+    def attached(self, message: FrameReady) -> bool:
+        """Whether `message`'s ring is attached, so that `read` can read it; asks the camera for
+        its description when not (every DESCRIBE_RETRY_S at most)."""
+        return self._attached_reader(message) is not None
+
+    def read(self, message: FrameReady) -> rings.SlotRead:
+        """One frame (every-frame mode), verified and judged as `receive`'s frames are: a
+        mismatch is acted on and reported here (Note [Mismatches are events]); its ring must be
+        `attached`."""
+        reader = self.readers[message.camera_id]
+        read = reader.read(message)
+        self._judge(reader, message, read)
+        return read
+
     def _drain(self, events, newest: dict[str, FrameReady]) -> None:
         """Stage "receive": everything waiting on the sockets, decoded; only the newest frame of
         each camera is kept (older ones are counted as skipped in _reader_for)."""
         for socket, _ in events:
-            if socket is not self.frames:  # a ring-control reply
-                self._handle(self._gate.decode(socket.recv()), newest)
-        for message in self._gate.drain(self.frames):  # bounded: a flood cannot keep us here
+            if socket is not self.bus.socket:  # a ring-control reply
+                self._handle(self.bus.gate.decode(socket.recv()), newest)
+        for message in self.bus.drain():  # bounded: a flood cannot keep us here
             self._handle(message, newest)
 
     def _read_all(
@@ -215,18 +315,24 @@ class FrameSubscriber:
                  description.ring_epoch)
 
     def _reader_for(self, message: FrameReady) -> rings.RingReader | None:
+        self._count_skipped(message)
+        return self._attached_reader(message)
+
+    def _count_skipped(self, message: FrameReady) -> None:
         camera_id = message.camera_id
-        status = self.status[camera_id]
         last_seq = self._last_seq.get(camera_id)
         if last_seq is not None and message.frame_seq > last_seq + 1:
             # Frames this consumer never read: drained as older than the newest, or dropped by
             # ZeroMQ's high-water mark while we were busy. Capture did not wait for us.
-            status.counts["skipped"] += message.frame_seq - last_seq - 1
+            self.status[camera_id].counts["skipped"] += message.frame_seq - last_seq - 1
         self._last_seq[camera_id] = message.frame_seq
+
+    def _attached_reader(self, message: FrameReady) -> rings.RingReader | None:
+        camera_id = message.camera_id
         reader = self.readers.get(camera_id)
         if reader is None or reader.ring_epoch != message.ring_epoch:
-            status.counts["awaiting_ring"] += 1
-            self._request_description(camera_id)
+            self.status[camera_id].counts["awaiting_ring"] += 1
+            self.request_description(camera_id)
             return None
         return reader
 
@@ -249,7 +355,9 @@ class FrameSubscriber:
             self.mismatches.add(message, reason)
         return read.ok
 
-    def _request_description(self, camera_id: str) -> None:
+    def request_description(self, camera_id: str) -> None:
+        """Ask the camera for its ring's description (DescribeRing), at most every
+        DESCRIBE_RETRY_S: a consumer that joined late or missed a description."""
         now = time.monotonic()
         if now - self._describe_sent.get(camera_id, -1e9) >= DESCRIBE_RETRY_S:
             self._describe_sent[camera_id] = now
@@ -274,6 +382,6 @@ class FrameSubscriber:
         for reader in self.readers.values():
             reader.close()
         self.readers.clear()
-        self.frames.close()
+        self.bus.close()
         for dealer in self.control.values():
             dealer.close()

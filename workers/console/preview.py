@@ -72,9 +72,12 @@ def preview_size(camera_width: int, camera_height: int, width: int) -> tuple[int
     return max(2, width // 2 * 2), height
 
 
-def downscale(tensor: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
-    """A frame (H, W, 3 uint8, on the CPU or a GPU) as a BGR numpy image of `size` (w, h).
-    On a GPU it is downscaled there (Note [JPEG encoder]); on the CPU by OpenCV's area filter."""
+def downscale(tensor: torch.Tensor | np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """A frame (H, W, 3 uint8: a numpy array, or a tensor on the CPU or a GPU) as a BGR numpy
+    image of `size` (w, h). On a GPU it is downscaled there (Note [JPEG encoder]); on the CPU
+    by OpenCV's area filter."""
+    if isinstance(tensor, np.ndarray):
+        return cv2.resize(tensor, size, interpolation=cv2.INTER_AREA)
     if tensor.is_cuda:
         import torch.nn.functional as F
 

@@ -8,10 +8,10 @@ crash in the web stack would take every stream down, LSL inlets included). As a 
 own it is restarted by the supervisor like any other, and its crash touches nothing else.
 
 What it reads, each the way other consumers do:
-- frames: a `FrameSubscriber` (facecast.shared.transport), like the inference workers: the
-  newest frame of a camera, only while a browser wants that camera's preview and at most
-  `web.preview_fps` a second (`_due`); capture never waits for it, and frames it passes over are
-  only counted;
+- frames: a `FrameSubscriber` (facecast.shared.transport.subscriber), like the inference
+  workers, but host only (numpy frames from shm rings, torch never imported): the newest frame
+  of a camera, only while a browser wants that camera's preview and at most `web.preview_fps` a
+  second (`_due`); capture never waits for it, and frames it passes over are only counted;
 - faces: the FaceResults the output worker received (Note [Results tap]);
 - health: the supervisor's `DaemonStatus`, asked for once a second over the control socket, as
   `facecast status` does (its own DEALER: the worker's control connection speaks the worker
@@ -103,7 +103,7 @@ class ConsoleWorker(Worker):
         self.timer = StageTimer()
         self._next_read_monotonic: dict[str, float] = {}
         self.subscriber = FrameSubscriber(self.context, self.runtime_dir, self.camera_ids,
-                                          device="cpu",
+                                          device=None,  # host only: no torch
                                           checksum_every=self.config.daemon.checksum_every,
                                           on_event=self.event)  # Note [Mismatches are events]
         self._results_gate = MessageGate("results tap")
@@ -150,7 +150,7 @@ class ConsoleWorker(Worker):
         self.view.set_cameras(self.camera_ids)
         self.subscriber.close()
         self.subscriber = FrameSubscriber(self.context, self.runtime_dir, self.camera_ids,
-                                          device="cpu",
+                                          device=None,  # host only: no torch
                                           checksum_every=self.config.daemon.checksum_every,
                                           on_event=self.event)  # Note [Mismatches are events]
 

@@ -2,8 +2,9 @@
 recorder's verdicts (which frame of which video it is). Runs in the output worker, which owns
 the outlets (facecast.workers.output.outlets.FrameIndexOutlet).
 
-The output worker subscribes to each camera's frame bus (FrameReady messages only: it never
-reads pixels) and pushes one sample per frame, stamped with the frame's capture time. While a
+The output worker subscribes to each camera's frame bus through the frame transport's `FrameBus`
+(facecast.shared.transport.subscriber: FrameReady messages only, it never reads pixels nor attaches
+a ring) and pushes one sample per frame, stamped with the frame's capture time. While a
 recorder has the camera (its `RecordingState` window, Note [Frame index and verdicts]), a frame's
 sample waits for the recorder's verdict, at most
 VERDICT_WAIT_S of capture age, and samples leave in frame order; otherwise it leaves at once with
@@ -18,8 +19,8 @@ from collections.abc import Callable
 
 import zmq
 
-from facecast.shared.transport import endpoints
-from facecast.shared.transport.messages import FrameReady, FramesRecorded, MessageGate, RecordingState
+from facecast.shared.transport.messages import FrameReady, FramesRecorded, RecordingState
+from facecast.shared.transport.subscriber import EVERY_FRAME_RCVHWM, FrameBus
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +92,16 @@ class FrameIndexFeed:
     """The frame buses of the output worker's cameras, and a `CameraFrameIndex` each."""
 
     def __init__(self, context: zmq.Context, runtime_dir: str) -> None:
-        self.runtime_dir = runtime_dir
         self.cameras: dict[str, CameraFrameIndex] = {}
-        self._gate = MessageGate("frame bus (frame index)")
-        self.frames = context.socket(zmq.SUB)
-        self.frames.setsockopt(zmq.LINGER, 0)
-        self.frames.setsockopt(zmq.RCVHWM, 100_000)  # every frame's message, not the newest
+        # Every frame's message, not the newest.
+        self.bus = FrameBus(context, runtime_dir, "frame bus (frame index)", EVERY_FRAME_RCVHWM)
 
     def add(self, camera_id: str, push: Callable[[float, list[float]], None]) -> None:
-        self.frames.connect(endpoints.frames(self.runtime_dir, camera_id))
-        self.frames.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+        self.bus.add(camera_id)
         self.cameras[camera_id] = CameraFrameIndex(camera_id, push)
 
     def remove(self, camera_id: str) -> None:
-        self.frames.setsockopt(zmq.UNSUBSCRIBE, camera_id.encode())
-        self.frames.disconnect(endpoints.frames(self.runtime_dir, camera_id))
+        self.bus.remove(camera_id)
         self.cameras.pop(camera_id, None)
 
     def on_recorder_message(self, message: RecordingState | FramesRecorded,
@@ -120,7 +116,7 @@ class FrameIndexFeed:
 
     def step(self, now_lsl: float) -> None:
         """Whatever frames arrived (without blocking), then every sample that may leave."""
-        for message in self._gate.drain(self.frames):
+        for message in self.bus.drain():
             if isinstance(message, FrameReady):
                 camera = self.cameras.get(message.camera_id)
                 if camera is not None:
@@ -129,4 +125,4 @@ class FrameIndexFeed:
             camera.flush(now_lsl)
 
     def close(self) -> None:
-        self.frames.close()
+        self.bus.close()

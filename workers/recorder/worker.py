@@ -6,8 +6,10 @@ and stopped (SIGTERM) by `facecast record stop`. Its own process: an encoder tha
 disk that fills up ends this process's work, never a capture worker's or an LSL stream.
 
 Per camera (`CameraRecording`) the main thread reads every frame the camera publishes, in order
-(not the newest-frame policy of the inference workers): it copies the slot out of the ring, checks
-its generation and checksum, numbers it, hands it to the camera's encoder thread (a bounded
+(not the newest-frame policy of the inference workers), through the worker's `FrameSubscriber` in
+its every-frame, host-only mode (facecast.shared.transport.subscriber: the one ring reader, which
+attaches the rings, asks for their descriptions, copies a slot out, checks its generation and
+checksum and reports a mismatch); it numbers the frame, hands it to the camera's encoder thread (a bounded
 queue), and tells the output worker at once which frame of which file it will be (Note [Frame
 index and verdicts]). The encoder thread writes the frame with its capture time as the
 container's timestamp (Note [Container timestamps]) and a row
@@ -79,22 +81,19 @@ import numpy as np
 import pylsl
 import zmq
 
-from facecast.shared.transport import endpoints, frames, messages, rings, shm
+from facecast.shared.transport import endpoints, messages
 from facecast.shared.config import RecordConfig
 from facecast.shared.recording import recording_dir, segment_path, writable_dir_problem
 from facecast.shared.transport.messages import (
     CameraReport,
-    DescribeRing,
     Event,
     FaceResults,
     FrameReady,
     FramesRecorded,
     MessageGate,
     RecordingState,
-    RingDescription,
 )
-from facecast.shared.transport.ring_errors import TransportUnavailable
-from facecast.shared.transport.subscriber import MismatchEvents
+from facecast.shared.transport.subscriber import FrameSubscriber, host_pixels
 from facecast.workers.base import BootError, Worker, results_subscriber
 from facecast.workers.recorder.video_encoder import (
     PyAvEncoder,
@@ -109,64 +108,10 @@ START_MARGIN_S = 0.5  # Note [Frame index and verdicts]
 STATE_RENEW_S = 1.0
 MAX_READ_AGE_S = 1.0  # a frame older than this when read is a drop (Note [Recording drops])
 MAX_QUEUED_S = 0.5  # frames waiting for the encoder, per camera (1080p: 6 MB each)
-DESCRIBE_RETRY_S = 0.5
 ENCODER_JOIN_S = 2.5  # at stop: what is queued gets written (inside daemon.stop_timeout_s)
 OVERLAY_WAIT_S = 0.5  # of capture time, for a frame's results (Note [Overlays])
 RESULTS_KEPT = 256  # per camera: results that came before their frame was read
 MIN_OVERLAY_LINE_PX = 2  # a 1-pixel line loses its colour to 4:2:0 chroma subsampling
-
-
-class HostShmReader(rings.RingReader):
-    """A shm ring read into host memory with numpy only: the recorder never imports torch (its
-    boot stays short: it starts at `facecast record start`). Same checks as ShmRingReader's CPU
-    path: generation before, copy, checksum of the copy, generation after (Note [Slot
-    generations])."""
-
-    def __init__(self, description: RingDescription) -> None:
-        super().__init__(description, checksum_every=1)
-        slot_count, slot_bytes = description.slot_count, description.slot_bytes
-        try:
-            self.data = shm.SharedSegment.attach(description.data_name,
-                                                 slot_bytes * (slot_count + 1))
-        except (OSError, ValueError) as exc:
-            self.header.close()
-            raise TransportUnavailable(f"cannot attach shm ring {description.data_name}: {exc}")
-        slots = np.frombuffer(self.data.buffer, np.uint8).reshape(slot_count + 1, -1)
-        if not np.array_equal(slots[slot_count], frames.test_pattern(slot_bytes, self.ring_epoch)):
-            self.data.close()
-            self.header.close()
-            raise TransportUnavailable(f"shm ring {description.data_name}: probe slot does not "
-                                       "hold this epoch's pattern")
-        self._slot_arrays = [slots[slot, : self.frame_bytes].reshape(self.frame_shape)
-                             for slot in range(slot_count)]
-
-    def _slot_tensor(self, message: FrameReady, read: rings.SlotRead) -> np.ndarray:
-        return self._slot_arrays[message.slot].copy()
-
-    def _checksum_start(self, message: FrameReady, read: rings.SlotRead) -> int:
-        return frames.checksum(read.tensor, self.checksum_kind)
-
-    def close(self) -> None:
-        self._slot_arrays = None
-        self.data.close()
-        super().close()
-
-
-def open_host_reader(description: RingDescription, device: str) -> rings.RingReader:
-    if description.transport == "shm":
-        return HostShmReader(description)
-    # A CUDA ring (frames already on a GPU): read through the GPU and copied back here. The
-    # NVENC encoder that would take them where they are is not built (Note [Encoders]).
-    from facecast.shared.transport.subscriber import open_reader
-
-    return open_reader(description, device=device)
-
-
-def host_pixels(read: rings.SlotRead) -> np.ndarray:
-    """The frame in host memory: the shm reader's copy, or a CUDA slot copied back (not run on
-    a GPU yet: the CPU test machines have none)."""
-    pixels = read.tensor
-    return pixels if isinstance(pixels, np.ndarray) else pixels.cpu().numpy()
 
 
 def draw_overlay(pixels: np.ndarray, results: FaceResults) -> None:
@@ -195,7 +140,8 @@ class _Queued:
 
 
 class CameraRecording:
-    """One camera's recording: its ring (main thread) and its encoder thread."""
+    """One camera's recording: its frames (main thread, from the worker's FrameSubscriber)
+    and its encoder thread."""
 
     def __init__(self, worker: RecorderWorker, camera_id: str, directory: Path, stamp: str,
                  from_ts_lsl: float) -> None:
@@ -208,8 +154,6 @@ class CameraRecording:
         self.record: RecordConfig = worker.config.record
         self.from_ts_lsl = from_ts_lsl
         self.until_ts_lsl = 0.0
-        self.reader: rings.RingReader | None = None
-        self.describe_sent_monotonic = -1e9
         self.last_seq: int | None = None
         self.last_epoch = 0
         # Numbering (main thread): Note [Frame index and verdicts].
@@ -239,24 +183,11 @@ class CameraRecording:
         self.last_written_recording_frame = -1
         self.error = ""  # set by the encoder thread when writing failed
         self.current_file = ""
-        # Note [Mismatches are events] (main thread).
-        self.mismatches = MismatchEvents(worker.event)
         self.thread = threading.Thread(target=self._encode_loop, name=f"encode:{camera_id}",
                                        daemon=True)
         self.thread.start()
 
     # -- main thread ---------------------------------------------------------------------------
-
-    def attach(self, description: RingDescription) -> None:
-        if self.reader is not None and self.reader.ring_epoch == description.ring_epoch:
-            return
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
-        try:
-            self.reader = open_host_reader(description, self.worker.device)
-        except TransportUnavailable as exc:
-            log.warning("camera %s: cannot attach its ring for recording: %s", self.camera_id, exc)
 
     @property
     def recording(self) -> bool:
@@ -271,9 +202,8 @@ class CameraRecording:
                 self._drop(missing_seq, None, "dropped: never received (the recorder fell "
                            "behind the frame bus)")
         self.last_seq, self.last_epoch = message.frame_seq, message.ring_epoch
-        reader = self.reader
-        if reader is None or reader.ring_epoch != message.ring_epoch:
-            self.request_description()
+        subscriber = self.worker.subscriber
+        if not subscriber.attached(message):  # it asks for the ring's description
             self._drop(message.frame_seq, message.capture_ts_lsl,
                        "dropped: the camera's ring was not attached yet")
             return
@@ -288,14 +218,12 @@ class CameraRecording:
             self._drop(message.frame_seq, message.capture_ts_lsl,
                        "dropped: the encoder was behind (its queue was full)")
             return
-        read = reader.read(message)
+        read = subscriber.read(message)  # a mismatch is reported there (Note [Mismatches are events])
         if not read.ok:
             reason = f"{read.verdict.value} in the ring before the recorder read it"
             self._drop(message.frame_seq, message.capture_ts_lsl, f"dropped: {reason}")
-            if read.verdict is rings.Verdict.CHECKSUM_MISMATCH:
-                self.mismatches.add(message, f"frame {message.frame_seq} not recorded: {reason}")
             return
-        pixels = host_pixels(read)  # the reader's own copy, checked (an overwrite: the verdict)
+        pixels = host_pixels(read.tensor)  # the reader's own copy, checked
         self._number(message.capture_ts_lsl)
         self._enqueue(_Queued(message.frame_seq, message.capture_ts_lsl, self.segment,
                               self.segment_frame, self.recording_frame, pixels))
@@ -380,13 +308,6 @@ class CameraRecording:
                 return item.capture_ts_lsl + OVERLAY_WAIT_S
         return math.inf
 
-    def request_description(self) -> None:
-        now = time.monotonic()
-        if now - self.describe_sent_monotonic >= DESCRIBE_RETRY_S:
-            self.describe_sent_monotonic = now
-            self.worker.ring_control[self.camera_id].send(
-                messages.encode(DescribeRing(camera_id=self.camera_id)))
-
     def check_failure(self) -> None:
         """An encoder thread that failed: stop this camera's recording, say why (once)."""
         if not self.error or self.failed_reported:
@@ -425,9 +346,6 @@ class CameraRecording:
         if self.thread.is_alive():
             log.error("camera %s: the encoder did not finish within the stop deadline; its last "
                       "file may lack its last frames", self.camera_id)
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
 
     def report(self) -> CameraReport:
         return CameraReport(camera_id=self.camera_id, frames=self.frames_written,
@@ -528,36 +446,28 @@ class RecorderWorker(Worker):
         now_s = time.time()  # milliseconds too: a restart within a second gets new files
         stamp = (f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now_s))}."
                  f"{int(now_s * 1000) % 1000:03d}Z")
-        self._gate_frames = MessageGate("frame bus (recorder)")
         self.bus = self.context.socket(zmq.PUB)
         self.bus.setsockopt(zmq.LINGER, 200)  # the last verdicts and states of a stop
         self.bus.connect(endpoints.results(self.runtime_dir))
-        self.frames = self.context.socket(zmq.SUB)
-        self.frames.setsockopt(zmq.LINGER, 0)
-        # Every frame, not the newest: deep enough for seconds of every camera's messages.
-        self.frames.setsockopt(zmq.RCVHWM, 100_000)
+        # Every frame, not the newest; host only (no torch: the recorder's boot stays short, it
+        # starts at `facecast record start`); every frame's checksum, on "sampled" rings too.
+        self.subscriber = FrameSubscriber(self.context, self.runtime_dir, self.camera_ids,
+                                          device=None, checksum_every=1, on_event=self.event,
+                                          every_frame=True)  # Note [Mismatches are events]
         self.poller = zmq.Poller()
-        self.poller.register(self.frames, zmq.POLLIN)
+        self.subscriber.register(self.poller)
         self.results: zmq.Socket | None = None
         if self.config.record.overlays:  # Note [Overlays]; off: no subscription at all
             self._gate_results = MessageGate("results tap (recorder)")
             self.results = results_subscriber(self.context, rcvhwm=10_000)
             self.results.connect(endpoints.results_tap(self.runtime_dir))
             self.poller.register(self.results, zmq.POLLIN)
-        self.ring_control: dict[str, zmq.Socket] = {}
         from_ts_lsl = pylsl.local_clock() + START_MARGIN_S
         self.cameras: dict[str, CameraRecording] = {}
         for camera_id in self.camera_ids:
-            self.frames.connect(endpoints.frames(self.runtime_dir, camera_id))
-            self.frames.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
-            dealer = self.context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(endpoints.ring_control(self.runtime_dir, camera_id))
-            self.ring_control[camera_id] = dealer
-            self.poller.register(dealer, zmq.POLLIN)
             self.cameras[camera_id] = CameraRecording(self, camera_id, directory, stamp,
                                                       from_ts_lsl)
-            self.cameras[camera_id].request_description()
+            self.subscriber.request_description(camera_id)  # its ring before its first frame
         self._from_ts_lsl = from_ts_lsl
         self._next_state_monotonic = 0.0
         log.info("recording %s into %s (%s, %s, segments of %g s; PyAV %s)",
@@ -566,20 +476,8 @@ class RecorderWorker(Worker):
 
     def step(self) -> None:
         events = dict(self.poller.poll(self._poll_timeout_ms()))
-        for camera_id, dealer in self.ring_control.items():
-            if dealer in events:
-                message = self._gate_frames.decode(dealer.recv())
-                if isinstance(message, RingDescription):
-                    self.cameras[camera_id].attach(message)
-        if self.frames in events:
-            for message in self._gate_frames.drain(self.frames):
-                camera = self.cameras.get(getattr(message, "camera_id", ""))
-                if camera is None:
-                    continue
-                if isinstance(message, RingDescription):
-                    camera.attach(message)
-                elif isinstance(message, FrameReady):
-                    camera.on_frame(message)
+        for message in self.subscriber.every_frame(events):
+            self.cameras[message.camera_id].on_frame(message)
         if self.results is not None and self.results in events:
             self._drain_results()
         if self.results is not None:
@@ -654,8 +552,8 @@ class RecorderWorker(Worker):
                     "state": camera.state}))
         if cameras:
             self._renew_states(force=True)
-        for socket in [getattr(self, "frames", None), getattr(self, "bus", None),
-                       getattr(self, "results", None),
-                       *getattr(self, "ring_control", {}).values()]:
+        if getattr(self, "subscriber", None) is not None:
+            self.subscriber.close()  # its rings too, once every camera's encoder has finished
+        for socket in [getattr(self, "bus", None), getattr(self, "results", None)]:
             if socket is not None:
                 socket.close()
