@@ -1,0 +1,90 @@
+"""The supervisor's rooms on their own, without processes: the control socket's dispatch table
+(one handler per message type; Note [Worker connections]) and the ordered shutdown as a state
+advanced tick by tick (Note [Supervisor loop], DESIGN §5). The daemon tests (test_daemon_e2e,
+test_hostile_input_daemon, the soak) prove the same on real processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from facecast.daemon import control, shutdown
+from facecast.daemon.layout import ROLES_IN_STOP_ORDER
+from facecast.shared.transport import messages
+
+
+def test_every_message_has_one_handler_and_workers_messages_are_not_clients_requests():
+    workers_only = set(control.WORKER_HANDLERS)
+    clients = set(control.CLIENT_HANDLERS)
+    assert not workers_only & clients
+    assert workers_only == {messages.Hello, messages.Heartbeat, messages.BootFailed,
+                            messages.Event, messages.TrackIdsWanted}
+    assert clients == {messages.StatusRequest, messages.ReloadRequest, messages.StopRequest,
+                       messages.RecordRequest, messages.InjectFault}
+    # What the supervisor only ever sends has no handler: refused when it arrives.
+    assert messages.Assignment not in workers_only | clients
+    assert messages.Ack not in workers_only | clients
+
+
+@dataclass
+class _Spec:
+    role: str
+
+
+@dataclass
+class _Worker:
+    name: str
+    spec: _Spec
+    stopped: bool = False
+    deadline_monotonic: float | None = None
+
+
+@dataclass
+class _Table:
+    """What Shutdown uses of a WorkerTable; a worker stops when the test says so."""
+
+    workers: list[_Worker]
+    terms: list[str] = field(default_factory=list)  # begin_stop, in order, once per worker
+
+    def __iter__(self):
+        return iter(self.workers)
+
+    def begin_stop(self, group, deadline_monotonic):
+        for worker in group:
+            if worker.name not in self.terms:
+                self.terms.append(worker.name)
+                worker.deadline_monotonic = deadline_monotonic
+
+    @staticmethod
+    def all_stopped(group):
+        return all(w.stopped for w in group)
+
+
+def test_the_shutdown_stops_role_after_role_and_output_last_after_its_flush(monkeypatch):
+    monkeypatch.setattr(shutdown.shm, "sweep_all_dead", lambda: ([], []))
+    clock = [100.0]
+    monkeypatch.setattr(shutdown.time, "monotonic", lambda: clock[0])
+    table = _Table([_Worker(role, _Spec(role)) for role in reversed(ROLES_IN_STOP_ORDER)])
+    flushed = []
+    state = shutdown.Shutdown(table, lambda: flushed.append(clock[0]),
+                              deadline_monotonic=clock[0] + 10.0)
+    for role in ROLES_IN_STOP_ORDER[:-1]:
+        state.advance()  # never waits: one role asked to stop, the next not yet
+        assert table.terms[-1] == role and not state.done
+        state.advance()
+        assert table.terms[-1] == role  # still stopping
+        next(w for w in table if w.name == role).stopped = True
+    state.advance()
+    assert flushed == [100.0] and table.terms[-1] != "output"  # its events go out first
+    clock[0] += shutdown.OUTPUT_FLUSH_S
+    state.advance()
+    assert table.terms == list(ROLES_IN_STOP_ORDER)
+    output = next(w for w in table if w.name == "output")
+    assert output.deadline_monotonic == 110.0  # the last role gets what is left of the deadline
+    assert not state.done
+    output.stopped = True
+    state.advance()
+    assert state.done
+    # Every role but the last kept STOP_RESERVE_PER_ROLE_S for each role after it.
+    console = next(w for w in table if w.name == "console")
+    assert console.deadline_monotonic == 110.0 - shutdown.STOP_RESERVE_PER_ROLE_S * (
+        len(ROLES_IN_STOP_ORDER) - 1)
