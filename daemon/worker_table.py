@@ -30,11 +30,13 @@ Note [Warm standby]
     title, log lines, a new control connection under that identity) and says Hello; its
     Assignment and boot are then the normal ones, minus what prepare already did. A fresh spare
     is started STANDBY_RESPAWN_DELAY_S later, so that it does not take the CPU from the promoted
-    worker's boot. Spares start once the daemon is READY: booting with the config's workers, a
+    worker's boot, and spares run at a lower CPU priority until promoted (Note [Spares at a
+    lower priority]). Spares start once the daemon is READY: booting with the config's workers, a
     GPU's spares prepared the same CUDA graphs at the same time as the workers READY waits for
     (64 cameras on the H200: READY after 60 s, the detection worker's graphs taking 45 s among 4
     processes preparing theirs). The price is on small CPUs: on 2 cores the spares' first
-    seconds after READY take CPU from the streams. A spare built for a config that a reload
+    seconds after READY took CPU from the streams, hence their lower priority (Note [Spares at
+    a lower priority]). A spare built for a config that a reload
     changed is replaced; if the config moved on between prepare and boot anyway, boot loads the
     models again (slow, never wrong).
 """
@@ -49,6 +51,7 @@ from typing import Callable, Iterator
 
 from facecast.daemon.layout import WorkerSpec
 from facecast.daemon.process import GIVEN_UP_STATES, RestartPolicy, WorkerProcess, WorkerState
+from facecast.shared import cpu_priority
 from facecast.shared.transport import shm
 from facecast.shared.config import DaemonConfig
 from facecast.shared.transport.messages import Promote
@@ -69,6 +72,7 @@ class WorkerTable:
         self._send = send  # (worker name, message) -> delivered
         self._event = event  # (kind, **fields): to the Markers stream
         self.log_level = "INFO"
+        self._spare_priority_decided: tuple[bool, str] | None = None
         self._workers: dict[str, WorkerProcess] = {}
 
     # -- the table ------------------------------------------------------------------------------
@@ -89,6 +93,19 @@ class WorkerTable:
 
     # -- starting -------------------------------------------------------------------------------
 
+    def _spare_priority(self) -> tuple[bool, str]:
+        """Whether spares run lower (Note [Spares at a lower priority]); decided, and said in
+        the log, once."""
+        if self._spare_priority_decided is None:
+            permitted, why_not = cpu_priority.restore_permitted()
+            self._spare_priority_decided = (permitted, why_not)
+            if permitted:
+                log.info("warm spares prepare at nice +%d and get the workers' priority back "
+                         "when promoted", cpu_priority.SPARE_NICE_INCREMENT)
+            else:
+                log.warning("warm spares prepare at the workers' priority: %s", why_not)
+        return self._spare_priority_decided
+
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         """A new worker for `spec`, its process started now."""
         worker = WorkerProcess(spec, self.policy)
@@ -99,6 +116,12 @@ class WorkerTable:
     def _spawn(self, worker: WorkerProcess) -> None:
         env = dict(os.environ)
         env["FACECAST_LOG_LEVEL"] = self.log_level
+        env.pop(cpu_priority.SPARE_NICE_ENV, None)
+        if worker.spec.standby:  # Note [Spares at a lower priority]
+            lowered, why_not = self._spare_priority()
+            env[cpu_priority.SPARE_NICE_ENV] = str(cpu_priority.SPARE_NICE_INCREMENT
+                                                   if lowered else 0)
+            worker.detail = "" if lowered else f"normal priority: {why_not}"
         worker.start(self.control_endpoint, env)
 
     def start_due(self) -> None:

@@ -123,6 +123,8 @@ def test_unit_has_the_directives_the_daemon_relies_on() -> None:
     assert one("Service", "RuntimeDirectory") == "facecast"
     assert one("Service", "KillMode") == "mixed"
     assert one("Service", "TimeoutStopSec") == "10"
+    # A promoted warm spare may take nice 0 back (Note [Spares at a lower priority]).
+    assert one("Service", "LimitNICE") == "+0"
     assert one("Service", "User") == "facecast"
     assert set(one("Service", "SupplementaryGroups").split()) >= {"video", "render"}
     assert one("Service", "ExecStart") == (

@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name")
     parser.add_argument("control", help="the supervisor's control endpoint (ipc://...)")
     args = parser.parse_args(argv)
+    # A spare is lower from its first import on (Note [Spares at a lower priority]).
+    from facecast.shared import cpu_priority
+
+    cpu_priority.lower_this_process(int(os.environ.pop(cpu_priority.SPARE_NICE_ENV, "0") or 0))
     from facecast.workers.base import (
         enable_stack_dumps,
         run,

@@ -50,6 +50,7 @@ import setproctitle
 import zmq
 
 from facecast.shared import config as config_mod
+from facecast.shared import cpu_priority
 from facecast.shared.transport import messages
 from facecast.shared.exit_codes import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from facecast.shared.transport.messages import (
@@ -116,6 +117,7 @@ class Worker:
         self.prepared = None  # what prepare() made, for boot() (Note [Warm standby])
         self.stopping = False
         self.state = "booting"
+        self.priority_trouble = ""  # a promoted spare left at a lower priority
         self._gate = MessageGate(f"supervisor (to {name})")
         self._next_heartbeat_monotonic = 0.0
         self.control = self._connect_control()
@@ -200,7 +202,8 @@ class Worker:
                             cameras=self.camera_reports() if booted else [],
                             stages=self.stage_timings() if booted else {},
                             rejected_messages=MessageGate.rejected_in_process,
-                            trouble=self.trouble() if booted else ""))
+                            trouble=(self.trouble() or self.priority_trouble)
+                            if booted else ""))
 
     def serve_control(self) -> None:
         """Handle what the supervisor sent, without blocking."""
@@ -252,6 +255,10 @@ class Worker:
             message = self._gate.decode(self.control.recv())
             if isinstance(message, Promote):
                 log.info("%s: promoted to %s", self.name, message.worker)
+                # Note [Spares at a lower priority]: the workers' priority back, if allowed.
+                self.priority_trouble = cpu_priority.restore_this_process()
+                if self.priority_trouble:
+                    log.warning("%s: %s", message.worker, self.priority_trouble)
                 self._take_name(message.worker)
                 return self.wait_for_assignment()
         return False
