@@ -13,9 +13,11 @@ What is measured
 ----------------
 *Face stack*, per batch of B faces (B = 1 … 256) of 1080p frames (real photos pasted at three
 scales; the ROIs are the float32 pipeline's detections, repeated up to B):
-- "stack": crop every ROI (one gather from the uint8 frames on the device), the attention mesh
-  with its lips/eye/iris refinement (478 landmarks, irises included), projection to frame pixels,
-  blendshapes when a face_landmarker.task is given, head pose; device synchronised;
+- "stack": ``FaceMeasurer.measure_on_device``: crop every ROI (one gather from the uint8 frames
+  on the device), the attention mesh with its lips/eye/iris refinement (478 landmarks, irises
+  included), projection to frame pixels, head pose, the duplicate filter, the results' table
+  (one CUDA graph with graphs on: Note [Measuring on the device] in models/face_mesh.py); device
+  synchronised;
 - "results": the same through ``FaceMeasurer.measure``, i.e. until the Face objects are built on
   the host (one transfer), what the roi_landmark worker waits for; "host" is its share after the
   one transfer (``FaceMeasurer.last_host_work_s``: slicing the table and making the Face objects,
@@ -74,11 +76,6 @@ detect over 1 / 4 / 8 1080p frames 99 / 652 / 1,444 ms → 65 / 281 / 611 ms, wi
 call 11 / 44 / 88 → 1 (aten operations 1,445 / 1,990 / 2,738 → 1,407 / 1,415 / 1,447); a tracked
 step of 4 cameras 127 → 42 ms; letterbox and tile crops of a 1080p frame 26 → 9 ms; the
 full-range detector on 9 inputs 55 → 43 ms; the attention mesh at batch 8 46 → 22 ms.
-
-Known limit: the mesh stage cannot be captured while MediaPipe's TransformTensorBilinear
-(models/custom_ops.py) indexes its matrix with a Python list (a host-to-device copy per call);
-then its graph variant runs eagerly and the tables say so (tests/models/test_speed_paths.py
-marks it as an expected failure).
 """
 
 from __future__ import annotations
@@ -284,7 +281,6 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
     import torch
 
     from facecast.models import roi
-    from facecast.models.head_pose import head_pose_deg
 
     device = batch.device
     owners_all, boxes_all, keypoints_all, scores_all = pool
@@ -294,7 +290,6 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
         pick = [k % len(owners_all) for k in range(size)]
         index = torch.tensor(pick, device=device)
         owners = [owners_all[k] for k in pick]
-        owner_t = torch.tensor(owners, device=device)
         boxes, scores = boxes_all[index], scores_all[index]
         rects = roi.rects_from_detections(boxes, keypoints_all[index])
         widths = (boxes[:, 2] - boxes[:, 0]).cpu().numpy()
@@ -307,11 +302,8 @@ def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]
             try:
                 def stack():
                     with torch.inference_mode():
-                        crops = roi.crop_rois(batch, owner_t, rects, pipe.measurer.input_px, border="replicate",
-                                              dtype=pipe.model_dtype)
-                        landmarks, _, _ = pipe.measurer.landmarks(crops, rects)
-                        head_pose_deg(landmarks)
-                        return landmarks
+                        table = pipe.measurer.measure_on_device(batch, owners, rects, boxes, scores, [False] * size)
+                        return table[:, pipe.measurer.layout.landmarks].reshape(size, -1, 3)
 
                 def results():
                     with torch.inference_mode():

@@ -315,6 +315,8 @@ def _graphs_on_the_cpu(pipeline, monkeypatch, capture) -> None:
 
 
 def _flat(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
     if isinstance(outputs, tuple):
         return [t for t in outputs if t is not None]
     return [outputs.boxes, outputs.keypoints, outputs.scores, outputs.valid]
@@ -341,16 +343,17 @@ def test_graph_bookkeeping_gives_the_eager_results(cpu_pipeline, photos, monkeyp
     frames = [scene_1080p(photos, shift) for shift in (0, 10, 20)]
     expected = cpu_pipeline(frames)
     monkeypatch.setattr(face_detection, "MAX_GRAPH_FRAMES", 4)  # 3 frames: padded to 4
-    monkeypatch.setattr(face_mesh, "MAX_GRAPH_FACES", 4)  # 9 faces: chunks of 4, 4 and 1
+    monkeypatch.setattr(face_mesh, "MAX_GRAPH_FACES", 4)  # 9 faces: chunks of whole frames, 3 + 3 + 3
     _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
     _CallInsteadOfReplay.made = []
     _same_faces(expected, cpu_pipeline(frames), atol_px=1e-2)
-    assert sorted(cpu_pipeline.graphs.captured) == [("detect", (1080, 1920, 4, True)), ("mesh", (1, torch.float32)),
-                                            ("mesh", (4, torch.float32))]
-    # One frame: a new detection graph; its 3 faces replay the 4-face graph, one row padded with
-    # the previous call's data, which must not leak into the results.
+    # Each chunk of 3 faces replays the 4-face graph, its duplicate filter in 4 steps (max_faces).
+    assert sorted(cpu_pipeline.graphs.captured) == [("detect", (1080, 1920, 4, True)),
+                                                    ("mesh", (4, torch.float32, 4))]
+    # One frame: a new detection graph; its 3 faces replay the 4-face graph again, one row padded
+    # with the previous call's data, which must not leak into the results.
     _same_faces(expected[2:], cpu_pipeline(frames[2:]), atol_px=1e-2)
-    assert ("detect", (1080, 1920, 1, True)) in cpu_pipeline.graphs.captured and len(_CallInsteadOfReplay.made) == 4
+    assert ("detect", (1080, 1920, 1, True)) in cpu_pipeline.graphs.captured and len(_CallInsteadOfReplay.made) == 3
     assert cpu_pipeline.graph_fallbacks == {}
 
 
@@ -382,7 +385,15 @@ class _HostWork(TorchDispatchMode):
     """Records, by source line, what a CUDA graph cannot capture: tensors made from host data
     (a host-to-device copy on a GPU) and operations that wait for the device's results."""
 
-    WAITS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item"}
+    # Operations whose result's size, or whose success, only the device knows (on CUDA: a copy
+    # back and a wait), and the solvers, which on CUDA read their convergence flags back (their
+    # documentation: "this function synchronizes that device with the CPU"; on the CPU they
+    # check without a dispatched op, so they are named here).
+    WAITS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item", "aten.is_nonzero",
+             "aten.equal", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave",
+             "aten._linalg_svd", "aten._linalg_eigh", "aten.linalg_eig", "aten._linalg_solve_ex",
+             "aten.linalg_lu_factor_ex", "aten.linalg_inv_ex", "aten._linalg_det", "aten._linalg_slogdet",
+             "aten.linalg_cholesky_ex", "aten.linalg_qr", "aten.linalg_lstsq"}
 
     def __init__(self):
         super().__init__()
@@ -417,16 +428,37 @@ def test_the_detection_stage_can_be_captured(cpu_pipeline, photos):
     assert spy.found == []
 
 
-def test_the_mesh_stage_can_be_captured(cpu_pipeline, photos):
-    crops = roi.crop_rois(roi.FrameBatch([scene_1080p(photos)], "cpu"), torch.zeros(2),
-                          roi.RotatedRects(torch.tensor([[500.0, 500.0], [900.0, 300.0]]),
-                                           torch.full((2, 2), 200.0), torch.zeros(2)), 192)
-    rects = roi.RotatedRects(torch.zeros(2, 2), torch.full((2, 2), 200.0), torch.zeros(2))
+@pytest.fixture(scope="module")
+def landmarker_pipeline(installed_models, landmarker_bundle):
+    """FaceLandmarker's stack on the CPU: blendshapes and the transformation matrix."""
+    _require_models(installed_models)
+    torch.set_num_threads(1)
+    return FacePipeline("cpu", max_faces=4, face_landmarker_task=landmarker_bundle.task_path)
+
+
+@pytest.mark.parametrize("stack", ["attention_mesh", "face_landmarker"])
+def test_the_measuring_stage_can_be_captured(cpu_pipeline, landmarker_pipeline, photos, stack):
+    """Note [Measuring on the device]: the whole measuring stage (models, blendshapes, head
+    pose, transformation matrix, duplicate filter, the results' table) neither copies from the
+    host nor waits for the device; three ROIs of two frames, two of them one face."""
+    measurer = (landmarker_pipeline if stack == "face_landmarker" else cpu_pipeline).measurer
+    batch = roi.FrameBatch([scene_1080p(photos)] * 2, "cpu")
     with torch.inference_mode():
-        cpu_pipeline.measurer.landmarks_core(crops, rects)
+        boxes, keypoints, _ = cpu_pipeline.detect(batch, [0])[0]
+    rects = roi.rects_from_detections(boxes[[0, 0, 0]], keypoints[[0, 0, 0]])
+    rects.center_xy_px[1] += 4.0  # the same face again, its ROI moved a little
+    crops = roi.crop_rois(batch, torch.tensor([0, 0, 1]), rects, measurer.input_px)
+    roi_table = torch.tensor([[0.0, 1.0, 1920.0, 1080.0], [0.0, 0.0, 1920.0, 1080.0], [1.0, 0.0, 1920.0, 1080.0]])
+    inputs = (crops, rects, roi_table, torch.zeros(3, 4), torch.ones(3), 4)
+    with torch.inference_mode():
+        expected = measurer.results_core(*inputs)  # caches made on first use stay out, as in the warm-up
         with _HostWork() as spy:
-            cpu_pipeline.measurer.landmarks_core(crops, rects)
+            table = measurer.results_core(*inputs)
     assert spy.found == [], spy.found
+    assert table.shape == (3, measurer.layout.columns) and torch.isfinite(table).all()
+    torch.testing.assert_close(table, expected, rtol=0, atol=0)
+    kept = table[:, measurer.layout.kept]
+    assert kept[2] == 1 and kept[:2].sum() == 1, "the two ROIs on one face: one kept"
 
 
 # -- GPU: float16 and CUDA graphs against float32 eager, on real photos ----------------------------
@@ -535,7 +567,7 @@ def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypat
     assert sorted(cpu_pipeline.graphs.captured) == [
         ("detect", (360, 640, 1, True)), ("detect", (360, 640, 2, True)),
         ("detect", (360, 640, 4, True)),
-        ("mesh", (1, torch.float32)), ("mesh", (2, torch.float32)), ("mesh", (4, torch.float32)),
-        ("mesh", (8, torch.float32))]
+        ("mesh", (1, torch.float32, 4)), ("mesh", (2, torch.float32, 4)), ("mesh", (4, torch.float32, 4)),
+        ("mesh", (8, torch.float32, 4))]
     monkeypatch.setattr(cpu_pipeline.graphs, "enabled", False)
     cpu_pipeline.warm_up([(360, 640)], max_frames=3, max_faces=5)  # eager: nothing to prepare
