@@ -264,18 +264,49 @@ def best_rotation(covariance: torch.Tensor) -> torch.Tensor:
     source_by_target = covariance.transpose(1, 2).reshape(count, 9)
     horn_n = (source_by_target @ horn).reshape(count, 4, 4)
     shift = math.sqrt(3.0) * source_by_target.norm(dim=1)
-    powered = horn_n + shift[:, None, None] * identity
+    powered = horn_n + shift[:, None, None] * identity  # N + σI
     for step in range(PROCRUSTES_SQUARINGS):
         if step % _SQUARINGS_PER_NORMALISATION == 0:  # trace 1 again (a zero matrix stays zero)
             trace = powered.diagonal(dim1=1, dim2=2).sum(-1)
-            powered = powered / torch.where(trace > 0, trace, 1.0)[:, None, None]
+            powered = powered / trace.clamp_min(torch.finfo(powered.dtype).tiny)[:, None, None]
         powered = powered @ powered
-    diagonal = powered.diagonal(dim1=1, dim2=2)
-    column = diagonal.argmax(dim=1)  # zero matrix: column 0, and the identity quaternion below
+    column = powered.diagonal(dim1=1, dim2=2).argmax(dim=1)  # zero matrix: column 0, the identity below
     quaternion = powered.gather(2, column[:, None, None].expand(count, 4, 1))[..., 0]
     norm = quaternion.norm(dim=1, keepdim=True)
-    unit = torch.where(norm > 0, quaternion / torch.where(norm > 0, norm, 1.0), identity[0])
+    unit = torch.where(norm > 0, quaternion / norm.clamp_min(torch.finfo(norm.dtype).tiny), identity[0])
     return ((unit[:, :, None] * unit[:, None, :]).reshape(count, 16) @ quaternion_rotation).reshape(count, 3, 3)
+
+
+@dataclass(frozen=True)
+class ProcrustesSource:
+    """The source's side of a weighted Procrustes fit, the same for every target (for the facial
+    transformation matrix: MediaPipe's canonical face), made once."""
+
+    weights: torch.Tensor  # (K,) normalised to sum 1
+    centre: torch.Tensor  # (3,)
+    weighted_centred: torch.Tensor  # (K, 3): w_k (source_k - centre)
+    variance: torch.Tensor  # (): Σ w_k |source_k - centre|²
+
+    @classmethod
+    def of(cls, source: torch.Tensor, weights: torch.Tensor) -> "ProcrustesSource":
+        w = weights / weights.sum()
+        centre = w @ source
+        centred = source - centre
+        return cls(w, centre, w[:, None] * centred, w @ (centred ** 2).sum(-1))
+
+    def fit(self, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scale (N,), rotation (N, 3, 3), translation (N, 3) of :func:`weighted_procrustes`
+        for targets (N, K, 3)."""
+        target_centre = torch.einsum("k,nkc->nc", self.weights, target)  # (N, 3)
+        # Σ_k w_k (target_k - target centre) ⊗ (source_k - source centre), one batched matmul;
+        # the target centre's share is Σ_k w_k (source_k - centre) = 0, so it needs no subtracting.
+        covariance = target.transpose(1, 2) @ self.weighted_centred
+        rotation = best_rotation(covariance)
+        # Umeyama's scale: trace(Rᵀ C) (the sign-corrected singular values' sum) over the
+        # source's weighted variance.
+        scale = (rotation * covariance).sum(dim=(1, 2)) / self.variance
+        translation = target_centre - scale[:, None] * (rotation @ self.centre)
+        return scale, rotation, translation
 
 
 def weighted_procrustes(source: torch.Tensor, target: torch.Tensor, weights: torch.Tensor
@@ -286,18 +317,7 @@ def weighted_procrustes(source: torch.Tensor, target: torch.Tensor, weights: tor
 
     source (K, 3); target (N, K, 3); weights (K,) ≥ 0, not all zero; one dtype and device.
     """
-    w = weights / weights.sum()
-    source_centre = w @ source  # (3,)
-    target_centre = torch.einsum("k,nkc->nc", w, target)  # (N, 3)
-    centred_source = source - source_centre
-    # Σ_k w_k (target_k - target centre) ⊗ (source_k - source centre), one batched matmul.
-    covariance = (target - target_centre[:, None]).transpose(1, 2) @ (w[:, None] * centred_source)
-    rotation = best_rotation(covariance)
-    # Umeyama's scale: trace(Rᵀ C) (the sign-corrected singular values' sum) over the source's
-    # weighted variance.
-    scale = (rotation * covariance).sum(dim=(1, 2)) / (w @ (centred_source ** 2).sum(-1))
-    translation = target_centre - scale[:, None] * (rotation @ source_centre)
-    return scale, rotation, translation
+    return ProcrustesSource.of(source, weights).fit(target)
 
 
 class FaceGeometry:
@@ -309,14 +329,14 @@ class FaceGeometry:
         self.near = near
         self.near_height = 2.0 * near * math.tan(math.radians(vertical_fov_deg) / 2.0)
         self._used = np.flatnonzero(metadata.landmark_weights > 0)
-        self._model_by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._model_by_device: dict[torch.device, tuple[torch.Tensor, ProcrustesSource]] = {}
 
     @classmethod
     def read(cls, path: str | Path) -> "FaceGeometry":
         return cls(GeometryMetadata.read(path))
 
-    def _model_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(landmark indices the fit uses, their canonical vertices, their weights) on the device,
+    def _model_on(self, device: torch.device) -> tuple[torch.Tensor, ProcrustesSource]:
+        """(landmark indices the fit uses, the canonical model's side of the fit) on the device,
         made once per device: a table copied per call is a host-to-device copy each time. (Normal
         tensors even when first asked for under inference mode, so that they may be used
         anywhere.)"""
@@ -324,8 +344,9 @@ class FaceGeometry:
             with torch.inference_mode(False):
                 self._model_by_device[device] = (
                     torch.as_tensor(self._used, device=device),
-                    torch.as_tensor(self.metadata.canonical_vertices_cm[self._used], device=device),
-                    torch.as_tensor(self.metadata.landmark_weights[self._used], device=device))
+                    ProcrustesSource.of(
+                        torch.as_tensor(self.metadata.canonical_vertices_cm[self._used], device=device),
+                        torch.as_tensor(self.metadata.landmark_weights[self._used], device=device)))
         return self._model_by_device[device]
 
     def matrices(self, landmarks_px: torch.Tensor, frame_wh_px: torch.Tensor) -> torch.Tensor:
@@ -334,35 +355,39 @@ class FaceGeometry:
         landmarks_px: (N, ≥468, 3) x, y in frame pixels, z in pixels on x's scale (facecast's
         landmarks); frame_wh_px: (N, 2) width, height of each face's frame.
         """
-        count = landmarks_px.shape[0]
-        device = landmarks_px.device
-        used, source, weights = self._model_on(device)
-        size = frame_wh_px.to(device=device, dtype=torch.float64).reshape(count, 1, 2)
-        width, height = size[..., 0], size[..., 1]
-        near_width = self.near_height * width / height  # (N, 1)
+        used, canonical = self._model_on(landmarks_px.device)
+        size = frame_wh_px.to(device=landmarks_px.device, dtype=torch.float64)
+        # Normalise (x/W, y/H, z/W), flip y (top-left origin), scale onto the near plane: per
+        # face one factor and one offset per axis, (N, 1, 3) each; only the points the fit
+        # weighs are needed, and the mean depth of all 468.
+        near_width = self.near_height * size[:, 0] / size[:, 1]
+        per_x = near_width / size[:, 0]
+        factor = torch.stack([per_x, -self.near_height / size[:, 1], per_x], dim=-1)[:, None]
+        offset = torch.stack([-near_width / 2, torch.full_like(near_width, self.near_height / 2),
+                              torch.zeros_like(near_width)], dim=-1)[:, None]
         mesh = landmarks_px[:, :NUM_CANONICAL_VERTICES]
-        # Normalise (x/W, y/H, z/W), flip y (top-left origin), scale onto the near plane; only
-        # the points the fit weighs are needed, and the mean depth of all 468.
-        points = mesh[:, used].double()
-        screen_x = points[..., 0] / width * near_width - near_width / 2
-        screen_y = (1.0 - points[..., 1] / height) * self.near_height - self.near_height / 2
-        screen_z = points[..., 2] / width * near_width
-        depth_offset = (mesh[..., 2].double() / width * near_width).mean(dim=1, keepdim=True)
-
-        def fit(target):
-            return weighted_procrustes(source, target, weights)
+        screen = torch.addcmul(offset, mesh[:, used].double(), factor)  # (N, K, 3)
+        depth_offset = mesh[..., 2].double().mean(dim=1, keepdim=True) * per_x[:, None]  # (N, 1)
 
         def unproject(scale):
-            depth = (screen_z - depth_offset + self.near) / scale[:, None]
-            return torch.stack([screen_x * depth / self.near, screen_y * depth / self.near, -depth], dim=-1)
+            depth = (screen[..., 2] - depth_offset + self.near) / scale[:, None]
+            return torch.cat([screen[..., :2] * (depth / self.near)[..., None], -depth[..., None]], dim=-1)
 
-        first_scale = fit(torch.stack([screen_x, screen_y, -screen_z], dim=-1))[0]
-        second_scale = fit(unproject(first_scale))[0]
-        scale, rotation, translation = fit(unproject(first_scale * second_scale))
+        first_scale = canonical.fit(screen * _constant_z_flip(screen.device))[0]
+        second_scale = canonical.fit(unproject(first_scale))[0]
+        scale, rotation, translation = canonical.fit(unproject(first_scale * second_scale))
         top = torch.cat([scale[:, None, None] * rotation, translation[:, :, None]], dim=2)  # (N, 3, 4)
         bottom = torch.zeros_like(top[:, :1])
         bottom[..., 3].fill_(1.0)  # (an assigned Python number is a tensor made from host data)
         return torch.cat([top, bottom], dim=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _constant_z_flip(device: torch.device) -> torch.Tensor:
+    """(1, 1, 3) float64 (1, 1, -1): the first fit sees the points with z negated (right-handed);
+    made once per device (as :func:`_horn_tables`)."""
+    with torch.inference_mode(False):
+        return torch.tensor([[[1.0, 1.0, -1.0]]], dtype=torch.float64, device=device)
 
 
 def rotation_and_translation(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -461,6 +461,25 @@ def test_the_measuring_stage_can_be_captured(cpu_pipeline, landmarker_pipeline, 
     assert kept[2] == 1 and kept[:2].sum() == 1, "the two ROIs on one face: one kept"
 
 
+def test_the_measuring_stage_traces_as_one_graph(landmarker_pipeline):
+    """The measuring stage has no Python branch on a tensor's value and no host round trip:
+    TorchDynamo traces the whole of it, FaceLandmarker's stack with its transformation matrix,
+    without a graph break (``fullgraph=True``; the "eager" backend: the trace is the test, not
+    a compiler), and the traced stage gives the same table. (Under no_grad: torch 2.13's guards
+    mistake inference-mode tensors made once for the device tables.)"""
+    measurer = landmarker_pipeline.measurer
+    count = 4
+    crops = torch.rand(count, measurer.input_px, measurer.input_px, 3, generator=torch.Generator().manual_seed(3))
+    rects = roi.RotatedRects(torch.full((count, 2), 500.0), torch.full((count, 2), 200.0), torch.zeros(count))
+    roi_table = torch.tensor([[frame // 2, 0.0, 1920.0, 1080.0] for frame in range(count)])
+    inputs = (crops, rects, roi_table, torch.zeros(count, 4), torch.ones(count), 4)
+    torch._dynamo.reset()
+    traced = torch.compile(measurer.results_core, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(*inputs), measurer.results_core(*inputs), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 # -- GPU: float16 and CUDA graphs against float32 eager, on real photos ----------------------------
 
 FAST_VARIANTS = {  # name: (FacePipeline options, median, 99th percentile, min box IoU)
