@@ -162,13 +162,14 @@ class Measured:
 
     faces: list[list[Face]]
     rows: list[list[int]]
-    landmarks_px: torch.Tensor | None  # (N, 478, 3)
-    boxes_px: torch.Tensor | None  # (N, 4)
+    landmarks_px: torch.Tensor | None  # (N, 478, 3) on the device
+    boxes_px: torch.Tensor | None  # (N, 4) on the device
+    boxes_host_px: np.ndarray | None  # (N, 4) float32: the same boxes, from the one transfer
 
     @classmethod
     def nothing(cls, frames: int) -> "Measured":
         """No face in any of ``frames`` frames."""
-        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None)
+        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None, None)
 
 
 # Note [Box of a tracked face]
@@ -317,7 +318,7 @@ class FaceMeasurer:
         self.last_host_work_s = time.perf_counter() - host_start_s
         count = len(owners)
         return Measured(faces, rows, table[:, self.layout.landmarks].view(count, NUM_LANDMARKS, 3),
-                        table[:, self.layout.box])
+                        table[:, self.layout.box], host[:, self.layout.box])
 
     def measure_on_device(self, batch, owners: list[int], rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
                           roi_scores: torch.Tensor, tracked: list[bool]) -> torch.Tensor:

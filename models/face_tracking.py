@@ -6,6 +6,20 @@ landmarks, not from a detection; the detector runs only when a camera has no fac
 every ``detect_interval_frames`` frames to pick up newcomers (:meth:`FaceTracks.wants_detection`).
 A detection of a face that is already followed is dropped: the track's ROI follows the mesh,
 which is the better one.
+
+Note [Tracking without per-face work]
+    A camera's followed faces are one block of rows (landmarks and boxes on the device, the
+    boxes also on the host, from the measuring stage's one transfer), not one object per face.
+    A step makes every camera's ROIs at once: one concatenation of the cameras' blocks, one
+    copy of the new detections and of the ROIs' order to the device, the rects of all tracks and
+    all detections in two batched calls, one gather into the ROIs' order. Which detections are
+    dropped as already followed (IoU > TRACKED_DETECTION_IOU with a followed face's box) and
+    which are cut by ``max_faces`` is decided on the host, with numpy, on the host's copies of
+    the boxes: the daemon's detections arrive on the host, and the tracks' boxes came back in
+    the previous step's table, so nothing waits for the device (before issue 24 the decision
+    was read back from the device, one wait per step). After measuring, the faces kept in every
+    frame become the cameras' new blocks in one gather. Python loops over cameras remain, none
+    over faces.
 """
 
 from __future__ import annotations
@@ -20,18 +34,25 @@ from facecast.models import roi as roi_mod
 from facecast.models.face_mesh import Measured
 from facecast.models.nms import box_iou
 
+# A detection whose box overlaps a followed face's box by more than this is that face.
+TRACKED_DETECTION_IOU = 0.3
 
-@dataclass
-class _Track:
-    landmarks_px: torch.Tensor  # (478, 3), on the pipeline's device
-    box_px: torch.Tensor  # (4,)
+
+def _no_boxes() -> np.ndarray:
+    return np.zeros((0, 4), np.float32)
 
 
 @dataclass
 class _CameraState:
-    tracks: list[_Track] = field(default_factory=list)
+    landmarks_px: torch.Tensor | None = None  # (k, 478, 3) on the pipeline's device: the faces followed
+    boxes_px: torch.Tensor | None = None  # (k, 4) on the device
+    boxes_host_px: np.ndarray = field(default_factory=_no_boxes)  # (k, 4) float32: the same boxes
     frames_since_detection: int = 0
     lost_face: bool = False
+
+    @property
+    def face_count(self) -> int:
+        return self.boxes_host_px.shape[0]
 
 
 @dataclass
@@ -63,7 +84,7 @@ class FaceTracks:
         """Whether the camera's next frame should get a detection pass: it has no face, lost
         one, or it is time to look for newcomers."""
         state = self.cameras.get(camera_id)
-        return (state is None or not state.tracks or state.lost_face
+        return (state is None or not state.face_count or state.lost_face
                 or state.frames_since_detection >= self.detect_interval_frames)
 
     def reset(self, camera_id: Hashable | None = None) -> None:
@@ -76,72 +97,101 @@ class FaceTracks:
     def next_rois(self, states: list[_CameraState], det_by_frame: dict) -> Rois:
         """The ROIs of one frame per state: its tracks, then its detections (``det_by_frame``:
         frame index → (boxes, keypoints, scores)) of faces not tracked yet, up to ``max_faces``
-        a frame. Counts the frames since each camera's last detection."""
-        # Every track of every frame, and every detection, each as one batch (Note [Detection
-        # without per-frame work] in models/face_detection.py).
-        tracks = [track for state in states for track in state.tracks]
-        track_owner = [i for i, state in enumerate(states) for _ in state.tracks]
+        a frame. Counts the frames since each camera's last detection. (Note [Tracking without
+        per-face work].)"""
+        track_counts = np.array([state.face_count for state in states], dtype=np.int64)
+        track_starts = np.cumsum(track_counts) - track_counts
         det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]
-        det_owner = [i for i in det_frames for _ in range(det_by_frame[i][0].shape[0])]
-        if det_owner:
-            det_boxes, det_keypoints, det_scores = (
-                torch.cat([det_by_frame[i][part] for i in det_frames]).to(self.device, torch.float32)
-                for part in range(3))
-        if tracks:
-            track_landmarks = torch.stack([t.landmarks_px for t in tracks])
-            track_boxes = torch.stack([t.box_px for t in tracks])
-        # A detection of a face that is already tracked is dropped: the track's ROI is the
-        # better one (it follows the mesh, not a coarse box).
-        if det_owner and tracks:
-            same_frame = roi_mod.from_host(np.equal.outer(det_owner, track_owner), self.device)
-            overlaps = ((box_iou(det_boxes, track_boxes) * same_frame).amax(dim=1) > 0.3).tolist()
-        else:
-            overlaps = [False] * len(det_owner)
+        det_counts = [det_by_frame[i][0].shape[0] for i in det_frames]
+        det_starts = np.cumsum([0] + det_counts)
+        det_boxes_host = _detection_boxes_on_host([det_by_frame[i][0] for i in det_frames])
+        total_tracks = int(track_counts.sum())
 
-        owners, sources, tracked = [], [], []  # per ROI: frame, row in cat(tracks, detections), tracked?
-        track_row = det_row = 0
+        sources, owners, tracked = [], [], []  # per frame: rows in cat(tracks, detections)
         for i, state in enumerate(states):
-            for _ in state.tracks:
-                owners.append(i)
-                sources.append(track_row)
-                tracked.append(True)
-                track_row += 1
-            if i in det_by_frame:
-                frame_rois = len(state.tracks)
-                first = det_row
-                while det_row < len(det_owner) and det_owner[det_row] == i:
-                    det_row += 1
-                for row in range(first, det_row):
-                    if overlaps[row]:
-                        continue
-                    if frame_rois >= self.max_faces:
-                        break
-                    owners.append(i)
-                    sources.append(len(tracks) + row)
-                    tracked.append(False)
-                    frame_rois += 1
-                state.frames_since_detection = 0
-            else:
+            sources.append(np.arange(track_starts[i], track_starts[i] + track_counts[i]))
+            owners.append(np.full(track_counts[i], i))
+            tracked.append(np.ones(track_counts[i], bool))
+            if i not in det_by_frame:
                 state.frames_since_detection += 1
-
-        if not owners:
+                continue
+            state.frames_since_detection = 0
+            if i not in det_frames:
+                continue
+            position = det_frames.index(i)
+            boxes = det_boxes_host[det_starts[position]:det_starts[position + 1]]
+            # A detection of a face already followed is dropped: the track's ROI is the better
+            # one (it follows the mesh, not a coarse box). Then as many as max_faces leaves room.
+            new = np.ones(boxes.shape[0], bool)
+            if state.face_count:
+                new = box_iou(boxes, state.boxes_host_px).max(axis=1) <= TRACKED_DETECTION_IOU
+            new &= np.cumsum(new) <= self.max_faces - state.face_count
+            rows = total_tracks + det_starts[position] + np.flatnonzero(new)
+            sources.append(rows)
+            owners.append(np.full(rows.shape[0], i))
+            tracked.append(np.zeros(rows.shape[0], bool))
+        owner = np.concatenate(owners)
+        if not owner.shape[0]:
             return Rois([], [], None, None, None)
+
+        # One copy to the device: the ROIs' order, and the detections when they are on the host.
+        detections = [det_by_frame[i] for i in det_frames]
+        on_host = bool(detections) and detections[0][0].device.type == "cpu"
+        order_host = np.concatenate(sources).astype(np.float32)
+        upload = [order_host]
+        if on_host:
+            upload.append(np.concatenate([torch.cat([part.reshape(part.shape[0], -1) for part in found], dim=1)
+                                          .float().numpy() for found in detections]).ravel())
+        uploaded = roi_mod.from_host(np.concatenate(upload), self.device)
+        order = uploaded[:order_host.shape[0]].long()
+
         rects_parts, boxes_parts, scores_parts = [], [], []
-        if tracks:
+        if total_tracks:
+            followed = [state for state in states if state.face_count]
+            track_landmarks = torch.cat([state.landmarks_px for state in followed])
             rects_parts.append(roi_mod.rects_from_landmarks(track_landmarks))
-            boxes_parts.append(track_boxes)
-            scores_parts.append(torch.zeros(len(tracks), device=self.device))
-        if det_owner:
+            boxes_parts.append(torch.cat([state.boxes_px for state in followed]))
+            scores_parts.append(torch.zeros(total_tracks, device=self.device))
+        if detections:
+            if on_host:
+                table = uploaded[order_host.shape[0]:].view(-1, 4 + detections[0][1][0].numel() + 1)
+                det_boxes, det_keypoints, det_scores = (table[:, :4], table[:, 4:-1].reshape(table.shape[0], -1, 2),
+                                                        table[:, -1])
+            else:
+                det_boxes, det_keypoints, det_scores = (torch.cat([found[part] for found in detections])
+                                                        .to(self.device, torch.float32) for part in range(3))
             rects_parts.append(roi_mod.rects_from_detections(det_boxes, det_keypoints))
             boxes_parts.append(det_boxes)
             scores_parts.append(det_scores)
-        order = roi_mod.from_host(sources, self.device)
-        return Rois(owners, tracked, roi_mod.RotatedRects.cat(rects_parts)[order], torch.cat(boxes_parts)[order],
-                    torch.cat(scores_parts)[order])
+        return Rois(owner.tolist(), np.concatenate(tracked).tolist(), roi_mod.RotatedRects.cat(rects_parts)[order],
+                    torch.cat(boxes_parts)[order], torch.cat(scores_parts)[order])
 
     def follow(self, states: list[_CameraState], owners: list[int], measured: Measured) -> None:
         """Keep the faces measured in each state's frame as its tracks; a track that held no face
-        any more marks the camera as having lost one."""
+        any more marks the camera as having lost one. (Note [Tracking without per-face work].)"""
+        rois_per_frame = np.bincount(np.asarray(owners, dtype=np.int64), minlength=len(states))
+        kept_per_frame = [len(rows) for rows in measured.rows]
+        kept_rows = np.fromiter((k for rows in measured.rows for k in rows), np.int64, sum(kept_per_frame))
+        if kept_rows.shape[0]:
+            index = roi_mod.from_host(kept_rows, self.device)
+            landmarks, boxes = measured.landmarks_px[index], measured.boxes_px[index]
+            boxes_host = measured.boxes_host_px[kept_rows]
+        start = 0
         for i, state in enumerate(states):
-            state.lost_face = bool(state.tracks) and len(measured.faces[i]) < owners.count(i)
-            state.tracks = [_Track(measured.landmarks_px[k], measured.boxes_px[k]) for k in measured.rows[i]]
+            state.lost_face = bool(state.face_count) and kept_per_frame[i] < rois_per_frame[i]
+            stop = start + kept_per_frame[i]
+            if stop > start:
+                state.landmarks_px, state.boxes_px = landmarks[start:stop], boxes[start:stop]
+                state.boxes_host_px = boxes_host[start:stop]
+            else:
+                state.landmarks_px, state.boxes_px, state.boxes_host_px = None, None, _no_boxes()
+            start = stop
+
+
+def _detection_boxes_on_host(boxes: list[torch.Tensor]) -> np.ndarray:
+    """The detections' boxes (D, 4) float32 on the host, for the overlap test: as they are when
+    they came from the host (the daemon's detection worker), else in one copy (after
+    :meth:`FacePipeline.detect`'s own wait for the device, nothing is left to wait for)."""
+    if not boxes:
+        return _no_boxes()
+    return torch.cat(boxes).float().cpu().numpy()
