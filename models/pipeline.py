@@ -215,9 +215,10 @@ class FacePipeline:
         owners = [i for i, (boxes, _, _) in enumerate(detections) for _ in range(boxes.shape[0])]
         if not owners:
             return [[] for _ in detections]
-        boxes = torch.cat([d[0] for d in detections])
-        keypoints = torch.cat([d[1] for d in detections])
-        scores = torch.cat([d[2] for d in detections])
+        # The detections (on the host) back to the device in one copy.
+        table = roi_mod.from_host(torch.cat([torch.cat([boxes, keypoints.flatten(1), scores[:, None]], dim=1)
+                                             for boxes, keypoints, scores in detections]), self.device)
+        boxes, keypoints, scores = table[:, :4], table[:, 4:-1].reshape(len(owners), -1, 2), table[:, -1]
         rects = roi_mod.rects_from_detections(boxes, keypoints)
         return self.measurer.measure(batch, owners, rects, boxes, scores, [False] * len(owners)).faces
 
@@ -261,8 +262,9 @@ class FacePipeline:
     @torch.inference_mode()
     def detect(self, batch: roi_mod.FrameBatch, frame_indices: Sequence[int] | None = None):
         """Faces of the given frames (all by default): per frame, (boxes (M, 4) px,
-        keypoints (M, 6, 2) px, scores (M,)), best first, at most ``max_faces`` (at most twice
-        that with ``use_tiles=False``, as NMS leaves them)."""
+        keypoints (M, 6, 2) px, scores (M,)), on the host (one copy for all frames), best
+        first, at most ``max_faces`` (at most twice that with ``use_tiles=False``, as NMS leaves
+        them)."""
         return self.detector.detect(batch, frame_indices)
 
     @torch.inference_mode()
