@@ -386,14 +386,13 @@ class _HostWork(TorchDispatchMode):
     (a host-to-device copy on a GPU) and operations that wait for the device's results."""
 
     # Operations whose result's size, or whose success, only the device knows (on CUDA: a copy
-    # back and a wait), and the solvers, which on CUDA read their convergence flags back (their
+    # back and a wait); and the solvers (every aten.linalg_* / aten._linalg_* but the
+    # elementwise ones below), which on CUDA read their convergence flags back (their
     # documentation: "this function synchronizes that device with the CPU"; on the CPU they
-    # check without a dispatched op, so they are named here).
+    # check without a dispatched op, so they are recognised by name).
     WAITS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item", "aten.is_nonzero",
-             "aten.equal", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave",
-             "aten._linalg_svd", "aten._linalg_eigh", "aten.linalg_eig", "aten._linalg_solve_ex",
-             "aten.linalg_lu_factor_ex", "aten.linalg_inv_ex", "aten._linalg_det", "aten._linalg_slogdet",
-             "aten.linalg_cholesky_ex", "aten.linalg_qr", "aten.linalg_lstsq"}
+             "aten.equal", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave"}
+    NOT_SOLVERS = {"aten.linalg_cross", "aten.linalg_vector_norm", "aten.linalg_norm", "aten.linalg_matrix_norm"}
 
     def __init__(self):
         super().__init__()
@@ -405,7 +404,8 @@ class _HostWork(TorchDispatchMode):
         name = str(func.overloadpacket)
         bool_mask = name == "aten.index" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []) if i is not None)
-        if name in ("aten.lift_fresh", "aten.lift_fresh_copy") or name in self.WAITS or bool_mask:
+        solver = name.startswith(("aten.linalg_", "aten._linalg_")) and name not in self.NOT_SOLVERS
+        if name in ("aten.lift_fresh", "aten.lift_fresh_copy") or name in self.WAITS or bool_mask or solver:
             frame = next(f for f in reversed(traceback.extract_stack())
                          if "/models/" in f.filename and "/tests/" not in f.filename)
             self.found.append(f"{name} at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}")
