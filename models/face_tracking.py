@@ -8,23 +8,25 @@ A detection of a face that is already followed is dropped: the track's ROI follo
 which is the better one.
 
 Note [Tracking without per-face work]
-    A camera's followed faces are one block of rows (landmarks and boxes on the device, the
-    boxes also on the host, from the measuring stage's one transfer), not one object per face.
-    A step makes every camera's ROIs at once: one concatenation of the cameras' blocks, one
-    copy of the new detections and of the ROIs' order to the device, the rects of all tracks and
-    all detections in two batched calls, one gather into the ROIs' order. Which detections are
-    dropped as already followed (IoU > TRACKED_DETECTION_IOU with a followed face's box) and
-    which are cut by ``max_faces`` is decided on the host, with numpy, on the host's copies of
-    the boxes: the daemon's detections arrive on the host, and the tracks' boxes came back in
-    the previous step's table, so nothing waits for the device (before issue 24 the decision
-    was read back from the device, one wait per step). After measuring, the faces kept in every
-    frame become the cameras' new blocks in one gather. Python loops over cameras remain, none
-    over faces.
+    The faces that one step's cameras keep are one block (landmarks and boxes on the device, the
+    boxes also on the host, from the measuring stage's one transfer); a camera holds a range of
+    rows of its last step's block, not an object per face, and no tensor of its own. A step
+    makes every camera's ROIs at once: the followed faces' rows gathered from their blocks (none
+    at all when, as in the daemon's steady state, the cameras are the last step's in its order),
+    one copy of the ROIs' order, the gather's rows and host-side detections to the device, the
+    rects of all tracks and all detections in two batched calls, one gather into the ROIs'
+    order. Which detections are dropped as already followed (IoU > TRACKED_DETECTION_IOU with a
+    followed face's box) and which are cut by ``max_faces`` is decided on the host, with numpy,
+    on the host's copies of the boxes, for the frames that have detections: the daemon's
+    detections arrive on the host and the tracks' boxes came back in the previous step's table,
+    so nothing waits for the device (before issue 24 the decision was read back from the
+    device, one wait per step). After measuring, the faces kept in every frame become the new
+    block in one gather. The Python loops left run over cameras, doing bookkeeping only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -43,16 +45,39 @@ def _no_boxes() -> np.ndarray:
 
 
 @dataclass
+class _Followed:
+    """The faces that one step's cameras kept, all of them (Note [Tracking without per-face
+    work])."""
+
+    landmarks_px: torch.Tensor  # (n, 478, 3) on the pipeline's device
+    boxes_px: torch.Tensor  # (n, 4) on the device
+    boxes_host_px: np.ndarray  # (n, 4) float32: the same boxes on the host
+
+
+@dataclass
 class _CameraState:
-    landmarks_px: torch.Tensor | None = None  # (k, 478, 3) on the pipeline's device: the faces followed
-    boxes_px: torch.Tensor | None = None  # (k, 4) on the device
-    boxes_host_px: np.ndarray = field(default_factory=_no_boxes)  # (k, 4) float32: the same boxes
+    followed: _Followed | None = None  # the block holding this camera's faces
+    first_row: int = 0  # ... from this row
+    face_count: int = 0  # ... this many
     frames_since_detection: int = 0
     lost_face: bool = False
 
     @property
-    def face_count(self) -> int:
-        return self.boxes_host_px.shape[0]
+    def rows(self) -> slice:
+        return slice(self.first_row, self.first_row + self.face_count)
+
+    @property
+    def boxes_host_px(self) -> np.ndarray:
+        return self.followed.boxes_host_px[self.rows] if self.face_count else _no_boxes()
+
+    @property
+    def landmarks_px(self) -> torch.Tensor | None:
+        """(k, 478, 3) on the device: the faces followed (a view of the block; for tests)."""
+        return self.followed.landmarks_px[self.rows] if self.face_count else None
+
+    @property
+    def boxes_px(self) -> torch.Tensor | None:
+        return self.followed.boxes_px[self.rows] if self.face_count else None
 
 
 @dataclass
@@ -99,62 +124,62 @@ class FaceTracks:
         frame index → (boxes, keypoints, scores)) of faces not tracked yet, up to ``max_faces``
         a frame. Counts the frames since each camera's last detection. (Note [Tracking without
         per-face work].)"""
-        track_counts = np.array([state.face_count for state in states], dtype=np.int64)
-        track_starts = np.cumsum(track_counts) - track_counts
-        det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]
-        det_counts = [det_by_frame[i][0].shape[0] for i in det_frames]
-        det_starts = np.cumsum([0] + det_counts)
-        det_boxes_host = _detection_boxes_on_host([det_by_frame[i][0] for i in det_frames])
+        frames = len(states)
+        track_counts = np.fromiter((state.face_count for state in states), np.int64, frames)
         total_tracks = int(track_counts.sum())
-
-        sources, owners, tracked = [], [], []  # per frame: rows in cat(tracks, detections)
+        track_owner = np.repeat(np.arange(frames), track_counts)
+        blocks, track_rows, whole = self._followed_rows(states, track_counts)
+        det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]
+        det_counts = np.fromiter((det_by_frame[i][0].shape[0] for i in det_frames), np.int64, len(det_frames))
+        det_owner = np.repeat(np.asarray(det_frames, np.int64), det_counts)
         for i, state in enumerate(states):
-            sources.append(np.arange(track_starts[i], track_starts[i] + track_counts[i]))
-            owners.append(np.full(track_counts[i], i))
-            tracked.append(np.ones(track_counts[i], bool))
-            if i not in det_by_frame:
-                state.frames_since_detection += 1
-                continue
-            state.frames_since_detection = 0
-            if i not in det_frames:
-                continue
-            position = det_frames.index(i)
-            boxes = det_boxes_host[det_starts[position]:det_starts[position + 1]]
-            # A detection of a face already followed is dropped: the track's ROI is the better
-            # one (it follows the mesh, not a coarse box). Then as many as max_faces leaves room.
-            new = np.ones(boxes.shape[0], bool)
-            if state.face_count:
-                new = box_iou(boxes, state.boxes_host_px).max(axis=1) <= TRACKED_DETECTION_IOU
-            new &= np.cumsum(new) <= self.max_faces - state.face_count
-            rows = total_tracks + det_starts[position] + np.flatnonzero(new)
-            sources.append(rows)
-            owners.append(np.full(rows.shape[0], i))
-            tracked.append(np.zeros(rows.shape[0], bool))
-        owner = np.concatenate(owners)
+            state.frames_since_detection = 0 if i in det_by_frame else state.frames_since_detection + 1
+        # A detection of a face already followed is dropped: the track's ROI is the better one
+        # (it follows the mesh, not a coarse box). Then as many as max_faces leaves room for.
+        new = np.ones(det_owner.shape[0], bool)
+        if det_owner.shape[0] and total_tracks:
+            track_boxes_host = np.concatenate([block.boxes_host_px for block in blocks])[track_rows]
+            iou = box_iou(_detection_boxes_on_host([det_by_frame[i][0] for i in det_frames]), track_boxes_host)
+            new = (iou * (det_owner[:, None] == track_owner[None, :])).max(axis=1) <= TRACKED_DETECTION_IOU
+        new_before_frame = np.cumsum(new) - new  # new detections of earlier rows
+        frame_start = np.repeat(np.cumsum(det_counts) - det_counts, det_counts)
+        rank = new_before_frame - new_before_frame[frame_start] + new  # 1-based among the frame's new ones
+        new &= rank <= self.max_faces - track_counts[det_owner]
+        # Per frame its tracks, then its new detections: rows of cat(tracks, detections).
+        owner = np.concatenate([track_owner, det_owner[new]])
         if not owner.shape[0]:
             return Rois([], [], None, None, None)
+        sources = np.concatenate([np.arange(total_tracks), total_tracks + np.flatnonzero(new)])
+        order_host = np.argsort(owner, kind="stable")  # tracks came first in the concatenation
+        owner, sources = owner[order_host], sources[order_host]
+        tracked = order_host < total_tracks
 
-        # One copy to the device: the ROIs' order, and the detections when they are on the host.
+        # One copy to the device: the ROIs' order, the followed faces' rows (unless a block is
+        # used whole), and the detections when they are on the host.
         detections = [det_by_frame[i] for i in det_frames]
         on_host = bool(detections) and detections[0][0].device.type == "cpu"
-        order_host = np.concatenate(sources).astype(np.float32)
-        upload = [order_host]
+        upload = [sources.astype(np.float32), track_rows.astype(np.float32)[:0 if whole else None]]
         if on_host:
             upload.append(np.concatenate([torch.cat([part.reshape(part.shape[0], -1) for part in found], dim=1)
                                           .float().numpy() for found in detections]).ravel())
         uploaded = roi_mod.from_host(np.concatenate(upload), self.device)
-        order = uploaded[:order_host.shape[0]].long()
+        order = uploaded[:sources.shape[0]].long()
+        after_rows = sources.shape[0] + upload[1].shape[0]
 
         rects_parts, boxes_parts, scores_parts = [], [], []
         if total_tracks:
-            followed = [state for state in states if state.face_count]
-            track_landmarks = torch.cat([state.landmarks_px for state in followed])
-            rects_parts.append(roi_mod.rects_from_landmarks(track_landmarks))
-            boxes_parts.append(torch.cat([state.boxes_px for state in followed]))
+            landmarks, boxes = ((torch.cat([block.landmarks_px for block in blocks]),
+                                 torch.cat([block.boxes_px for block in blocks])) if len(blocks) > 1
+                                else (blocks[0].landmarks_px, blocks[0].boxes_px))
+            if not whole:
+                index = uploaded[sources.shape[0]:after_rows].long()
+                landmarks, boxes = landmarks[index], boxes[index]
+            rects_parts.append(roi_mod.rects_from_landmarks(landmarks))
+            boxes_parts.append(boxes)
             scores_parts.append(torch.zeros(total_tracks, device=self.device))
         if detections:
             if on_host:
-                table = uploaded[order_host.shape[0]:].view(-1, 4 + detections[0][1][0].numel() + 1)
+                table = uploaded[after_rows:].view(int(det_counts.sum()), -1)
                 det_boxes, det_keypoints, det_scores = (table[:, :4], table[:, 4:-1].reshape(table.shape[0], -1, 2),
                                                         table[:, -1])
             else:
@@ -163,8 +188,29 @@ class FaceTracks:
             rects_parts.append(roi_mod.rects_from_detections(det_boxes, det_keypoints))
             boxes_parts.append(det_boxes)
             scores_parts.append(det_scores)
-        return Rois(owner.tolist(), np.concatenate(tracked).tolist(), roi_mod.RotatedRects.cat(rects_parts)[order],
+        return Rois(owner.tolist(), tracked.tolist(), roi_mod.RotatedRects.cat(rects_parts)[order],
                     torch.cat(boxes_parts)[order], torch.cat(scores_parts)[order])
+
+    @staticmethod
+    def _followed_rows(states: list[_CameraState], track_counts: np.ndarray
+                       ) -> tuple[list[_Followed], np.ndarray, bool]:
+        """The blocks holding the states' followed faces (in order of first use) and the rows,
+        in the blocks one after the other, of the states' faces in order; whether that is the
+        one block, whole and in order (the daemon's steady state: no gather). (Note [Tracking
+        without per-face work].)"""
+        with_faces = [state for state in states if state.face_count]
+        if not with_faces:
+            return [], np.zeros(0, np.int64), True
+        blocks = list({id(state.followed): state.followed for state in with_faces}.values())
+        block_start = {id(block): start for block, start in zip(
+            blocks, np.cumsum([0] + [block.boxes_host_px.shape[0] for block in blocks]).tolist())}
+        counts = track_counts[track_counts > 0]
+        first_rows = np.fromiter((state.first_row + block_start[id(state.followed)] for state in with_faces),
+                                 np.int64, len(with_faces))
+        rows = np.arange(int(counts.sum())) + np.repeat(first_rows - (np.cumsum(counts) - counts), counts)
+        whole = len(blocks) == 1 and rows.shape[0] == blocks[0].boxes_host_px.shape[0] and bool(
+            (rows == np.arange(rows.shape[0])).all())
+        return blocks, rows, whole
 
     def follow(self, states: list[_CameraState], owners: list[int], measured: Measured) -> None:
         """Keep the faces measured in each state's frame as its tracks; a track that held no face
@@ -172,20 +218,17 @@ class FaceTracks:
         rois_per_frame = np.bincount(np.asarray(owners, dtype=np.int64), minlength=len(states))
         kept_per_frame = [len(rows) for rows in measured.rows]
         kept_rows = np.fromiter((k for rows in measured.rows for k in rows), np.int64, sum(kept_per_frame))
+        followed = None
         if kept_rows.shape[0]:
             index = roi_mod.from_host(kept_rows, self.device)
-            landmarks, boxes = measured.landmarks_px[index], measured.boxes_px[index]
-            boxes_host = measured.boxes_host_px[kept_rows]
-        start = 0
+            followed = _Followed(measured.landmarks_px[index], measured.boxes_px[index],
+                                 measured.boxes_host_px[kept_rows])
+        first_row = 0
         for i, state in enumerate(states):
             state.lost_face = bool(state.face_count) and kept_per_frame[i] < rois_per_frame[i]
-            stop = start + kept_per_frame[i]
-            if stop > start:
-                state.landmarks_px, state.boxes_px = landmarks[start:stop], boxes[start:stop]
-                state.boxes_host_px = boxes_host[start:stop]
-            else:
-                state.landmarks_px, state.boxes_px, state.boxes_host_px = None, None, _no_boxes()
-            start = stop
+            state.followed = followed if kept_per_frame[i] else None
+            state.first_row, state.face_count = first_row, kept_per_frame[i]
+            first_row += kept_per_frame[i]
 
 
 def _detection_boxes_on_host(boxes: list[torch.Tensor]) -> np.ndarray:

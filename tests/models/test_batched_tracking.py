@@ -149,10 +149,16 @@ def fake_measured(rng, owners, frames, device):
 def test_tracking_steps_match_the_per_face_code(device):
     rng = np.random.default_rng(11)
     tracks = FaceTracks(torch.device(device), MAX_FACES, detect_interval_frames=3)
-    cameras = [f"cam{k}" for k in range(6)]
-    reference = [ReferenceState() for _ in cameras]
-    seen = {"dropped as followed": 0, "cut by max_faces": 0, "lost": 0, "rois": 0}
-    for step in range(40):
+    all_cameras = [f"cam{k}" for k in range(6)]
+    references = {camera: ReferenceState() for camera in all_cameras}
+    seen = {"dropped as followed": 0, "cut by max_faces": 0, "lost": 0, "rois": 0, "steps of some cameras": 0}
+    for step in range(60):
+        # Every camera in order (the daemon's steady state: the last step's block used whole), or
+        # some of them in any order (faces from several earlier steps' blocks).
+        cameras = (all_cameras if step % 3 == 0
+                   else list(rng.permutation(all_cameras)[:rng.integers(1, len(all_cameras) + 1)]))
+        seen["steps of some cameras"] += cameras != all_cameras
+        reference = [references[camera] for camera in cameras]
         states = tracks.states(cameras)
         det_by_frame = {i: detections(rng, state, device) for i, state in enumerate(states)
                         if tracks.wants_detection(cameras[i]) or rng.random() < 0.2}
