@@ -502,23 +502,9 @@ class FaceMeasurer:
                 self._chunk_table(crops[:faces_in_bucket], rects[:faces_in_bucket], roi_table,
                                   boxes[:faces_in_bucket], scores[:faces_in_bucket], bucket(self.max_faces))
 
-    def landmarks(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
-        """(landmarks (N, 478, 3) px, presence (N,), blendshapes (N, 52) or None) of the crops:
-        the models alone, eagerly (:meth:`measure` is what replays graphs)."""
-        count = crops.shape[0]
-        padded = bucket(count)
-        if self.device.type != "cuda" or padded == count:
-            return self.landmarks_core(crops, rects)
-        # Eager on a GPU: in batch buckets too (Note [Warm shapes] in models/cuda_graphs.py),
-        # padded with copies of the first face (real values: no degenerate rect in the models).
-        rows = torch.cat([torch.arange(count, device=crops.device),
-                          torch.zeros(padded - count, dtype=torch.long, device=crops.device)])
-        landmarks, presence, blendshapes = self.landmarks_core(crops[rows], rects[rows])
-        return (landmarks[:count], presence[:count],
-                None if blendshapes is None else blendshapes[:count])
-
     def landmarks_core(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
-        """The models and their decoding, a fixed sequence of tensor operations (part of
+        """(landmarks (N, 478, 3) px, presence (N,), blendshapes (N, 52) or None) of the crops:
+        the models and their decoding, a fixed sequence of tensor operations (part of
         :meth:`results_core`)."""
         if self.landmarker == "face_landmarker":
             landmarks_model, presence = face_landmarker.decode(self.mesh(crops))

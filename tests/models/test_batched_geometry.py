@@ -219,7 +219,7 @@ def real_faces(face_stack, frames, detections) -> tuple[np.ndarray, np.ndarray]:
     with torch.inference_mode():
         crops = roi.crop_rois(roi.FrameBatch(frames, "cpu"), torch.tensor(owners), rects, face_stack.measurer.input_px,
                               border="replicate")
-        landmarks = face_stack.measurer.landmarks(crops, rects)[0]
+        landmarks = face_stack.measurer.landmarks_core(crops, rects)[0]
     sizes = np.asarray([frames[i].shape[1::-1] for i in owners], np.float64)
     return landmarks.numpy(), sizes
 
