@@ -357,6 +357,29 @@ def test_graph_bookkeeping_gives_the_eager_results(cpu_pipeline, photos, monkeyp
     assert cpu_pipeline.graph_fallbacks == {}
 
 
+def test_more_rois_than_a_graph_holds_split_between_frames_or_run_eagerly(cpu_pipeline, photos, monkeypatch):
+    """Note [Measuring on the device]: past MAX_GRAPH_FACES the ROIs are split between whole
+    frames (a frame's ROIs meet in one duplicate filter); ROIs whose frames interleave run
+    eagerly, with the same faces."""
+    frames = [scene_1080p(photos, shift) for shift in (0, 10)]
+    batch = roi.FrameBatch(frames, "cpu")
+    with torch.inference_mode():
+        found = cpu_pipeline.detect(batch)
+    assert [boxes.shape[0] for boxes, _, _ in found] == [3, 3]
+    interleaved = [0, 3, 1, 4, 2, 5]  # rows of cat(found): frame 0, frame 1, frame 0, ...
+    owners = [0, 1, 0, 1, 0, 1]
+    boxes, keypoints, scores = (torch.cat([f[part] for f in found])[interleaved] for part in range(3))
+    rects = roi.rects_from_detections(boxes, keypoints)
+    with torch.inference_mode():
+        expected = cpu_pipeline.measurer.measure(batch, owners, rects, boxes, scores, [False] * 6)
+        monkeypatch.setattr(face_mesh, "MAX_GRAPH_FACES", 4)
+        _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
+        got = cpu_pipeline.measurer.measure(batch, owners, rects, boxes, scores, [False] * 6)
+    assert cpu_pipeline.graphs.captured == {}  # 6 interleaved ROIs > 4: eagerly
+    assert got.rows == expected.rows
+    _same_faces(expected.faces, got.faces, atol_px=1e-4)
+
+
 def test_a_stage_that_cannot_be_captured_runs_eagerly_and_says_why(cpu_pipeline, photos, monkeypatch):
     def refuse(fn, statics, device, pool):
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
