@@ -602,6 +602,50 @@ def test_cuda_convolution_weights_are_channels_last(gpu_pipelines):
             assert all(c.weight.dtype == pipe.model_dtype for c in convs)
 
 
+@pytest.fixture(scope="module")
+def gpu_landmarker_pipelines(installed_models, landmarker_bundle):
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device on this machine")
+    _require_models(installed_models)
+    return {name: FacePipeline("cuda", max_faces=4, face_landmarker_task=landmarker_bundle.task_path,
+                               **FAST_VARIANTS.get(name, ({},))[0]) for name in ("fp32", "fp16+graphs")}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_face_stack_never_waits_for_the_gpu_until_its_one_transfer(gpu_pipelines, gpu_landmarker_pipelines,
+                                                                          photos):
+    """Notes [Measuring on the device] and [Tracking without per-face work]: with CUDA's sync
+    debug mode set to raise, a detection pass (before its one transfer), a tracking step's ROIs
+    and the measuring stage (before its one transfer) run, eager and from graphs, for both
+    stacks: nothing in them waits for the GPU (a solver, a read-back, a pageable copy)."""
+    frames = torch.from_numpy(np.stack([scene_1080p(photos, shift) for shift in (0, 20)])).cuda()
+    pipelines = {f"attention mesh {name}": pipe for name, pipe in gpu_pipelines.items()}
+    pipelines.update({f"FaceLandmarker {name}": pipe for name, pipe in gpu_landmarker_pipelines.items()})
+    for label, pipe in pipelines.items():
+        pipe.reset()
+        with torch.inference_mode():
+            batch = roi.FrameBatch(frames, "cuda")
+            found = pipe.detect(batch)  # once first: graphs captured, tables made
+            pipe.track(frames, ["a", "b"], detections=dict(enumerate(found)))
+            pipe.track(frames, ["a", "b"], detections={0: found[0]})
+            states = pipe.tracks.states(["a", "b"])
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                pipe.detector.detect_batched(batch, [0, 1])
+                rois = pipe.tracks.next_rois(states, {1: found[1]})
+                pipe.measurer.measure_on_device(batch, rois.owners, rois.rects, rois.boxes_px, rois.scores,
+                                                rois.tracked)
+            except RuntimeError as error:
+                pytest.fail(f"{label}: {error}")
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+        pipe.reset()
+        assert pipe.graph_fallbacks == {}, label
+
+
 def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypatch):
     """Note [Warm shapes]: after warm_up, no batch of 1..max frames or faces meets a new shape."""
     _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
