@@ -22,16 +22,19 @@ log = logging.getLogger(__name__)
 #       up to a power of two (at most MAX_GRAPH_FRAMES per graph, models/face_detection.py; more
 #       frames are split); its input is a static uint8 frame buffer that the call's frames are
 #       copied into;
-#     - the mesh stage (mesh model, refinement, projection, blendshapes) for N faces rounded up to
-#       a power of two (at most MAX_GRAPH_FACES per graph, models/face_mesh.py); its inputs are
-#       the crops and rects.
+#     - the measuring stage (mesh model, refinement, projection, blendshapes, boxes, the
+#       duplicate filter, head pose, the transformation matrix: everything a Face holds, as one
+#       table; Note [Measuring on the device]) for N faces rounded up to a
+#       power of two (at most MAX_GRAPH_FACES per graph, more split between whole frames); its
+#       inputs are the crops, rects, the detections' boxes and scores and one small table of the
+#       ROIs' frames.
 #     Padding rows hold stale data and their results are dropped. Outputs are copied out of the
 #     graph's static tensors before anything else replays, which is what lets all graphs of a
 #     pipeline share one memory pool (replays never overlap: one stream, one caller). A stage
 #     whose capture fails (an operation in it copies from host memory or waits for the device)
 #     runs eagerly from then on; the reason is logged and kept in ``graph_fallbacks``. Frames of
-#     different sizes in one call run eagerly too. Head pose (float64) and the Face objects are
-#     computed after the replay, eagerly.
+#     different sizes in one call run eagerly too. Only the crops (which read the frames where
+#     they lie) run before the measuring graph, and only the Face objects after it.
 #
 # Note [Warm shapes]
 #     On the H200 (torch 2.11, CUDA 13) the first detection pass over a new number of frames took

@@ -10,7 +10,7 @@ finds a face, facecast's box is MediaPipe's box.
 
 Which detector inputs a list of frame sizes needs is planned once (:class:`DetectorPlan`,
 Note [Detection without per-frame work]); with ``cuda_graphs`` the pass is replayed from a graph
-(Note [CUDA graphs of the pipeline] in :mod:`facecast.models.cuda_graphs`).
+(Note [CUDA graphs of the pipeline]).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from facecast.models.nms import Detections, box_iou, weighted_nms
 #     (:class:`DetectorPlan`, cached). A detection pass is then a fixed sequence of batched
 #     tensor operations (crops, forward, decode, the tile-border test, pooling, weighted NMS, the
 #     merge of the two detectors, top-k) with no Python loop over frames, tiles or faces and no
-#     wait for the device, until one transfer of the per-frame counts at the end. Measuring is the
+#     wait for the device, until one transfer of every frame's results at the end. Measuring is the
 #     same (models/face_mesh.py): one crop, one mesh pass, one transfer of everything the Face
 #     objects need. This is also what lets a CUDA graph replay the stages (Note [CUDA graphs of
 #     the pipeline]).
@@ -98,14 +98,22 @@ class FaceDetector:
 
     def detect(self, batch: roi_mod.FrameBatch, frame_indices: Sequence[int] | None = None):
         """Faces of the given frames (all by default): per frame, (boxes (M, 4) px,
-        keypoints (M, 6, 2) px, scores (M,)), best first, at most ``max_faces`` (at most twice
-        that without the full-range detector, as NMS leaves them)."""
+        keypoints (M, 6, 2) px, scores (M,)), float32 tensors on the host, best first, at most
+        ``max_faces`` (at most twice that without the full-range detector, as NMS leaves them).
+
+        Every frame's slots reach the host in one copy, the one wait for the device: a caller
+        then reads them without a copy (and a wait) per frame and per field (the detection
+        worker's messages took three per frame before issue 24)."""
         frame_indices = list(range(len(batch)) if frame_indices is None else frame_indices)
         if not frame_indices:
             return []
         found = self.detect_batched(batch, frame_indices)
-        counts = found.valid.sum(dim=1).tolist()  # the one wait for the device; valid slots come first
-        return [(found.boxes[f, :c], found.keypoints[f, :c], found.scores[f, :c]) for f, c in enumerate(counts)]
+        frames, slots = found.scores.shape
+        host = torch.cat([found.boxes, found.keypoints.reshape(frames, slots, -1), found.scores[..., None],
+                          found.valid[..., None].float()], dim=-1).cpu()
+        boxes, keypoints = host[..., :4], host[..., 4:-2].reshape(frames, slots, -1, 2)
+        scores, counts = host[..., -2], host[..., -1].sum(dim=1).int().tolist()  # valid slots come first
+        return [(boxes[f, :c], keypoints[f, :c], scores[f, :c]) for f, c in enumerate(counts)]
 
     def inputs_per_frame(self, height: int, width: int) -> tuple[int, int]:
         """How many inputs a frame of this size gives (short-range, full-range)."""
@@ -277,8 +285,7 @@ class FaceDetector:
         )
 
     def _detect_graphed(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> Detections | None:
-        """:meth:`core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline]); None when
-        the stage cannot be captured."""
+        """:meth:`core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline]); None when the stage cannot be captured."""
         height, width = batch.sizes_hw[frame_indices[0]]
         count = len(frame_indices)
         padded = bucket(count, MAX_GRAPH_FRAMES)

@@ -24,20 +24,39 @@ Note [Face geometry as MediaPipe computes it]
        that fit (scale · rotation, translation) is the facial transformation matrix.
 
     The fit is the closed-form weighted orthogonal Procrustes problem with scale (Umeyama):
-    rotation from the SVD of the weighted cross-covariance with the reflection removed, scale
-    from the rotated source's projection on the target, translation from the weighted centres.
-    MediaPipe's solver writes it with square-root weights; it is the same optimum.
+    the best proper rotation for the weighted cross-covariance, scale from the rotated source's
+    projection on the target, translation from the weighted centres. MediaPipe's solver writes
+    it with square-root weights and an SVD; it is the same optimum (Note [Procrustes without a
+    solver] says how the rotation is found here).
 
-    It runs batched in torch, float64, on the landmarks' device, before the batch's one transfer
-    to the host (issue 24: per face on the host it cost ~4.4 ms a batch of 64 on the H100's host,
-    more than the models' own work): float64 because the second pass divides by a scale found
-    on the first and the depths are differences of nearly equal numbers; a batch is a few
-    hundred flops per face, nothing for a GPU's float64 units. The only solver is
-    ``torch.linalg.svd`` of (N, 3, 3) matrices; determinants are written out (a cross product)
-    rather than asked of a solver. On CUDA ``torch.linalg.svd`` reads its convergence flags back
-    to the host (ATen's ``_linalg_check_errors``), a wait for the device that a CUDA graph cannot
-    capture: so this stage runs eagerly after the mesh's graph, not inside it. (A solver without
-    that read, e.g. a fixed number of Jacobi sweeps, is what would put it inside.)
+    It runs batched in torch, float64, on the landmarks' device, inside the measuring stage's
+    CUDA graph (issue 24: per face on the host it cost ~4.4 ms a batch of 64 on the H100's
+    host, more than the models' own work): float64 because the second pass divides by a scale
+    found on the first and the depths are differences of nearly equal numbers; a batch is a few
+    thousand flops per face, nothing for a GPU's float64 units.
+
+Note [Procrustes without a solver]
+    ``torch.linalg.svd`` and ``torch.linalg.eigh`` on CUDA synchronise the device with the host
+    (their documentation says so; ATen reads the solver's convergence flags back), which a CUDA
+    graph cannot capture and which stalls the host once per fit. So the rotation comes from
+    Horn's quaternion method instead (Horn 1987, "Closed-form solution of absolute orientation
+    using unit quaternions"): the best proper rotation is the unit quaternion that is the
+    eigenvector of the largest eigenvalue of a symmetric 4x4 matrix N made linearly of the 3x3
+    cross-covariance, reflections excluded by construction (the quaternion's rotation is always
+    proper, which is what Umeyama's sign correction of the SVD achieves). That eigenvector is
+    found by repeated squaring of N shifted to be positive semi-definite (N + σI, σ ≥ the
+    largest |eigenvalue| of N, which is at most s1 + s2 + s3 ≤ √3‖S‖_F for the covariance's
+    singular values s): after k squarings the other eigenvalues' weights shrink as
+    r^(2^k), r = (λ2 + σ) / (λ1 + σ), and any column of the result is the eigenvector scaled
+    (the one on the largest diagonal entry is the best conditioned). The canonical face turned
+    every way, scaled 0.2-5x, with up to 0.9 cm of noise per point, gave r ≤ 0.63, and its
+    mirror images (the hardest case: the fit must undo a reflection) r ≤ 0.89; with
+    PROCRUSTES_SQUARINGS = 12 (r^4096) a fit is exact to float64 rounding (~1e-15, against
+    LAPACK's SVD in tests/models/test_batched_geometry.py) for any r ≤ 0.99, and where r is
+    closer to 1 the two best rotations fit the points almost equally well. Every step is a fixed batched
+    operation on (N, 4, 4) tensors: no solver, no wait, the same kernels for every batch. A
+    fit with no spread at all (a zero covariance: padding rows, a degenerate face) gives the
+    identity rotation and scale 0, not an error.
 """
 
 from __future__ import annotations
@@ -181,29 +200,124 @@ def determinant_3x3(matrices: torch.Tensor) -> torch.Tensor:
     return (torch.linalg.cross(matrices[..., 0, :], matrices[..., 1, :]) * matrices[..., 2, :]).sum(-1)
 
 
+# How many times the shifted Horn matrix is squared (Note [Procrustes without a solver]), and
+# how often it is brought back to trace 1 (float64 keeps 2^(4·4·2) between renormalisations:
+# the largest eigenvalue of a trace-1 PSD 4x4 matrix is at least 1/4).
+PROCRUSTES_SQUARINGS = 12
+_SQUARINGS_PER_NORMALISATION = 4
+
+
+def _index_table(entries: dict[tuple[int, int], tuple[tuple[int, int, float], ...]], rows: int, columns: int
+                 ) -> np.ndarray:
+    """A (rows, columns) float64 matrix of the linear map that ``entries`` describes: output
+    (i, j) of a square output of side √columns is the sum of coefficient · input (a, b), inputs
+    flattened row-major with side √rows."""
+    side_in, side_out = math.isqrt(rows), math.isqrt(columns)
+    table = np.zeros((rows, columns))
+    for (i, j), terms in entries.items():
+        for a, b, coefficient in terms:
+            table[a * side_in + b, i * side_out + j] += coefficient
+    return table
+
+
+_X, _Y, _Z = 0, 1, 2
+# Horn's N from S = Σ w (source)(target)ᵀ (3x3, row-major), symmetric: the upper triangle.
+_HORN_UPPER = {
+    (0, 0): ((_X, _X, 1), (_Y, _Y, 1), (_Z, _Z, 1)),
+    (0, 1): ((_Y, _Z, 1), (_Z, _Y, -1)), (0, 2): ((_Z, _X, 1), (_X, _Z, -1)), (0, 3): ((_X, _Y, 1), (_Y, _X, -1)),
+    (1, 1): ((_X, _X, 1), (_Y, _Y, -1), (_Z, _Z, -1)), (1, 2): ((_X, _Y, 1), (_Y, _X, 1)),
+    (1, 3): ((_Z, _X, 1), (_X, _Z, 1)),
+    (2, 2): ((_X, _X, -1), (_Y, _Y, 1), (_Z, _Z, -1)), (2, 3): ((_Y, _Z, 1), (_Z, _Y, 1)),
+    (3, 3): ((_X, _X, -1), (_Y, _Y, -1), (_Z, _Z, 1)),
+}
+HORN_MATRIX = _index_table({**_HORN_UPPER, **{(j, i): terms for (i, j), terms in _HORN_UPPER.items()}}, 9, 16)
+# The rotation of a unit quaternion (w, x, y, z) from its outer product q qᵀ (4x4, row-major).
+_QW, _QX, _QY, _QZ = 0, 1, 2, 3
+QUATERNION_ROTATION = _index_table({
+    (0, 0): ((_QW, _QW, 1), (_QX, _QX, 1), (_QY, _QY, -1), (_QZ, _QZ, -1)),
+    (0, 1): ((_QX, _QY, 2), (_QW, _QZ, -2)), (0, 2): ((_QX, _QZ, 2), (_QW, _QY, 2)),
+    (1, 0): ((_QX, _QY, 2), (_QW, _QZ, 2)),
+    (1, 1): ((_QW, _QW, 1), (_QX, _QX, -1), (_QY, _QY, 1), (_QZ, _QZ, -1)),
+    (1, 2): ((_QY, _QZ, 2), (_QW, _QX, -2)),
+    (2, 0): ((_QX, _QZ, 2), (_QW, _QY, -2)), (2, 1): ((_QY, _QZ, 2), (_QW, _QX, 2)),
+    (2, 2): ((_QW, _QW, 1), (_QX, _QX, -1), (_QY, _QY, -1), (_QZ, _QZ, 1)),
+}, 16, 9)
+
+
+@functools.lru_cache(maxsize=8)
+def _horn_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HORN_MATRIX, QUATERNION_ROTATION and the 4x4 identity on the device, made once (a table
+    copied per call is a host-to-device copy, which a CUDA graph cannot capture; normal tensors
+    even when first asked for under inference mode)."""
+    with torch.inference_mode(False):
+        return (torch.as_tensor(HORN_MATRIX, device=device, dtype=dtype),
+                torch.as_tensor(QUATERNION_ROTATION, device=device, dtype=dtype),
+                torch.eye(4, device=device, dtype=dtype))
+
+
+def best_rotation(covariance: torch.Tensor) -> torch.Tensor:
+    """The proper rotations R (N, 3, 3) maximising trace(Rᵀ C) for cross-covariances C (N, 3, 3)
+    (C = Σ w target ⊗ source, centred), by Horn's quaternion and repeated squaring (Note
+    [Procrustes without a solver]): a fixed sequence of batched operations, no solver."""
+    count = covariance.shape[0]
+    horn, quaternion_rotation, identity = _horn_tables(covariance.device, covariance.dtype)
+    source_by_target = covariance.transpose(1, 2).reshape(count, 9)
+    horn_n = (source_by_target @ horn).reshape(count, 4, 4)
+    shift = math.sqrt(3.0) * source_by_target.norm(dim=1)
+    powered = horn_n + shift[:, None, None] * identity  # N + σI
+    for step in range(PROCRUSTES_SQUARINGS):
+        if step % _SQUARINGS_PER_NORMALISATION == 0:  # trace 1 again (a zero matrix stays zero)
+            trace = powered.diagonal(dim1=1, dim2=2).sum(-1)
+            powered = powered / trace.clamp_min(torch.finfo(powered.dtype).tiny)[:, None, None]
+        powered = powered @ powered
+    column = powered.diagonal(dim1=1, dim2=2).argmax(dim=1)  # zero matrix: column 0, the identity below
+    quaternion = powered.gather(2, column[:, None, None].expand(count, 4, 1))[..., 0]
+    norm = quaternion.norm(dim=1, keepdim=True)
+    unit = torch.where(norm > 0, quaternion / norm.clamp_min(torch.finfo(norm.dtype).tiny), identity[0])
+    return ((unit[:, :, None] * unit[:, None, :]).reshape(count, 16) @ quaternion_rotation).reshape(count, 3, 3)
+
+
+@dataclass(frozen=True)
+class ProcrustesSource:
+    """The source's side of a weighted Procrustes fit, the same for every target (for the facial
+    transformation matrix: MediaPipe's canonical face), made once."""
+
+    weights: torch.Tensor  # (K,) normalised to sum 1
+    centre: torch.Tensor  # (3,)
+    weighted_centred: torch.Tensor  # (K, 3): w_k (source_k - centre)
+    variance: torch.Tensor  # (): Σ w_k |source_k - centre|²
+
+    @classmethod
+    def of(cls, source: torch.Tensor, weights: torch.Tensor) -> "ProcrustesSource":
+        w = weights / weights.sum()
+        centre = w @ source
+        centred = source - centre
+        return cls(w, centre, w[:, None] * centred, w @ (centred ** 2).sum(-1))
+
+    def fit(self, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scale (N,), rotation (N, 3, 3), translation (N, 3) of :func:`weighted_procrustes`
+        for targets (N, K, 3)."""
+        target_centre = torch.einsum("k,nkc->nc", self.weights, target)  # (N, 3)
+        # Σ_k w_k (target_k - target centre) ⊗ (source_k - source centre), one batched matmul;
+        # the target centre's share is Σ_k w_k (source_k - centre) = 0, so it needs no subtracting.
+        covariance = target.transpose(1, 2) @ self.weighted_centred
+        rotation = best_rotation(covariance)
+        # Umeyama's scale: trace(Rᵀ C) (the sign-corrected singular values' sum) over the
+        # source's weighted variance.
+        scale = (rotation * covariance).sum(dim=(1, 2)) / self.variance
+        translation = target_centre - scale[:, None] * (rotation @ self.centre)
+        return scale, rotation, translation
+
+
 def weighted_procrustes(source: torch.Tensor, target: torch.Tensor, weights: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale s (N,), rotation R (N, 3, 3), translation t (N, 3) minimising
-    Σ w_i |s R source_i + t - target_i|² for each of N targets, batched (Umeyama's closed form:
-    Note [Face geometry as MediaPipe computes it]).
+    Σ w_i |s R source_i + t - target_i|² for each of N targets, batched (Umeyama's optimum:
+    Note [Face geometry as MediaPipe computes it]; the rotation by :func:`best_rotation`).
 
     source (K, 3); target (N, K, 3); weights (K,) ≥ 0, not all zero; one dtype and device.
     """
-    w = weights / weights.sum()
-    source_centre = w @ source  # (3,)
-    target_centre = torch.einsum("k,nkc->nc", w, target)  # (N, 3)
-    centred_source = source - source_centre
-    # Σ_k w_k (target_k - target centre) ⊗ (source_k - source centre), one batched matmul.
-    covariance = (target - target_centre[:, None]).transpose(1, 2) @ (w[:, None] * centred_source)
-    u, singular, vt = torch.linalg.svd(covariance)
-    # A reflection (det U · det Vᵀ < 0) is undone on the weakest axis: the best proper rotation.
-    reflected = determinant_3x3(u) * determinant_3x3(vt) < 0
-    last = torch.where(reflected, -1.0, 1.0).to(singular.dtype)
-    correction = torch.cat([torch.ones_like(singular[:, :2]), last[:, None]], dim=1)
-    rotation = (u * correction[:, None, :]) @ vt
-    scale = (singular * correction).sum(-1) / (w @ (centred_source ** 2).sum(-1))
-    translation = target_centre - scale[:, None] * (rotation @ source_centre)
-    return scale, rotation, translation
+    return ProcrustesSource.of(source, weights).fit(target)
 
 
 class FaceGeometry:
@@ -215,14 +329,14 @@ class FaceGeometry:
         self.near = near
         self.near_height = 2.0 * near * math.tan(math.radians(vertical_fov_deg) / 2.0)
         self._used = np.flatnonzero(metadata.landmark_weights > 0)
-        self._model_by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._model_by_device: dict[torch.device, tuple[torch.Tensor, ProcrustesSource]] = {}
 
     @classmethod
     def read(cls, path: str | Path) -> "FaceGeometry":
         return cls(GeometryMetadata.read(path))
 
-    def _model_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(landmark indices the fit uses, their canonical vertices, their weights) on the device,
+    def _model_on(self, device: torch.device) -> tuple[torch.Tensor, ProcrustesSource]:
+        """(landmark indices the fit uses, the canonical model's side of the fit) on the device,
         made once per device: a table copied per call is a host-to-device copy each time. (Normal
         tensors even when first asked for under inference mode, so that they may be used
         anywhere.)"""
@@ -230,8 +344,9 @@ class FaceGeometry:
             with torch.inference_mode(False):
                 self._model_by_device[device] = (
                     torch.as_tensor(self._used, device=device),
-                    torch.as_tensor(self.metadata.canonical_vertices_cm[self._used], device=device),
-                    torch.as_tensor(self.metadata.landmark_weights[self._used], device=device))
+                    ProcrustesSource.of(
+                        torch.as_tensor(self.metadata.canonical_vertices_cm[self._used], device=device),
+                        torch.as_tensor(self.metadata.landmark_weights[self._used], device=device)))
         return self._model_by_device[device]
 
     def matrices(self, landmarks_px: torch.Tensor, frame_wh_px: torch.Tensor) -> torch.Tensor:
@@ -240,35 +355,39 @@ class FaceGeometry:
         landmarks_px: (N, ≥468, 3) x, y in frame pixels, z in pixels on x's scale (facecast's
         landmarks); frame_wh_px: (N, 2) width, height of each face's frame.
         """
-        count = landmarks_px.shape[0]
-        device = landmarks_px.device
-        used, source, weights = self._model_on(device)
-        size = frame_wh_px.to(device=device, dtype=torch.float64).reshape(count, 1, 2)
-        width, height = size[..., 0], size[..., 1]
-        near_width = self.near_height * width / height  # (N, 1)
+        used, canonical = self._model_on(landmarks_px.device)
+        size = frame_wh_px.to(device=landmarks_px.device, dtype=torch.float64)
+        # Normalise (x/W, y/H, z/W), flip y (top-left origin), scale onto the near plane: per
+        # face one factor and one offset per axis, (N, 1, 3) each; only the points the fit
+        # weighs are needed, and the mean depth of all 468.
+        near_width = self.near_height * size[:, 0] / size[:, 1]
+        per_x = near_width / size[:, 0]
+        factor = torch.stack([per_x, -self.near_height / size[:, 1], per_x], dim=-1)[:, None]
+        offset = torch.stack([-near_width / 2, torch.full_like(near_width, self.near_height / 2),
+                              torch.zeros_like(near_width)], dim=-1)[:, None]
         mesh = landmarks_px[:, :NUM_CANONICAL_VERTICES]
-        # Normalise (x/W, y/H, z/W), flip y (top-left origin), scale onto the near plane; only
-        # the points the fit weighs are needed, and the mean depth of all 468.
-        points = mesh[:, used].double()
-        screen_x = points[..., 0] / width * near_width - near_width / 2
-        screen_y = (1.0 - points[..., 1] / height) * self.near_height - self.near_height / 2
-        screen_z = points[..., 2] / width * near_width
-        depth_offset = (mesh[..., 2].double() / width * near_width).mean(dim=1, keepdim=True)
-
-        def fit(target):
-            return weighted_procrustes(source, target, weights)
+        screen = torch.addcmul(offset, mesh[:, used].double(), factor)  # (N, K, 3)
+        depth_offset = mesh[..., 2].double().mean(dim=1, keepdim=True) * per_x[:, None]  # (N, 1)
 
         def unproject(scale):
-            depth = (screen_z - depth_offset + self.near) / scale[:, None]
-            return torch.stack([screen_x * depth / self.near, screen_y * depth / self.near, -depth], dim=-1)
+            depth = (screen[..., 2] - depth_offset + self.near) / scale[:, None]
+            return torch.cat([screen[..., :2] * (depth / self.near)[..., None], -depth[..., None]], dim=-1)
 
-        first_scale = fit(torch.stack([screen_x, screen_y, -screen_z], dim=-1))[0]
-        second_scale = fit(unproject(first_scale))[0]
-        scale, rotation, translation = fit(unproject(first_scale * second_scale))
+        first_scale = canonical.fit(screen * _constant_z_flip(screen.device))[0]
+        second_scale = canonical.fit(unproject(first_scale))[0]
+        scale, rotation, translation = canonical.fit(unproject(first_scale * second_scale))
         top = torch.cat([scale[:, None, None] * rotation, translation[:, :, None]], dim=2)  # (N, 3, 4)
         bottom = torch.zeros_like(top[:, :1])
-        bottom[..., 3] = 1.0
+        bottom[..., 3].fill_(1.0)  # (an assigned Python number is a tensor made from host data)
         return torch.cat([top, bottom], dim=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _constant_z_flip(device: torch.device) -> torch.Tensor:
+    """(1, 1, 3) float64 (1, 1, -1): the first fit sees the points with z negated (right-handed);
+    made once per device (as :func:`_horn_tables`)."""
+    with torch.inference_mode(False):
+        return torch.tensor([[[1.0, 1.0, -1.0]]], dtype=torch.float64, device=device)
 
 
 def rotation_and_translation(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

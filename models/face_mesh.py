@@ -14,17 +14,18 @@ Two landmark models, chosen when the pipeline is built:
   translation.
 
 1. **Warp**: every ROI cropped to the model's input in one bilinear gather from the frames' uint8
-   pixels (Note [Sampling the frames where they lie] in :mod:`facecast.models.roi`).
-2. **Landmarks**, face presence score; **blendshapes** on the device, in the same pass (and the
-   same CUDA graph).
-3. On the device too, batched: **head pose**, and with the bundle the **transformation matrix**
-   (float64: Note [Face geometry as MediaPipe computes it]); the **duplicate filter** (Note [The
-   duplicate filter as tensors] in :mod:`facecast.models.nms`). Then the one transfer to the
-   host, where only the :class:`Face` objects are made (Note [Measuring on the device]).
+   pixels (Note [Sampling the frames where they lie]).
+2. **Landmarks**, face presence score; **blendshapes**; **head pose**, and with the bundle the
+   **transformation matrix** (float64: Note [Face geometry as MediaPipe computes it]); the **duplicate filter** (Note [The duplicate filter
+   as tensors]): all on the device, batched, one fixed sequence of
+   tensor operations (one CUDA graph with ``cuda_graphs``) that ends in one table.
+3. The one transfer to the host, where only the :class:`Face` objects are made (Note [Measuring
+   on the device]).
 
-One crop, one mesh pass and one transfer to the host per call (Note [Detection without
-per-frame work] in :mod:`facecast.models.face_detection`); with ``cuda_graphs`` the mesh pass is
-replayed from graphs (Note [CUDA graphs of the pipeline] in :mod:`facecast.models.cuda_graphs`).
+One copy to the device, one crop, one pass and one transfer to the host per call (Note
+[Detection without per-frame work]); with
+``cuda_graphs`` the pass after the crop is replayed from graphs (Note [CUDA graphs of the
+pipeline]).
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ def _indices(mapping: tuple[int, ...], device: torch.device) -> torch.Tensor:
         return torch.tensor(mapping, device=device)
 
 
+@functools.lru_cache(maxsize=32)
+def _constant(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small constant tensor on the device, made once (as :func:`_indices`)."""
+    with torch.inference_mode(False):
+        return torch.tensor(values, device=device, dtype=dtype)
+
+
 def refine_attention_mesh(outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``face_landmark_with_attention``'s outputs, in the tflite's order (mesh, lips, left
     eye, right eye, left iris, right iris, face flag), into (N, 478, 3) landmarks in model-input
@@ -153,13 +161,14 @@ class Measured:
 
     faces: list[list[Face]]
     rows: list[list[int]]
-    landmarks_px: torch.Tensor | None  # (N, 478, 3)
-    boxes_px: torch.Tensor | None  # (N, 4)
+    landmarks_px: torch.Tensor | None  # (N, 478, 3) on the device
+    boxes_px: torch.Tensor | None  # (N, 4) on the device
+    boxes_host_px: np.ndarray | None  # (N, 4) float32: the same boxes, from the one transfer
 
     @classmethod
     def nothing(cls, frames: int) -> "Measured":
         """No face in any of ``frames`` frames."""
-        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None)
+        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None, None)
 
 
 # Note [Box of a tracked face]
@@ -181,9 +190,9 @@ def boxes_from_landmarks(landmarks_px: torch.Tensor) -> torch.Tensor:
     """Detector-style boxes (N, 4) x1, y1, x2, y2 from faces' landmarks (N, ≥468, 2 or 3)
     (Note [Box of a tracked face])."""
     mesh = landmarks_px[:, :NUM_MESH_POINTS, :2]
-    low, high = mesh.min(dim=1).values, mesh.max(dim=1).values
-    side = (high - low).max(dim=1, keepdim=True).values
-    offset = torch.tensor(TRACKED_BOX_CENTER_OFFSET, dtype=mesh.dtype, device=mesh.device)
+    low, high = mesh.amin(dim=1), mesh.amax(dim=1)
+    side = (high - low).amax(dim=1, keepdim=True)
+    offset = _constant(TRACKED_BOX_CENTER_OFFSET, mesh.device, mesh.dtype)
     centre = (low + high) / 2 + side * offset
     half = side * TRACKED_BOX_SIDE / 2
     return torch.cat([centre - half, centre + half], dim=1)
@@ -202,18 +211,67 @@ def landmark_bounds(landmarks_px: torch.Tensor) -> torch.Tensor:
 
 
 # Note [Measuring on the device]
-#     Everything a Face holds is computed on the device, batched, before the one transfer:
-#     landmarks, presence, blendshapes, box and score, head pose, the transformation matrix, and
-#     which faces the duplicate filter keeps in which order. They travel as one float32 (N, C)
-#     table; the float64 columns (head pose and translation: MediaPipe's matrix is fitted in
-#     float64 and the host kept them so before issue 24) travel bit for bit as pairs of float32
-#     columns (a view, not a conversion). On the host what is left is slicing that table and
-#     making the Face objects of the kept faces: issue 24's profile of the per-face host work it
-#     replaces (Procrustes, head pose and the greedy filter per face, in Python) was ~21 ms a
-#     batch of 64 faces on the H100's host, against ~6 ms of GPU work.
+#     Everything a Face holds is computed on the device, batched, in one fixed sequence of tensor
+#     operations (:meth:`FaceMeasurer.results_core`), which with ``cuda_graphs`` is the mesh
+#     stage's CUDA graph: landmarks, presence, blendshapes, box and score, head pose, the
+#     transformation matrix (Note [Procrustes without a solver]), and
+#     which faces the duplicate filter keeps in which order (Note [The duplicate filter as
+#     tensors]). Nothing in it waits for the device or copies from the host
+#     (tests/models/test_speed_paths.py runs it under a dispatch spy that fails on either). The
+#     host's per-ROI facts (frame, tracked or not, the frame's size) go to the device in one copy
+#     before; the results come back as one float32 (N, C) table, one copy after; the float64
+#     columns (head pose and translation: MediaPipe's matrix is fitted in float64) travel bit for
+#     bit as pairs of float32 columns (a view, not a conversion). On the host what is left is
+#     slicing that table with numpy and making the Face objects of the kept faces. Issue 24's
+#     profile of the per-face host work this replaces (Procrustes, head pose and the greedy
+#     filter per face, in Python) was ~21 ms a batch of 64 faces on the H100's host, against
+#     ~6 ms of GPU work.
+#
+#     A graph holds a power-of-two number of ROIs (MAX_GRAPH_FACES at most); the rows past the
+#     call's own hold whatever the last call left and belong to no frame (frame -1), so that
+#     the duplicate filter never compares them with a real face. The duplicate filter's number
+#     of steps is fixed per graph too: the largest number of ROIs in one frame, rounded up to a
+#     power of two and at least ``max_faces`` (the tracker never gives a frame more), so the
+#     daemon meets one graph per bucket of faces. More ROIs than MAX_GRAPH_FACES are split
+#     between whole frames (a frame's ROIs must be measured together for the filter); ROIs
+#     whose frames are interleaved (only tests make those) then run eagerly.
 
 
 LANDMARKERS = ("attention_mesh", "face_landmarker")
+# The host's per-ROI table (FaceMeasurer.measure): frame, tracked (0/1), frame width and height px.
+ROI_COLUMNS = 4
+PADDING_ROI = (-1.0, 0.0, 1.0, 1.0)
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where each result lies in the measuring stage's (N, C) float32 table (Note [Measuring on
+    the device]): column slices; ``wide`` holds float64 values as pairs of float32 columns."""
+
+    landmarks: slice
+    presence: int
+    box: slice
+    score: int
+    kept: int
+    rank: int
+    blendshapes: slice | None
+    matrix: slice | None
+    wide: slice  # float64: yaw, pitch, roll (and translation x, y, z cm with the matrix)
+
+    @classmethod
+    def make(cls, with_blendshapes: bool, with_matrix: bool) -> "TableLayout":
+        widths = {"landmarks": NUM_LANDMARKS * 3, "presence": 1, "box": 4, "score": 1, "kept": 1, "rank": 1,
+                  "blendshapes": len(BLENDSHAPE_NAMES) if with_blendshapes else 0,
+                  "matrix": 16 if with_matrix else 0, "wide": 2 * (6 if with_matrix else 3)}
+        bounds = dict(zip(widths, np.cumsum([0] + list(widths.values()))[:-1].tolist()))
+        span = {name: slice(bounds[name], bounds[name] + width) for name, width in widths.items()}
+        return cls(span["landmarks"], bounds["presence"], span["box"], bounds["score"], bounds["kept"],
+                   bounds["rank"], span["blendshapes"] if with_blendshapes else None,
+                   span["matrix"] if with_matrix else None, span["wide"])
+
+    @property
+    def columns(self) -> int:
+        return self.wide.stop
 
 
 class FaceMeasurer:
@@ -234,9 +292,12 @@ class FaceMeasurer:
         self.input_px = face_landmarker.INPUT_PX if landmarker == "face_landmarker" else MESH_INPUT_PX
         self.device, self.model_dtype, self.graphs = device, model_dtype, graphs
         self.max_faces, self.min_presence = max_faces, min_presence
+        self.layout = TableLayout.make(blendshapes is not None, geometry is not None)
         # The host's share of the last measure(): from the one transfer's arrival to the Face
         # objects (bench/models.py reports it).
         self.last_host_work_s = 0.0
+
+    # -- the device's part ------------------------------------------------------------------------
 
     def measure(self, batch, owners: list[int], rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
                 roi_scores: torch.Tensor, tracked: list[bool]) -> Measured:
@@ -247,37 +308,104 @@ class FaceMeasurer:
         track (its box then comes from its landmarks, its score is the mesh's presence).
         """
         frames = len(batch)
-        count = len(owners)
-        if count == 0:
+        if not owners:
             return Measured.nothing(frames)
-        owner = roi_mod.from_host(owners, self.device)
-        crops = roi_mod.crop_rois(batch, owner, rects, self.input_px, border="replicate", dtype=self.model_dtype)
-        landmarks, presence, blendshapes = self.landmarks(crops, rects)
-        is_tracked = roi_mod.from_host(tracked, self.device)
-        boxes = torch.where(is_tracked[:, None], boxes_from_landmarks(landmarks), roi_boxes.float())
-        scores = torch.where(is_tracked, presence, roi_scores.float())
-        frame_wh = (roi_mod.from_host(np.asarray(batch.sizes_hw)[owners, ::-1].copy(), self.device)
-                    if self.geometry is not None else None)
-        table = self._device_table(landmarks, presence, blendshapes, boxes, scores, owner,
-                                   int(np.bincount(owners).max()), frame_wh)
+        table = self.measure_on_device(batch, owners, rects, roi_boxes, roi_scores, tracked)
         host = table.cpu().numpy()  # the one wait for the device
         host_start_s = time.perf_counter()
-        faces = self._faces(host, owners, tracked, frames, with_blendshapes=blendshapes is not None)
+        faces, rows = self._faces(host, np.asarray(owners), tracked, frames)
         self.last_host_work_s = time.perf_counter() - host_start_s
-        return Measured(*faces, landmarks, boxes)
+        count = len(owners)
+        return Measured(faces, rows, table[:, self.layout.landmarks].view(count, NUM_LANDMARKS, 3),
+                        table[:, self.layout.box], host[:, self.layout.box])
 
-    def _device_table(self, landmarks: torch.Tensor, presence: torch.Tensor, blendshapes: torch.Tensor | None,
-                      boxes: torch.Tensor, scores: torch.Tensor, owner: torch.Tensor, max_faces_per_frame: int,
-                      frame_wh: torch.Tensor | None) -> torch.Tensor:
-        """Everything the Face objects need, one (N, C) float32 table on the device (Note
-        [Measuring on the device]; :meth:`_faces` reads it): landmarks, presence, box, score,
-        whether the duplicate filter keeps the face and its place, blendshapes, the
-        transformation matrix, and (float64 as float32 pairs) head pose and translation."""
+    def measure_on_device(self, batch, owners: list[int], rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
+                          roi_scores: torch.Tensor, tracked: list[bool]) -> torch.Tensor:
+        """The device's part of :meth:`measure`: the (N, C) float32 table of :attr:`layout`,
+        queued on the device (nothing here waits for it: Note [Measuring on the device])."""
+        owner = np.asarray(owners)
+        group_steps = bucket(max(self.max_faces, int(np.bincount(owner).max())))
+        chunks = self._chunks(owner)
+        # One host-to-device copy of the per-ROI facts, each chunk's rows padded to its graph.
+        sizes_wh = np.asarray(batch.sizes_hw, np.float32)[:, ::-1]
+        padded = [self._rows_for(stop - start) for start, stop in chunks]
+        roi_host = np.tile(np.asarray(PADDING_ROI, np.float32), (sum(padded), 1))
+        starts = np.cumsum([0] + padded)[:-1]
+        for (start, stop), first in zip(chunks, starts):
+            rows = slice(first, first + stop - start)
+            roi_host[rows, 0] = owner[start:stop]
+            roi_host[rows, 1] = np.asarray(tracked[start:stop], np.float32)
+            roi_host[rows, 2:] = sizes_wh[owner[start:stop]]
+        # The crops' frame index (every ROI, in order) travels in the same copy.
+        uploaded = roi_mod.from_host(np.concatenate([roi_host.ravel(), owner.astype(np.float32)]), self.device)
+        roi_table = uploaded[:roi_host.size].view(roi_host.shape)
+        frame_index = uploaded[roi_host.size:].long()
+        crops = roi_mod.crop_rois(batch, frame_index, rects, self.input_px, border="replicate",
+                                  dtype=self.model_dtype)
+        parts = [self._chunk_table(crops[start:stop], rects[start:stop], roi_table[first:first + rows],
+                                   roi_boxes[start:stop], roi_scores[start:stop], group_steps)
+                 for (start, stop), first, rows in zip(chunks, starts, padded)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _rows_for(self, count: int) -> int:
+        """The rows a chunk of ``count`` ROIs runs as: on a GPU a power of two (its graph's, at
+        most MAX_GRAPH_FACES: :meth:`_chunks`; in eager mode the batch bucket: Note [Warm shapes])."""
+        return bucket(count) if self.device.type == "cuda" or self.graphs.replays("mesh") else count
+
+    def _chunks(self, owner: np.ndarray) -> list[tuple[int, int]]:
+        """The ROIs as (start, stop) runs of whole frames of at most MAX_GRAPH_FACES each, or one
+        run of all where graphs are off or the frames' ROIs interleave (Note [Measuring on the
+        device])."""
+        count = owner.shape[0]
+        if count <= MAX_GRAPH_FACES or not self.graphs.replays("mesh"):
+            return [(0, count)]
+        frame_starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        if len(frame_starts) != len(np.unique(owner)):
+            return [(0, count)]
+        chunks, start = [], 0
+        for frame_start, frame_stop in zip(frame_starts, np.r_[frame_starts[1:], count]):
+            if frame_stop - start > MAX_GRAPH_FACES and frame_start > start:
+                chunks.append((start, int(frame_start)))
+                start = int(frame_start)
+        chunks.append((start, count))
+        return chunks if all(stop - begin <= MAX_GRAPH_FACES for begin, stop in chunks) else [(0, count)]
+
+    def _chunk_table(self, crops: torch.Tensor, rects: roi_mod.RotatedRects, roi_table: torch.Tensor,
+                     roi_boxes: torch.Tensor, roi_scores: torch.Tensor, group_steps: int) -> torch.Tensor:
+        """:meth:`results_core` of ``count`` ROIs, ``roi_table`` padded to the rows they run as:
+        replayed from the mesh stage's graph where graphs are on (and a chunk fits one),
+        else eagerly."""
+        count, rows = crops.shape[0], roi_table.shape[0]
+        if self.graphs.replays("mesh") and rows <= MAX_GRAPH_FACES:
+            table = self._table_graphed(crops, rects, roi_table, roi_boxes, roi_scores, group_steps)
+            if table is not None:
+                return table
+        if rows != count:  # padded with copies of the first ROI (real values: no degenerate rect in the models)
+            index = torch.cat([torch.arange(count, device=crops.device),
+                               torch.zeros(rows - count, dtype=torch.long, device=crops.device)])
+            crops, rects, roi_boxes, roi_scores = crops[index], rects[index], roi_boxes[index], roi_scores[index]
+        return self.results_core(crops, rects, roi_table, roi_boxes, roi_scores, group_steps)[:count]
+
+    def results_core(self, crops: torch.Tensor, rects: roi_mod.RotatedRects, roi_table: torch.Tensor,
+                     roi_boxes: torch.Tensor, roi_scores: torch.Tensor, group_steps: int) -> torch.Tensor:
+        """The measuring stage proper, a fixed sequence of tensor operations (what a CUDA graph
+        captures; Note [Measuring on the device]): the models, then every result of every ROI in
+        one (N, C) float32 table of :attr:`layout`.
+
+        roi_table (N, 4): frame (-1: a padding row), tracked (0/1), frame width and height px;
+        roi_boxes (N, 4) / roi_scores (N,): the detection's box and score (for detected faces);
+        group_steps: at least the most ROIs of one frame (:func:`nms.drop_overlapping_batched`).
+        """
+        landmarks, presence, blendshapes = self.landmarks_core(crops, rects)
+        owner, is_tracked, frame_wh = roi_table[:, 0], roi_table[:, 1] > 0, roi_table[:, 2:4]
+        boxes = torch.where(is_tracked[:, None], boxes_from_landmarks(landmarks), roi_boxes.float())
+        scores = torch.where(is_tracked, presence, roi_scores.float())
         count = landmarks.shape[0]
         # Two ROIs that converged on one face (a track and a detection): the more present stays.
+        # Padding rows are frame -1: never compared with a real face.
         kept, rank = drop_overlapping_batched(
-            landmark_bounds(landmarks.float()), presence.float(), owner, presence.float() >= self.min_presence,
-            SAME_FACE_IOU, self.max_faces, max_group_size=max_faces_per_frame)
+            landmark_bounds(landmarks), presence, owner, presence >= self.min_presence,
+            SAME_FACE_IOU, self.max_faces, max_group_size=group_steps)
         parts = [landmarks.reshape(count, -1), presence[:, None], boxes, scores[:, None], kept[:, None],
                  rank[:, None]]
         if blendshapes is not None:
@@ -292,42 +420,71 @@ class FaceMeasurer:
         parts.append(wide.contiguous().view(torch.float32))
         return torch.cat([p.float() for p in parts], dim=1)
 
-    def _faces(self, host: np.ndarray, owners: list[int], tracked: list[bool], frames: int,
-               with_blendshapes: bool) -> tuple[list[list[Face]], list[list[int]]]:
+    def _table_graphed(self, crops: torch.Tensor, rects: roi_mod.RotatedRects, roi_table: torch.Tensor,
+                       roi_boxes: torch.Tensor, roi_scores: torch.Tensor, group_steps: int) -> torch.Tensor | None:
+        """:meth:`results_core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline]); None when the stage cannot be captured."""
+        count, rows = crops.shape[0], roi_table.shape[0]
+
+        def build():
+            statics = {
+                "crops": torch.zeros(rows, *crops.shape[1:], dtype=crops.dtype, device=self.device),
+                "centre": torch.zeros(rows, 2, device=self.device),
+                "size": torch.zeros(rows, 2, device=self.device),
+                "rotation": torch.zeros(rows, device=self.device),
+                "roi_table": torch.tensor([PADDING_ROI] * rows, device=self.device),
+                "roi_boxes": torch.zeros(rows, 4, device=self.device),
+                "roi_scores": torch.zeros(rows, device=self.device),
+            }
+            static_rects = roi_mod.RotatedRects(statics["centre"], statics["size"], statics["rotation"])
+            return (lambda: self.results_core(statics["crops"], static_rects, statics["roi_table"],
+                                              statics["roi_boxes"], statics["roi_scores"], group_steps)), statics
+
+        captured = self.graphs.get("mesh", (rows, crops.dtype, group_steps), build)
+        if captured is None:
+            return None
+        statics = captured.statics
+        for name, value in (("crops", crops), ("centre", rects.center_xy_px), ("size", rects.size_wh_px),
+                            ("rotation", rects.rotation_rad), ("roi_boxes", roi_boxes), ("roi_scores", roi_scores)):
+            statics[name][:count].copy_(value)
+        statics["roi_table"].copy_(roi_table)  # padding rows included: frame -1
+        return captured.replay()[:count].clone()
+
+    # -- the host's part ----------------------------------------------------------------------------
+
+    def _faces(self, host: np.ndarray, owner: np.ndarray, tracked: list[bool], frames: int
+               ) -> tuple[list[list[Face]], list[list[int]]]:
         """The Face objects of the kept faces and their rows, per frame, from the table of
-        :meth:`measure` (Note [Measuring on the device]): vectorised, but for the objects."""
+        :meth:`measure_on_device` (Note [Measuring on the device]): numpy slices of the one
+        table; Python only to make the objects."""
+        layout = self.layout
         count = host.shape[0]
-        widths = [NUM_LANDMARKS * 3, 1, 4, 1, 1, 1, len(BLENDSHAPE_NAMES) if with_blendshapes else 0,
-                  16 if self.geometry is not None else 0]
-        bounds = np.cumsum([0] + widths)
-        (landmarks_np, presence_np, boxes_np, scores_np, kept_np, rank_np, blend_np, matrices_np) = (
-            host[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
-        wide = np.ascontiguousarray(host[:, bounds[-1]:]).view(np.float64)  # pose (, translation)
-        owner_np = np.asarray(owners)
-        rows = np.flatnonzero(kept_np[:, 0] > 0)
-        rows = rows[np.lexsort((rank_np[rows, 0], owner_np[rows]))]  # per frame, best first
-        landmarks_np = np.ascontiguousarray(landmarks_np).reshape(count, NUM_LANDMARKS, 3)
-        blend_np = np.ascontiguousarray(blend_np) if with_blendshapes else None
-        matrices_np = (np.ascontiguousarray(matrices_np).reshape(count, 4, 4) if self.geometry is not None
-                       else None)
-        poses = wide[rows, :3].tolist()
-        translations = wide[rows, 3:6].tolist() if self.geometry is not None else [None] * len(rows)
+        rows = np.flatnonzero(host[:, layout.kept] > 0)
+        rows = rows[np.lexsort((host[rows, layout.rank], owner[rows]))]  # per frame, best first
+        landmarks = np.ascontiguousarray(host[:, layout.landmarks]).reshape(count, NUM_LANDMARKS, 3)
+        blendshapes = (np.ascontiguousarray(host[:, layout.blendshapes]) if layout.blendshapes is not None
+                       else [None] * count)
+        matrices = (np.ascontiguousarray(host[:, layout.matrix]).reshape(count, 4, 4) if layout.matrix is not None
+                    else [None] * count)
+        wide = np.ascontiguousarray(host[rows, layout.wide]).view(np.float64)
+        poses = map(tuple, wide[:, :3].tolist())
+        translations = map(tuple, wide[:, 3:6].tolist()) if layout.matrix is not None else [None] * len(rows)
+        frame_of_row = owner[rows].tolist()
         faces_per_frame: list[list[Face]] = [[] for _ in range(frames)]
         rows_per_frame: list[list[int]] = [[] for _ in range(frames)]
         for k, frame, box, score, presence, pose, translation in zip(
-                rows.tolist(), owner_np[rows].tolist(), boxes_np[rows].tolist(), scores_np[rows, 0].tolist(),
-                presence_np[rows, 0].tolist(), poses, translations):
-            faces_per_frame[frame].append(Face(
-                box=tuple(box), score=score, landmarks=landmarks_np[k], head_pose=tuple(pose), presence=presence,
-                blendshapes=None if blend_np is None else blend_np[k], tracked=tracked[k],
-                transform_matrix=None if matrices_np is None else matrices_np[k],
-                head_translation_cm=None if translation is None else tuple(translation)))
+                rows.tolist(), frame_of_row, map(tuple, host[rows, layout.box].tolist()),
+                host[rows, layout.score].tolist(), host[rows, layout.presence].tolist(), poses, translations):
+            faces_per_frame[frame].append(Face(box, score, landmarks[k], pose, presence, blendshapes[k], tracked[k],
+                                               matrices[k], translation))
             rows_per_frame[frame].append(k)
         return faces_per_frame, rows_per_frame
 
+    # -- warm-up and the models -------------------------------------------------------------------
+
     def warm_up(self, max_faces: int) -> None:
         """On a GPU, run every batch bucket of up to ``max_faces`` faces once, captured as graphs
-        where they are on (Note [Warm shapes])."""
+        where they are on (Note [Warm shapes]), with the duplicate
+        filter's steps of frames of up to ``max_faces`` ROIs (Note [Measuring on the device])."""
         count = min(max_faces, MAX_GRAPH_FACES)
         if count >= 1 and (self.device.type == "cuda" or self.graphs.enabled):
             crops = torch.zeros(count, self.input_px, self.input_px, 3, dtype=self.model_dtype,
@@ -335,55 +492,17 @@ class FaceMeasurer:
             rects = roi_mod.RotatedRects(torch.zeros(count, 2, device=self.device),
                                          torch.full((count, 2), 100.0, device=self.device),
                                          torch.zeros(count, device=self.device))
+            boxes, scores = torch.zeros(count, 4, device=self.device), torch.ones(count, device=self.device)
             for faces_in_bucket in buckets_up_to(count, MAX_GRAPH_FACES):
-                self.landmarks(crops[:faces_in_bucket], rects[:faces_in_bucket])
-            self._warm_device_table()
-
-    def _warm_device_table(self) -> torch.Tensor:
-        """The results' device work once (its first SVD on a GPU creates the solver's handle),
-        on a face made of the canonical model (the zero crops' landmarks may be anything, and
-        an SVD of non-finite numbers raises)."""
-        landmarks = torch.zeros(1, NUM_LANDMARKS, 3, device=self.device)
-        if self.geometry is not None:
-            canonical = torch.as_tensor(self.geometry.metadata.canonical_vertices_cm, dtype=torch.float32)
-            face = canonical * torch.tensor([10.0, -10.0, -10.0]) + torch.tensor([320.0, 240.0, 0.0])
-            landmarks[0, :NUM_MESH_POINTS] = face.to(self.device)
-        one = torch.ones(1, device=self.device)
-        blendshapes = (torch.zeros(1, len(BLENDSHAPE_NAMES), device=self.device)
-                       if self.blendshapes is not None else None)
-        frame_wh = torch.tensor([[640.0, 480.0]], device=self.device)
-        return self._device_table(landmarks, one, blendshapes, torch.zeros(1, 4, device=self.device), one,
-                                  torch.zeros(1, dtype=torch.long, device=self.device), 1, frame_wh).cpu()
-
-    def landmarks(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
-        """(landmarks (N, 478, 3) px, presence (N,), blendshapes (N, 52) or None) of the crops."""
-        if self.graphs.replays("mesh"):
-            parts = []
-            for start in range(0, crops.shape[0], MAX_GRAPH_FACES):
-                stop = min(crops.shape[0], start + MAX_GRAPH_FACES)
-                part = self._landmarks_graphed(crops[start:stop], rects[start:stop])
-                if part is None:
-                    break
-                parts.append(part)
-            else:
-                landmarks, presence, blendshapes = zip(*parts)
-                return (torch.cat(landmarks), torch.cat(presence),
-                        None if blendshapes[0] is None else torch.cat(blendshapes))
-        count = crops.shape[0]
-        padded = bucket(count)
-        if self.device.type != "cuda" or padded == count:
-            return self.landmarks_core(crops, rects)
-        # Eager on a GPU: in batch buckets too (Note [Warm shapes]),
-        # padded with copies of the first face (real values: no degenerate rect in the models).
-        rows = torch.cat([torch.arange(count, device=crops.device),
-                          torch.zeros(padded - count, dtype=torch.long, device=crops.device)])
-        landmarks, presence, blendshapes = self.landmarks_core(crops[rows], rects[rows])
-        return (landmarks[:count], presence[:count],
-                None if blendshapes is None else blendshapes[:count])
+                roi_table = torch.tensor([PADDING_ROI] * faces_in_bucket, device=self.device)
+                roi_table[:, 0] = torch.arange(faces_in_bucket, device=self.device)  # a frame each
+                self._chunk_table(crops[:faces_in_bucket], rects[:faces_in_bucket], roi_table,
+                                  boxes[:faces_in_bucket], scores[:faces_in_bucket], bucket(self.max_faces))
 
     def landmarks_core(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
-        """The mesh stage proper, a fixed sequence of tensor operations (what a CUDA graph
-        captures)."""
+        """(landmarks (N, 478, 3) px, presence (N,), blendshapes (N, 52) or None) of the crops:
+        the models and their decoding, a fixed sequence of tensor operations (part of
+        :meth:`results_core`)."""
         if self.landmarker == "face_landmarker":
             landmarks_model, presence = face_landmarker.decode(self.mesh(crops))
         else:
@@ -393,30 +512,3 @@ class FaceMeasurer:
         blendshapes = (blendshapes_mod.blendshapes(self.blendshapes, landmarks)
                        if self.blendshapes is not None else None)
         return landmarks, presence, blendshapes
-
-    def _landmarks_graphed(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
-        count = crops.shape[0]
-        padded = bucket(count, MAX_GRAPH_FACES)
-
-        def build():
-            statics = {
-                "crops": torch.zeros(padded, *crops.shape[1:], dtype=crops.dtype, device=self.device),
-                "centre": torch.zeros(padded, 2, device=self.device),
-                "size": torch.zeros(padded, 2, device=self.device),
-                "rotation": torch.zeros(padded, device=self.device),
-            }
-            static_rects = roi_mod.RotatedRects(statics["centre"], statics["size"], statics["rotation"])
-            return (lambda: self.landmarks_core(statics["crops"], static_rects)), statics
-
-        captured = self.graphs.get("mesh", (padded, crops.dtype), build)
-        if captured is None:
-            return None
-        statics = captured.statics
-        statics["crops"][:count].copy_(crops)
-        statics["centre"][:count].copy_(rects.center_xy_px)
-        statics["size"][:count].copy_(rects.size_wh_px)
-        statics["rotation"][:count].copy_(rects.rotation_rad)
-        landmarks, presence, blendshapes = captured.replay()
-        return (landmarks[:count].clone(), presence[:count].clone(),
-                None if blendshapes is None else blendshapes[:count].clone())
-

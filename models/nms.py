@@ -8,9 +8,10 @@ and whose score is the leader's; the cluster leaves the pool; repeat. Blending, 
 keeping the leader's box, is what makes BlazeFace's boxes steady from frame to frame.
 
 Here every image of the batch runs the same greedy loop at once: step t picks, per image, the
-best detection not yet in a cluster. There are at most ``max_detections`` steps, each a handful of
-``(B, N)`` tensor ops, and no host synchronisation, so the whole thing can run on the GPU (and be
-captured in a CUDA graph) for any number of frames or tiles.
+best detection not yet in a cluster (Note [Weighted NMS in few steps]). There are at most
+``max_detections`` steps, each a handful of ``(B, N)`` tensor ops, and no host synchronisation,
+so the whole thing can run on the GPU (and be captured in a CUDA graph) for any number of frames
+or tiles.
 
 IoU is invariant under scaling each axis, so boxes may be in pixels or in normalized units.
 :func:`box_iou` is facecast's one IoU (the detectors, the trackers, the duplicate filters of
@@ -175,31 +176,34 @@ def weighted_nms(
     cand_keypoints = keypoints.gather(1, order[..., None, None].expand(-1, -1, num_keypoints, 2))
     cand_valid = torch.isfinite(top_scores)
     cand_scores = torch.where(cand_valid, top_scores, torch.zeros_like(top_scores))
-    iou = box_iou(cand_boxes, cand_boxes)  # (B, N, N)
+    # same_face[b, i, j]: j joins a cluster that i leads. A leader always belongs to its own
+    # cluster, even a degenerate one with zero area (whose IoU with itself is 0).
+    same_face = (box_iou(cand_boxes, cand_boxes) > iou_threshold) | torch.eye(
+        num_kept, dtype=torch.bool, device=boxes.device)
 
+    # Note [Weighted NMS in few steps]
+    #     The greedy part is only the choice of leaders: one step per output slot, in which each
+    #     image's best detection not yet in a cluster (candidates are sorted, and argmax returns
+    #     the first maximum, which keeps ties in MediaPipe's order) leads, and its cluster is
+    #     every unclustered detection whose IoU with it is above the threshold: a gather of its
+    #     row and an AND. The blending needs no step of its own: after the loop every cluster's
+    #     weighted means are taken at once over the (B, slots, N) membership; a cluster's score
+    #     is its leader's, which is its best member's. A slot with no detection left gets an
+    #     empty cluster. (One step cost 22 operations before issue 24, now 6: a detection pass
+    #     over both detectors ran ~440 operations in its NMS, a CUDA graph launching each.)
     unclustered = cand_valid.clone()
-    out_boxes, out_keypoints, out_scores, out_valid = [], [], [], []
-    batch_index = torch.arange(batch, device=boxes.device)
+    clusters = []
     for _ in range(max_detections):  # fixed count: shapes never depend on the data
-        # Candidates are sorted, so the first unclustered one is the best remaining one
-        # (argmax returns the first maximum, which keeps ties in MediaPipe's order).
-        leader = unclustered.to(torch.int8).argmax(dim=1)
-        has_leader = unclustered[batch_index, leader]
-        members = (iou[batch_index, leader] > iou_threshold) & unclustered
-        # The leader always belongs to its cluster, even a degenerate one with zero area.
-        members[batch_index, leader] |= has_leader
-        weights = cand_scores * members
-        total = weights.sum(dim=1).clamp(min=1e-12)
-        out_boxes.append((cand_boxes * weights[..., None]).sum(dim=1) / total[:, None])
-        out_keypoints.append((cand_keypoints * weights[..., None, None]).sum(dim=1) / total[:, None, None])
-        out_scores.append(cand_scores[batch_index, leader] * has_leader)
-        out_valid.append(has_leader)
+        leader = unclustered.to(torch.uint8).argmax(dim=1)
+        members = same_face.gather(1, leader[:, None, None].expand(-1, 1, num_kept))[:, 0] & unclustered
+        clusters.append(members)
         unclustered &= ~members
-
-    valid_out = torch.stack(out_valid, dim=1)
+    members = torch.stack(clusters, dim=1)  # (B, slots, N)
+    weights = cand_scores[:, None, :] * members  # 0 outside the cluster (and for an empty slot)
+    total = weights.sum(dim=2).clamp(min=1e-12)[..., None]
     return Detections(
-        boxes=torch.stack(out_boxes, dim=1) * valid_out[..., None],
-        keypoints=torch.stack(out_keypoints, dim=1) * valid_out[..., None, None],
-        scores=torch.stack(out_scores, dim=1),
-        valid=valid_out,
+        boxes=(weights[..., None] * cand_boxes[:, None]).sum(dim=2) / total,
+        keypoints=(weights[..., None, None] * cand_keypoints[:, None]).sum(dim=2) / total[..., None],
+        scores=weights.amax(dim=2),  # the leader's: its cluster's best (scores are probabilities)
+        valid=members.any(dim=2),
     )

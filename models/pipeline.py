@@ -19,9 +19,9 @@ over every frame (and tile, and face) of a call:
    camera has no face, lost one, or every ``detect_interval_frames`` frames to pick up newcomers.
 
 No stage loops over frames, tiles or faces in Python or waits for the device before its end
-(Note [Detection without per-frame work] in :mod:`facecast.models.face_detection`); with
+(Note [Detection without per-frame work]); with
 ``cuda_graphs=True`` detection and the mesh stage are replayed from CUDA graphs (Note [CUDA
-graphs of the pipeline] in :mod:`facecast.models.cuda_graphs`), with ``half=True`` the models
+graphs of the pipeline]), with ``half=True`` the models
 run in float16. ``bench/models.py`` measures these paths.
 
 Outputs are in the pixels of each input frame; landmark z is on the scale of x (pixels), negative
@@ -214,9 +214,10 @@ class FacePipeline:
         owners = [i for i, (boxes, _, _) in enumerate(detections) for _ in range(boxes.shape[0])]
         if not owners:
             return [[] for _ in detections]
-        boxes = torch.cat([d[0] for d in detections])
-        keypoints = torch.cat([d[1] for d in detections])
-        scores = torch.cat([d[2] for d in detections])
+        # The detections (on the host) back to the device in one copy.
+        table = roi_mod.from_host(torch.cat([torch.cat([boxes, keypoints.flatten(1), scores[:, None]], dim=1)
+                                             for boxes, keypoints, scores in detections]), self.device)
+        boxes, keypoints, scores = table[:, :4], table[:, 4:-1].reshape(len(owners), -1, 2), table[:, -1]
         rects = roi_mod.rects_from_detections(boxes, keypoints)
         return self.measurer.measure(batch, owners, rects, boxes, scores, [False] * len(owners)).faces
 
@@ -260,8 +261,9 @@ class FacePipeline:
     @torch.inference_mode()
     def detect(self, batch: roi_mod.FrameBatch, frame_indices: Sequence[int] | None = None):
         """Faces of the given frames (all by default): per frame, (boxes (M, 4) px,
-        keypoints (M, 6, 2) px, scores (M,)), best first, at most ``max_faces`` (at most twice
-        that with ``use_tiles=False``, as NMS leaves them)."""
+        keypoints (M, 6, 2) px, scores (M,)), on the host (one copy for all frames), best
+        first, at most ``max_faces`` (at most twice that with ``use_tiles=False``, as NMS leaves
+        them)."""
         return self.detector.detect(batch, frame_indices)
 
     @torch.inference_mode()
@@ -269,8 +271,7 @@ class FacePipeline:
                 max_faces: int = 0) -> None:
         """On a GPU, run once every batch bucket of the models that detection over up to
         ``max_frames`` frames and the mesh over up to ``max_faces`` faces can meet, and with
-        ``cuda_graphs`` capture their graphs for frames of each size (Note [Warm shapes] in
-        :mod:`facecast.models.cuda_graphs`). Nothing to do on the CPU."""
+        ``cuda_graphs`` capture their graphs for frames of each size (Note [Warm shapes]). Nothing to do on the CPU."""
         self.detector.warm_up(frame_sizes_hw, max_frames)
         self.measurer.warm_up(max_faces)
         if self.device.type == "cuda":

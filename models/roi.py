@@ -313,8 +313,9 @@ def crop_rois(
     hw = frames.frame_hw[frame_index]  # (N, 2)
     max_x = (hw[:, 1] - 1)[:, None, None]
     max_y = (hw[:, 0] - 1)[:, None, None]
-    inside_x = (x >= -0.5) & (x <= max_x + 0.5)
-    inside_y = (y >= -0.5) & (y <= max_y + 0.5)
+    if border == "zero":  # before the clamping below
+        inside_x = (x >= -0.5) & (x <= max_x + 0.5)
+        inside_y = (y >= -0.5) & (y <= max_y + 0.5)
     x = torch.minimum(x.clamp(min=0), max_x)
     y = torch.minimum(y.clamp(min=0), max_y)
     x0 = x.floor()

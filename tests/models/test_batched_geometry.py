@@ -12,7 +12,6 @@ included. Each comparison runs on the CPU, and on CUDA where there is one (marke
 
 from __future__ import annotations
 
-import math
 
 import cv2
 import numpy as np
@@ -28,7 +27,7 @@ from facecast.models.face_geometry import (
     rotation_and_translation,
     weighted_procrustes,
 )
-from facecast.models.face_mesh import SAME_FACE_IOU, boxes_from_landmarks, landmark_bounds
+from facecast.models.face_mesh import SAME_FACE_IOU, boxes_from_landmarks
 from facecast.models.head_pose import (
     CHIN_INDEX,
     FOREHEAD_INDEX,
@@ -220,7 +219,7 @@ def real_faces(face_stack, frames, detections) -> tuple[np.ndarray, np.ndarray]:
     with torch.inference_mode():
         crops = roi.crop_rois(roi.FrameBatch(frames, "cpu"), torch.tensor(owners), rects, face_stack.measurer.input_px,
                               border="replicate")
-        landmarks = face_stack.measurer.landmarks(crops, rects)[0]
+        landmarks = face_stack.measurer.landmarks_core(crops, rects)[0]
     sizes = np.asarray([frames[i].shape[1::-1] for i in owners], np.float64)
     return landmarks.numpy(), sizes
 
@@ -377,19 +376,19 @@ def compare_measured(stack, frames, detections, min_presence):
     measurer = stack.measurer
     measurer.min_presence, measurer.max_faces = min_presence, MAX_FACES
     recorded = {}
-    models = measurer.landmarks
+    models = measurer.landmarks_core
 
     def recording(crops, crop_rects):
         recorded["outputs"] = models(crops, crop_rects)
         return recorded["outputs"]
 
     batch = roi.FrameBatch(frames, "cpu")
-    measurer.landmarks = recording
+    measurer.landmarks_core = recording
     try:
         with torch.inference_mode():
             measured = measurer.measure(batch, owners, rects, boxes, scores, tracked)
     finally:
-        del measurer.landmarks
+        del measurer.landmarks_core
         measurer.min_presence, measurer.max_faces = 0.5, stack.max_faces
     expected_faces, expected_rows = reference_faces(measurer.geometry, min_presence, MAX_FACES, batch.sizes_hw, owners,
                                                     tracked, *recorded["outputs"], boxes, scores)
@@ -434,9 +433,13 @@ def test_measure_matches_the_per_face_host_code_with_the_attention_mesh(attentio
     assert counts["below"] >= len(frames) and counts["frames_cut"] == 1, counts
 
 
-def test_warm_up_runs_the_results_device_work(face_stack, attention_stack):
-    """On a GPU, warm-up also runs the results' device work once (the first SVD creates the
-    solver's handle); on a face made of the canonical model, which must give a finite table."""
-    for stack in (face_stack, attention_stack):
-        table = stack.measurer._warm_device_table()
-        assert table.shape[0] == 1 and torch.isfinite(table).all()
+def test_a_fit_without_spread_gives_the_identity_and_no_error():
+    """Padding rows of a CUDA graph and degenerate faces: a covariance of zeros (every point on
+    one spot) gives the identity rotation and scale 0, finite, where an SVD would be asked for
+    the impossible (Note [Procrustes without a solver])."""
+    source = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
+    target = torch.full((2, 4, 3), 5.0, dtype=torch.float64)
+    scale, rotation, translation = weighted_procrustes(source, target, torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(rotation, torch.eye(3, dtype=torch.float64).expand(2, 3, 3))
+    torch.testing.assert_close(scale, torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(translation, torch.full((2, 3), 5.0, dtype=torch.float64))

@@ -315,6 +315,8 @@ def _graphs_on_the_cpu(pipeline, monkeypatch, capture) -> None:
 
 
 def _flat(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
     if isinstance(outputs, tuple):
         return [t for t in outputs if t is not None]
     return [outputs.boxes, outputs.keypoints, outputs.scores, outputs.valid]
@@ -341,17 +343,41 @@ def test_graph_bookkeeping_gives_the_eager_results(cpu_pipeline, photos, monkeyp
     frames = [scene_1080p(photos, shift) for shift in (0, 10, 20)]
     expected = cpu_pipeline(frames)
     monkeypatch.setattr(face_detection, "MAX_GRAPH_FRAMES", 4)  # 3 frames: padded to 4
-    monkeypatch.setattr(face_mesh, "MAX_GRAPH_FACES", 4)  # 9 faces: chunks of 4, 4 and 1
+    monkeypatch.setattr(face_mesh, "MAX_GRAPH_FACES", 4)  # 9 faces: chunks of whole frames, 3 + 3 + 3
     _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
     _CallInsteadOfReplay.made = []
     _same_faces(expected, cpu_pipeline(frames), atol_px=1e-2)
-    assert sorted(cpu_pipeline.graphs.captured) == [("detect", (1080, 1920, 4, True)), ("mesh", (1, torch.float32)),
-                                            ("mesh", (4, torch.float32))]
-    # One frame: a new detection graph; its 3 faces replay the 4-face graph, one row padded with
-    # the previous call's data, which must not leak into the results.
+    # Each chunk of 3 faces replays the 4-face graph, its duplicate filter in 4 steps (max_faces).
+    assert sorted(cpu_pipeline.graphs.captured) == [("detect", (1080, 1920, 4, True)),
+                                                    ("mesh", (4, torch.float32, 4))]
+    # One frame: a new detection graph; its 3 faces replay the 4-face graph again, one row padded
+    # with the previous call's data, which must not leak into the results.
     _same_faces(expected[2:], cpu_pipeline(frames[2:]), atol_px=1e-2)
-    assert ("detect", (1080, 1920, 1, True)) in cpu_pipeline.graphs.captured and len(_CallInsteadOfReplay.made) == 4
+    assert ("detect", (1080, 1920, 1, True)) in cpu_pipeline.graphs.captured and len(_CallInsteadOfReplay.made) == 3
     assert cpu_pipeline.graph_fallbacks == {}
+
+
+def test_more_rois_than_a_graph_holds_split_between_frames_or_run_eagerly(cpu_pipeline, photos, monkeypatch):
+    """Note [Measuring on the device]: past MAX_GRAPH_FACES the ROIs are split between whole
+    frames (a frame's ROIs meet in one duplicate filter); ROIs whose frames interleave run
+    eagerly, with the same faces."""
+    frames = [scene_1080p(photos, shift) for shift in (0, 10)]
+    batch = roi.FrameBatch(frames, "cpu")
+    with torch.inference_mode():
+        found = cpu_pipeline.detect(batch)
+    assert [boxes.shape[0] for boxes, _, _ in found] == [3, 3]
+    interleaved = [0, 3, 1, 4, 2, 5]  # rows of cat(found): frame 0, frame 1, frame 0, ...
+    owners = [0, 1, 0, 1, 0, 1]
+    boxes, keypoints, scores = (torch.cat([f[part] for f in found])[interleaved] for part in range(3))
+    rects = roi.rects_from_detections(boxes, keypoints)
+    with torch.inference_mode():
+        expected = cpu_pipeline.measurer.measure(batch, owners, rects, boxes, scores, [False] * 6)
+        monkeypatch.setattr(face_mesh, "MAX_GRAPH_FACES", 4)
+        _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
+        got = cpu_pipeline.measurer.measure(batch, owners, rects, boxes, scores, [False] * 6)
+    assert cpu_pipeline.graphs.captured == {}  # 6 interleaved ROIs > 4: eagerly
+    assert got.rows == expected.rows
+    _same_faces(expected.faces, got.faces, atol_px=1e-4)
 
 
 def test_a_stage_that_cannot_be_captured_runs_eagerly_and_says_why(cpu_pipeline, photos, monkeypatch):
@@ -382,7 +408,14 @@ class _HostWork(TorchDispatchMode):
     """Records, by source line, what a CUDA graph cannot capture: tensors made from host data
     (a host-to-device copy on a GPU) and operations that wait for the device's results."""
 
-    WAITS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item"}
+    # Operations whose result's size, or whose success, only the device knows (on CUDA: a copy
+    # back and a wait); and the solvers (every aten.linalg_* / aten._linalg_* but the
+    # elementwise ones below), which on CUDA read their convergence flags back (their
+    # documentation: "this function synchronizes that device with the CPU"; on the CPU they
+    # check without a dispatched op, so they are recognised by name).
+    WAITS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item", "aten.is_nonzero",
+             "aten.equal", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave"}
+    NOT_SOLVERS = {"aten.linalg_cross", "aten.linalg_vector_norm", "aten.linalg_norm", "aten.linalg_matrix_norm"}
 
     def __init__(self):
         super().__init__()
@@ -394,7 +427,8 @@ class _HostWork(TorchDispatchMode):
         name = str(func.overloadpacket)
         bool_mask = name == "aten.index" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []) if i is not None)
-        if name in ("aten.lift_fresh", "aten.lift_fresh_copy") or name in self.WAITS or bool_mask:
+        solver = name.startswith(("aten.linalg_", "aten._linalg_")) and name not in self.NOT_SOLVERS
+        if name in ("aten.lift_fresh", "aten.lift_fresh_copy") or name in self.WAITS or bool_mask or solver:
             frame = next(f for f in reversed(traceback.extract_stack())
                          if "/models/" in f.filename and "/tests/" not in f.filename)
             self.found.append(f"{name} at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}")
@@ -417,16 +451,56 @@ def test_the_detection_stage_can_be_captured(cpu_pipeline, photos):
     assert spy.found == []
 
 
-def test_the_mesh_stage_can_be_captured(cpu_pipeline, photos):
-    crops = roi.crop_rois(roi.FrameBatch([scene_1080p(photos)], "cpu"), torch.zeros(2),
-                          roi.RotatedRects(torch.tensor([[500.0, 500.0], [900.0, 300.0]]),
-                                           torch.full((2, 2), 200.0), torch.zeros(2)), 192)
-    rects = roi.RotatedRects(torch.zeros(2, 2), torch.full((2, 2), 200.0), torch.zeros(2))
+@pytest.fixture(scope="module")
+def landmarker_pipeline(installed_models, landmarker_bundle):
+    """FaceLandmarker's stack on the CPU: blendshapes and the transformation matrix."""
+    _require_models(installed_models)
+    torch.set_num_threads(1)
+    return FacePipeline("cpu", max_faces=4, face_landmarker_task=landmarker_bundle.task_path)
+
+
+@pytest.mark.parametrize("stack", ["attention_mesh", "face_landmarker"])
+def test_the_measuring_stage_can_be_captured(cpu_pipeline, landmarker_pipeline, photos, stack):
+    """Note [Measuring on the device]: the whole measuring stage (models, blendshapes, head
+    pose, transformation matrix, duplicate filter, the results' table) neither copies from the
+    host nor waits for the device; three ROIs of two frames, two of them one face."""
+    measurer = (landmarker_pipeline if stack == "face_landmarker" else cpu_pipeline).measurer
+    batch = roi.FrameBatch([scene_1080p(photos)] * 2, "cpu")
     with torch.inference_mode():
-        cpu_pipeline.measurer.landmarks_core(crops, rects)
+        boxes, keypoints, _ = cpu_pipeline.detect(batch, [0])[0]
+    rects = roi.rects_from_detections(boxes[[0, 0, 0]], keypoints[[0, 0, 0]])
+    rects.center_xy_px[1] += 4.0  # the same face again, its ROI moved a little
+    crops = roi.crop_rois(batch, torch.tensor([0, 0, 1]), rects, measurer.input_px)
+    roi_table = torch.tensor([[0.0, 1.0, 1920.0, 1080.0], [0.0, 0.0, 1920.0, 1080.0], [1.0, 0.0, 1920.0, 1080.0]])
+    inputs = (crops, rects, roi_table, torch.zeros(3, 4), torch.ones(3), 4)
+    with torch.inference_mode():
+        expected = measurer.results_core(*inputs)  # caches made on first use stay out, as in the warm-up
         with _HostWork() as spy:
-            cpu_pipeline.measurer.landmarks_core(crops, rects)
+            table = measurer.results_core(*inputs)
     assert spy.found == [], spy.found
+    assert table.shape == (3, measurer.layout.columns) and torch.isfinite(table).all()
+    torch.testing.assert_close(table, expected, rtol=0, atol=0)
+    kept = table[:, measurer.layout.kept]
+    assert kept[2] == 1 and kept[:2].sum() == 1, "the two ROIs on one face: one kept"
+
+
+def test_the_measuring_stage_traces_as_one_graph(landmarker_pipeline):
+    """The measuring stage has no Python branch on a tensor's value and no host round trip:
+    TorchDynamo traces the whole of it, FaceLandmarker's stack with its transformation matrix,
+    without a graph break (``fullgraph=True``; the "eager" backend: the trace is the test, not
+    a compiler), and the traced stage gives the same table. (Under no_grad: torch 2.13's guards
+    mistake inference-mode tensors made once for the device tables.)"""
+    measurer = landmarker_pipeline.measurer
+    count = 4
+    crops = torch.rand(count, measurer.input_px, measurer.input_px, 3, generator=torch.Generator().manual_seed(3))
+    rects = roi.RotatedRects(torch.full((count, 2), 500.0), torch.full((count, 2), 200.0), torch.zeros(count))
+    roi_table = torch.tensor([[frame // 2, 0.0, 1920.0, 1080.0] for frame in range(count)])
+    inputs = (crops, rects, roi_table, torch.zeros(count, 4), torch.ones(count), 4)
+    torch._dynamo.reset()
+    traced = torch.compile(measurer.results_core, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(*inputs), measurer.results_core(*inputs), rtol=0, atol=0)
+    torch._dynamo.reset()
 
 
 # -- GPU: float16 and CUDA graphs against float32 eager, on real photos ----------------------------
@@ -528,6 +602,50 @@ def test_cuda_convolution_weights_are_channels_last(gpu_pipelines):
             assert all(c.weight.dtype == pipe.model_dtype for c in convs)
 
 
+@pytest.fixture(scope="module")
+def gpu_landmarker_pipelines(installed_models, landmarker_bundle):
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device on this machine")
+    _require_models(installed_models)
+    return {name: FacePipeline("cuda", max_faces=4, face_landmarker_task=landmarker_bundle.task_path,
+                               **FAST_VARIANTS.get(name, ({},))[0]) for name in ("fp32", "fp16+graphs")}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_face_stack_never_waits_for_the_gpu_until_its_one_transfer(gpu_pipelines, gpu_landmarker_pipelines,
+                                                                          photos):
+    """Notes [Measuring on the device] and [Tracking without per-face work]: with CUDA's sync
+    debug mode set to raise, a detection pass (before its one transfer), a tracking step's ROIs
+    and the measuring stage (before its one transfer) run, eager and from graphs, for both
+    stacks: nothing in them waits for the GPU (a solver, a read-back, a pageable copy)."""
+    frames = torch.from_numpy(np.stack([scene_1080p(photos, shift) for shift in (0, 20)])).cuda()
+    pipelines = {f"attention mesh {name}": pipe for name, pipe in gpu_pipelines.items()}
+    pipelines.update({f"FaceLandmarker {name}": pipe for name, pipe in gpu_landmarker_pipelines.items()})
+    for label, pipe in pipelines.items():
+        pipe.reset()
+        with torch.inference_mode():
+            batch = roi.FrameBatch(frames, "cuda")
+            found = pipe.detect(batch)  # once first: graphs captured, tables made
+            pipe.track(frames, ["a", "b"], detections=dict(enumerate(found)))
+            pipe.track(frames, ["a", "b"], detections={0: found[0]})
+            states = pipe.tracks.states(["a", "b"])
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                pipe.detector.detect_batched(batch, [0, 1])
+                rois = pipe.tracks.next_rois(states, {1: found[1]})
+                pipe.measurer.measure_on_device(batch, rois.owners, rois.rects, rois.boxes_px, rois.scores,
+                                                rois.tracked)
+            except RuntimeError as error:
+                pytest.fail(f"{label}: {error}")
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+        pipe.reset()
+        assert pipe.graph_fallbacks == {}, label
+
+
 def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypatch):
     """Note [Warm shapes]: after warm_up, no batch of 1..max frames or faces meets a new shape."""
     _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
@@ -535,7 +653,7 @@ def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypat
     assert sorted(cpu_pipeline.graphs.captured) == [
         ("detect", (360, 640, 1, True)), ("detect", (360, 640, 2, True)),
         ("detect", (360, 640, 4, True)),
-        ("mesh", (1, torch.float32)), ("mesh", (2, torch.float32)), ("mesh", (4, torch.float32)),
-        ("mesh", (8, torch.float32))]
+        ("mesh", (1, torch.float32, 4)), ("mesh", (2, torch.float32, 4)), ("mesh", (4, torch.float32, 4)),
+        ("mesh", (8, torch.float32, 4))]
     monkeypatch.setattr(cpu_pipeline.graphs, "enabled", False)
     cpu_pipeline.warm_up([(360, 640)], max_frames=3, max_faces=5)  # eager: nothing to prepare

@@ -1,0 +1,195 @@
+"""Issue 24 item 1: the tracking step without per-face work (Note [Tracking without per-face
+work]) makes the ROIs, and keeps the faces, that the per-face code
+made and kept.
+
+The reference is facecast's per-face tracking state from before issue 24, kept here (one object
+per followed face; the decision which detections are already followed read back from the
+device). Both are driven through the same steps: cameras following 0 to 4 faces, detections on
+some frames (near a followed face, so dropped, or new, more than ``max_faces`` leaves room for),
+faces measured and kept at random (some tracks lost). CPU, and CUDA where there is one (marker
+``gpu``: there the detections are device tensors, as FacePipeline.detect returns them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from facecast.models import roi as roi_mod
+from facecast.models.face_mesh import Measured, boxes_from_landmarks
+from facecast.models.face_tracking import FaceTracks
+from facecast.models.nms import box_iou
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device on this machine")])]
+MAX_FACES = 4
+
+
+# -- the reference: facecast's per-face tracking before issue 24 -------------------------------
+
+
+@dataclass
+class ReferenceTrack:
+    landmarks_px: torch.Tensor
+    box_px: torch.Tensor
+
+
+@dataclass
+class ReferenceState:
+    tracks: list = field(default_factory=list)
+    frames_since_detection: int = 0
+    lost_face: bool = False
+
+
+def reference_next_rois(states, det_by_frame, device, max_faces):
+    tracks = [track for state in states for track in state.tracks]
+    track_owner = [i for i, state in enumerate(states) for _ in state.tracks]
+    det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]
+    det_owner = [i for i in det_frames for _ in range(det_by_frame[i][0].shape[0])]
+    if det_owner:
+        det_boxes, det_keypoints, det_scores = (
+            torch.cat([det_by_frame[i][part] for i in det_frames]).to(device, torch.float32) for part in range(3))
+    if tracks:
+        track_landmarks = torch.stack([t.landmarks_px for t in tracks])
+        track_boxes = torch.stack([t.box_px for t in tracks])
+    if det_owner and tracks:
+        same_frame = torch.as_tensor(np.equal.outer(det_owner, track_owner)).to(device)
+        overlaps = ((box_iou(det_boxes, track_boxes) * same_frame).amax(dim=1) > 0.3).tolist()
+    else:
+        overlaps = [False] * len(det_owner)
+    owners, sources, tracked = [], [], []
+    track_row = det_row = 0
+    for i, state in enumerate(states):
+        for _ in state.tracks:
+            owners.append(i)
+            sources.append(track_row)
+            tracked.append(True)
+            track_row += 1
+        if i in det_by_frame:
+            frame_rois = len(state.tracks)
+            first = det_row
+            while det_row < len(det_owner) and det_owner[det_row] == i:
+                det_row += 1
+            for row in range(first, det_row):
+                if overlaps[row]:
+                    continue
+                if frame_rois >= max_faces:
+                    break
+                owners.append(i)
+                sources.append(len(tracks) + row)
+                tracked.append(False)
+                frame_rois += 1
+            state.frames_since_detection = 0
+        else:
+            state.frames_since_detection += 1
+    if not owners:
+        return [], [], None, None, None
+    rects_parts, boxes_parts, scores_parts = [], [], []
+    if tracks:
+        rects_parts.append(roi_mod.rects_from_landmarks(track_landmarks))
+        boxes_parts.append(track_boxes)
+        scores_parts.append(torch.zeros(len(tracks), device=device))
+    if det_owner:
+        rects_parts.append(roi_mod.rects_from_detections(det_boxes, det_keypoints))
+        boxes_parts.append(det_boxes)
+        scores_parts.append(det_scores)
+    order = torch.tensor(sources, device=device)
+    return (owners, tracked, roi_mod.RotatedRects.cat(rects_parts)[order], torch.cat(boxes_parts)[order],
+            torch.cat(scores_parts)[order])
+
+
+def reference_follow(states, owners, measured):
+    for i, state in enumerate(states):
+        state.lost_face = bool(state.tracks) and len(measured.faces[i]) < owners.count(i)
+        state.tracks = [ReferenceTrack(measured.landmarks_px[k], measured.boxes_px[k]) for k in measured.rows[i]]
+
+
+# -- the steps ---------------------------------------------------------------------------------
+
+
+def face(rng, centre_xy, side_px):
+    """Landmarks (478, 3) of a face-sized blob of points around a centre."""
+    points = rng.normal(0, side_px / 4, (478, 3)).astype(np.float32)
+    points[:, :2] += centre_xy
+    return points
+
+
+def detections(rng, state, device):
+    """0 to 6 detections: near followed faces (the same face) and elsewhere (new ones)."""
+    boxes = []
+    for box in state.boxes_host_px[: rng.integers(0, state.face_count + 1)]:
+        boxes.append(box + rng.normal(0, 3, 4))
+    for _ in range(rng.integers(0, 5)):
+        x, y = rng.uniform(0, 1500, 2)
+        side = rng.uniform(60, 200)
+        boxes.append(np.array([x, y, x + side, y + side]))
+    count = len(boxes)
+    boxes = torch.tensor(np.array(boxes).reshape(count, 4), dtype=torch.float32)
+    keypoints = (boxes[:, None, :2] + torch.rand(count, 6, 2) * (boxes[:, None, 2:] - boxes[:, None, :2]))
+    scores = torch.rand(count)
+    return tuple(part.to(device) for part in (boxes, keypoints, scores))
+
+
+def fake_measured(rng, owners, frames, device):
+    """As FaceMeasurer.measure leaves it: random faces, each frame keeping some of its ROIs."""
+    count = len(owners)
+    landmarks = torch.from_numpy(np.stack([face(rng, rng.uniform(100, 1500, 2), rng.uniform(60, 200))
+                                           for _ in range(count)])).to(device)
+    boxes = boxes_from_landmarks(landmarks)
+    rows = [[k for k in range(count) if owners[k] == frame and rng.random() < 0.8] for frame in range(frames)]
+    faces = [[object()] * len(frame_rows) for frame_rows in rows]  # only counted
+    return Measured(faces, rows, landmarks, boxes, boxes.cpu().numpy())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tracking_steps_match_the_per_face_code(device):
+    rng = np.random.default_rng(11)
+    tracks = FaceTracks(torch.device(device), MAX_FACES, detect_interval_frames=3)
+    all_cameras = [f"cam{k}" for k in range(6)]
+    references = {camera: ReferenceState() for camera in all_cameras}
+    seen = {"dropped as followed": 0, "cut by max_faces": 0, "lost": 0, "rois": 0, "steps of some cameras": 0}
+    for step in range(60):
+        # Every camera in order (the daemon's steady state: the last step's block used whole), or
+        # some of them in any order (faces from several earlier steps' blocks).
+        cameras = (all_cameras if step % 3 == 0
+                   else list(rng.permutation(all_cameras)[:rng.integers(1, len(all_cameras) + 1)]))
+        seen["steps of some cameras"] += cameras != all_cameras
+        reference = [references[camera] for camera in cameras]
+        states = tracks.states(cameras)
+        det_by_frame = {i: detections(rng, state, device) for i, state in enumerate(states)
+                        if tracks.wants_detection(cameras[i]) or rng.random() < 0.2}
+        expected = reference_next_rois(reference, det_by_frame, torch.device(device), MAX_FACES)
+        rois = tracks.next_rois(states, det_by_frame)
+        assert rois.owners == expected[0] and rois.tracked == expected[1], f"step {step}"
+        if rois.owners:
+            for got, want in ((rois.rects.center_xy_px, expected[2].center_xy_px),
+                              (rois.rects.size_wh_px, expected[2].size_wh_px),
+                              (rois.rects.rotation_rad, expected[2].rotation_rad),
+                              (rois.boxes_px, expected[3]), (rois.scores, expected[4])):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert [s.frames_since_detection for s in states] == [s.frames_since_detection for s in reference]
+        detected = sum(det_by_frame[i][0].shape[0] for i in det_by_frame)
+        new = sum(not t for t in rois.tracked)
+        seen["dropped as followed"] += sum(
+            int((box_iou(det_by_frame[i][0].cpu().numpy(), s.boxes_host_px).max(axis=1) > 0.3).sum())
+            for i, s in enumerate(states) if i in det_by_frame and s.face_count and det_by_frame[i][0].shape[0])
+        seen["cut by max_faces"] += detected - new > 0 and any(rois.owners.count(i) == MAX_FACES for i in det_by_frame)
+        seen["rois"] += len(rois.owners)
+        measured = (fake_measured(rng, rois.owners, len(cameras), device) if rois.owners
+                    else Measured.nothing(len(cameras)))
+        tracks.follow(states, rois.owners, measured)
+        reference_follow(reference, rois.owners, measured)
+        assert [s.lost_face for s in states] == [s.lost_face for s in reference], f"step {step}"
+        seen["lost"] += sum(s.lost_face for s in states)
+        for state, want in zip(states, reference):
+            assert state.face_count == len(want.tracks)
+            if want.tracks:
+                torch.testing.assert_close(state.landmarks_px, torch.stack([t.landmarks_px for t in want.tracks]),
+                                           rtol=0, atol=0)
+                torch.testing.assert_close(state.boxes_px, torch.stack([t.box_px for t in want.tracks]), rtol=0, atol=0)
+                np.testing.assert_array_equal(state.boxes_host_px, state.boxes_px.cpu().numpy())
+    assert min(seen.values()) >= 10, seen  # every rule was exercised
