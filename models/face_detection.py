@@ -24,7 +24,13 @@ import torch
 
 from facecast.models import anchors as anchors_mod
 from facecast.models import roi as roi_mod
-from facecast.models.cuda_graphs import GraphCache, bucket, buckets_up_to, forward_in_buckets
+from facecast.models.cuda_graphs import (
+    GraphCache,
+    bucket,
+    buckets_up_to,
+    forward_in_buckets,
+    shapes_up_to,
+)
 from facecast.models.nms import Detections, box_iou, weighted_nms
 
 # Note [Detection without per-frame work]
@@ -148,8 +154,7 @@ class FaceDetector:
             if model is None:
                 continue
             size = spec.anchors.input_size_px
-            for batch in sorted({max(b, SMALLEST_DETECTOR_BATCH)
-                                 for b in buckets_up_to(bucket(frames) * inputs)}):
+            for batch in shapes_up_to(bucket(frames) * inputs, SMALLEST_DETECTOR_BATCH):
                 model(torch.zeros(batch, size, size, 3, dtype=self.model_dtype, device=self.device))
 
     def detect_batched(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> Detections:

@@ -79,6 +79,26 @@ def test_buckets_are_powers_of_two_up_to_the_cap():
     assert cuda_graphs.buckets_up_to(5, 4) == [1, 2, 4] and cuda_graphs.buckets_up_to(9) == [1, 2, 4, 8, 16]
 
 
+def test_large_batches_run_in_power_of_two_pieces():
+    pieces = cuda_graphs.batch_pieces
+    # 32 1080p frames' full-range inputs: 256 + 32, not 512 (Note [Warm shapes]).
+    assert pieces(288, 16) == [256, 32] and pieces(300, 16) == [256, 64]
+    assert pieces(40, 16) == [64] and pieces(3, 16) == [16] and pieces(130, 16) == [128, 16]
+    assert pieces(128) == [128] and pieces(65) == [64, 1]
+    assert cuda_graphs.shapes_up_to(288, 16) == [16, 32, 64, 128, 256]
+    for count in range(1, 600):
+        assert sum(pieces(count, 16)) >= count and all(p >= 16 for p in pieces(count, 16))
+
+
+@pytest.mark.parametrize("count", [1, 40, 65, 130, 288])
+def test_forward_in_buckets_gives_each_input_its_own_output(count):
+    weight = torch.arange(6.0).reshape(3, 2)
+    model = lambda x: (x @ weight.T, x.sum(dim=1))  # noqa: E731 - a model of two outputs
+    batch = torch.randn(count, 2, generator=torch.Generator().manual_seed(count))
+    product, total = cuda_graphs.forward_in_buckets(model, batch, smallest=16)
+    assert torch.equal(product, batch @ weight.T) and torch.equal(total, batch.sum(dim=1))
+
+
 def _touches_inner_border(box, tile, frame_h, frame_w, margin_px=4.0) -> bool:
     """The rule as written per tile and per box (the pipeline's before it was batched)."""
     cx, cy, side = tile
