@@ -1,10 +1,15 @@
-"""The `facecast` command. Runs on the CLI side: it parses, validates and delegates."""
+"""The `facecast` command. Runs on the CLI side: it parses, validates and delegates.
+
+Its `--help` is for a lab's user, not for this file's reader (DESCRIPTION, EPILOG): what
+facecast does and where to start; the docstring is not shown.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import textwrap
 
 
 def _transport_check(args) -> int:
@@ -55,11 +60,31 @@ def _quiet_third_party_logs(args) -> None:
     third_party_logs.quiet(place, verbose=args.verbose)
 
 
+DESCRIPTION = (
+    "facecast measures every face your cameras see (face box, 478-point mesh, head pose, 52 "
+    "blendshapes, a track id per person) and publishes the measurements as Lab Streaming Layer "
+    "streams, stamped with each frame's capture time, for LabRecorder and your analysis "
+    "scripts. It runs as a daemon (`facecast run`, or the systemd unit); the other commands "
+    "check a config or this machine, or ask the running daemon.")
+EPILOG = """\
+start here:
+  facecast run --config config/default.toml   two synthetic cameras, no camera needed
+  facecast check-config lab.toml              is my config right, and can its cameras work here?
+  facecast cameras                            which cameras does this machine have?
+  facecast status                             what is the running daemon doing, and why?
+
+Every command has its own --help. More: README.md in facecast's repository.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="facecast", description=__doc__)
+    parser = argparse.ArgumentParser(prog="facecast", description=textwrap.fill(DESCRIPTION, 78),
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="default: warning; for `run`, the config's daemon.log_level")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     title="commands")
 
     from facecast.daemon.cli import check_config, models
 
