@@ -271,3 +271,24 @@ def test_doctor_passes_with_lsl_and_the_installed_models(tmp_path, capsys, monke
     assert f"  {doctor.OK:<4}  {'LSL loopback':<12}" in out
     assert "Traceback" not in out
     assert out.splitlines()[-1] == "facecast can run here"
+
+
+@pytest.mark.daemon
+def test_doctor_without_a_config_checks_the_running_daemons(installed_models, tmp_path, capsys,
+                                                             monkeypatch):
+    # Issue 21: doctor checked the built-in defaults while a daemon ran with another config.
+    from daemon_harness import ready_daemon
+
+    text = ('[daemon]\nwarm_standby = "off"\n[web]\nenabled = false\n'
+            '[[cameras]]\nid = "doccam"\nsource = "synthetic-replay"\ntransport = "shm"\n'
+            "width = 320\nheight = 240\nfps = 10\n")
+    monkeypatch.setattr(doctor, "check_cuda_ipc",
+                        lambda: doctor.CheckResult("CUDA IPC", doctor.WARN, "stand-in"))
+    with ready_daemon(tmp_path, text) as daemon:
+        _run_main(["--runtime-dir", str(daemon.runtime_dir)])
+        out = capsys.readouterr().out
+        assert (f"config: {daemon.config_path} (the running daemon's, pid {daemon.process.pid} "
+                f"at {daemon.runtime_dir})") in out, out
+        assert "camera doccam: transport = 'shm' -> shm" in out, out
+    _run_main(["--runtime-dir", str(daemon.runtime_dir)])  # stopped: the defaults, and why
+    assert "config: none (built-in defaults; no daemon running here" in capsys.readouterr().out
