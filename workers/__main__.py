@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     # names the process meanwhile.
     enable_stack_dumps()
     set_process_name(args.name)
-    logging.basicConfig(level=os.environ.get("FACECAST_LOG_LEVEL", "INFO").upper())
+    from facecast.shared import terminal_log
+
+    terminal_log.configure_worker(os.environ.get("FACECAST_LOG_LEVEL", "INFO"))
     set_log_format(args.name)
     return run(_worker_class(args.role), args.name, args.control, _connection_secret())
 

@@ -151,6 +151,17 @@ def main(args) -> int:
     status_every_s = args.status_every
     if status_every_s is None and sys.stderr.isatty():
         status_every_s = 2.0
+    if sys.stderr.isatty() and not getattr(args, "log_level_explicit", None):
+        # Note [A terminal is not a log].
+        from facecast.shared import terminal_log
+
+        held, _pid = runtime_dir.lock_owner(private_runtime_dir)  # a daemon there: refused below
+        log_path = terminal_log.split_for_terminal(str(private_runtime_dir), level,
+                                                   fresh=not held)
+        every = f" and each camera's status every {status_every_s:g} s" if status_every_s else ""
+        print(f"facecast: the full log is in {log_path}; here: warnings, errors, when it is "
+              f"ready{every} (`--log-level info` shows every line here)", file=sys.stderr,
+              flush=True)
     if config.web.enabled:
         print(f"facecast: {console_announcement(config)}", file=sys.stderr, flush=True)
     supervisor = Supervisor(config, str(path), duration_s=args.duration,
