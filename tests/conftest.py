@@ -134,6 +134,67 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         _running_item = None
+        if _uses_shared_default_daemon(item) and not _uses_shared_default_daemon(nextitem):
+            _close_shared_default_daemon()
+
+
+# --- one daemon for several test files -----------------------------------------------------------
+
+# Note [One daemon for several test files]
+#     Booting a daemon is the dearest step of most daemon tests (its workers load their models;
+#     ~10-20 s on 2 busy cores). Test files that only watch a daemon of config/default.toml, and
+#     do nothing to it that another of them would notice, share one: `default_daemon`, booted for
+#     the first test that asks for it and stopped once the last one is done. It is that file's
+#     config with what each of them needs switched on, and no more: the 478 landmarks (`output.
+#     landmarks`, tests/test_daemon_blendshapes.py checks their channels) and the fault-injection
+#     hook (FACECAST_ALLOW_FAULT_INJECTION, tests/test_fault_injection.py spoils frames, which no
+#     consumer publishes). Its users are run one after the other (pytest_collection_modifyitems
+#     moves them to the first one's place), so that no other test runs beside an idle daemon.
+#     A test that kills workers, reloads, records or otherwise changes what the daemon does keeps
+#     a daemon of its own.
+SHARED_DEFAULT_DAEMON = "default_daemon"
+_shared_default_daemon = []  # the running one, while its users run
+
+
+def _uses_shared_default_daemon(item) -> bool:
+    return item is not None and SHARED_DEFAULT_DAEMON in getattr(item, "fixturenames", ())
+
+
+def _close_shared_default_daemon() -> None:
+    while _shared_default_daemon:
+        _shared_default_daemon.pop().__exit__(None, None, None)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The users of `default_daemon` one after the other (Note [One daemon for several test
+    files]); every other test keeps its order."""
+    users = [item for item in items if _uses_shared_default_daemon(item)]
+    if len(users) < 2:
+        return
+    first = items.index(users[0])
+    others = [item for item in items if not _uses_shared_default_daemon(item)]
+    items[:] = others[:first] + users + others[first:]
+
+
+@pytest.fixture(scope="session")
+def default_daemon(installed_models, tmp_path_factory):
+    """A ready daemon of config/default.toml, landmarks on and fault injection allowed, shared by
+    the test files that only watch it (Note [One daemon for several test files])."""
+    from daemon_harness import REPO, ready_daemon
+
+    from facecast.daemon.control import FAULT_INJECTION_ENV
+
+    text = (REPO / "config/default.toml").read_text()
+    assert "[output]\n" in text
+    running = ready_daemon(tmp_path_factory.mktemp("default"),
+                           config_text=text.replace("[output]\n", "[output]\nlandmarks = true\n"),
+                           env={FAULT_INJECTION_ENV: "1"})
+    daemon = running.__enter__()
+    _shared_default_daemon.append(running)
+    try:
+        yield daemon
+    finally:
+        _close_shared_default_daemon()
 
 
 # What facecast's CLI sets in its own process's environment (shared/third_party_logs.py: a quiet

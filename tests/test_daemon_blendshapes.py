@@ -3,7 +3,8 @@ face photos) and the models `facecast models install` installs, MediaPipe's face
 included, read by real pylsl inlets: every face found carries finite blendshapes and head
 translation, and no channel of any stream is NaN in every sample (Note [No channel that is always
 NaN]). The 478 landmarks are switched on (`output.landmarks = true`) so
-that their channels are checked too.
+that their channels are checked too. The daemon is `default_daemon`, shared with other files that
+only watch it (Note [One daemon for several test files]).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from daemon_harness import REPO, Recorder, ready_daemon
+from daemon_harness import Recorder
 from facecast.models import assets
 from facecast.workers.output.outlets import BLENDSHAPE_NAMES, face_channels
 
@@ -25,15 +26,10 @@ WAIT_S = 120.0
 pytestmark = pytest.mark.daemon
 
 
-def _config() -> str:
-    text = (REPO / "config/default.toml").read_text()
-    assert "[output]\n" in text
-    return text.replace("[output]\n", "[output]\nlandmarks = true\n")
-
-
 def test_every_face_has_blendshapes_and_head_translation_and_no_channel_is_always_nan(
-        installed_models, tmp_path):
-    with ready_daemon(tmp_path, config_text=_config()) as daemon:
+        default_daemon):
+    daemon = default_daemon
+    try:
         # `status` says which face stack runs and where its bundle came from, as `doctor` does.
         face_models = daemon.status().face_models
         assert face_models.startswith("MediaPipe FaceLandmarker"), face_models
@@ -61,6 +57,8 @@ def test_every_face_has_blendshapes_and_head_translation_and_no_channel_is_alway
         assert len(samples), daemon.log_tail()
         faces = samples[np.isfinite(samples[:, 0])]
         assert len(faces) >= FACE_SAMPLES_WANTED, (len(faces), daemon.log_tail())
+    finally:
+        daemon.close_inlets()  # the next user of the daemon opens its own
 
     at = {label: k for k, label in enumerate(labels)}
     translation = faces[:, [at["head_tx"], at["head_ty"], at["head_tz"]]]

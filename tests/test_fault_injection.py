@@ -76,17 +76,20 @@ def test_the_publisher_spoils_the_next_frame_even_before_its_ring_exists(runtime
 
 
 @pytest.mark.daemon
-def test_a_mismatch_on_shm_reaches_the_markers_stream(installed_models, tmp_path):
+def test_a_mismatch_on_shm_reaches_the_markers_stream(default_daemon):
     """Note [Mismatches are events]: a frame whose bytes are not the camera's is a
     `frame_mismatch` marker, not only a counter. The consumers read the newest frame only, so a
-    spoiled frame may be passed over by all of them: the test spoils frames until one is caught."""
+    spoiled frame may be passed over by all of them: the test spoils frames until one is caught.
+    The daemon (config/default.toml, fault injection allowed) is shared with other files that
+    only watch it (Note [One daemon for several test files])."""
     import json
     import time
 
-    from daemon_harness import Recorder, ready_daemon
+    from daemon_harness import Recorder
     from facecast.daemon.cli.control_client import request
 
-    with ready_daemon(tmp_path, env={FAULT_INJECTION_ENV: "1"}) as daemon:
+    daemon = default_daemon
+    try:
         markers = Recorder(daemon.resolve("Markers", count=1))
         try:
             found = None
@@ -102,6 +105,8 @@ def test_a_mismatch_on_shm_reaches_the_markers_stream(installed_models, tmp_path
                     time.sleep(0.02)
         finally:
             markers.stop()
+    finally:
+        daemon.close_inlets()
     assert found is not None, daemon.log_tail()
     assert found["camera"] == "synth0" and found["transport"] == "shm", found
     assert found["frames"] >= 1 and "checksum mismatch" in found["reason"], found
