@@ -99,6 +99,14 @@ def run_producer(args) -> None:
                     path.with_suffix(".tmp").write_bytes(
                         messages.encode(publisher.producer.description()))
                     path.with_suffix(".tmp").rename(path)
+                    # Frame 1 on only once the third process writes into the ring: its attach
+                    # (torch, a CUDA context) can take longer than the whole run of frames.
+                    ready = path.with_name(path.name + ".attached")
+                    ready_deadline = time.monotonic() + args.timeout_s
+                    while not ready.exists() and time.monotonic() < ready_deadline:
+                        publisher.serve_control()
+                        time.sleep(0.005)
+                    next_monotonic = time.monotonic()
                 # Like a camera, never two frames back to back to make up for a late one: a
                 # consumer handed two frames at once reads only the newer (the first corruption
                 # loads a kernel, which once made frame corrupt_at late and then skipped).
@@ -273,17 +281,18 @@ def run_tamper(args) -> None:
 
 
 def run_tamper_loop(args) -> None:
-    """A third process that keeps writing into a ring for `--timeout-s` seconds: it waits for
-    the description file, attaches the ring as `tamper` does, then cycles through every slot
+    """A third process that keeps writing into a ring for `--timeout-s` seconds once attached: it
+    waits for the description file, attaches the ring as `tamper` does (and says so with a file
+    beside it, for the producer), then cycles through every slot
     (the one the producer is filling included, whichever that is), changing each as `--change`
     says at a position that moves from change to change. What a buggy or hostile writer with
     the ring's name or handle does all the time, not once."""
     from facecast.shared.transport import messages
 
     path = Path(args.description)
-    deadline = time.monotonic() + args.timeout_s
+    wait_deadline = time.monotonic() + 60.0
     while not path.exists():
-        if time.monotonic() > deadline:
+        if time.monotonic() > wait_deadline:
             raise SystemExit(f"no ring description at {path}")
         time.sleep(0.01)
     description = messages.decode(path.read_bytes())
@@ -291,6 +300,9 @@ def run_tamper_loop(args) -> None:
     rng = np.random.default_rng(args.seed)
     changes = 0
     with foreign_slots(description) as (views, sync):
+        # Writing from now on: the producer (with --description-out) goes on past frame 0.
+        path.with_name(path.name + ".attached").touch()
+        deadline = time.monotonic() + args.timeout_s
         while time.monotonic() < deadline:
             for view in views:
                 tampered(view, args.change, int(rng.integers(0, frame_bytes)),
@@ -307,7 +319,8 @@ def main(argv=None) -> None:
                                          "tamper-loop"])
     parser.add_argument("--description", help="attach: file holding an encoded RingDescription")
     parser.add_argument("--description-out", default="",
-                        help="producer: write the ring's description here after frame 0")
+                        help="producer: write the ring's description here after frame 0, and "
+                        "publish frame 1 once FILE.attached exists (the tamper-loop made it)")
     parser.add_argument("--runtime-dir", default="")
     parser.add_argument("--camera", default="cam0")
     parser.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")),

@@ -27,9 +27,11 @@ def _run(runtime_dir: str, transport: str, device: str, change: str) -> tuple[di
     peers = Peers(runtime_dir)
     description = Path(runtime_dir) / "ring.msgpack"
     try:
-        # Bounded in time: a writer that spoils every frame leaves none to reach until_seq.
+        # Bounded in time: a writer that spoils every frame leaves none to reach until_seq. The
+        # producer holds frame 1 back until the tamperer writes (its CUDA attach takes seconds),
+        # which the consumer's bound includes.
         consumer = peers.start("consumer", device=device, shape=SHAPE, until_seq=FRAMES - 1,
-                               timeout_s=8)
+                               timeout_s=15)
         tamperer = peers.start("tamper-loop", description=str(description), change=change,
                                timeout_s=7, slow_s=0.0005, seed=5)
         producer = peers.start("producer", frames=FRAMES, fps=30, shape=SHAPE,
