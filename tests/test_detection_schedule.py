@@ -13,7 +13,7 @@ import time
 import pytest
 import zmq
 
-from daemon_harness import Daemon
+from daemon_harness import ready_daemon
 from facecast.shared.transport import endpoints, messages
 from facecast.shared.transport.messages import Detections
 from facecast.workers.inference.detection import detection_share
@@ -42,13 +42,8 @@ fps = 5
 
 @pytest.fixture(scope="module")
 def daemon(installed_models, tmp_path_factory):
-    daemon = Daemon(tmp_path_factory.mktemp("schedule"), config_text=CONFIG)
-    try:
-        assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
-        daemon.wait_for_spares()  # steady state (Note [Warm standby])
-        yield daemon
-    finally:
-        daemon.close()
+    with ready_daemon(tmp_path_factory.mktemp("schedule"), config_text=CONFIG) as running:
+        yield running
 
 
 def test_a_detection_worker_with_room_searches_every_frame(daemon):
