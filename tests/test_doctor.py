@@ -292,3 +292,17 @@ def test_doctor_without_a_config_checks_the_running_daemons(installed_models, tm
         assert "camera doccam: transport = 'shm' -> shm" in out, out
     _run_main(["--runtime-dir", str(daemon.runtime_dir)])  # stopped: the defaults, and why
     assert "config: none (built-in defaults; no daemon running here" in capsys.readouterr().out
+
+
+@no_gpu_only
+def test_no_cuda_here_means_no_cuda_ipc_proof_and_says_why(monkeypatch):
+    # Note [Doctor's time]: the two-process proof could only show shm here; it was most of
+    # doctor's time on the 2-core CI machine.
+    def proof():
+        raise AssertionError("the CUDA IPC proof ran on a machine without CUDA")
+
+    monkeypatch.setattr(doctor, "check_cuda_ipc", proof)
+    result = next(r for r in doctor.run_checks() if r.name == "CUDA IPC")
+    assert result.state == doctor.WARN
+    assert result.detail.startswith(f"not tried: {cuda_unavailable_reason()}; frames go over "
+                                    "shared memory"), result.detail

@@ -8,11 +8,14 @@ two fresh processes or what will `transport = "auto"` use instead, does LSL work
 machine's loopback, and are the models installed.
 
 Note [Doctor's time]
-    Measured on the 2-core CI machine (busy), doctor took 12.5 s, nearly all of it two
-    imports of torch: its own for the GPU check, and the consumer process's that the CUDA IPC
-    proof spawns (then 60 frames at 30 fps and its settling, ~3.3 s). The proof now starts
-    first, on a thread, so that its process imports torch while doctor's own GPU check does;
-    its line still shows in its place.
+    On the 2-core CI machine (busy) doctor took 12.5 s; 5.4-7.4 s of it (2026-11-26, load 5-8)
+    were the CUDA IPC proof: a fresh process that imports torch, then 60 frames at 30 fps and
+    its settling (~3.3 s of waiting), the rest mostly torch imported by doctor itself for the
+    GPU check. Where this process sees no CUDA device (or no PyCUDA) the proof can only show
+    shm, which every machine has and CI proves: doctor says why it was not tried instead
+    (`facecast transport-check --transport shm` still runs it). Running the proof on a thread
+    beside the GPU check was tried and gained nothing on 2 cores: two torch imports at once
+    take as long as one after the other.
 
 Each check is a small function returning a `CheckResult` (name, state, detail) so that tests can
 run them one by one. States: `ok`; `warn` (facecast runs, but not the best way: no GPU, shm
@@ -23,7 +26,6 @@ code is 1 when any check FAILs, else 0: LSL and the models are required, the GPU
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import logging
 import os
 import socket
@@ -355,17 +357,19 @@ def check_participants(configured_gallery: str = "") -> CheckResult:
 
 def run_checks(loaded: config.Config | None = None) -> Iterator[CheckResult]:
     """Every check in screen order; a generator so that each line shows as soon as it is known.
-    The CUDA IPC proof runs beside the checks before it (Note [Doctor's time])."""
+    The CUDA IPC proof runs only where CUDA IPC can be used (Note [Doctor's time])."""
+    from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
+
     models_device = loaded.models.device if loaded is not None else "auto"
     model_dir = (loaded.models.dir or None) if loaded is not None else None
     task_path = (loaded.models.face_landmarker_task or None) if loaded is not None else None
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                               thread_name_prefix="cuda-ipc-proof") as pool:
-        proof = pool.submit(check_cuda_ipc)
-        yield check_gpu(models_device)
-        yield check_nvml()
-        yield check_transport(loaded)
-        yield proof.result()
+    yield check_gpu(models_device)
+    yield check_nvml()
+    yield check_transport(loaded)
+    no_cuda = cuda_unavailable_reason()
+    yield check_cuda_ipc() if not no_cuda else CheckResult(
+        "CUDA IPC", WARN, f"not tried: {no_cuda}; frames go over shared memory (`facecast "
+        "transport-check --transport shm` proves that between two processes)")
     yield check_lsl_loopback()
     yield check_models(model_dir)
     yield check_blendshapes(task_path, model_dir)
