@@ -74,3 +74,27 @@ def test_without_the_way_back_the_decision_says_why_and_what_allows_it():
     permitted, why = result.stdout.splitlines()
     assert permitted == "False"
     assert "RLIMIT_NICE 0" in why and "LimitNICE=+0" in why and "ulimit -e 20" in why
+
+
+def test_where_the_way_back_is_refused_spares_keep_the_workers_priority_and_say_so(
+        monkeypatch, caplog):
+    from facecast.daemon.layout import WorkerSpec
+    from facecast.daemon.process import RestartPolicy, WorkerProcess
+    from facecast.daemon.worker_table import WorkerTable
+
+    monkeypatch.setattr(cpu_priority, "restore_permitted", lambda: (False, "RLIMIT_NICE 0"))
+    environments = {}
+    monkeypatch.setattr(WorkerProcess, "start",
+                        lambda self, endpoint, env: environments.update({self.name: env}))
+    table = WorkerTable("ipc:///nowhere", RestartPolicy(), send=lambda *a: True,
+                        event=lambda *a, **k: None)
+    with caplog.at_level("WARNING", logger="facecast.daemon.worker_table"):
+        spares = [table.start(WorkerSpec(f"standby:{role}:cpu", role, (), "cpu", standby=True))
+                  for role in ("capture", "detection")]
+        worker = table.start(WorkerSpec("capture:cam0", "capture", ("cam0",), "cpu"))
+    assert [environments[s.name][cpu_priority.SPARE_NICE_ENV] for s in spares] == ["0", "0"]
+    assert cpu_priority.SPARE_NICE_ENV not in environments[worker.name]
+    assert all(s.status().detail == "normal priority: RLIMIT_NICE 0" for s in spares)
+    assert worker.status().detail == ""
+    said = [r.getMessage() for r in caplog.records if "warm spares" in r.getMessage()]
+    assert said == ["warm spares prepare at the workers' priority: RLIMIT_NICE 0"]  # once
