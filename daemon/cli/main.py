@@ -18,28 +18,20 @@ def _transport_check(args) -> int:
     return transport_check.main(args.transport)
 
 
-def _doctor(args) -> int:
-    from facecast.daemon.cli import doctor
-
-    return doctor.main(args)
-
-
-def _streams(args) -> int:
-    from facecast.daemon.cli import streams
-
-    return streams.main(args)
-
-
-def _cameras(args) -> int:
-    from facecast.daemon.cli import cameras
-
-    return cameras.main(args)
-
-
 def _add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also show liblsl's, OpenCV's and FFmpeg's own log lines "
                         "(hidden by default: facecast reports what they are about itself)")
+
+
+def _add_verb(commands, name: str, text: str, add_arguments, handler, verbose: bool = True):
+    """One command: its parser, its module's arguments, `--verbose` unless it has no third-party
+    logs to show, and the function that runs it."""
+    parser = commands.add_parser(name, help=text)
+    add_arguments(parser)
+    if verbose:
+        _add_verbose(parser)
+    parser.set_defaults(handler=handler)
 
 
 def _quiet_third_party_logs(args) -> None:
@@ -102,50 +94,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from facecast.daemon.cli import cameras, doctor, run, status, streams
 
-    doctor_parser = commands.add_parser(
-        "doctor", help="check this machine: GPU, NVML, CUDA IPC, LSL loopback, models")
-    doctor.add_arguments(doctor_parser)
-    _add_verbose(doctor_parser)
-    doctor_parser.set_defaults(handler=_doctor)
+    _add_verb(commands, "doctor", "check this machine: GPU, NVML, CUDA IPC, LSL loopback, models",
+              doctor.add_arguments, doctor.main)
+    _add_verb(commands, "streams", "list facecast's LSL streams visible here, with measured rates",
+              streams.add_arguments, streams.main)
+    _add_verb(commands, "cameras", "list this machine's video devices and their capture modes, or "
+              "--probe a stream URL or file", cameras.add_arguments, cameras.main)
+    _add_verb(commands, "run", "run the daemon in the foreground", run.add_arguments, run.main)
 
-    streams_parser = commands.add_parser(
-        "streams", help="list facecast's LSL streams visible here, with measured rates")
-    streams.add_arguments(streams_parser)
-    _add_verbose(streams_parser)
-    streams_parser.set_defaults(handler=_streams)
+    from facecast.daemon.cli import participants, record
 
-    cameras_parser = commands.add_parser(
-        "cameras", help="list this machine's video devices and their capture modes, or "
-        "--probe a stream URL or file")
-    cameras.add_arguments(cameras_parser)
-    _add_verbose(cameras_parser)
-    cameras_parser.set_defaults(handler=_cameras)
-
-    run_parser = commands.add_parser("run", help="run the daemon in the foreground")
-    run.add_arguments(run_parser)
-    _add_verbose(run_parser)
-    run_parser.set_defaults(handler=run.main)
-
-    from facecast.daemon.cli import record
-
-    record_parser = commands.add_parser(
-        "record", help="record video of the cameras: `record start [--cameras ...] [--dir ...]`, "
-        "`record stop`")
-    record.add_arguments(record_parser)
-    record_parser.set_defaults(handler=record.main)
-
-    from facecast.daemon.cli import participants
-
-    enroll_parser = commands.add_parser(
-        "enroll", help="enrol a participant from photos or a camera: their face embeddings go "
-        "into the gallery, the pictures are not kept")
-    participants.add_enroll_arguments(enroll_parser)
-    _add_verbose(enroll_parser)
-    enroll_parser.set_defaults(handler=participants.enroll_main)
-    participants_parser = commands.add_parser(
-        "participants", help="list the enrolled participants, or `remove NAME`")
-    participants.add_participants_arguments(participants_parser)
-    participants_parser.set_defaults(handler=participants.participants_main)
+    _add_verb(commands, "record", "record video of the cameras: `record start [--cameras ...] "
+              "[--dir ...]`, `record stop`", record.add_arguments, record.main, verbose=False)
+    _add_verb(commands, "enroll", "enrol a participant from photos or a camera: their face "
+              "embeddings go into the gallery, the pictures are not kept",
+              participants.add_enroll_arguments, participants.enroll_main)
+    _add_verb(commands, "participants", "list the enrolled participants, or `remove NAME`",
+              participants.add_participants_arguments, participants.participants_main,
+              verbose=False)
 
     for name, handler, text in (
         ("status", status.status_main, "ask the running daemon what it is doing"),
@@ -158,12 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from facecast.daemon.cli import analyze
 
-    analyze_parser = commands.add_parser(
-        "analyze", help="measure faces in recorded video files, every frame, with the daemon's "
-        "models: a table per video (CSV), resumable")
-    analyze.add_arguments(analyze_parser)
-    _add_verbose(analyze_parser)
-    analyze_parser.set_defaults(handler=analyze.main)
+    _add_verb(commands, "analyze", "measure faces in recorded video files, every frame, with the "
+              "daemon's models: a table per video (CSV), resumable", analyze.add_arguments,
+              analyze.main)
 
     args = parser.parse_args(argv)
     args.log_level_explicit = args.log_level
