@@ -7,7 +7,7 @@
 # What it runs, in order (each step's log in $OUT/gpu_check/): boot and stop of 32 and 64
 # cameras on cuda_ipc; the `gpu` tests (with $FACECAST_REAL_FOOTAGE set to the videos in
 # .footage/, for tests/test_real_footage_gpu.py); real footage through the stack and the daemon
-# (bench/real_footage.py); the whole daemon against MediaPipe at 8 and 32 cameras (same
+# (bench/real_footage.py); the whole daemon against MediaPipe at 8, 32 and 64 cameras (same
 # definitions on both sides, bench/accounting.py); the models bench. Run from the repository
 # root, with .whl/, .models/, .mp/ and .footage/ (copies of ../shared/footage/*.mp4) carried
 # (bench/gpu_host_env.sh; without dlib's 31 MB network in .models/, which no gpu test needs, they
@@ -41,7 +41,7 @@ run)
     step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests
     step real_footage bash -c "cd bench && python3 real_footage.py ${FACECAST_REAL_FOOTAGE//:/ } \
         --out '$STATE/benchmarks-real-footage.json' --log-dir '$STATE/logs'"
-    step pipeline python3 bench/pipeline.py --cameras 8 32 --transports cuda_ipc \
+    step pipeline python3 bench/pipeline.py --cameras 8 32 64 --transports cuda_ipc \
         --warmup-s 5 --measure-s 18 --mediapipe-baseline --mediapipe-path /tmp/mp \
         --baseline-warmup-s 3 --baseline-measure-s 10 --small-face-s 2 \
         --out "$STATE/benchmarks-pipeline.json" --log-dir "$STATE/logs"
