@@ -56,6 +56,12 @@ DEFINITIONS = {
                   "the output worker right after its LSL push, its last 512 frames per camera "
                   "read after the window; MediaPipe: FaceMesh.process returned, every frame of "
                   "the window); p50 and p99 per camera, the worst camera's",
+    "frame_hops": "facecast only: the same grab-to-push span split at the stamps each process "
+                  "takes as a frame passes (shared/stats.py, Note [Latency accounted]): grab, "
+                  "published by capture, picked up and read by roi_landmark, measured, sent, "
+                  "received and pushed by output; mean and p99 per hop over the output "
+                  "worker's last 16384 frames of all cameras, read after the window; the means "
+                  "add up to the total's",
     "faces": f"every published frame against the synthetic scene's ground truth: a result "
              f"counts as a found face when its detector-style box has IoU >= {MIN_IOU} with a "
              f"true face's box (each used once); found/true by face width; extra = results "

@@ -16,7 +16,8 @@ BOOT_STOP_DEFINITIONS below; the JSON carries them, the table's legend repeats t
   frames due, frames published (a sample an inlet read), dropped = due − published, never
   clamped; faces of every published frame against the synthetic scene's ground truth;
 - capture → result latency p50/p99 (the output worker, right after its LSL push; the worst
-  camera's), and capture → bench inlet for reference; per-stage latency p50/p99;
+  camera's), and capture → bench inlet for reference; per-stage latency p50/p99, and each
+  hop of a frame from grab to LSL push, waits included (Note [Latency accounted]);
 - CPU time of the daemon's process tree per second of the window (cores busy), by process role;
 - GPU utilisation and memory from NVML (through the supervisor's status).
 
@@ -183,6 +184,11 @@ def output_reports(status) -> list:
             if report.latency_ms is not None]
 
 
+def _is_hop(stage_name: str) -> bool:
+    """The output worker's hops of a frame ("output/hop 3: picked up → read"), not a stage."""
+    return stage_name.split("/", 1)[-1].startswith("hop ")
+
+
 def captured_total(status) -> int:
     """Frames the capture workers report, all cameras (their counters, sent with heartbeats)."""
     return sum(report.frames for reports in status.cameras.values() for report in reports
@@ -209,6 +215,9 @@ LOG_READY = re.compile(r"facecast\.daemon\.supervisor: ready\b")  # "ready in 9.
 BOOT_STOP_DEFINITIONS = {
     "boot_to_ready_s": "from starting `facecast run` to READY=1 arriving on the bench's "
                        "NOTIFY_SOCKET datagram socket",
+    "spares_standing_by_after_ready_s": "from READY=1 until every warm spare has booted (state "
+                                        "standby in the status); the warm-up and the window "
+                                        "start after it",
     "workers_hung_at_boot": f"supervisor log lines '{LOG_HUNG_BOOTING}' before its 'ready:' "
                             "line (a worker killed as hung while booting); "
                             "workers_hung_booting_later: the same after it",
@@ -253,6 +262,16 @@ class DaemonUnderTest:
         from facecast.shared.transport.messages import StatusRequest
 
         return request(self.runtime_dir, StatusRequest(), timeout_s)
+
+    def seconds_until_spares_stand_by(self, timeout_s: float) -> float | None:
+        """Wait for every warm spare to have booted (they start at READY, Note [Warm standby]):
+        the daemon's steady state. Seconds waited, None past `timeout_s`."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if all(w.state == "standby" for w in self.status().workers if w.standby):
+                return round(time.monotonic() - started, 2)
+            time.sleep(0.2)
+        return None
 
     def log_tail(self, lines: int = 20) -> str:
         self._log.flush()
@@ -437,6 +456,10 @@ def run_one(cameras: int, transport: str, args) -> dict:
                 result["not_running_after_hold"] = [f"{w.name}:{w.state}" for w in held.workers
                                                     if w.state not in ("running", "standby")]
                 return result
+            # The window is of the steady state: spares booting (a core each, and the GPU, for
+            # tens of seconds after READY) are boot's cost, reported here, not the pipeline's.
+            result["spares_standing_by_after_ready_s"] = daemon.seconds_until_spares_stand_by(
+                args.spares_timeout_s)
             measure(daemon, host, cameras, args, result)
             return result
         except (OSError, RuntimeError, TimeoutError) as exc:
@@ -497,8 +520,13 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         "latency_frames_before_window": max(0, OUTPUT_LATENCY_FRAMES - window.frames_per_camera),
         "latency_to_inlet": counted["inlet_latency"],
         "faces": counted["faces"].summary(),
+        # Each worker's own stages, and the output worker's hops of every frame (Note [Latency
+        # accounted]): their means add up to the mean latency, waits between processes included.
         "stages": {name: {"p50_ms": t.p50_ms, "p99_ms": t.p99_ms}
-                   for name, t in drained.stages.items()},
+                   for name, t in drained.stages.items() if not _is_hop(name)},
+        "frame_hops": {name.split("/", 1)[1]: {"mean_ms": t.mean_ms, "p50_ms": t.p50_ms,
+                                               "p99_ms": t.p99_ms, "frames": t.count}
+                       for name, t in drained.stages.items() if _is_hop(name)},
         "cpu_cores_busy": round((cpu_last - cpu_first) / window.length_s, 2),
         # Where the CPU goes: capture renders (synthetic) or decodes, the rest is our cost.
         "cpu_cores_by_role": cores_by_role(roles_first, roles_last, window.length_s),
@@ -569,7 +597,11 @@ def _faces_cell(faces: dict | None) -> str:
 def _boot_stop_cells(r: dict) -> list[str]:
     boot, stop = r.get("boot", {}), r.get("stop", {})
     hung = boot.get("workers_hung_at_boot", "-")
-    return [f"{boot.get('boot_to_ready_s', '-')} ({hung})",
+    spares = ""
+    if "spares_standing_by_after_ready_s" in r:
+        waited = r["spares_standing_by_after_ready_s"]
+        spares = f", spares +{waited}" if waited is not None else ", spares not booted"
+    return [f"{boot.get('boot_to_ready_s', '-')} ({hung}){spares}",
             f"{stop.get('stop_s', '-')} ({stop.get('workers_sigkilled_at_stop', '-')} / "
             f"{stop.get('workers_stuck_after_sigkill', '-')})"
             + (" supervisor SIGKILLed" if stop.get("supervisor_killed_by_bench") else "")]
@@ -602,7 +634,7 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         return text
     header = ["cameras", "transport (used)", "frames due", "published fps",
               "dropped = due − published", "capture→result p50 / p99 ms", "faces found/true", "slowest stage p99 ms",
-              "CPU cores busy", "GPU util / mem", "boot s (hung)", "stop s (SIGKILLed / stuck)"]
+              "CPU cores busy", "GPU util / mem", "boot s (hung), spares booted after", "stop s (SIGKILLed / stuck)"]
     with_baseline = any("mediapipe" in r for r in rows)
     if with_baseline:
         header += ["MediaPipe published fps", "MediaPipe dropped", "MediaPipe p50 / p99 ms",
@@ -645,6 +677,8 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
             if by_role:
                 lines.append(_row([r["cameras"], r["transport"],
                                    *(by_role.get(role, "-") for role in roles)]))
+    if any(r.get("frame_hops") for r in rows):
+        lines += ["", *hops_table(rows)]
     if small_faces:
         lines += ["", *small_faces_table(small_faces)]
     lines += ["", *legend({**accounting.DEFINITIONS, **BOOT_STOP_DEFINITIONS})]
@@ -656,6 +690,23 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
 def legend(definitions: dict[str, str]) -> list[str]:
     return ["Definitions (the same for facecast and MediaPipe; JSON: \"definitions\"):", ""] + [
         f"- {name}: {text}" for name, text in definitions.items()]
+
+
+def hops_table(rows: list[dict]) -> list[str]:
+    """Where a frame's latency goes (Note [Latency accounted]): mean and p99 of each hop, over
+    the output worker's last frames of every camera; the means add up to the total's."""
+    names = [name for name in next(r["frame_hops"] for r in rows if r.get("frame_hops"))]
+    lines = ["Where a frame's latency goes, capture to LSL push, ms mean (p99), the same frames "
+             "in every hop (the means add up to the total):", "",
+             _row(["cameras", "transport", *(name.split(": ", 1)[1] for name in names)]),
+             "|" + "---|" * (2 + len(names))]
+    for r in rows:
+        hops = r.get("frame_hops")
+        if hops:
+            lines.append(_row([r["cameras"], r["transport"], *(
+                f"{hops[name]['mean_ms']:.1f} ({hops[name]['p99_ms']:.1f})" if name in hops
+                else "-" for name in names)]))
+    return lines
 
 
 def small_faces_table(small_faces: dict) -> list[str]:
@@ -789,7 +840,9 @@ def main() -> int:
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
-    parser.add_argument("--warmup-s", type=float, default=15.0)
+    parser.add_argument("--warmup-s", type=float, default=15.0,
+                        help="after every warm spare has booted (at most --spares-timeout-s)")
+    parser.add_argument("--spares-timeout-s", type=float, default=180.0)
     parser.add_argument("--measure-s", type=float, default=20.0,
                         help=f"the window, rounded to whole frames; at least "
                              f"{OUTPUT_LATENCY_FRAMES / FPS:.1f} s for the output worker's "

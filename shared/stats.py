@@ -25,9 +25,71 @@ class LatencyWindow:
     def timing(self) -> StageTiming | None:
         if not self._values_ms:
             return None
-        p50, p99 = np.percentile(np.fromiter(self._values_ms, float), [50, 99])
+        values = np.fromiter(self._values_ms, float)
+        p50, p99 = np.percentile(values, [50, 99])
         return StageTiming(p50_ms=round(float(p50), 3), p99_ms=round(float(p99), 3),
-                           count=self.count)
+                           count=self.count, mean_ms=round(float(values.mean()), 3))
+
+
+class FrameHops:
+    """Where each frame's latency went, hop by hop, over every camera's recent frames.
+
+    Note [Latency accounted]
+        A frame's latency, from its grab to its samples pushed to LSL, is the sum of hops, each
+        between two stamps of ``pylsl.local_clock()`` (one clock for every process of the
+        machine, the clock of the capture timestamp itself) taken where the frame passes:
+
+            grab            the source's capture timestamp (FrameReady.capture_ts_lsl)
+            published       capture sent the FrameReady (copy into the ring, checksum, upload)
+            picked up       the measuring worker took it off the frame bus (queueing: its
+                            previous batch, ZeroMQ)
+            read            its checked copy was ready (the batch's copies, checksums, one sync)
+            measured        the batch's models, tracking and identities were done
+            sent            its FaceResults was built, to be encoded and sent (after the
+                            batch's earlier frames' results)
+            received        the output worker took it off the results socket (encoding,
+                            ZeroMQ, queueing behind other cameras' results)
+            pushed          its samples were pushed to LSL (Face, participants, pose)
+
+        The output worker keeps every hop of the same frames (`add`), so the hops' means add up
+        to the mean latency exactly, waits included; percentiles of hops do not add up and are
+        there to show which hop has the tail. A frame from a sender that does not stamp (0) is
+        left out. The stamps are in the messages (FrameReady.published_ts_lsl, FaceResults'
+        *_ts_lsl) rather than in each process's own stage timer, which could only time its work
+        and not the waits between processes.
+    """
+
+    HOPS = ("grab → published", "published → picked up", "picked up → read", "read → measured",
+            "measured → sent", "sent → received", "received → pushed")
+    TOTAL = "grab → pushed"
+    # Frames of every camera together: 16 s of 32 cameras at 30 fps.
+    WINDOW_FRAMES = 16384
+
+    def __init__(self, size: int = WINDOW_FRAMES) -> None:
+        self.windows = {name: LatencyWindow(size) for name in (*self.HOPS, self.TOTAL)}
+
+    def add(self, stamps_ts_lsl: tuple[float, ...]) -> bool:
+        """One frame's stamps, grab to pushed (len(HOPS) + 1 of them); False (and nothing kept)
+        when one is missing (0)."""
+        if len(stamps_ts_lsl) != len(self.HOPS) + 1:
+            raise ValueError(f"{len(self.HOPS) + 1} stamps make a frame's hops, got "
+                             f"{len(stamps_ts_lsl)}")
+        if min(stamps_ts_lsl) <= 0:
+            return False
+        for name, start, end in zip(self.HOPS, stamps_ts_lsl, stamps_ts_lsl[1:]):
+            self.windows[name].add_ms((end - start) * 1e3)
+        self.windows[self.TOTAL].add_ms((stamps_ts_lsl[-1] - stamps_ts_lsl[0]) * 1e3)
+        return True
+
+    def timings(self) -> dict[str, StageTiming]:
+        """Each hop and the total, in the frame's order (names "hop N: a → b")."""
+        out = {}
+        for number, name in enumerate((*self.HOPS, self.TOTAL), start=1):
+            timing = self.windows[name].timing()
+            if timing is not None:
+                label = "total" if name == self.TOTAL else f"{number}"
+                out[f"hop {label}: {name}"] = timing
+        return out
 
 
 class StageTimer:

@@ -22,6 +22,7 @@ import pytest
 
 from daemon_harness import REPO, Daemon, Recorder, frames_of, score_against_truth
 from facecast.shared import config as config_mod
+from facecast.shared.stats import FrameHops
 from facecast.shared.transport import shm
 from facecast.workers.output.outlets import face_channels
 from facecast.workers.capture.sources import synthetic_truth
@@ -131,6 +132,32 @@ def test_face_boxes_follow_the_synthetic_ground_truth_with_capture_timestamps(fa
         assert len(stamps) <= camera_frames, (len(stamps), camera_frames)
         score = score_against_truth(frames, stamps, scenes[camera].faces_at)
         assert score.good >= 0.95 * len(stamps), f"camera {camera}: {score.describe()}"
+
+
+def test_status_accounts_for_every_millisecond_of_a_frames_latency(daemon, face_streams):
+    """Note [Latency accounted]: the output worker times each hop of the same frames, from the
+    grab to the LSL push, waits between processes included, so the hops' means add up to the
+    mean latency; every hop runs forwards on the one clock."""
+    wanted = [f"hop {number}: {hop}" for number, hop in enumerate(FrameHops.HOPS, start=1)]
+    total = f"hop total: {FrameHops.TOTAL}"
+    deadline = time.monotonic() + 30
+    while True:  # the output worker's heartbeat brings its timings, about once a second
+        stages = daemon.status().stages
+        hops = {name.removeprefix("output/"): timing for name, timing in stages.items()
+                if name.startswith("output/hop ")}
+        if set(hops) == {*wanted, total} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert set(hops) == {*wanted, total}, sorted(stages)
+    counts = {timing.count for timing in hops.values()}
+    assert len(counts) == 1 and counts.pop() > 0, hops  # the same frames, every hop of each
+    assert all(hops[name].p50_ms >= 0 for name in wanted), hops
+    means_ms = sum(hops[name].mean_ms for name in wanted)
+    assert means_ms == pytest.approx(hops[total].mean_ms, abs=0.01), hops
+    # The total is the latency the cameras report (the same grab-to-push span, other windows).
+    camera_p50_ms = [report.latency_ms.p50_ms for reports in daemon.status().cameras.values()
+                     for report in reports if report.latency_ms is not None]
+    assert camera_p50_ms and hops[total].p50_ms < 5 * max(camera_p50_ms), (hops, camera_p50_ms)
 
 
 def test_each_worker_kind_killed_is_restarted_and_its_stream_continues(daemon, face_streams,

@@ -70,6 +70,8 @@ class FrameReady(Message, tag="frame"):
     pixel_format: str  # "bgr24"
     checksum: int  # facecast.shared.transport.frames.checksum of the frame's bytes (uint64), of the
                    # ring's RingDescription.checksum_kind
+    published_ts_lsl: float = 0.0  # pylsl.local_clock() as capture sent this message (Note
+                                   # [Latency accounted]); 0: not stamped
 
 
 class CudaRingHandles(msgspec.Struct, frozen=True):
@@ -233,6 +235,15 @@ class FaceResults(Message, tag="faces"):
     faces: list[FaceResult]
     blendshapes_missing_reason: str = ""
     poses: list[PoseResult] | None = None
+    # Where the frame was when (pylsl.local_clock(); Note [Latency accounted];
+    # 0: not stamped, by a sender that does not): capture sent its FrameReady, the measuring
+    # worker took it off the frame bus, had its checked copy, had measured it (the batch's
+    # models, tracking and identities), and sent this message.
+    frame_published_ts_lsl: float = 0.0
+    picked_up_ts_lsl: float = 0.0
+    read_ts_lsl: float = 0.0
+    measured_ts_lsl: float = 0.0
+    sent_ts_lsl: float = 0.0
 
 
 # --- supervisor ↔ workers (control socket) ---------------------------------------------------------
@@ -305,6 +316,7 @@ class StageTiming(msgspec.Struct, frozen=True):
     p50_ms: float
     p99_ms: float
     count: int
+    mean_ms: float | None = None  # the means of a frame's hops add up (Note [Latency accounted])
 
 
 class CameraReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,7 +29,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
+import pylsl
 import zmq
 
 from facecast.shared.transport import endpoints, frames, messages
@@ -214,8 +216,9 @@ class FramePublisher:
             self.producer.corrupt_next_frame()
 
     def _send(self, message: FrameReady) -> FrameReady:
-        """Stage "send": encode and publish (Note [Stage methods])."""
+        """Stage "send": stamp, encode and publish (Note [Stage methods])."""
         self.frame_seq += 1
+        message = msgspec.structs.replace(message, published_ts_lsl=pylsl.local_clock())
         self.frames.send_multipart([self._topic, messages.encode(message)], copy=False)
         return message
 

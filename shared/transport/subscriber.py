@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pylsl
 
 if TYPE_CHECKING:  # torch is imported where it is used, never by a host-only consumer
     import torch
@@ -137,6 +138,10 @@ class FrameBus:
 class ReceivedFrame:
     message: FrameReady
     read: rings.SlotRead
+    # pylsl.local_clock() when `receive` took the frame off the bus and when its checked copy was
+    # ready (Note [Latency accounted]; 0 from `read`, which the every-frame consumers call).
+    picked_up_ts_lsl: float = 0.0
+    read_ts_lsl: float = 0.0
 
     @property
     def tensor(self) -> torch.Tensor | np.ndarray:
@@ -218,9 +223,16 @@ class FrameSubscriber:
         over this way are not counted as skipped."""
         newest: dict[str, FrameReady] = {}
         events = self._poller.poll(timeout_ms)
+        picked_up_ts_lsl = pylsl.local_clock()
         if events:
             self._drain(events, newest)
-        return self._read_all(newest, wanted) if newest else []
+        if not newest:
+            return []
+        frames = self._read_all(newest, wanted)
+        read_ts_lsl = pylsl.local_clock()
+        for frame in frames:
+            frame.picked_up_ts_lsl, frame.read_ts_lsl = picked_up_ts_lsl, read_ts_lsl
+        return frames
 
     def every_frame(self, events) -> Iterator[FrameReady]:
         """Every frame of the subscribed cameras that has arrived, in order, without blocking:

@@ -22,6 +22,7 @@ import logging
 import time
 
 import numpy as np
+import pylsl
 import torch
 import zmq
 
@@ -189,8 +190,9 @@ class RoiLandmarkWorker(Worker):
         if self.identities_config.enabled:  # no "identity" stage in status where none is named
             self.timer.add_ms("identity", (time.monotonic() - start) * 1e3)
         self._say_identities_trouble()
+        measured_ts_lsl = pylsl.local_clock()
         for (frame, named, poses), who in zip(named_frames, identities):
-            self._publish(frame, named, poses, who)
+            self._publish(frame, named, poses, who, measured_ts_lsl)
         wanted = sorted({c for c in camera_ids if self.pipeline.wants_detection(c)})
         if wanted:
             try:
@@ -241,7 +243,7 @@ class RoiLandmarkWorker(Worker):
             self.event("participants_unavailable", reason=trouble)
         self._identities_trouble_said = trouble
 
-    def _publish(self, frame, named, poses, identities) -> None:
+    def _publish(self, frame, named, poses, identities, measured_ts_lsl: float) -> None:
         message = frame.message
         camera_id = message.camera_id
         with_landmarks = self.config.output.landmarks
@@ -266,6 +268,10 @@ class RoiLandmarkWorker(Worker):
                                        landmarks=p.landmarks,
                                        world_landmarks_m=p.world_landmarks_m)
                 for p in poses],
+            # Note [Latency accounted]
+            frame_published_ts_lsl=message.published_ts_lsl,
+            picked_up_ts_lsl=frame.picked_up_ts_lsl, read_ts_lsl=frame.read_ts_lsl,
+            measured_ts_lsl=measured_ts_lsl, sent_ts_lsl=pylsl.local_clock(),
         )))
         self.rates.setdefault(camera_id, RateMeter()).tick()
         self.faces[camera_id] = len(results)

@@ -43,7 +43,7 @@ from facecast.shared.transport.messages import (
     MessageGate,
     RecordingState,
 )
-from facecast.shared.stats import LatencyWindow, RateMeter
+from facecast.shared.stats import FrameHops, LatencyWindow, RateMeter
 from facecast.workers.base import Worker, results_subscriber
 from facecast.workers.output.frame_index import FrameIndexFeed
 from facecast.workers.output.outlets import (
@@ -81,6 +81,7 @@ class OutputWorker(Worker):
         self.frame_index_outlets: dict[str, FrameIndexOutlet] = {}
         self.frame_index = FrameIndexFeed(self.context, self.runtime_dir)
         self.latency: dict[str, LatencyWindow] = {}
+        self.hops = FrameHops()  # Note [Latency accounted]
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}
         self._results_gate = MessageGate("results")
@@ -144,13 +145,14 @@ class OutputWorker(Worker):
         while self.results.poll(0):
             payload = self.results.recv()
             self.results_tap.send(payload, zmq.NOBLOCK)  # a PUB never blocks: drops instead
+            received_ts_lsl = pylsl.local_clock()
             result = self._results_gate.decode(payload)
             if isinstance(result, FaceResults):
-                self._push(result)
+                self._push(result, received_ts_lsl)
             elif isinstance(result, (RecordingState, FramesRecorded)):
                 self.frame_index.on_recorder_message(result, pylsl.local_clock())
 
-    def _push(self, result: FaceResults) -> None:
+    def _push(self, result: FaceResults, received_ts_lsl: float) -> None:
         outlets = self.outlets.get(result.camera_id)
         if outlets is None:
             return  # a camera removed by a reload, still draining
@@ -179,8 +181,12 @@ class OutputWorker(Worker):
             self._push_pose(result)
         except ValueError as exc:
             self._results_gate._reject(f"pose of camera {result.camera_id} not publishable: {exc}")
+        pushed_ts_lsl = pylsl.local_clock()
         self.latency.setdefault(result.camera_id, LatencyWindow()).add_ms(
-            (pylsl.local_clock() - result.capture_ts_lsl) * 1e3)
+            (pushed_ts_lsl - result.capture_ts_lsl) * 1e3)
+        self.hops.add((result.capture_ts_lsl, result.frame_published_ts_lsl,
+                       result.picked_up_ts_lsl, result.read_ts_lsl, result.measured_ts_lsl,
+                       result.sent_ts_lsl, received_ts_lsl, pushed_ts_lsl))
         self.rates.setdefault(result.camera_id, RateMeter()).tick()
         self.faces[result.camera_id] = len(samples)
 
@@ -199,6 +205,9 @@ class OutputWorker(Worker):
     def on_event(self, event: Event) -> None:
         timestamp = event.event_ts_lsl if event.event_ts_lsl > 0 else None
         self.markers.event(event.kind, event_ts_lsl=timestamp, **event.fields)
+
+    def stage_timings(self):
+        return self.hops.timings()
 
     def camera_reports(self) -> list[CameraReport]:
         reports = []
