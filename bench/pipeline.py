@@ -80,12 +80,15 @@ OUTPUT_LATENCY_FRAMES = _output_latency_frames()
 
 
 def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int,
-                cuda_graphs: bool, half: bool, host: str, source: str) -> str:
+                cuda_graphs: bool, half: bool, host: str, source: str,
+                detection_share: float | None = None) -> str:
     # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
         f'host_name = "{host}"', "checksum_every = 30", f"roi_landmark_workers = {roi_workers}",
-        'log_level = "info"', "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
+        'log_level = "info"',
+        *([f"detection_share = {detection_share}"] if detection_share is not None else []),
+        "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
         f"half = {str(half).lower()}", "", "[output]", f"max_faces = {MAX_FACES}", "",
     ]
     for k in range(cameras):
@@ -437,11 +440,13 @@ def run_one(cameras: int, transport: str, args) -> dict:
     result = {"cameras": cameras, "transport": transport, "side": "facecast",
               "source": args.source,
               "models": "fp16" if args.half else "fp32", "cuda_graphs": args.cuda_graphs,
+              "roi_workers": args.roi_workers,
+              "detection_share": args.detection_share or "auto",
               "log": str(log_path)}
     with tempfile.TemporaryDirectory(prefix="fcb-") as tmp:
         tmp = Path(tmp)
         config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
-                             args.half, host, args.source)
+                             args.half, host, args.source, args.detection_share)
         daemon = DaemonUnderTest(tmp, config, log_path)
         try:
             if not daemon.wait_ready(args.boot_timeout_s):
@@ -837,6 +842,8 @@ def main() -> int:
                              "encoded once and decoded every frame on the CPU (Note [Encoded "
                              "synthetic loop])")
     parser.add_argument("--roi-workers", type=int, default=1)
+    parser.add_argument("--detection-share", type=float, default=None,
+                        help="daemon.detection_share (default: the config's auto)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
