@@ -174,9 +174,13 @@ def assignment(supervisor: Supervisor, spec: WorkerSpec) -> Assignment:
                  if spec.role == "roi_landmark" and not spec.standby else None)
     config = (supervisor.recordings.config_for_recorder(supervisor.config)
               if spec.role == "recorder" else supervisor.config)
+    # Note [Boot order]: a capture worker that starts before its device's inference is up waits.
+    hold = any(held.name == spec.name for held in supervisor.captures_held)
+    if hold:
+        supervisor.captures_told_to_hold.add(spec.name)
     return Assignment(worker=spec.name, config=msgspec.json.encode(config),
                       camera_ids=list(spec.camera_ids), device=spec.device,
-                      standby=spec.standby, track_ids=track_ids)
+                      standby=spec.standby, track_ids=track_ids, hold=hold)
 
 
 def daemon_status(supervisor: Supervisor, reply_to: str) -> DaemonStatus:

@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 #     boot; as 256 + 32 they run in about 60 % of the time and the largest shape is 256. Pieces
 #     are split off only above SPLIT_ABOVE inputs: below it a model's forward costs about the
 #     same at any batch (the launches, not the arithmetic), so one padded forward is cheaper.
+#     No piece is larger than LARGEST_PIECE (256): 64 cameras' 576 inputs run as 256 + 256 +
+#     64, not 512 + 64. A 512 piece took about twice a 256 one (19-24 against 10-13 ms), so it
+#     bought nothing, and its shape cost one more preparation at boot, in the detection worker
+#     and again in its spare, of the 3-4 s each shape costs.
 
 
 def bucket(count: int, largest: int | None = None) -> int:
@@ -81,16 +85,19 @@ def buckets_up_to(count: int, largest: int | None = None) -> list[int]:
 
 # A batch of more inputs than this runs in power-of-two pieces (Note [Warm shapes]).
 SPLIT_ABOVE = 64
+# ... none of them larger than this.
+LARGEST_PIECE = 256
 
 
 def batch_pieces(count: int, smallest: int = 1) -> list[int]:
     """The batch shapes ``count`` inputs run as (Note [Warm shapes]): while more than
-    SPLIT_ABOVE are left, the largest power of two that fits is split off; the rest is padded
-    to its bucket, at least ``smallest``. 288 -> [256, 32], 300 -> [256, 64], 40 -> [64]."""
+    SPLIT_ABOVE are left, the largest power of two that fits (at most LARGEST_PIECE) is split
+    off; the rest is padded to its bucket, at least ``smallest``. 288 -> [256, 32],
+    300 -> [256, 64], 40 -> [64], 576 -> [256, 256, 64]."""
     pieces = []
     rest = count
     while rest > SPLIT_ABOVE:
-        piece = 1 << (rest.bit_length() - 1)
+        piece = min(LARGEST_PIECE, 1 << (rest.bit_length() - 1))
         pieces.append(piece)
         rest -= piece
     if rest:

@@ -1,13 +1,19 @@
-"""Note [Boot order]: on a GPU a device's capture workers start
-once its inference workers are up; on the CPU everything starts at once. The supervisor's own
-start decisions, with the process spawning recorded instead of done."""
+"""Note [Boot order]: on a GPU a device's capture workers start at once but are held (they
+prepare, then wait) until its inference workers are up; on the CPU everything starts at once. The
+supervisor's own start and release decisions, with the process spawning and the messages recorded
+instead of done; and a real capture worker process held and released."""
 
 from __future__ import annotations
 
+import msgspec
+
+from facecast.daemon import control
 from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.daemon.sd_notify import Notifier
 from facecast.daemon.supervisor import Supervisor
 from facecast.shared import config as config_mod
+from facecast.shared.transport import messages
+from facecast.shared.transport.messages import Assignment, Heartbeat, Hello, Release
 
 
 def _supervisor(runtime_dir, gpus: int, monkeypatch) -> tuple[Supervisor, list[str]]:
@@ -29,21 +35,30 @@ def _supervisor(runtime_dir, gpus: int, monkeypatch) -> tuple[Supervisor, list[s
     return supervisor, started
 
 
-def test_on_a_gpu_capture_waits_for_the_inference_workers(runtime_dir, monkeypatch):
+def test_on_a_gpu_capture_is_held_until_the_inference_workers_are_up(runtime_dir, monkeypatch):
     supervisor, started = _supervisor(runtime_dir, 1, monkeypatch)
+    sent: list[tuple[str, messages.Message]] = []
+    monkeypatch.setattr(supervisor.control, "send_to",
+                        lambda name, message: sent.append((name, message)) or True)
     supervisor._start_workers()
-    assert started == ["output", "roi_landmark:cuda:0:0", "detection:cuda:0"]
-    supervisor._start_captures_when_inference_is_up()
-    assert len(started) == 3  # both still booting
+    assert started == ["output", "roi_landmark:cuda:0:0", "detection:cuda:0", "capture:cam0",
+                       "capture:cam1"]
+    # Their Hellos: held. (cam1's Hello comes late, after the release: not held.)
+    cam0 = control.assignment(supervisor, supervisor.workers.get("capture:cam0").spec)
+    assert cam0.hold
+    assert not control.assignment(supervisor, supervisor.workers.get("output").spec).hold
+    supervisor._release_captures_when_inference_is_up()
+    assert sent == []  # both inference workers still booting
     supervisor.workers.get("detection:cuda:0").state = WorkerState.RUNNING
-    supervisor._start_captures_when_inference_is_up()
-    assert len(started) == 3  # roi_landmark still booting
+    supervisor._release_captures_when_inference_is_up()
+    assert sent == []  # roi_landmark still booting
     # One given up on (it could not boot) does not hold the cameras back.
     supervisor.workers.get("roi_landmark:cuda:0:0").state = WorkerState.FAILED
-    supervisor._start_captures_when_inference_is_up()
-    assert started[3:] == ["capture:cam0", "capture:cam1"]
-    supervisor._start_captures_when_inference_is_up()
-    assert len(started) == 5  # each started once
+    supervisor._release_captures_when_inference_is_up()
+    assert sent == [("capture:cam0", Release(worker="capture:cam0", id=sent[0][1].id))]
+    assert not control.assignment(supervisor, supervisor.workers.get("capture:cam1").spec).hold
+    supervisor._release_captures_when_inference_is_up()
+    assert len(sent) == 1 and len(started) == 5  # each started and released once
 
 
 def test_on_the_cpu_everything_starts_at_once(runtime_dir, monkeypatch):
@@ -51,3 +66,55 @@ def test_on_the_cpu_everything_starts_at_once(runtime_dir, monkeypatch):
     supervisor._start_workers()
     assert started == ["output", "roi_landmark:cpu:0", "detection:cpu", "capture:cam0",
                        "capture:cam1"]
+
+
+def test_a_held_capture_worker_boots_only_when_released(runtime_dir, tmp_path):
+    """A real capture worker process: Assignment(hold=True) → heartbeats "booting" and no
+    camera opened, however long it waits; Release → it boots and runs its camera."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    endpoint = f"ipc://{runtime_dir}/control"
+    config = config_mod.loads(f'[daemon]\nruntime_dir = "{runtime_dir}"\ntransport = "shm"\n'
+                              '[[cameras]]\nid = "cam0"\nsource = "synthetic"\nfps = 5\n'
+                              "width = 320\nheight = 180\n")
+    with zmq.Context() as context, open(tmp_path / "stderr.txt", "w") as stderr:
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        worker = subprocess.Popen([sys.executable, "-m", "facecast.workers", "capture",
+                                   "capture:cam0", endpoint], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            def receive():
+                assert router.poll(60_000), "the worker said nothing"
+                identity, payload = router.recv_multipart()
+                return identity, messages.decode(payload)
+
+            identity, hello = receive()
+            assert isinstance(hello, Hello)
+            router.send_multipart([identity, messages.encode(Assignment(
+                worker="capture:cam0", config=msgspec.json.encode(config), camera_ids=["cam0"],
+                hold=True))])
+            held = 0
+            while held < 4:  # four heartbeats (2 s) held: prepared, and waiting
+                message = receive()[1]
+                if isinstance(message, Heartbeat):
+                    assert message.state == "booting" and message.cameras == [], message
+                    held += 1
+            assert "held until the supervisor releases it" in (tmp_path / "stderr.txt").read_text()
+            router.send_multipart([identity, messages.encode(Release(worker="capture:cam0"))])
+            while True:
+                message = receive()[1]
+                if isinstance(message, Heartbeat) and message.state == "running":
+                    break
+            while not (isinstance(message, Heartbeat) and message.cameras
+                       and message.cameras[0].frames > 0):
+                message = receive()[1]
+            assert message.cameras[0].camera_id == "cam0"
+        finally:
+            worker.kill()
+            worker.wait(timeout=30)
+            router.close()

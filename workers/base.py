@@ -63,6 +63,7 @@ from facecast.shared.transport.messages import (
     InjectFault,
     MessageGate,
     Promote,
+    Release,
     StageTiming,
     TrackIdBlock,
     TrackIdGrant,
@@ -114,6 +115,7 @@ class Worker:
         self.camera_ids: list[str] = []
         self.device = "cpu"
         self.standby = False
+        self.hold = False  # prepare, then wait for Release before booting (Note [Boot order])
         self.prepared = None  # what prepare() made, for boot() (Note [Warm standby])
         self.stopping = False
         self.state = "booting"
@@ -226,6 +228,7 @@ class Worker:
         self.camera_ids = list(assignment.camera_ids)
         self.device = assignment.device
         self.standby = assignment.standby
+        self.hold = assignment.hold
         if assignment.track_ids is not None:
             self.accept_track_ids(assignment.track_ids)
 
@@ -261,6 +264,26 @@ class Worker:
                     log.warning("%s: %s", message.worker, self.priority_trouble)
                 self._take_name(message.worker)
                 return self.wait_for_assignment()
+        return False
+
+    def hold_until_released(self) -> bool:
+        """Note [Boot order]: prepare while the device's inference workers boot, then wait for
+        Release (True) or a stop (False). Still "booting" meanwhile, with heartbeats."""
+        started_monotonic = time.monotonic()
+        self.prepare()
+        log.info("%s: prepared in %.1f s; held until the supervisor releases it", self.name,
+                 time.monotonic() - started_monotonic)
+        while not self.stopping:
+            self.heartbeat_if_due()
+            if not self.control.poll(100):
+                continue
+            message = self._gate.decode(self.control.recv())
+            if isinstance(message, Release) and message.worker == self.name:
+                return True
+            if isinstance(message, Assignment) and message.worker == self.name:
+                self._apply(message)  # a reload while held; it may release us too
+                if not self.hold:
+                    return True
         return False
 
     def _take_name(self, name: str) -> None:
@@ -377,6 +400,8 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str, secret: st
                 return EXIT_CRASH
             try:
                 if worker.standby and not worker.stand_by():
+                    return EXIT_OK
+                if worker.hold and not worker.hold_until_released():
                     return EXIT_OK
                 worker.boot()
             except BootError as exc:

@@ -288,6 +288,9 @@ class Assignment(Message, tag="assignment"):
     # roi_landmark workers: a first block of track ids (None from a supervisor that predates
     # it, and for a standby): the worker then asks with TrackIdsWanted.
     track_ids: TrackIdBlock | None = None
+    # Held at boot: prepare (imports, the CUDA context), then wait for Release before booting
+    # (Note [Boot order]).
+    hold: bool = False
 
 
 class TrackIdsWanted(Message, tag="track_ids_wanted"):
@@ -308,6 +311,12 @@ class TrackIdGrant(Message, tag="track_id_grant"):
 
 class Promote(Message, tag="promote"):
     """To a warm standby: take this worker's name (a new Hello under it follows)."""
+
+    worker: str
+
+
+class Release(Message, tag="release"):
+    """To a worker held at boot (Assignment.hold): boot now (Note [Boot order])."""
 
     worker: str
 
@@ -482,7 +491,8 @@ class DaemonStatus(Message, tag="daemon_status"):
 AnyMessage = Union[
     FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
     DetectionWanted, Detections, FaceResults,
-    Hello, Assignment, Promote, Heartbeat, BootFailed, Event, TrackIdsWanted, TrackIdGrant,
+    Hello, Assignment, Promote, Release, Heartbeat, BootFailed, Event, TrackIdsWanted,
+    TrackIdGrant,
     StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,
     RecordingState, FramesRecorded, RecordRequest, RecordReply,
 ]

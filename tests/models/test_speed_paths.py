@@ -86,6 +86,9 @@ def test_large_batches_run_in_power_of_two_pieces():
     assert pieces(40, 16) == [64] and pieces(3, 16) == [16] and pieces(130, 16) == [128, 16]
     assert pieces(128) == [128] and pieces(65) == [64, 1]
     assert cuda_graphs.shapes_up_to(288, 16) == [16, 32, 64, 128, 256]
+    # 64 cameras: no 512 piece, whose shape would cost one more preparation at boot.
+    assert pieces(576, 16) == [256, 256, 64] and pieces(1000) == [256, 256, 256, 128, 64, 64]
+    assert cuda_graphs.shapes_up_to(576, 16) == [16, 32, 64, 128, 256]
     for count in range(1, 600):
         assert sum(pieces(count, 16)) >= count and all(p >= 16 for p in pieces(count, 16))
 
