@@ -5,8 +5,8 @@ without starting anything.
 
 - one capture worker per camera (`capture:<camera>`), on its camera's device;
 - per device: one detection worker (`detection:<device>`) and `daemon.roi_landmark_workers`
-  roi_landmark workers (`roi_landmark:<device>:<k>`), the device's cameras dealt out in config
-  order;
+  roi_landmark workers (`roi_landmark:<device>:<k>`; auto: one per 32 of a GPU's cameras),
+  the device's cameras dealt out in config order;
 - one output worker (`output`) for all cameras;
 - with `web.enabled`, one web console (`console`) for all cameras, started at READY (Note
   [Console after READY]);
@@ -86,7 +86,7 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
     if config.web.enabled:  # Note [Console after READY]: the supervisor holds it back until READY
         specs.append(WorkerSpec("console", "console", tuple(c.id for c in config.cameras), "cpu"))
     for device, camera_ids in by_device.items():
-        count = config.daemon.roi_landmark_workers
+        count = roi_landmark_count(config, device, camera_ids)
         for k in range(count):
             share = tuple(camera_ids[k::count])
             specs.append(WorkerSpec(f"roi_landmark:{device}:{k}", "roi_landmark", share, device))
@@ -98,6 +98,27 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
             name = f"capture:{group[0]}" if len(group) == 1 else f"capture:{device}:{k}"
             specs.append(WorkerSpec(name, "capture", group, device))
     return specs
+
+
+# Note [Measuring workers per GPU]
+#     One roi_landmark worker measures its cameras' newest frames one batch after the other, so
+#     a frame waits for the batch before its own. At 64 replayed 1080p cameras on one H200
+#     (bench/pipeline.py, 2026-11-26, one call) one worker could not keep up: 12.3 % of frames
+#     dropped, p99 94 ms, its batches 28.6 ms on average; two workers, each with half of the
+#     cameras, on the same GPU: 1.1 % dropped, p99 72 ms, batches 19.1 ms, GPU busy 71 -> 93 %,
+#     2.4 GB more GPU memory. At 32 cameras one worker drops nothing. So "auto" gives a GPU one
+#     worker per CAMERAS_PER_MEASURING_WORKER cameras; on the CPU, whose cores the models
+#     already use, one.
+CAMERAS_PER_MEASURING_WORKER = 32
+
+
+def roi_landmark_count(config: Config, device: str, camera_ids: list[str]) -> int:
+    """How many roi_landmark workers a device gets (Note [Measuring workers per GPU])."""
+    count = config.daemon.roi_landmark_workers
+    if count == "auto":
+        count = (math.ceil(len(camera_ids) / CAMERAS_PER_MEASURING_WORKER)
+                 if device != "cpu" else 1)
+    return max(1, min(count, len(camera_ids)))
 
 
 def capture_groups(config: Config, device: str, camera_ids: list[str]) -> list[tuple[str, ...]]:

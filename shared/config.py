@@ -76,8 +76,12 @@ class DaemonConfig(_Strict):
     ] = 30
     log_level: LogLevel = "info"
     roi_landmark_workers: Annotated[
-        int, msgspec.Meta(ge=1, le=16, description="roi_landmark worker processes per device")
-    ] = 1
+        Annotated[int, msgspec.Meta(ge=1, le=16)] | Literal["auto"],
+        msgspec.Meta(
+            description="roi_landmark worker processes per device (Note [Measuring workers per "
+            "GPU]); auto: one per 32 of a GPU's cameras, one on the CPU"
+        ),
+    ] = "auto"
     cameras_per_capture_worker: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=256)] | Literal["auto"],
         msgspec.Meta(
