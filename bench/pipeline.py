@@ -79,13 +79,14 @@ def _output_latency_frames() -> int:
 OUTPUT_LATENCY_FRAMES = _output_latency_frames()
 
 
-def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int,
+def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int | str,
                 cuda_graphs: bool, half: bool, host: str, source: str,
                 detection_share: float | None = None) -> str:
     # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
-        f'host_name = "{host}"', "checksum_every = 30", f"roi_landmark_workers = {roi_workers}",
+        f'host_name = "{host}"', "checksum_every = 30",
+        f"roi_landmark_workers = {json.dumps(roi_workers)}",  # TOML: 2 or "auto"
         'log_level = "info"',
         *([f"detection_share = {detection_share}"] if detection_share is not None else []),
         "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
@@ -841,7 +842,8 @@ def main() -> int:
                              "(Note [Synthetic replay]), or that loop "
                              "encoded once and decoded every frame on the CPU (Note [Encoded "
                              "synthetic loop])")
-    parser.add_argument("--roi-workers", type=int, default=1)
+    parser.add_argument("--roi-workers", type=lambda text: text if text == "auto" else int(text),
+                        default="auto", help="daemon.roi_landmark_workers (default: auto)")
     parser.add_argument("--detection-share", type=float, default=None,
                         help="daemon.detection_share (default: the config's auto)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
