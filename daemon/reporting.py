@@ -34,8 +34,11 @@ def camera_lines(config: Config, workers) -> list[str]:
         latency_text = (f"latency p50 {latency.p50_ms:.0f} ms p99 {latency.p99_ms:.0f} ms"
                         if latency else "latency -")
         source = "" if view["source"] in ("ok", "") else f", {view['source']}"
+        decoder = (f", decoded on the {view['decoder'].upper()}"
+                   if view["decoder"] in ("gpu", "cpu") else "")
         lines.append(f"{camera_id}: {view['fps']:.1f}/{view['capture_fps']:.1f} fps, "
-                     f"{view['faces']} face(s), {view['transport'] or '-'}, {latency_text}{source}")
+                     f"{view['faces']} face(s), {view['transport'] or '-'}{decoder}, "
+                     f"{latency_text}{source}")
     return lines
 
 
@@ -51,6 +54,8 @@ def camera_views(config: Config, workers) -> dict[str, dict]:
             "transport": capture.transport if capture else "",
             "source": capture.source if capture else "",
             "reason": capture.fallback_reason if capture else "",
+            # Note [Decoder choice], where the capture worker's report carries it.
+            "decoder": getattr(capture, "decoder", "") if capture else "",
             "latency": output.latency_ms if output else None,
         }
     return views

@@ -18,6 +18,8 @@ import msgspec
 from facecast.workers.output.synchrony import SynchronyConfig
 
 TransportName = Literal["auto", "cuda_ipc", "shm"]
+# Which decoder a camera's compressed video gets (Note [Decoder choice]).
+DecodeName = Literal["auto", "gpu", "cpu"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -56,6 +58,15 @@ class DaemonConfig(_Strict):
     ring_slots: Annotated[
         int, msgspec.Meta(ge=2, le=64, description="frames kept per camera ring")
     ] = 8
+    decode: Annotated[
+        DecodeName,
+        msgspec.Meta(
+            description="where every camera's compressed video (H.264/H.265 files and streams, "
+            'synthetic-h264) is decoded unless a camera overrides it: "gpu" (NVDEC, through '
+            'pynvvideocodec, straight into the camera\'s GPU ring), "cpu" (OpenCV/FFmpeg), or '
+            '"auto": the GPU where it can, else the CPU; status says which and why'
+        ),
+    ] = "auto"
     checksum: Annotated[
         Literal["full", "sampled"],
         msgspec.Meta(
@@ -447,6 +458,12 @@ class CameraConfig(_Strict):
         TransportName | Literal[""], msgspec.Meta(description='overrides daemon.transport; "" inherits')
     ] = ""
     gpu: Annotated[int, msgspec.Meta(ge=-1, le=63, description="GPU index; -1: round-robin")] = -1
+    decode: Annotated[
+        DecodeName | Literal[""],
+        msgspec.Meta(description='overrides daemon.decode; "" inherits; "gpu" only for a '
+                     "source with H.264/H.265 video (a file, an rtsp:// or http:// stream, "
+                     '"synthetic-h264")'),
+    ] = ""
     staging: Annotated[
         StagingConfig | None,
         msgspec.Meta(description='source = "synthetic" only: stage people, i.e. which photo '
@@ -478,6 +495,10 @@ class Config(_Strict):
                      f"(allowed: {', '.join(sorted(camera_ids))})"
                      for index, seat in enumerate(self.participants.seats)
                      if seat.camera not in camera_ids]
+        problems += [f'cameras[{index}].decode: camera {camera.id!r} asks for decode = "gpu", '
+                     f"but {problem}" for index, camera in enumerate(self.cameras)
+                     if camera.decode == "gpu"
+                     and (problem := gpu_decode_source_problem(camera.source))]
         if self.synchrony.enabled and not self.participants.enabled:
             problems.append("synchrony.enabled: the Synchrony stream is between participants: "
                             "it needs participants.enabled = true")
@@ -490,8 +511,35 @@ class Config(_Strict):
     def transport_for(self, camera: CameraConfig) -> str:
         return camera.transport or self.daemon.transport
 
+    def decode_for(self, camera: CameraConfig) -> str:
+        return camera.decode or self.daemon.decode
+
     def host(self) -> str:
         return self.daemon.host_name or socket.gethostname()
+
+
+def gpu_decode_source_problem(source: str | int) -> str:
+    """Why a camera's source can never be decoded on the GPU ("" when it may be: its codec is
+    known only once it is open). From the source's text alone, as config validation must
+    (STYLE §10): no file is opened and no GPU asked."""
+    # Imported here: camera_sources imports this module.
+    from facecast.shared.camera_sources import ENCODED_SYNTHETIC_CODECS, SourceConfigError, source_kind
+
+    try:
+        kind = source_kind(source)
+    except SourceConfigError:
+        return ""  # the source's own error says what is wrong (check-config, the capture worker)
+    allowed = ('allowed for H.264/H.265 video: a video file, an rtsp:// or http:// stream, '
+               '"synthetic-h264"')
+    if kind in ("synthetic", "synthetic-replay"):
+        return f"source {source!r} makes raw frames: there is nothing to decode ({allowed})"
+    if kind == "v4l2":
+        return (f"source {source!r} is a V4L2 camera, decoded by OpenCV on the CPU (MJPEG on "
+                f"the GPU is not built yet; {allowed})")
+    if kind in ENCODED_SYNTHETIC_CODECS and ENCODED_SYNTHETIC_CODECS[kind] != "h264":
+        return (f"source {source!r} is MJPEG, decoded on the CPU (MJPEG on the GPU is not built "
+                f"yet; {allowed})")
+    return ""
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Runs on the CLI side, in a process of its own. It checks against a config: `--co
 else the running daemon's (asked for its config file over the control socket, as `facecast
 status` asks; `--runtime-dir` finds a daemon elsewhere), else the built-in defaults. It answers,
 on one screen: is there a GPU and which (PyTorch, NVML), does CUDA IPC pass validation between
-two fresh processes or what will `transport = "auto"` use instead, does LSL work on this
-machine's loopback, and are the models installed.
+two fresh processes or what will `transport = "auto"` use instead, can NVDEC decode the cameras'
+H.264/H.265 (and with how many engines) or why not, does LSL work on this machine's loopback,
+and are the models installed.
 
 Note [Doctor's time]
     On the 2-core CI machine (busy) doctor took 12.5 s; 5.4-7.4 s of it (2026-11-26, load 5-8)
@@ -201,6 +202,66 @@ def check_cuda_ipc(run_check: Callable[[str], dict] | None = None) -> CheckResul
     return CheckResult("CUDA IPC", WARN, f"not used: {reason}; frames fall back to shm: {frames}")
 
 
+# --- GPU decoding --------------------------------------------------------------------------------
+
+
+def check_nvdec(loaded: config.Config | None = None,
+                decoder_caps: Callable[[str], dict] | None = None) -> CheckResult:
+    """Whether NVDEC can decode H.264/H.265 here and with how many engines, and what each
+    configured camera's `decode` leads to (Note [Decoder choice]). A camera's codec is known
+    only once its source opens: where the GPU would be tried, the line says so."""
+    from facecast.shared.camera_sources import SourceConfigError, source_kind
+    from facecast.workers.capture import decoding
+
+    reason = decoding.nvdec_unavailable_reason()
+    lines = []
+    if loaded is not None:
+        import torch
+
+        on_gpu = loaded.models.device != "cpu" and torch.cuda.is_available()
+        for camera in loaded.cameras:
+            try:
+                kind = source_kind(camera.source)
+            except SourceConfigError:
+                continue  # check-config and the transport check say what is wrong with it
+            device = f"cuda:{max(camera.gpu, 0)}" if on_gpu else "cpu"
+            request = decoding.DecodeRequest(loaded.decode_for(camera), device)
+            choice = decoding.plan(request, kind, nvdec_reason=lambda: reason)
+            told = (f"{choice.decoder}: {choice.reason}" if choice is not None else
+                    "gpu where its video is H.264/H.265, 8-bit 4:2:0 (known when it opens), "
+                    "else cpu, with the reason in status")
+            lines.append(f"camera {camera.id}: {request.asked()} -> {told}")
+    if reason:
+        return CheckResult("NVDEC", WARN, f"GPU decoding unavailable: {reason}; H.264/H.265 "
+                           "cameras are decoded on the CPU", tuple(lines))
+    if decoder_caps is None:
+        decoder_caps = _nvdec_caps
+    engines = []
+    for codec, name in decoding.GPU_CODECS.items():
+        try:
+            caps = decoder_caps(codec)
+        except Exception as exc:  # noqa: BLE001 - one line on the screen, not a traceback
+            engines.append(f"{name}: capabilities unknown ({type(exc).__name__}: {exc})")
+            continue
+        if not caps.get("supported"):
+            engines.append(f"{name}: not supported by this GPU")
+        else:
+            engines.append(f"{name}: {caps.get('num_decoder_engines', '?')} NVDEC engine(s), up "
+                           f"to {caps.get('width_max', '?')}x{caps.get('height_max', '?')}")
+    return CheckResult("NVDEC", OK, "GPU decoding available (pynvvideocodec); " +
+                       "; ".join(engines), tuple(lines))
+
+
+def _nvdec_caps(codec: str) -> dict:
+    """PyNvVideoCodec's GetDecoderCaps for 8-bit 4:2:0 of `codec` (it makes a context of its own
+    on GPU 0 for the query, in this process: doctor's, never a worker's)."""
+    import PyNvVideoCodec as nvc
+
+    return dict(nvc.GetDecoderCaps(
+        gpuid=0, codec=getattr(nvc.cudaVideoCodec, {"h264": "H264", "hevc": "HEVC"}[codec]),
+        chromaformat=getattr(nvc.cudaVideoChromaFormat, "420"), bitdepth=8))
+
+
 # --- LSL -----------------------------------------------------------------------------------------
 
 
@@ -370,6 +431,7 @@ def run_checks(loaded: config.Config | None = None) -> Iterator[CheckResult]:
     yield check_cuda_ipc() if not no_cuda else CheckResult(
         "CUDA IPC", WARN, f"not tried: {no_cuda}; frames go over shared memory (`facecast "
         "transport-check --transport shm` proves that between two processes)")
+    yield check_nvdec(loaded)
     yield check_lsl_loopback()
     yield check_models(model_dir)
     yield check_blendshapes(task_path, model_dir)

@@ -97,10 +97,15 @@ def render(status: DaemonStatus) -> str:
         why = capture.fallback_reason if capture else ""
         source = capture.source if capture else _not_captured(status, camera_id)
         skipped = f", skipped {consumer.skipped}" if consumer and consumer.skipped else ""
+        # The decoder (Note [Decoder choice]), where the capture worker's report carries it.
+        decoder = getattr(capture, "decoder", "") if capture else ""
+        decoded = (f"; decoder {decoder}: {getattr(capture, 'decode_reason', '')}"
+                   if decoder else "")
         lines.append(
             f"{camera_id:<12} {(capture.fps if capture else 0):>7.1f}/s "
             f"{(output.fps if output else 0):>7.1f}/s {(output.faces if output else 0):>5} "
-            f"{transport:<9} {latency:>16}  {source}{skipped}{'; ' + why if why else ''}")
+            f"{transport:<9} {latency:>16}  {source}{skipped}{'; ' + why if why else ''}"
+            f"{decoded}")
     recordings = [(camera_id, r) for camera_id, reports in status.cameras.items()
                   for r in reports if r.recording]
     if recordings:  # the recorders' cameras (README "Recording")

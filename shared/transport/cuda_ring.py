@@ -45,7 +45,31 @@ Note [Producer checksum]
     frame for bytes the source has just written, 781 us when the frames cycle through memory
     while the DMA reads them (the bench's worst case), i.e. 1.2-2.3% of a core per 1080p30
     camera. The slot form's own GPU cost was not measured validly in that run (the bench fetched
-    its value on another stream; fixed since, not re-run).
+    its value on another stream; fixed since, not re-run). A frame decoded on the GPU has no
+    host bytes: its checksum is the GPU form's, of the producer's own tensor, never of the
+    slot (Note [Frames born on the GPU]), which keeps the meaning above.
+
+Note [Frames born on the GPU]
+    A camera decoded by NVDEC (facecast.workers.capture.nvdec) hands the producer a finished BGR
+    frame in device memory: a tensor of its own, converted from the decoder's NV12 output, ready
+    on the capture thread's current stream. `write_device` takes it without a host copy:
+    1. the producer's stream waits for the caller's current stream (the frame is complete);
+    2. the slot's generation goes odd; the frame's checksum (Note [Frame checksum], the GPU
+       form) is queued on the producer's stream *from the caller's tensor*, then the
+       device-to-device copy into the slot, then the slot's interprocess event is recorded
+       (Note [Events order slots]);
+    3. the checksum's value is fetched, on the producer's stream: the FrameReady must carry it
+       before it is sent, so this is one host sync per frame. It waits for the copy and the
+       checksum (a 6 MB copy and ~14 us of checksum kernels per 1080p frame on the H200, by
+       Note [Frame checksum]'s numbers for the checksum; the sync's own cost here is not
+       measured), and with blocking waits (Note [Blocking waits]) the thread sleeps meanwhile.
+       After it the caller's tensor is no longer read, so its memory may go back to the caching
+       allocator without record_stream.
+    The value therefore says what the decoder produced, independent of the slot: a bad copy or
+    a third process's write into the slot is caught by every consumer, as with host frames
+    (Note [Checksum of what the camera gave]). Nothing is staged: the decoder's frame is its
+    own private buffer. On an shm ring (after a transport fallback) the frame is copied to the
+    host first and written as a host frame (rings.RingProducer.write_device).
 """
 
 from __future__ import annotations
@@ -183,6 +207,33 @@ class CudaRingProducer(RingProducer):
                 torch.cuda._sleep(self.faults.delay_copy_cycles)
             self._slot_targets[slot].copy_(self._staging[slot], non_blocking=True)
             self.events[slot].record(self.stream)
+
+    def write_device(self, frame: torch.Tensor, frame_seq: int,
+                     capture_ts_lsl: float) -> FrameReady:
+        """Note [Frames born on the GPU]: a frame already on this ring's GPU (the caller's own
+        tensor, ready on its current stream) into the next slot, device to device."""
+        if (tuple(frame.shape) != self.frame_shape or frame.dtype != torch.uint8
+                or frame.device != self.slots.device):
+            raise ValueError(
+                f"camera {self.camera_id}: frame {tuple(frame.shape)} {frame.dtype} on "
+                f"{frame.device} does not fit the ring ({self.frame_shape} uint8 on "
+                f"{self.slots.device}); a new resolution needs a new ring")
+        slot = self._take_slot() if self._staged_view is None else self._staged_slot
+        self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
+        checksum = self._commit_device(slot, frame.contiguous())
+        return self._committed(slot, checksum, frame_seq, capture_ts_lsl)
+
+    def _commit_device(self, slot: int, frame: torch.Tensor) -> int:
+        """Stage "device copy": Note [Frames born on the GPU], steps 1-3; the checksum is the
+        caller's tensor's (Note [Checksum of what the camera gave])."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+        self.header.begin_write(slot)
+        with torch.cuda.stream(self.stream):
+            pending = frames.checksum_start(frame, self.checksum_kind)
+            self._slot_targets[slot].copy_(frame.view(-1), non_blocking=True)
+            self.events[slot].record(self.stream)
+            # On this stream: the fetch waits for the checksum and the copy queued before it.
+            return frames.settle_checksums([pending])[0]
 
     def _corrupt_slot(self, slot: int) -> None:
         # The published slot changes under the consumer, generation intact.

@@ -42,7 +42,10 @@ Note [Checksum of what the camera gave]
     whatever is there: a third process that writes into a slot while the producer fills it (a
     writer looping over every slot, the one being filled included, did so on shm) would have its
     bytes certified and accepted by every consumer. On CUDA the upload's host work overlaps the
-    DMA (Note [Producer checksum]).
+    DMA (Note [Producer checksum]). A frame decoded on the GPU (Note [Frames born on the GPU])
+    is the same rule on the device: its checksum is computed on the GPU from the decoder's
+    converted frame, a tensor of the producer's own, never from the slot it is copied into; on
+    an shm ring it comes to a private host copy first, and the checksum is that copy's.
 
 Note [The consumer's own copy]
     Every reader hands out its own copy of the slot, never the slot itself: a host copy, a DMA
@@ -244,9 +247,22 @@ class RingProducer(ABC):
         self._fill(staging, frame)
         return staging
 
+    def write_device(self, frame: torch.Tensor, frame_seq: int,
+                     capture_ts_lsl: float) -> FrameReady:
+        """A finished frame made on a GPU (the caller's own tensor, ready on its current
+        stream: Note [Frames born on the GPU]) into the next slot. Here, a ring in host memory:
+        the frame comes to the producer's private host memory first and is written as any host
+        frame is, its checksum taken from that copy. cuda_ring.CudaRingProducer copies it
+        device to device instead."""
+        return self.write(frame.contiguous().cpu().numpy(), frame_seq, capture_ts_lsl)
+
     def _publish(self, slot: int, pixels: np.ndarray, frame_seq: int,
                  capture_ts_lsl: float) -> FrameReady:
-        checksum = self._commit(slot, pixels)
+        return self._committed(slot, self._commit(slot, pixels), frame_seq, capture_ts_lsl)
+
+    def _committed(self, slot: int, checksum: int, frame_seq: int,
+                   capture_ts_lsl: float) -> FrameReady:
+        """The slot's content is issued (generation odd): make it even and describe the frame."""
         generation = self.header.end_write(slot)
         if self._corrupt_next:
             self._corrupt_next = False

@@ -26,6 +26,11 @@ Kinds, chosen from `CameraConfig.source`:
   read timeouts so that a dead peer is noticed; RTSP is carried over TCP unless
   $OPENCV_FFMPEG_CAPTURE_OPTIONS says otherwise.
 - anything else: a video file (FFMPEG backend), looped and paced at its native fps.
+
+These are the CPU decoder's sources. H.264/H.265 files and streams and "synthetic-h264" may be
+decoded on the GPU instead (facecast.workers.capture.nvdec, the same kinds' NVDEC twins, whose
+`read()` gives a torch tensor on the camera's GPU): `open_source(camera, decode=...)` chooses,
+and every source's `decode` says which decoder it got and why (Note [Decoder choice]).
 """
 
 from __future__ import annotations
@@ -56,6 +61,12 @@ from facecast.shared.camera_sources import (  # noqa: F401
     source_kind,
 )
 from facecast.shared.config import CameraConfig, StagingConfig, redact_url
+from facecast.workers.capture import decoding
+from facecast.workers.capture.decoding import (
+    DecodeChoice,
+    DecodeRequest,
+    GpuDecodeUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +117,21 @@ class Granted:
 
 
 class FrameSource:
-    """A camera's frames. Subclasses set `granted` when opened and implement `read()`."""
+    """A camera's frames. Subclasses set `granted` when opened and implement `read()`.
+
+    `decode` says which decoder makes the frames and why (Note [Decoder choice]); a source
+    with `on_device` (the GPU decoder's, facecast.workers.capture.nvdec) gives torch tensors on
+    the camera's GPU, which the capture worker publishes with `publish_device`."""
 
     kind = "?"
+    on_device = False
 
     def __init__(self, camera: CameraConfig) -> None:
         self.camera = camera
         self.camera_id = camera.id
         self.granted: Granted = Granted(camera.width, camera.height, camera.fps, "", "?")
         self.frames_read = 0
+        self.decode = DecodeChoice("cpu", "")  # open_source says why
 
     def read(self) -> tuple[np.ndarray, float]:
         """The next frame (BGR uint8 HxWx3) and its capture time (`pylsl.local_clock()`)."""
@@ -134,10 +151,39 @@ class FrameSource:
 
 
 def open_source(
-    camera: CameraConfig, *, open_timeout_s: float = 10.0, read_timeout_s: float = 5.0
+    camera: CameraConfig, *, open_timeout_s: float = 10.0, read_timeout_s: float = 5.0,
+    decode: DecodeRequest | None = None,
 ) -> FrameSource:
-    """Open the camera's source; raises SourceLost (retry later) or SourceConfigError (don't)."""
+    """Open the camera's source with the decoder `decode` leads to (Note [Decoder choice];
+    default: the CPU, as asked for); raises SourceLost (retry later) or SourceConfigError
+    (don't). The source's `decode` says which decoder it got and why."""
     kind = source_kind(camera.source)
+    request = decode if decode is not None else DecodeRequest()
+    choice = decoding.plan(request, kind)
+    if choice is None:
+        if kind == "file":
+            video_file_path(camera)  # no such file: lost (or given up on), whatever the decoder
+        try:
+            from facecast.workers.capture import nvdec
+
+            return nvdec.open_gpu_source(camera, kind, request, open_timeout_s=open_timeout_s,
+                                         read_timeout_s=read_timeout_s)
+        except GpuDecodeUnavailable as exc:
+            choice = DecodeChoice("cpu", f"{request.asked()}, but {exc.reason}")
+        except (SourceLost, SourceConfigError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug of the GPU path must not lose the camera
+            log.exception("camera %s: the GPU decoder could not open its source", camera.id)
+            choice = DecodeChoice("cpu", f"{request.asked()}, but the GPU decoder could not "
+                                  f"open it ({type(exc).__name__}: {exc})")
+        log.info("camera %s: decoded on the CPU: %s", camera.id, choice.reason)
+    source = _open_on_cpu(camera, kind, open_timeout_s, read_timeout_s)
+    source.decode = choice
+    return source
+
+
+def _open_on_cpu(camera: CameraConfig, kind: str, open_timeout_s: float,
+                 read_timeout_s: float) -> FrameSource:
     if kind == "synthetic":
         return SyntheticSource(camera)
     if kind == "synthetic-replay":
@@ -149,6 +195,19 @@ def open_source(
     if kind == "stream":
         return StreamSource(camera, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s)
     return FileSource(camera)
+
+
+def video_file_path(camera: CameraConfig) -> Path:
+    """The video file a camera's source names; SourceNotFound when it is not a regular file
+    here (Note [Sources that can never work])."""
+    source = str(camera.source)
+    path = Path(source[len("file://"):] if source.startswith("file://") else source)
+    if not path.exists():
+        raise SourceNotFound(camera.id, f"no such video file {str(path)!r}")
+    if not path.is_file():
+        raise SourceNotFound(camera.id,
+                             f"{str(path)!r} is not a regular file (allowed: a video file)")
+    return path
 
 
 class ReopenBackoff:
@@ -845,15 +904,7 @@ class FileSource(_OpenCVSource):
 
     def __init__(self, camera: CameraConfig, path: Path | None = None) -> None:
         super().__init__(camera)
-        source = str(camera.source)
-        if path is None:
-            path = Path(source[len("file://") :] if source.startswith("file://") else source)
-        self.path = path
-        if not self.path.exists():
-            raise SourceNotFound(self.camera_id, f"no such video file {str(self.path)!r}")
-        if not self.path.is_file():
-            raise SourceNotFound(self.camera_id,
-                                 f"{str(self.path)!r} is not a regular file (allowed: a video file)")
+        self.path = path if path is not None else video_file_path(camera)
         self.loops = 0
         self._capture = self._open()
         fps = self._capture.get(cv2.CAP_PROP_FPS)
@@ -918,7 +969,8 @@ class EncodedSyntheticLoop:
         Real cameras send compressed video, and decoding it is a cost a lab pays on every frame.
         `source = "synthetic-h264"` (or "synthetic-mjpeg") is synthetic-replay's loop encoded
         once when the source opens and then decoded frame by frame by the file source's decoder
-        (OpenCV's FFMPEG backend today; a GPU decoder can take the same `path`), so that tests
+        (OpenCV's FFMPEG backend; "synthetic-h264" on NVDEC where the GPU decoder takes it:
+        nvdec.NvdecEncodedSyntheticSource, the same file, positions and truth), so that tests
         and benchmarks pay for decoding and still know every frame's faces.
         The file is the round trip played forwards, 2(L-1) frames, one an fps tick: frame p is
         loop frame `SyntheticReplay.loop_index_of_position(p)`. A capture is paced and stamped
@@ -941,7 +993,9 @@ class EncodedSyntheticLoop:
     """
 
     _CONTAINERS = {"h264": "mp4", "mjpeg": "avi"}
-    H264_OPTIONS = {"preset": "superfast", "crf": "20", "bframes": "0"}
+    # x264's own settings go through x264-params: given as codec options ("bframes", "keyint"),
+    # libx264 ignored them and the loop had B-frames and one IDR frame in 58.
+    H264_OPTIONS = {"preset": "superfast", "crf": "20"}
     MJPEG_QSCALE = 3
 
     def __init__(self, replay: SyntheticReplay, codec: str, name: str = "") -> None:
@@ -975,9 +1029,10 @@ class EncodedSyntheticLoop:
         rate = fractions.Fraction(replay.fps).limit_denominator(1001)
         with av.open(str(self.path), mode="w", format=self._CONTAINERS[self.codec]) as output:
             if self.codec == "h264":
-                keyint = str(max(1, round(replay.fps)))
+                keyint = max(1, round(replay.fps))
                 stream = output.add_stream("libx264", rate=rate, options={
-                    **self.H264_OPTIONS, "keyint": keyint, "min-keyint": keyint})
+                    **self.H264_OPTIONS,
+                    "x264-params": f"bframes=0:keyint={keyint}:min-keyint={keyint}"})
                 stream.pix_fmt = "yuv420p"
             else:
                 stream = output.add_stream("mjpeg", rate=rate)
@@ -1003,6 +1058,24 @@ class EncodedSyntheticLoop:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def capture_in_a_new_tick(replay: SyntheticReplay,
+                          shown_position: int | None) -> tuple[float, int]:
+    """(capture_ts_lsl, file position) of an encoded synthetic camera's capture now: when a
+    camera would have sent its frame (Note [Encoded synthetic loop]). A pacer that caught up
+    after a slow read (the first one decodes up to a whole loop) can wake again within the tick
+    of the frame just shown; that capture waits for the next tick, as a reader of a real camera
+    waits for its next frame, instead of asking the decoder for the frame it has shown, which
+    it would reach only by going round the whole loop."""
+    capture_ts_lsl = pylsl.local_clock()
+    position = replay.cycle_position(capture_ts_lsl)
+    if position == shown_position:
+        next_tick_s = (math.floor(capture_ts_lsl * replay.fps) + 1.5) / replay.fps
+        time.sleep(max(0.0, next_tick_s - capture_ts_lsl))
+        capture_ts_lsl = pylsl.local_clock()
+        position = replay.cycle_position(capture_ts_lsl)
+    return capture_ts_lsl, position
 
 
 class EncodedSyntheticSource(FileSource):
@@ -1033,8 +1106,9 @@ class EncodedSyntheticSource(FileSource):
         if self._capture is None:
             raise self._lost("source is closed")
         self._pacer.wait()
-        capture_ts_lsl = pylsl.local_clock()  # when a camera would have sent it
-        position = self.replay.cycle_position(capture_ts_lsl)
+        capture_ts_lsl, position = capture_in_a_new_tick(
+            self.replay, (self._next_position - 1) % self.encoded.frame_count
+            if self.frames_decoded else None)
         # A late reader's frames are decoded, not shown; the file's end is its frame 0.
         while self._next_position % self.encoded.frame_count != position:
             self._grab_next()

@@ -39,6 +39,12 @@ from facecast.shared.transport.messages import CameraReport, InjectFault
 from facecast.shared.stats import RateMeter
 from facecast.shared.transport.publisher import FramePublisher
 from facecast.workers.base import BootError, Worker
+from facecast.workers.capture.decoding import (
+    DecodeChoice,
+    DecodeRequest,
+    GpuDecodeFailed,
+    is_trouble,
+)
 from facecast.workers.capture.sources import (
     FrameSource,
     ReopenBackoff,
@@ -46,6 +52,7 @@ from facecast.workers.capture.sources import (
     SourceLost,
     SourceNotFound,
     open_source,
+    source_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -94,6 +101,10 @@ class CameraCapture:
         self.error: BaseException | None = None  # what ended the thread, if anything
         self.boot_error = ""
         self.given_up = ""  # why its source can never work (Note [Sources that can never work])
+        # Its decoder and why (Note [Decoder choice]); the trouble status shows, if any.
+        self.decode: DecodeChoice | None = None
+        self.decode_trouble = ""
+        self.gpu_decode_failed = ""  # Note [GPU decoder failing mid-stream]
         self._opened_once = False
         self._was_lost = False
         self._seen_epoch = 0
@@ -165,10 +176,13 @@ class CameraCapture:
         self._open()
 
     def _open(self) -> None:
+        request = DecodeRequest(requested=self.config.decode_for(self.camera),
+                                device=self.worker.device, gpu_failed=self.gpu_decode_failed)
         try:
             self.source = open_source(self.camera, open_timeout_s=OPEN_TIMEOUT_S,
-                                      read_timeout_s=READ_TIMEOUT_S)
+                                      read_timeout_s=READ_TIMEOUT_S, decode=request)
             self._opened_once = True
+            self._decoder_chosen(request, self.source.decode)
         except SourceNotFound as exc:
             # Note [Sources that can never work]: not there from the start is a wrong config;
             # gone after it worked is a camera unplugged, which comes back.
@@ -180,6 +194,32 @@ class CameraCapture:
             self._lost(exc.reason)
         except SourceConfigError as exc:
             self._give_up(str(exc))
+
+    def _decoder_chosen(self, request: DecodeRequest, choice: DecodeChoice) -> None:
+        """Note [Decoder choice]: said when it changes (the first open included), not at every
+        reconnect."""
+        if choice == self.decode:
+            return
+        self.decode = choice
+        trouble = is_trouble(request, choice, source_kind(self.camera.source))
+        self.decode_trouble = f"decoded on the CPU: {choice.reason}" if trouble else ""
+        (log.warning if trouble else log.info)(
+            "camera %s: decoder %s", self.camera.id, choice.describe())
+        self.worker.queue_event("decoder", camera=self.camera.id, decoder=choice.decoder,
+                                reason=choice.reason)
+
+    def _gpu_decoder_failed(self, reason: str) -> None:
+        """Note [GPU decoder failing mid-stream]: the CPU decoder takes over at once."""
+        log.warning("camera %s: its GPU decoder failed (%s); opening it again on the CPU "
+                    "decoder", self.camera.id, reason)
+        self.worker.queue_event("decoder_fallback", camera=self.camera.id, reason=reason)
+        self.gpu_decode_failed = reason
+        source, self.source = self.source, None
+        try:
+            source.close()
+        except Exception:  # noqa: BLE001 - a failed decoder may fail to close: go on
+            log.exception("camera %s: closing its failed GPU decoder", self.camera.id)
+        self._open()
 
     def _give_up(self, reason: str) -> None:
         """Note [Sources that can never work]: the thread ends; the camera is not retried."""
@@ -216,10 +256,16 @@ class CameraCapture:
         except SourceLost as exc:
             self._lost(exc.reason)
             return
+        except GpuDecodeFailed as exc:
+            self._gpu_decoder_failed(exc.reason)
+            return
         corrupting = self._take_fault_request()
         if corrupting:
             self.publisher.corrupt_next_frame()
-        message = self.publisher.publish(frame, capture_ts_lsl)
+        if self.source.on_device:  # decoded on the GPU (Note [Frames born on the GPU])
+            message = self.publisher.publish_device(frame, capture_ts_lsl)
+        else:
+            message = self.publisher.publish(frame, capture_ts_lsl)
         if corrupting:
             # On the Markers stream, so that a recording says which frame was spoiled on purpose.
             self.worker.queue_event(
@@ -269,7 +315,20 @@ class CameraCapture:
             source=self.source_state, transport=status.transport if status else "",
             ring_epoch=status.ring_epoch if status else 0,
             fallback_reason=status.fallback_reason if status else "",
+            **_decoder_fields(self.decode),
         )
+
+
+# CameraReport (shared/transport/messages.py) is another room's to change: the decoder goes into
+# it where it has `decoder` and `decode_reason`; until then status shows a camera's decoder
+# through its `decoder` events and, when it is trouble, the worker's trouble line.
+_REPORT_HAS_DECODER = {"decoder", "decode_reason"} <= set(CameraReport.__struct_fields__)
+
+
+def _decoder_fields(choice: DecodeChoice | None) -> dict[str, str]:
+    if not _REPORT_HAS_DECODER or choice is None:
+        return {}
+    return {"decoder": choice.decoder, "decode_reason": choice.reason}
 
 
 
@@ -352,6 +411,13 @@ class CaptureWorker(Worker):
 
     def camera_reports(self) -> list[CameraReport]:
         return [capture.report() for capture in self.cameras.values()]
+
+    def trouble(self) -> str:
+        """A camera that asked for the GPU decoder and is decoded on the CPU, or whose GPU
+        decoder failed (Note [Decoder choice])."""
+        return "; ".join(f"camera {camera_id}: {capture.decode_trouble}"
+                         for camera_id, capture in getattr(self, "cameras", {}).items()
+                         if capture.decode_trouble)
 
     def close(self) -> None:
         self.stopping = True

@@ -84,6 +84,8 @@ function renderCamera(cameraId, reports) {
     ["published", `${fmt(output.fps)} fps`], ["captured", `${fmt(capture.fps)} fps`],
     ["faces", output.faces ?? "-"], ["skipped (newest-frame policy)", consumer.skipped ?? 0],
     ["transport", capture.transport || "-"],
+    // The capture worker's decoder (Note [Decoder choice]), where the report carries it.
+    ...(capture.decoder ? [["decoder", capture.decoder]] : []),
     ["capture→LSL p50/p99", output.latency_ms ? `${fmt(output.latency_ms.p50_ms, 0)} / ${fmt(output.latency_ms.p99_ms, 0)} ms` : "-"],
     ["source", capture.source || "?"],
   ];
@@ -93,6 +95,7 @@ function renderCamera(cameraId, reports) {
     box.append(el("span", label === "source" && value !== "ok" ? {class: "bad"} : {}, String(value)));
   }
   if (capture.fallback_reason) box.append(el("span", {class: "why"}, `why: ${capture.fallback_reason}`));
+  if (capture.decode_reason) box.append(el("span", {class: "why"}, `decoder: ${capture.decode_reason}`));
   renderSparks(cameraId);
 }
 

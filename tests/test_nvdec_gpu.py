@@ -1,0 +1,231 @@
+"""Frames born on the GPU, against the real NVDEC (marker gpu; issue 22 item 1): PyNvVideoCodec's
+frames, converted to BGR on the GPU, against OpenCV's CPU decode of the same files (PSNR >= 40
+dB), the synthetic H.264 camera's frames against its truth, device frames into a CUDA ring and
+an shm ring checked by consumers, an H.264 RTSP camera, and the daemon on GPU-decoded cameras in
+one capture group, one of whose decoders fails mid-stream (injected) and goes on on the CPU
+decoder while the other keeps publishing.
+
+Needs an NVIDIA GPU with its driver (libnvcuvid.so.1), PyCUDA and pynvvideocodec (the `gpu`
+extra); elsewhere every test skips with the reason. Written on a machine without a GPU: the same
+paths with NVDEC played by FFmpeg on the CPU are tests/test_decoding.py, which pass there."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from daemon_harness import Daemon, Recorder, frames_of, score_against_truth
+from facecast.shared import config as config_mod
+from facecast.shared.config import CameraConfig
+from facecast.shared.transport import frames
+from facecast.workers.capture import decoding, nvdec
+from facecast.workers.capture.decoding import DecodeRequest
+from facecast.workers.capture.sources import open_source, synthetic_truth
+from test_decoding import (  # noqa: F401 - h264_rtsp_camera is a fixture
+    MIN_PSNR_DB,
+    _opencv_frames,
+    _psnr_db,
+    _write_video,
+    h264_rtsp_camera,
+)
+
+_REASON = decoding.nvdec_unavailable_reason()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_REASON is not None, reason=f"needs NVDEC: {_REASON}")]
+
+GPU = DecodeRequest("gpu", "cuda:0")
+
+
+def _camera(source: str, **fields) -> CameraConfig:
+    return CameraConfig(id="nv0", source=source, **{"width": 320, "height": 240, "fps": 20.0,
+                                                    **fields})
+
+
+# --- NVDEC against the CPU decoder -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, codec, container, bframes, size", [
+    ("h264.mp4", "libx264", None, 0, (320, 240)),
+    ("raw.h264", "libx264", "h264", 0, (320, 240)),  # Annex B: SimpleDecoder failed on it
+    ("h265.mp4", "libx265", None, 0, (320, 240)),
+    ("raw.hevc", "libx265", "hevc", 0, (320, 240)),
+    ("bframes.mkv", "libx264", None, 3, (320, 240)),
+    ("1080p.mp4", "libx264", None, 0, (1920, 1080)),  # coded 1088 rows, 1080 shown
+])
+def test_nvdec_frames_match_the_cpu_decoders(tmp_path, name, codec, container, bframes, size):
+    path = _write_video(tmp_path / name, codec, container, bframes=bframes, size=size,
+                        frames=40 if size[0] <= 640 else 20)
+    references = _opencv_frames(path)
+    with open_source(_camera(path), decode=GPU) as opened:
+        assert isinstance(opened, nvdec.NvdecFileSource), opened.decode
+        assert opened.decode.decoder == "gpu" and "on NVDEC (GPU 0)" in opened.decode.reason
+        assert (opened.granted.width, opened.granted.height) == size
+        for index in range(len(references) + 5):  # and round the file's end
+            frame, _ = opened.read()
+            assert frame.device.type == "cuda" and frame.shape == (size[1], size[0], 3)
+            host = frame.cpu().numpy()
+            if index < len(references):
+                psnr_db = _psnr_db(host, references[index])
+            else:  # after the jump, a decoder with B-frames may drop what it held
+                psnr_db = max(_psnr_db(host, reference) for reference in references)
+            assert psnr_db >= MIN_PSNR_DB, (name, index, psnr_db)
+        assert opened.loops == 1
+
+
+def test_nvdecs_synthetic_camera_shows_its_truth():
+    camera = _camera("synthetic-h264", width=640, height=360)
+    truth = synthetic_truth(camera)
+    loop = truth.render_loop()
+    with open_source(camera, decode=DecodeRequest("auto", "cuda:0")) as opened:
+        assert isinstance(opened, nvdec.NvdecEncodedSyntheticSource), opened.decode
+        for _ in range(opened.encoded.frame_count + 12):
+            frame, capture_ts_lsl = opened.read()
+            psnr_db = [_psnr_db(frame.cpu().numpy(), reference) for reference in loop]
+            index = truth.loop_index(capture_ts_lsl)
+            assert int(np.argmax(psnr_db)) == index and psnr_db[index] >= 34.0, index
+        assert opened.loops >= 1
+
+
+def test_an_h264_rtsp_camera_on_nvdec(h264_rtsp_camera):
+    camera = CameraConfig(id="rtspnv", source=h264_rtsp_camera.url, width=320, height=240,
+                          fps=25.0)
+    with open_source(camera, open_timeout_s=5.0, read_timeout_s=5.0,
+                     decode=DecodeRequest("auto", "cuda:0")) as opened:
+        assert isinstance(opened, nvdec.NvdecStreamSource), opened.decode
+        stamps = [opened.read()[1] for _ in range(50)]
+        assert np.all(np.diff(stamps) >= 0)
+        frame, _ = opened.read()
+        assert frame.device.type == "cuda" and 0 < float(frame.float().mean()) < 128
+
+
+# --- device frames into the rings (Note [Frames born on the GPU]) ---------------------------------
+
+
+@pytest.mark.parametrize("kind", frames.CHECKSUM_KINDS)
+def test_device_frames_into_a_cuda_ring_are_checked_by_its_consumers(kind):
+    from facecast.shared.transport.cuda_ring import CudaRingProducer, CudaRingReader
+    from facecast.shared.transport.rings import Verdict
+
+    producer = CudaRingProducer("devcuda", (360, 640, 3), slot_count=3, checksum_kind=kind)
+    reader = CudaRingReader(producer.description(), checksum_every=1)  # in-process (rule 6)
+    try:
+        generator = torch.Generator(device="cuda").manual_seed(5)
+        for seq in range(6):  # twice round the ring
+            frame = torch.randint(0, 256, (360, 640, 3), dtype=torch.uint8, device="cuda",
+                                  generator=generator)
+            message = producer.write_device(frame, seq, float(seq))
+            assert message.checksum == frames.checksum(frame.cpu().numpy(), kind)
+            read = reader.read(message)
+            assert read.verdict is Verdict.OK and torch.equal(read.tensor, frame)
+        producer.corrupt_next_frame()
+        message = producer.write_device(torch.zeros(360, 640, 3, dtype=torch.uint8,
+                                                    device="cuda"), 6, 6.0)
+        assert reader.read(message).verdict is Verdict.CHECKSUM_MISMATCH
+        with pytest.raises(ValueError, match="does not fit the ring"):
+            producer.write_device(torch.zeros(10, 10, 3, dtype=torch.uint8, device="cuda"), 7, 7.0)
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_a_device_frame_after_a_fallback_to_shm_goes_through_a_host_copy():
+    from facecast.shared.transport.rings import ShmRingProducer, ShmRingReader, Verdict
+
+    producer = ShmRingProducer("devshm", (360, 640, 3), 2)
+    reader = ShmRingReader(producer.description(), device="cuda")
+    try:
+        frame = torch.randint(0, 256, (360, 640, 3), dtype=torch.uint8, device="cuda")
+        message = producer.write_device(frame, 0, 0.0)
+        read = reader.read(message)
+        assert read.verdict is Verdict.OK and torch.equal(read.tensor, frame)
+    finally:
+        reader.close()
+        producer.close()
+
+
+# --- the daemon on GPU-decoded cameras -------------------------------------------------------------
+
+FAIL_AFTER_FRAMES = 900  # 30 s at 30 fps: after READY, once the Markers inlet listens
+DAEMON_CONFIG = (
+    '[daemon]\ntransport = "cuda_ipc"\ndecode = "gpu"\ncameras_per_capture_worker = 2\n'
+    'warm_standby = "off"\n'
+    '[models]\ndevice = "cuda"\n[output]\nmax_faces = 2\n[web]\nenabled = false\n'
+    '[[cameras]]\nid = "h264a"\nsource = "synthetic-h264"\nwidth = 1280\nheight = 720\n'
+    'fps = 30\n'
+    '[[cameras]]\nid = "h264b"\nsource = "synthetic-h264"\nwidth = 1280\nheight = 720\n'
+    'fps = 30\n')
+
+
+def _markers(record, kind: str) -> list[tuple[float, dict]]:
+    found = []
+    for stamp, sample in zip(list(record.timestamps), list(record.samples)):
+        event = json.loads(sample[0] if not isinstance(sample, str) else sample)
+        if event.get("event") == kind:
+            found.append((stamp, event))
+    return found
+
+
+@pytest.mark.daemon
+def test_the_daemon_on_gpu_decoded_cameras_and_one_decoder_failing(installed_models, tmp_path):
+    parsed = config_mod.loads(DAEMON_CONFIG)
+    daemon = Daemon(tmp_path, config_text=DAEMON_CONFIG, env={
+        decoding.ALLOW_FAULTS_ENV: "1",
+        decoding.INJECT_FAILURE_ENV: f"h264b@{FAIL_AFTER_FRAMES}"})
+    try:
+        assert daemon.notify.wait_for("READY=1", timeout_s=180), daemon.log_tail()
+        group = daemon.worker("capture:cuda:0:0")
+        assert group.detail == "", group  # both asked for the GPU and got it: no trouble
+        log_text = daemon.log_path.read_text()
+        for camera in ("h264a", "h264b"):
+            assert f'camera {camera}: decoder gpu (decode = "gpu": H.264 ' in log_text
+        markers = daemon.resolve("Markers", count=1)
+        faces = daemon.resolve("Face", count=4)
+        recorder = Recorder([*faces, *markers])
+        try:
+            deadline = time.monotonic() + FAIL_AFTER_FRAMES / 30 + 60
+            while not _markers(markers[0], "decoder_fallback"):
+                assert time.monotonic() < deadline, daemon.log_tail()
+                time.sleep(0.2)
+            time.sleep(10)  # the failed camera on the CPU decoder for a while
+        finally:
+            recorder.stop()
+        [(failed_at, fallback)] = _markers(markers[0], "decoder_fallback")
+        assert fallback["camera"] == "h264b"
+        assert fallback["reason"].startswith(f"injected failure after {FAIL_AFTER_FRAMES} frames")
+        chosen = [event for _, event in _markers(markers[0], "decoder")
+                  if event["camera"] == "h264b"]
+        assert chosen and chosen[-1]["decoder"] == "cpu", chosen
+        assert chosen[-1]["reason"].startswith("its GPU decoder failed mid-stream")
+
+        status = daemon.status()
+        group_after = daemon.worker("capture:cuda:0:0")
+        assert group_after.pid == group.pid and group_after.restarts == 0, group_after
+        assert group_after.detail.startswith(
+            "camera h264b: decoded on the CPU: its GPU decoder failed mid-stream (injected "
+            "failure after"), group_after.detail
+        for camera in ("h264a", "h264b"):
+            capture = next(r for r in status.cameras[camera] if r.source)
+            assert capture.source == "ok" and capture.transport == "cuda_ipc", capture
+
+        for camera in ("h264a", "h264b"):
+            slots = [r for r in faces if f"-{camera}-face" in r.source_id]
+            frames_by_stamp, stamps = frames_of(slots)
+            truth = synthetic_truth(parsed.camera(camera))
+            score = score_against_truth(frames_by_stamp, stamps, truth.faces_at)
+            print(f"{camera} through the daemon:", score.describe())
+            assert score.good >= 0.9 * len(stamps), (camera, score.describe())
+            gaps = np.diff(stamps)
+            if camera == "h264a":  # the group's other camera never stopped
+                assert gaps.max() < 1.0, (camera, gaps.max())
+                assert stamps[-1] > failed_at + 8
+            else:  # back on the CPU decoder within a couple of seconds
+                after = stamps[stamps > failed_at]
+                assert len(after) >= 0.8 * 30 * 8, (camera, len(after))
+                assert after[0] - failed_at < 3.0, (camera, after[0] - failed_at)
+    finally:
+        daemon.close()
+

@@ -1,0 +1,658 @@
+"""Frames born on the GPU: H.264/H.265 demuxed on the CPU (PyAV), decoded by NVDEC (PyNvVideoCodec),
+converted NV12 → BGR with torch on the camera's GPU, and handed to the ring as device tensors
+(`FramePublisher.publish_device`; Note [Frames born on the GPU]).
+
+Runs in the capture worker, on the camera's thread (Note [Camera threads]), and is imported only
+where the GPU decoder is tried (decoding.plan): it imports torch and PyAV; PyNvVideoCodec is
+imported when a decoder is made (its import needs the NVIDIA driver). What was read of
+PyNvVideoCodec 2.2.4 and what was run is said where it is used: nothing in this module has run on
+a GPU in the session that wrote it (no GPU there); `nv12_to_bgr` and the packet reader ran on the
+CPU (tests/test_decoding.py), the rest is for the `gpu` tests (tests/test_nvdec_gpu.py).
+
+Note [NVDEC path]
+    Per camera: a `PacketReader` (PyAV) demuxes the file or the RTSP/HTTP stream on the CPU and
+    turns each packet into Annex B with FFmpeg's `h264_mp4toannexb`/`hevc_mp4toannexb` filter
+    (MP4/MKV keep SPS/PPS out of band and length-prefix the NAL units; NVDEC's parser takes
+    start codes; on a stream that is Annex B already the filter passes packets through, and
+    the parameter sets of its SDP are put in front of each keyframe). Each packet is stamped
+    with `pylsl.local_clock()` when the demuxer hands it over. `NvdecDecoder` feeds it to
+    PyNvVideoCodec's low-level decoder (CreateDecoder + Decode(PacketData); not SimpleDecoder,
+    which needs a seekable container and failed on a raw .h264 file: issue 22), created on the
+    device's primary context (Note [One context]) and on a CUDA stream of the camera's own,
+    with 0-frame latency (`DisplayDecodeLatencyType.LOW` and each packet flagged as one whole
+    picture) where the stream has no B-frames, as cameras send them, and the native latency
+    otherwise. A frame that comes out of a packet's decode is stamped with that packet's read
+    time: for a camera (no B-frames) the time its own compressed frame was read; for a file
+    with B-frames the read that released it, as OpenCV's grab stamps it on the CPU path.
+    The decoder's output is NV12 in a buffer it reuses at its next decode; `nv12_to_bgr`
+    reads it on the same stream right away (stream order keeps the next decode from writing it
+    first) into a new tensor, the producer-private frame whose checksum the ring computes
+    before copying it into the slot. Before the frame is handed on, the capture thread's
+    current stream waits for the camera's stream.
+    At open the first frame is decoded: NVDEC creates its decoder when the parser meets the
+    first sequence header, so running out of engines or memory, or a profile this GPU lacks,
+    shows there, and the camera then opens on the CPU decoder with the reason
+    (`GpuDecodeUnavailable`; Note [Decoder choice]). A stream is joined at its next keyframe
+    (the decoder has nothing to refer to before it), within the open timeout.
+
+Note [NV12 to BGR]
+    The CPU path's frames are OpenCV's (its FFMPEG backend converts with FFmpeg's swscale), and
+    a camera that falls back from the GPU decoder to the CPU one must not change colour, so the
+    conversion is chosen to match it: BT.709 coefficients where the stream says BT.709
+    (AVCOL_SPC_BT709), else BT.601; studio range (Y 16-235) unless the stream says full range
+    (MJPEG's yuvj formats); chroma of each 2x2 block taken as it is (nearest, as swscale's
+    unscaled converter does), in float32, rounded. Measured on the CPU against OpenCV 5.0's own
+    decode of the same file (tests/test_decoding.py; the YUV planes from PyAV, which decodes
+    H.264 bit-exactly as NVDEC must): the synthetic H.264 loop 45.5 dB PSNR (max difference 3
+    grey levels), a BT.709-flagged stream 46.1 dB with the 709 matrix (42.9 with 601), the MJPEG
+    loop (full range) 49.3 dB; bilinear chroma was worse (44.0 dB, max difference 27).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import av.bitstream
+import av.error
+import numpy as np
+import pylsl
+import torch
+
+from facecast.shared.config import CameraConfig, redact_url
+from facecast.workers.capture import decoding
+from facecast.workers.capture.decoding import (
+    GPU_CODECS,
+    GPU_PIXEL_FORMATS,
+    DecodeChoice,
+    DecodeRequest,
+    GpuDecodeFailed,
+    GpuDecodeUnavailable,
+)
+from facecast.workers.capture.sources import (
+    EncodedSyntheticLoop,
+    FrameSource,
+    Granted,
+    SourceLost,
+    SyntheticReplay,
+    _capture_half_into_ticks,
+    _Pacer,
+    _why_no_stream,
+    capture_in_a_new_tick,
+    video_file_path,
+)
+
+log = logging.getLogger(__name__)
+
+_AVCOL_SPC_BT709 = 1
+_AVCOL_RANGE_JPEG = 2
+_READ_ERRORS = (av.error.FFmpegError, OSError)
+# PyNvVideoCodec's codec enum member per FFmpeg codec name.
+_NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC"}
+
+
+# --- NV12 → BGR (Note [NV12 to BGR]) --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class YuvToBgr:
+    """The colour matrix and range of a stream's YUV."""
+
+    matrix: str  # "bt601" or "bt709"
+    full_range: bool
+
+    @classmethod
+    def of(cls, colorspace: object, color_range: object, pix_fmt: str | None) -> YuvToBgr:
+        """From PyAV's codec context (AVColorSpace, AVColorRange, pixel format name)."""
+        try:
+            matrix = "bt709" if int(colorspace) == _AVCOL_SPC_BT709 else "bt601"
+        except (TypeError, ValueError):
+            matrix = "bt601"
+        try:
+            full = int(color_range) == _AVCOL_RANGE_JPEG
+        except (TypeError, ValueError):
+            full = False
+        return cls(matrix, full or (pix_fmt or "").startswith("yuvj"))
+
+    def coefficients(self) -> tuple[float, float, float, float, float, float, float]:
+        """(y_offset, y_scale, b_from_u, g_from_u, g_from_v, r_from_v, chroma_scale)."""
+        kr, kb = (0.2126, 0.0722) if self.matrix == "bt709" else (0.299, 0.114)
+        kg = 1.0 - kr - kb
+        y_offset, y_scale, chroma_scale = (0.0, 1.0, 1.0) if self.full_range else (
+            16.0, 255.0 / 219.0, 255.0 / 224.0)
+        return (y_offset, y_scale, 2.0 * (1.0 - kb), -2.0 * kb * (1.0 - kb) / kg,
+                -2.0 * kr * (1.0 - kr) / kg, 2.0 * (1.0 - kr), chroma_scale)
+
+
+def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -> torch.Tensor:
+    """An NV12 frame ((height * 3 / 2) x width uint8: the Y plane, then interleaved U, V at half
+    resolution) as a new height x width x 3 uint8 BGR tensor on the same device, on the current
+    stream (Note [NV12 to BGR]). Width and height must be even (4:2:0)."""
+    if height % 2 or width % 2:
+        raise ValueError(f"NV12 needs an even width and height, got {width}x{height}")
+    y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
+    half_h, half_w = height // 2, width // 2
+    luma = nv12[:height].reshape(half_h, 2, half_w, 2).float()
+    if y_offset:
+        luma = (luma - y_offset) * y_scale
+    chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2).float()
+    chroma = (chroma - 128.0) * chroma_scale
+    u = chroma[..., 0][:, None, :, None]  # one value per 2x2 block of luma
+    v = chroma[..., 1][:, None, :, None]
+    bgr = torch.stack((luma + b_u * u, luma + (g_u * u + g_v * v), luma + r_v * v), dim=-1)
+    # (half_h, 2, half_w, 2, 3) is (height, width, 3) in memory: row 2i+a, column 2j+b.
+    return bgr.view(height, width, 3).round_().clamp_(0.0, 255.0).to(torch.uint8)
+
+
+# --- demuxing on the CPU ---------------------------------------------------------------------------
+
+
+def _stream_options(url: str) -> dict[str, str]:
+    """FFmpeg options for a stream: the user's $OPENCV_FFMPEG_CAPTURE_OPTIONS ("key;value|..."),
+    which the CPU path honours too (sources._open_ffmpeg), else RTSP over TCP."""
+    given = os.environ.get("OPENCV_FFMPEG_CAPTURE_OPTIONS")
+    if given is not None:
+        options = {}
+        for item in given.split("|"):
+            key, _, value = item.partition(";")
+            if key.strip():
+                options[key.strip()] = value.strip()
+        return options
+    return {"rtsp_transport": "tcp"} if url.lower().startswith(("rtsp://", "rtsps://")) else {}
+
+
+class PacketReader:
+    """The compressed packets of a file's or a stream's first video stream, in Annex B, each
+    stamped when the demuxer handed it over (Note [NVDEC path])."""
+
+    def __init__(self, target: str, *, stream: bool = False, open_timeout_s: float = 10.0,
+                 read_timeout_s: float = 5.0) -> None:
+        self.target = target
+        options = _stream_options(target) if stream else {}
+        self.container = av.open(target, mode="r", options=options,
+                                 timeout=(open_timeout_s, read_timeout_s) if stream else None)
+        try:
+            videos = self.container.streams.video
+            if not videos:
+                raise GpuDecodeUnavailable("it has no video stream")
+            self.stream = videos[0]
+            context = self.stream.codec_context
+            self.codec = context.name or ""
+            self.pix_fmt = context.pix_fmt or ""
+            self.profile = context.profile or ""
+            self.width, self.height = int(context.width or 0), int(context.height or 0)
+            self.has_b_frames = bool(context.has_b_frames)
+            self.colour = YuvToBgr.of(context.colorspace, context.color_range, self.pix_fmt)
+            rate = self.stream.average_rate or self.stream.guessed_rate
+            self.fps = float(rate) if rate else 0.0
+            self._filter = (av.bitstream.BitStreamFilterContext(
+                f"{self.codec}_mp4toannexb", in_stream=self.stream)
+                if self.codec in GPU_CODECS else None)
+            extradata = bytes(context.extradata or b"")
+            annex_b = extradata.startswith((b"\0\0\1", b"\0\0\0\1"))
+            self._parameter_sets = extradata if annex_b else b""
+            self._packets = self.container.demux(self.stream)
+            self._pending: collections.deque[tuple[bytes, bool, float]] = collections.deque()
+        except BaseException:
+            self.container.close()
+            raise
+
+    def describe(self) -> str:
+        """E.g. "H.264 High 1920x1080 yuv420p"."""
+        codec = GPU_CODECS.get(self.codec, self.codec or "an unknown codec")
+        profile = f" {self.profile}" if self.profile else ""
+        return f"{codec}{profile} {self.width}x{self.height} {self.pix_fmt or '?'}"
+
+    def read(self) -> tuple[bytes, bool, float] | None:
+        """(Annex B bytes, keyframe, pylsl.local_clock() when read) of the next packet; None at
+        the end. A stream's errors (its read timeout included) raise PyAV's errors."""
+        while not self._pending:
+            try:
+                packet = next(self._packets)
+            except StopIteration:
+                return None
+            if not packet.size:
+                continue  # the demuxer's flush packet at the end
+            read_ts = pylsl.local_clock()
+            keyframe = bool(packet.is_keyframe)
+            filtered = self._filter.filter(packet) if self._filter is not None else [packet]
+            for out in filtered:
+                data = bytes(out)
+                if keyframe and self._parameter_sets:
+                    data = self._parameter_sets + data
+                self._pending.append((data, keyframe, read_ts))
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        self.container.close()
+
+
+# --- NVDEC through PyNvVideoCodec -----------------------------------------------------------------
+
+
+class NvdecDecoder:
+    """One PyNvVideoCodec decoder on the device's primary context and a given CUDA stream.
+
+    The API used is PyNvVideoCodec 2.2.4's as its wheel states it (its bound signatures, read
+    from the wheel on a machine without a GPU): CreateDecoder(gpuid, codec, cudacontext,
+    cudastream, usedevicememory, latency), PyNvDecoder.Decode(PacketData) -> [DecodedFrame],
+    PacketData's bsl_data (a pointer), bsl (its size), pts and decode_flag (VideoPacketFlag:
+    ENDOFPICTURE 8, DISCONTINUITY 4), DecodedFrame.GetPtrToPlane(0) (the NV12 buffer: the Y
+    plane of width x height bytes, the interleaved chroma right after it, rows not padded, as
+    its NvDecoder copies them), GetWidth/GetHeight/GetPixelFormat. Passing the context and a
+    stream explicitly is what NVIDIA's sample decode_with_cuda_control.py does; the decoder
+    then queues its output copies on that stream and does not synchronise the host itself.
+    """
+
+    def __init__(self, codec: str, device_index: int, stream: torch.cuda.Stream,
+                 low_latency: bool) -> None:
+        import PyNvVideoCodec as nvc  # needs the driver (decoding.nvdec_unavailable_reason)
+
+        from facecast.shared.transport import cuda_driver
+
+        cuda = cuda_driver.driver(device_index)  # the primary context, current on this thread
+        self._nvc = nvc
+        self._end_of_picture = int(nvc.VideoPacketFlag.ENDOFPICTURE) if low_latency else 0
+        self._discontinuity = int(nvc.VideoPacketFlag.DISCONTINUITY)
+        latency = (nvc.DisplayDecodeLatencyType.LOW if low_latency
+                   else nvc.DisplayDecodeLatencyType.NATIVE)
+        self._decoder = nvc.CreateDecoder(
+            gpuid=device_index, codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[codec]),
+            cudacontext=int(cuda.Context.get_current().handle),
+            cudastream=int(stream.cuda_stream), usedevicememory=True, latency=latency)
+
+    def decode(self, data: bytes, pts: int, discontinuity: bool = False) -> list[int]:
+        """The NV12 buffers (device pointers) of the frames this packet completes, in display
+        order; each is valid until the next decode on the decoder's stream."""
+        payload = np.frombuffer(data, np.uint8)  # alive for the call: the parser reads it there
+        packet = self._nvc.PacketData()
+        packet.bsl_data = int(payload.ctypes.data)
+        packet.bsl = int(payload.size)
+        packet.pts = pts
+        packet.decode_flag = self._end_of_picture | (self._discontinuity if discontinuity else 0)
+        return [int(frame.GetPtrToPlane(0)) for frame in self._decoder.Decode(packet)]
+
+    def frame_size(self) -> tuple[int, int]:
+        return int(self._decoder.GetWidth()), int(self._decoder.GetHeight())
+
+    def pixel_format(self) -> str:
+        return str(self._decoder.GetPixelFormat()).rpartition(".")[2]
+
+    def close(self) -> None:
+        self._decoder = None  # PyNvDecoder's destructor frees its decoder and buffers
+
+
+# --- the sources ----------------------------------------------------------------------------------
+
+
+class NvdecSource(FrameSource):
+    """A camera's frames decoded by NVDEC: `read()` gives (BGR uint8 HxWx3 tensor on the camera's
+    GPU, capture_ts_lsl), the tensor the caller's own and ready on its current stream."""
+
+    backend = "NVDEC"
+    on_device = True
+    low_latency_always = False  # a source known to have no B-frames
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
+        super().__init__(camera)
+        self.request = request
+        self.device_index = request.device_index
+        self.device = torch.device("cuda", self.device_index)
+        self.stream = self._new_stream()
+        self.reader: PacketReader | None = None
+        self.decoder: NvdecDecoder | None = None
+        self.decode: DecodeChoice | None = None
+        self.frames_decoded = 0
+        self.loops = 0
+        self._primed = False
+        self._pts = 0
+        self._ready: collections.deque[tuple[torch.Tensor, float]] = collections.deque()
+        self._inject_after = decoding.injected_failure_after(camera.id)
+
+    # -- opening
+
+    def _start(self, reader: PacketReader, keyframe_deadline_s: float) -> torch.Tensor:
+        """Check what the reader found, make the decoder, decode the first frame (Note [NVDEC
+        path]); returns it (BGR). GpuDecodeUnavailable says why the GPU cannot take it."""
+        self.reader = reader
+        if reader.codec not in GPU_CODECS:
+            later = " (MJPEG on the GPU is not built yet)" if reader.codec == "mjpeg" else ""
+            raise GpuDecodeUnavailable(
+                f"its video is {reader.codec or 'of an unknown codec'}; the GPU decoder takes "
+                f"{' and '.join(GPU_CODECS.values())}{later}")
+        if reader.pix_fmt and reader.pix_fmt not in GPU_PIXEL_FORMATS:
+            raise GpuDecodeUnavailable(
+                f"its video is {reader.describe()}: the GPU path converts 8-bit 4:2:0 only")
+        if reader.width % 2 or reader.height % 2:
+            raise GpuDecodeUnavailable(f"its video is {reader.describe()}: an odd size")
+        low_latency = self.low_latency_always or not reader.has_b_frames
+        try:
+            self.decoder = NvdecDecoder(reader.codec, self.device_index, self.stream,
+                                        low_latency)
+        except Exception as exc:  # noqa: BLE001 - PyNvVCException, RuntimeError: the reason
+            raise GpuDecodeUnavailable(f"NVDEC could not make a decoder ({_text(exc)})") from exc
+        deadline = time.monotonic() + keyframe_deadline_s
+        while True:
+            packet = self._next_packet_or_lost()
+            if packet is None:
+                raise GpuDecodeUnavailable(f"{reader.describe()} ended before its first frame")
+            data, keyframe, read_ts = packet
+            if keyframe:
+                break
+            if time.monotonic() > deadline:
+                raise GpuDecodeUnavailable(
+                    f"no keyframe within {keyframe_deadline_s:g} s (the GPU decoder starts at "
+                    "one: a longer keyframe interval than that?)")
+        while True:
+            pointers = self._decode(data, read_ts)  # GpuDecodeUnavailable until primed
+            if pointers:
+                break
+            packet = self._next_packet_or_lost()
+            if packet is None:
+                raise GpuDecodeUnavailable(f"{reader.describe()} ended before its first frame")
+            data, _, read_ts = packet
+        pixel_format = self.decoder.pixel_format()
+        if pixel_format != "NV12":
+            raise GpuDecodeUnavailable(f"NVDEC gives {pixel_format} for {reader.describe()}; "
+                                       "the GPU path converts NV12 only")
+        try:
+            first, *more = [self._convert(pointer) for pointer in pointers]
+        except GpuDecodeFailed as exc:
+            raise GpuDecodeUnavailable(exc.reason) from exc
+        self._ready.extend((frame, read_ts) for frame in more)
+        self._primed = True
+        width, height = self.decoder.frame_size()
+        self.decode = DecodeChoice("gpu", f"{self.request.asked()}: {reader.describe()} on "
+                                   f"NVDEC (GPU {self.device_index})")
+        self._first_read_ts = read_ts
+        self.granted = Granted(width, height, reader.fps or self.camera.fps, reader.codec,
+                               self.backend)
+        return first
+
+    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
+        """Subclasses turn a reader's error into SourceLost where the source is a stream."""
+        return self.reader.read()
+
+    # -- decoding
+
+    def _decode(self, data: bytes, read_ts: float, discontinuity: bool = False) -> list[int]:
+        """NVDEC's frames for one packet (NV12 pointers), stamped `read_ts` by the caller."""
+        pts, self._pts = self._pts, self._pts + 1
+        try:
+            pointers = self.decoder.decode(data, pts, discontinuity)
+        except Exception as exc:  # noqa: BLE001 - whatever NVDEC raised, the reason says
+            what = f"NVDEC failed on a packet ({_text(exc)})"
+            if self._primed:
+                raise GpuDecodeFailed(what) from exc
+            raise GpuDecodeUnavailable(
+                f"{what}: engines or memory exhausted, or a profile this GPU does not "
+                "support") from exc
+        self.frames_decoded += len(pointers)
+        return pointers
+
+    def _convert(self, pointer: int) -> torch.Tensor:
+        """The NV12 frame at `pointer` as a new BGR tensor, on the camera's stream."""
+        width, height = self.decoder.frame_size()
+        if self._primed and (width, height) != (self.granted.width, self.granted.height):
+            raise self._lost(f"frame size changed from {self.granted.width}x"
+                             f"{self.granted.height} to {width}x{height}; reopen to renegotiate")
+        try:
+            nv12 = self._nv12_at(pointer, width, height)
+            with torch.cuda.stream(self.stream):
+                return nv12_to_bgr(nv12, height, width, self.reader.colour)
+        except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
+            raise GpuDecodeFailed(f"converting NVDEC's frame failed ({_text(exc)})") from exc
+
+    def read(self) -> tuple[torch.Tensor, float]:
+        if self.decoder is None:
+            raise self._lost("source is closed")
+        if self._inject_after is not None and self.frames_read >= self._inject_after:
+            raise GpuDecodeFailed(f"injected failure after {self.frames_read} frames "
+                                  f"({decoding.INJECT_FAILURE_ENV})")
+        frame, capture_ts_lsl = self._read_frame()
+        self.frames_read += 1
+        self._hand_over()
+        return frame, capture_ts_lsl
+
+    # -- the device (three small seams: tests/test_decoding.py plays NVDEC on the CPU through them)
+
+    def _new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device)
+
+    def _nv12_at(self, pointer: int, width: int, height: int) -> torch.Tensor:
+        """NVDEC's output buffer as a (height * 3 / 2) x width uint8 tensor (no copy)."""
+        from facecast.shared.transport import cuda_driver
+
+        return cuda_driver.tensor_at(pointer, width * height * 3 // 2,
+                                     self.device_index).view(height * 3 // 2, width)
+
+    def _hand_over(self) -> None:
+        """The frame is the caller's on its current stream (Note [NVDEC path])."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """On the camera's thread (Note [Camera threads]); never raises."""
+        try:
+            self.stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - closing after a failure: say so, go on
+            log.warning("camera %s: waiting for its GPU decoder's stream: %s", self.camera_id, exc)
+        self._ready.clear()
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+class NvdecFileSource(NvdecSource):
+    """A video file, looped and paced at its native fps, as sources.FileSource, decoded on the
+    GPU."""
+
+    kind = "file"
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest,
+                 path: Path | None = None) -> None:
+        super().__init__(camera, request)
+        self.path = path if path is not None else video_file_path(camera)
+        try:
+            first = self._start(self._open_reader(), keyframe_deadline_s=math.inf)
+        except BaseException:
+            self.close()
+            raise
+        self._ready.appendleft((first, self._first_read_ts))
+        fps = self.granted.fps
+        if not (math.isfinite(fps) and 0 < fps <= 1000):
+            log.warning("camera %s: %s has no usable frame rate (%r); pacing it at the "
+                        "configured %g fps", camera.id, self.path, fps, camera.fps)
+            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
+        self._pacer = _Pacer(self.granted.fps)
+        self._restarted = False
+        log.info("camera %s: file %s plays %s, looped", camera.id, self.path,
+                 self.granted.describe())
+
+    def _open_reader(self) -> PacketReader:
+        try:
+            return PacketReader(str(self.path))
+        except _READ_ERRORS as exc:
+            raise self._lost(f"FFmpeg (PyAV) cannot open video file {str(self.path)!r} "
+                             f"({_text(exc)})") from exc
+
+    @property
+    def frames_skipped(self) -> int:
+        return self._pacer.frames_skipped
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        self._pacer.wait()
+        while not self._ready:
+            packet = self.reader.read()
+            if packet is None:
+                # End of file: start it again (as FileSource, from a fresh open); the decoder
+                # is told the stream jumps.
+                self.reader.close()
+                self.reader = self._open_reader()
+                self.loops += 1
+                self._restarted = True
+                packet = self.reader.read()
+                if packet is None:
+                    raise self._lost(f"video file {str(self.path)!r} yields no frames")
+            data, _, read_ts = packet
+            pointers = self._decode(data, read_ts, discontinuity=self._restarted)
+            self._restarted = False
+            for pointer in pointers:
+                self._ready.append((self._convert(pointer), read_ts))
+        return self._ready.popleft()
+
+
+class NvdecStreamSource(NvdecSource):
+    """An RTSP or HTTP stream of H.264/H.265, demuxed by PyAV, decoded on the GPU; frames as fast
+    as they come, as sources.StreamSource."""
+
+    kind = "stream"
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest, *,
+                 open_timeout_s: float = 10.0, read_timeout_s: float = 5.0) -> None:
+        super().__init__(camera, request)
+        self.url = str(camera.source)
+        self.read_timeout_s = read_timeout_s
+        started_monotonic = time.monotonic()
+        try:
+            reader = PacketReader(self.url, stream=True, open_timeout_s=open_timeout_s,
+                                  read_timeout_s=read_timeout_s)
+        except _READ_ERRORS:
+            self.close()
+            raise self._lost(_why_no_stream(self.url, open_timeout_s,
+                                            time.monotonic() - started_monotonic)) from None
+        try:
+            first = self._start(reader, keyframe_deadline_s=open_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._ready.appendleft((first, self._first_read_ts))
+        if not (math.isfinite(self.granted.fps) and 0 < self.granted.fps <= 1000):
+            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
+        log.info("camera %s: stream %s delivers %s", camera.id, redact_url(self.url),
+                 self.granted.describe())
+
+    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
+        try:
+            return self.reader.read()
+        except _READ_ERRORS as exc:
+            raise self._lost(f"stream {redact_url(self.url)} ended or sent nothing for "
+                             f"{self.read_timeout_s:g} s (peer gone? {_text(exc)})") from exc
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        while not self._ready:
+            packet = self._next_packet_or_lost()
+            if packet is None:
+                raise self._lost(f"stream {redact_url(self.url)} ended")
+            data, _, read_ts = packet
+            for pointer in self._decode(data, read_ts):
+                self._ready.append((self._convert(pointer), read_ts))
+        return self._ready.popleft()
+
+
+class NvdecEncodedSyntheticSource(NvdecSource):
+    """"synthetic-h264" decoded on the GPU: the same encoded loop, pacing, file positions and
+    ground truth as sources.EncodedSyntheticSource (Note [Encoded synthetic loop])."""
+
+    kind = "synthetic-h264"
+    low_latency_always = True  # encoded without B-frames
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
+        super().__init__(camera, request)
+        self.replay = SyntheticReplay.for_camera(camera)
+        self.encoded = EncodedSyntheticLoop(self.replay, "h264", name=camera.id)
+        try:
+            self._start(self._open_reader(), keyframe_deadline_s=math.inf)  # file frame 0
+            if self.frames_decoded != self._pts:
+                raise GpuDecodeUnavailable(
+                    f"NVDEC gave {self.frames_decoded} frames for the encoded loop's first "
+                    f"{self._pts} packets (one a packet expected)")
+        except BaseException:
+            self.close()
+            raise
+        self._ready.clear()  # frames are taken by capture time, not in order (read)
+        self._next_position = self._pts  # the loop's frames decoded at open
+        self.granted = dataclasses.replace(self.granted, fps=camera.fps)
+        self._pacer = _Pacer(camera.fps)
+        _capture_half_into_ticks(self._pacer, camera.fps)
+        log.info("camera %s: %s encoded its %d-frame round trip once (%.2f MB in memory, "
+                 "%.2f s) and decodes it on the GPU at %g fps", camera.id, self.kind,
+                 self.encoded.frame_count, self.encoded.nbytes / 1e6, self.encoded.encode_s,
+                 camera.fps)
+
+    def _open_reader(self) -> PacketReader:
+        return PacketReader(str(self.encoded.path))
+
+    @property
+    def frames_skipped(self) -> int:
+        return self._pacer.frames_skipped
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        self._pacer.wait()
+        capture_ts_lsl, position = capture_in_a_new_tick(  # when a camera would have sent it
+            self.replay, (self._next_position - 1) % self.encoded.frame_count)
+        # A late reader's frames are decoded, not converted; the file's end is its frame 0.
+        while self._next_position % self.encoded.frame_count != position:
+            self._decode_next()
+        return self._convert(self._decode_next()), capture_ts_lsl
+
+    def _decode_next(self) -> int:
+        """The next file frame's NV12 buffer (one packet, one frame: no B-frames)."""
+        if self._next_position == self.encoded.frame_count:
+            self.reader.close()
+            self.reader = self._open_reader()
+            self._next_position = 0
+            self.loops += 1
+        packet = self.reader.read()
+        if packet is None:
+            raise self._lost(f"{self.kind}: the encoded loop ended after {self._next_position} "
+                             f"of its {self.encoded.frame_count} frames")
+        data, _, read_ts = packet
+        pointers = self._decode(data, read_ts)
+        if len(pointers) != 1:
+            raise GpuDecodeFailed(f"NVDEC gave {len(pointers)} frames for file frame "
+                                  f"{self._next_position} of the encoded loop (one expected)")
+        self._next_position += 1
+        return pointers[0]
+
+    def ground_truth(self, capture_ts_lsl: float):
+        """The faces in the frame that was captured at `capture_ts_lsl`."""
+        return self.replay.faces_at(capture_ts_lsl)
+
+    def close(self) -> None:
+        super().close()
+        encoded = getattr(self, "encoded", None)
+        if encoded is not None:
+            encoded.close()
+
+
+def open_gpu_source(camera: CameraConfig, kind: str, request: DecodeRequest, *,
+                    open_timeout_s: float, read_timeout_s: float) -> NvdecSource:
+    """The camera's source on the GPU decoder; GpuDecodeUnavailable (the CPU decoder takes it),
+    or what the CPU source would raise for a source that cannot be reached at all."""
+    if kind == "synthetic-h264":
+        return NvdecEncodedSyntheticSource(camera, request)
+    if kind == "stream":
+        return NvdecStreamSource(camera, request, open_timeout_s=open_timeout_s,
+                                 read_timeout_s=read_timeout_s)
+    if kind == "file":
+        return NvdecFileSource(camera, request)
+    raise GpuDecodeUnavailable(f"a {kind} source is not decoded on the GPU")
+
+
+def _text(exc: BaseException) -> str:
+    """An exception in one line: its type and its message's first line."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
