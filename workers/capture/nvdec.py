@@ -21,9 +21,14 @@ Note [NVDEC path]
     device's primary context (Note [One context]) and on a CUDA stream of the camera's own,
     with 0-frame latency (`DisplayDecodeLatencyType.LOW` and each packet flagged as one whole
     picture) where the stream has no B-frames, as cameras send them, and the native latency
-    otherwise. A frame that comes out of a packet's decode is stamped with that packet's read
-    time: for a camera (no B-frames) the time its own compressed frame was read; for a file
-    with B-frames the read that released it, as OpenCV's grab stamps it on the CPU path.
+    otherwise. A stream's frame is stamped with the read time of the packet whose decode gave
+    it: for a camera (no B-frames) the time its own compressed frame was read. A file is played
+    at its rate, as FileSource's: its frame is stamped when the pacer hands it out (a decode
+    that gives several frames, B-frames or the end of the stream, would stamp them alike),
+    and "synthetic-h264"'s as its CPU twin's (Note [Encoded synthetic loop]). A file starts
+    again at its end: without B-frames into the same decoder (its first keyframe
+    is one more keyframe of the stream); with them the end of the stream gets the frames the
+    decoder holds out first, and a new decoder takes the next round.
     The decoder's output is NV12 in a buffer it reuses at its next decode; `nv12_to_bgr`
     reads it on the same stream right away (stream order keeps the next decode from writing it
     first) into a new tensor, the producer-private frame whose checksum the ring computes
@@ -46,6 +51,9 @@ Note [NV12 to BGR]
     H.264 bit-exactly as NVDEC must): the synthetic H.264 loop 45.5 dB PSNR (max difference 3
     grey levels), a BT.709-flagged stream 46.1 dB with the 709 matrix (42.9 with 601), the MJPEG
     loop (full range) 49.3 dB; bilinear chroma was worse (44.0 dB, max difference 27).
+    It is a dozen elementwise torch kernels over float32 planes (a 1080p frame's luma is 8 MB in
+    float32); their GPU time and the CPU time to queue them are not measured yet (bench
+    pending on the GPU machine): a fused kernel is the next step if they show.
 """
 
 from __future__ import annotations
@@ -230,6 +238,13 @@ class PacketReader:
                 self._pending.append((data, keyframe, read_ts))
         return self._pending.popleft()
 
+    def read_ahead(self) -> tuple[bytes, bool, float] | None:
+        """The packet `read` gives next, left to it (None: there is none)."""
+        packet = self.read()
+        if packet is not None:
+            self._pending.appendleft(packet)
+        return packet
+
     def close(self) -> None:
         self.container.close()
 
@@ -244,7 +259,7 @@ class NvdecDecoder:
     from the wheel on a machine without a GPU): CreateDecoder(gpuid, codec, cudacontext,
     cudastream, usedevicememory, latency), PyNvDecoder.Decode(PacketData) -> [DecodedFrame],
     PacketData's bsl_data (a pointer), bsl (its size), pts and decode_flag (VideoPacketFlag:
-    ENDOFPICTURE 8, DISCONTINUITY 4), DecodedFrame.GetPtrToPlane(0) (the NV12 buffer: the Y
+    ENDOFPICTURE 8), DecodedFrame.GetPtrToPlane(0) (the NV12 buffer: the Y
     plane of width x height bytes, the interleaved chroma right after it, rows not padded, as
     its NvDecoder copies them), GetWidth/GetHeight/GetPixelFormat. Passing the context and a
     stream explicitly is what NVIDIA's sample decode_with_cuda_control.py does; the decoder
@@ -260,7 +275,6 @@ class NvdecDecoder:
         cuda = cuda_driver.driver(device_index)  # the primary context, current on this thread
         self._nvc = nvc
         self._end_of_picture = int(nvc.VideoPacketFlag.ENDOFPICTURE) if low_latency else 0
-        self._discontinuity = int(nvc.VideoPacketFlag.DISCONTINUITY)
         latency = (nvc.DisplayDecodeLatencyType.LOW if low_latency
                    else nvc.DisplayDecodeLatencyType.NATIVE)
         self._decoder = nvc.CreateDecoder(
@@ -268,15 +282,17 @@ class NvdecDecoder:
             cudacontext=int(cuda.Context.get_current().handle),
             cudastream=int(stream.cuda_stream), usedevicememory=True, latency=latency)
 
-    def decode(self, data: bytes, pts: int, discontinuity: bool = False) -> list[int]:
+    def decode(self, data: bytes, pts: int) -> list[int]:
         """The NV12 buffers (device pointers) of the frames this packet completes, in display
-        order; each is valid until the next decode on the decoder's stream."""
+        order; each is valid until the next decode on the decoder's stream. An empty packet is
+        the end of the stream (its NvDecoder then flags it ENDOFSTREAM): what the decoder holds
+        comes out, and the decoder takes nothing more."""
         payload = np.frombuffer(data, np.uint8)  # alive for the call: the parser reads it there
         packet = self._nvc.PacketData()
-        packet.bsl_data = int(payload.ctypes.data)
+        packet.bsl_data = int(payload.ctypes.data) if payload.size else 0
         packet.bsl = int(payload.size)
         packet.pts = pts
-        packet.decode_flag = self._end_of_picture | (self._discontinuity if discontinuity else 0)
+        packet.decode_flag = self._end_of_picture if payload.size else 0
         return [int(frame.GetPtrToPlane(0)) for frame in self._decoder.Decode(packet)]
 
     def frame_size(self) -> tuple[int, int]:
@@ -332,10 +348,10 @@ class NvdecSource(FrameSource):
                 f"its video is {reader.describe()}: the GPU path converts 8-bit 4:2:0 only")
         if reader.width % 2 or reader.height % 2:
             raise GpuDecodeUnavailable(f"its video is {reader.describe()}: an odd size")
-        low_latency = self.low_latency_always or not reader.has_b_frames
+        self.low_latency = self.low_latency_always or not reader.has_b_frames
         try:
             self.decoder = NvdecDecoder(reader.codec, self.device_index, self.stream,
-                                        low_latency)
+                                        self.low_latency)
         except Exception as exc:  # noqa: BLE001 - PyNvVCException, RuntimeError: the reason
             raise GpuDecodeUnavailable(f"NVDEC could not make a decoder ({_text(exc)})") from exc
         deadline = time.monotonic() + keyframe_deadline_s
@@ -382,11 +398,12 @@ class NvdecSource(FrameSource):
 
     # -- decoding
 
-    def _decode(self, data: bytes, read_ts: float, discontinuity: bool = False) -> list[int]:
-        """NVDEC's frames for one packet (NV12 pointers), stamped `read_ts` by the caller."""
+    def _decode(self, data: bytes, read_ts: float) -> list[int]:
+        """NVDEC's frames for one packet (NV12 pointers), stamped `read_ts` by the caller; an
+        empty packet ends the stream and gives what the decoder still holds."""
         pts, self._pts = self._pts, self._pts + 1
         try:
-            pointers = self.decoder.decode(data, pts, discontinuity)
+            pointers = self.decoder.decode(data, pts)
         except Exception as exc:  # noqa: BLE001 - whatever NVDEC raised, the reason says
             what = f"NVDEC failed on a packet ({_text(exc)})"
             if self._primed:
@@ -477,7 +494,6 @@ class NvdecFileSource(NvdecSource):
                         "configured %g fps", camera.id, self.path, fps, camera.fps)
             self.granted = dataclasses.replace(self.granted, fps=camera.fps)
         self._pacer = _Pacer(self.granted.fps)
-        self._restarted = False
         log.info("camera %s: file %s plays %s, looped", camera.id, self.path,
                  self.granted.describe())
 
@@ -497,21 +513,38 @@ class NvdecFileSource(NvdecSource):
         while not self._ready:
             packet = self.reader.read()
             if packet is None:
-                # End of file: start it again (as FileSource, from a fresh open); the decoder
-                # is told the stream jumps.
-                self.reader.close()
-                self.reader = self._open_reader()
-                self.loops += 1
-                self._restarted = True
-                packet = self.reader.read()
-                if packet is None:
-                    raise self._lost(f"video file {str(self.path)!r} yields no frames")
+                self._start_again()
+                continue
             data, _, read_ts = packet
-            pointers = self._decode(data, read_ts, discontinuity=self._restarted)
-            self._restarted = False
-            for pointer in pointers:
+            for pointer in self._decode(data, read_ts):
                 self._ready.append((self._convert(pointer), read_ts))
-        return self._ready.popleft()
+        # A file is played, not read as it comes: its frame is captured when the pacer hands
+        # it out, as FileSource's grab stamps it (frames a decode gives together would share
+        # their packet's read time).
+        return self._ready.popleft()[0], pylsl.local_clock()
+
+    def _start_again(self) -> None:
+        """The file's end: it starts again from a fresh open, as FileSource's. Without B-frames
+        the decoder holds nothing and takes the file's first keyframe (its parameter sets in
+        front) as any keyframe of a stream. With B-frames it holds the file's last frames: the
+        end of the stream gets them out, and a new decoder takes the file again."""
+        if not self.low_latency:
+            read_ts = pylsl.local_clock()
+            for pointer in self._decode(b"", read_ts):
+                self._ready.append((self._convert(pointer), read_ts))
+            self.decoder.close()
+            self.decoder = None
+            try:
+                self.decoder = NvdecDecoder(self.reader.codec, self.device_index, self.stream,
+                                            self.low_latency)
+            except Exception as exc:  # noqa: BLE001 - no decoder for the file's next round
+                raise GpuDecodeFailed(f"NVDEC could not make a decoder again at the file's end "
+                                      f"({_text(exc)})") from exc
+        self.reader.close()
+        self.reader = self._open_reader()
+        self.loops += 1
+        if self.reader.read_ahead() is None:
+            raise self._lost(f"video file {str(self.path)!r} yields no frames")
 
 
 class NvdecStreamSource(NvdecSource):
