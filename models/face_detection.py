@@ -57,6 +57,23 @@ WARM_FRAME_HW = (1080, 1920)
 SMALLEST_DETECTOR_BATCH = 16
 
 
+# Note [Faces only the full-range detector sees]
+#     MediaPipe's FaceLandmarker runs the short-range detector only; facecast adds the
+#     full-range one, with tiles, for faces too small for it (100 px faces in 1080p: facecast
+#     finds all, MediaPipe none; docs/benchmarks.md). A face that only the full-range detector
+#     sees must be at least FULL_RANGE_ONLY_MIN_WIDTH_PX wide. Measured on the CPU (2026-11-26):
+#     in the rocket photo of tests/models/test_face_free.py it found a 32-35 px "face" at scores
+#     0.665-0.752 in 10 of 30 frames, and the mesh's presence passed one of them (0.63): a false
+#     face, where MediaPipe reports none. A score floor cannot tell it from real faces: the real
+#     faces of test_speed_paths.py's 1080p scene scored 0.93-0.97 at 160-170 px, 0.87-0.93 at
+#     ~100 px, but 0.78-0.84 at ~77 px. A width floor can: 40 px is below every real face the
+#     tests and benchmarks place (70 px and up) and above that false one; a face narrower
+#     than that is a few pixels in the detector's own input even in a tile, and its mesh (a
+#     192-256 px input) an upsampled guess. A face the short-range detector also sees is
+#     judged by that one.
+FULL_RANGE_ONLY_MIN_WIDTH_PX = 40.0
+
+
 @dataclass
 class DetectorPlan:
     """Where one detector looks in frames of known sizes (Note [Detection without per-frame work])."""
@@ -272,12 +289,15 @@ class FaceDetector:
         )
 
     def merge(self, short: Detections, full: Detections | None) -> Detections:
-        """A full-range detection is kept only where no short-range one overlaps it; the best
-        ``max_faces`` of both, by score."""
+        """A full-range detection is kept only where no short-range one overlaps it, and then
+        only at FULL_RANGE_ONLY_MIN_WIDTH_PX (Note [Faces only the full-range detector sees]); the
+        best ``max_faces`` of both, by score."""
         if full is None:
             return short
         overlaps = (box_iou(full.boxes, short.boxes) * short.valid[:, None, :]).amax(dim=2) > 0.1
-        valid = torch.cat([short.valid, full.valid & ~overlaps], dim=1)
+        wide_enough = full.boxes[..., 2] - full.boxes[..., 0] >= FULL_RANGE_ONLY_MIN_WIDTH_PX
+        full_only = full.valid & ~overlaps & wide_enough
+        valid = torch.cat([short.valid, full_only], dim=1)
         scores = torch.cat([short.scores, full.scores], dim=1)
         boxes = torch.cat([short.boxes, full.boxes], dim=1)
         keypoints = torch.cat([short.keypoints, full.keypoints], dim=1)

@@ -38,17 +38,38 @@ def test_no_face_is_reported_in_footage_without_one(device, clips, installed_mod
         assert len(frames) == FRAMES, name
         faces = [len(pipeline.track([frame], [name])[0]) for frame in frames]
         found[name] = sum(faces)
-    known = {name: found.pop(name) for name in KNOWN_FALSE_FACES}
+    # Every clip, the rocket included: its 32-35 px full-range-only "face" is narrower than
+    # FULL_RANGE_ONLY_MIN_WIDTH_PX (Note [Faces only the full-range detector sees]).
     assert not any(found.values()), found  # faces reported per clip
-    if any(known.values()):
-        pytest.xfail(f"known false faces, issue 24 item 5: {known} ({KNOWN_FALSE_FACES})")
-    pytest.fail(f"the known false faces are gone ({known}): remove them from KNOWN_FALSE_FACES")
 
 
-# Open (issue 24, item 5), measured on the CPU 2026-11-25: in the rocket clip facecast's
-# full-range detector (which MediaPipe's FaceLandmarker does not run: facecast adds it, with
-# tiles, for small faces) finds a 30 px "face" at score 0.61-0.75 in 10 of 30 frames, and the
-# mesh's presence passes one of them (0.63 against min_presence 0.5); MediaPipe's short-range
-# detector finds nothing there. A test that xfails while the false face is there and fails the
-# day it is gone, so that this entry is removed with the fix.
-KNOWN_FALSE_FACES = {"rocket": "a full-range-only detection whose mesh presence passes 0.5"}
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="torch sees no CUDA device on this machine")]),
+])
+def test_small_faces_only_the_full_range_detector_sees_are_still_found(device, installed_models):
+    """The other side of Note [Faces only the full-range detector sees]: the real 100 px faces
+    (of photos) in a 1080p frame, which the short-range detector misses, are still found, and
+    the 250 px ones too. (test_speed_paths.py's scene has a ~70 px one.)"""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from accounting import FaceTally  # the benchmark's own definition of a found face
+    from mediapipe_baseline import FixedSizeScene
+
+    torch.set_num_threads(1)
+    on_gpu = device == "cuda"
+    pipeline = FacePipeline(device=device, max_faces=2, detect_interval_frames=1,
+                            face_landmarker_task=installed_models[assets.LANDMARKER_TASK_NAME],
+                            cuda_graphs=on_gpu)
+    scene = FixedSizeScene(1920, 1080, "cam00", [100.0, 250.0])
+    tally = FaceTally()
+    for k in range(6):
+        t_s = k / 30
+        found = pipeline.track([scene.render(t_s)], ["cam00"])[0]
+        tally.add(scene.faces_at(t_s), [face.box for face in found])
+    summary = tally.summary()
+    assert summary["found_pct_by_width"] == {"<150 px": 100.0, "150-300 px": 100.0}, summary
+    assert summary["extra"] == 0, summary
