@@ -15,6 +15,10 @@
 #             embedding network only where its own tests are to run (31 MB);
 #   .footage/ optional: real video files (../shared/footage/*.mp4) for bench/real_footage.py and
 #             tests/test_real_footage_gpu.py ($FACECAST_REAL_FOOTAGE).
+#   .whl2a/, .whl2b/  optional: wheels too big to carry with the rest (PyAV 36 MB, PyNvVideoCodec
+#             27 MB, for the NVDEC path and tests/test_nvdec_gpu.py): carry one per call while the
+#             machine stays warm; each is installed into /tmp/fc/<folder> the call it comes, and
+#             stays on the path for later calls to the same machine.
 # The repository is not pip-installed there: facecast.* is a namespace of symlinks to its folders,
 # which is what pyproject's package-dir does for an installed copy.
 set -e
@@ -23,11 +27,17 @@ if [ ! -d "$_fc_root/site" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$_fc_root/site" .whl/*.whl
 fi
+for _extra in .whl2a .whl2b; do
+    if [ -d "$_extra" ] && [ ! -d "$_fc_root/$_extra" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$_fc_root/$_extra" "$_extra"/*.whl
+    fi
+done
 mkdir -p "$_fc_root/pkg/facecast"
 for _part in daemon workers shared models; do
     ln -sfn "$PWD/$_part" "$_fc_root/pkg/facecast/$_part"
 done
-export PYTHONPATH="$_fc_root/pkg:$_fc_root/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$_fc_root/pkg:$_fc_root/site:$_fc_root/.whl2a:$_fc_root/.whl2b${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$_fc_root/site/bin:$PATH"
 export FACECAST_MODEL_DIR="$PWD/.models"
 export FACECAST_TEST_PHOTOS="$PWD/.models/test_photos.npz"
