@@ -8,13 +8,17 @@ its Sidecar) from the synthetic scene at known capture times, so every frame has
 
 from __future__ import annotations
 
+import argparse
 import csv
+import importlib.util
 import json
 import math
 import os
 import stat
 import subprocess
+import shutil
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,7 @@ import torch
 av = pytest.importorskip("av", reason="PyAV (the `av` wheel) decodes and writes the videos")
 
 from daemon_harness import BOX_TOLERANCE, box_close
+from facecast.daemon.cli import analyze as analyze_command
 from facecast.daemon.cli.analyze import _summary_line as summary_line
 from facecast.models.roi import FrameBatch
 from facecast.shared.transport.messages import TRACK_ID_LIMIT, Detections, FaceResult
@@ -39,6 +44,8 @@ from footage import make_face_free_clip
 WIDTH, HEIGHT, FPS, FRAMES = 320, 240, 15.0, 24
 FIRST_CAPTURE_TS_LSL = 1000.0
 RESUME_EVERY = 8  # resume points at frames 8 and 16 of the 24
+HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
+NO_PYARROW = "pyarrow (the `analyze` extra, in `.[test]`) writes and reads the Parquet tables"
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +93,10 @@ def _damaged_copy(video: Path, path: Path, sidecar: bool) -> Path:
     if sidecar:
         path.with_suffix(".csv").write_bytes(video.with_suffix(".csv").read_bytes())
     return path
+
+
+def _decoding_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("facecast-decode:")]
 
 
 def _rows(table: Path) -> list[dict[str, str]]:
@@ -149,6 +160,8 @@ def test_an_interrupted_analysis_resumes_to_the_same_table(pipeline, recording, 
 
     with pytest.raises(KeyboardInterrupt):
         _analyze(pipeline, [recording[0]], tmp_path, settings, on_progress=interrupt)
+    # Note [Decoding ahead]: the file's decoding thread was stopped and waited for.
+    assert not _decoding_threads()
     table, _, progress = va.output_paths(recording[0], tmp_path)
     saved = json.loads(progress.read_text())
     assert (saved["frame"], saved["complete"]) == (8, False)
@@ -244,6 +257,13 @@ def test_the_command_says_what_is_wrong_with_each_file(recording, tmp_path):
     assert len({row["frame"] for row in measured}) == FRAMES - len(skipped)
     assert all(math.isclose(float(row["pts_s"]), int(row["frame"]) / FPS, abs_tol=0.002)
                and row["capture_ts_lsl"] == repr(stamps[int(row["frame"])]) for row in measured)
+    # `--format auto`: Parquet tables too where pyarrow is installed, rows with reasons included.
+    for name in ("cut.mkv", "damaged.mkv"):
+        if HAVE_PYARROW:
+            _parquet_matches_csv(Path(summaries[name]["parquet"]), Path(summaries[name]["table"]))
+        else:
+            assert summaries[name]["parquet"] is None
+            assert "writing CSV tables only" in done.stderr
 
 
 def test_offline_results_equal_the_live_workers_on_the_same_frames(pipeline, recording, tmp_path):
@@ -294,3 +314,110 @@ def test_offline_results_equal_the_live_workers_on_the_same_frames(pipeline, rec
                                        err_msg=f"frame {index}")
             compared += 1
     assert compared == 2 * FRAMES
+
+
+def test_decoding_ahead_changes_no_number(pipeline, recording, analysed, tmp_path):
+    """Note [Decoding ahead]: the table of frames decoded on a thread ahead of the models is
+    the table of frames decoded one by one when the models want them, byte for byte; the
+    thread ends with its file."""
+    assert va.Settings().decode_ahead and not _decoding_threads()
+    inline = _analyze(pipeline, [recording[0]], tmp_path,
+                      va.Settings(resume_every_frames=RESUME_EVERY, decode_ahead=False))[0]
+    assert inline.table_path.read_bytes() == analysed.table_path.read_bytes()
+    assert not _decoding_threads()
+
+
+def test_frames_ahead_hands_on_a_decoding_error_and_stops_when_closed():
+    def frames():
+        yield va.DecodedFrame(0, 0, 0.0, np.zeros((2, 2, 3), np.uint8))
+        raise ValueError("the decoder broke")
+
+    ahead = va.FramesAhead(frames(), depth=1, name="broken")
+    assert next(ahead).index == 0
+    with pytest.raises(ValueError, match="the decoder broke"):
+        next(ahead)
+    with pytest.raises(StopIteration):
+        next(ahead)
+    assert ahead.close()
+
+    def endless():
+        index = 0
+        while True:
+            yield va.DecodedFrame(index, index, index / FPS, None)
+            index += 1
+
+    ahead = va.FramesAhead(endless(), depth=2, name="endless")
+    assert [next(ahead).index for _ in range(5)] == list(range(5))
+    assert ahead.close() and not _decoding_threads()  # not stuck on its full queue
+    with pytest.raises(ValueError, match="depth of at least 1"):
+        va.FramesAhead(endless(), depth=0, name="none")
+
+
+def _parquet_matches_csv(parquet: Path, table: Path) -> int:
+    """Every cell of the Parquet table is the CSV's (Note [Parquet from the finished CSV]):
+    same columns in order, typed, empty numbers null; the rows compared."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    read = pq.read_table(parquet)
+    rows = _rows(table)
+    with open(table, newline="") as handle:
+        header = next(csv.reader(handle))
+    assert read.column_names == header and read.num_rows == len(rows) > 0
+    types = dict(zip(read.column_names, read.schema.types))
+    assert (types["frame"], types["pts_s"], types["capture_ts_lsl"], types["problem"],
+            types["track_id"], types["eyeBlinkLeft"], types["box_x1"]) == (
+        pa.int64(), pa.float64(), pa.float64(), pa.string(), pa.int32(), pa.float32(),
+        pa.float32())
+    columns = read.to_pydict()
+    for index, row in enumerate(rows):
+        for name in header:
+            value, text = columns[name][index], row[name]
+            if name == "problem":
+                assert value == text
+            elif text == "":
+                assert value is None, (index, name)
+            elif name in ("frame", "track_id"):
+                assert value == int(text)
+            elif name in ("pts_s", "capture_ts_lsl"):
+                assert value == float(text)  # float64: every digit
+            else:
+                assert np.float32(value) == np.float32(text), (index, name, value, text)
+    assert stat.S_IMODE(parquet.stat().st_mode) == 0o600
+    return len(rows)
+
+
+@pytest.mark.skipif(not HAVE_PYARROW, reason=NO_PYARROW)
+def test_a_finished_analysis_gets_its_parquet_table_from_the_csv(pipeline, recording, analysed,
+                                                                 tmp_path):
+    """Run again with Parquet asked for, a finished file is not analysed again: its Parquet
+    table is made from its CSV, and the summary names it."""
+    for path in (analysed.table_path, analysed.summary_path, analysed.progress_path):
+        shutil.copy2(path, tmp_path / path.name)
+    item = _analyze(pipeline, [recording[0]], tmp_path,
+                    va.Settings(resume_every_frames=RESUME_EVERY, parquet=True))[0]
+    assert item.already_complete and not item.parquet_problem
+    parquet = tmp_path / (recording[0].stem + va.PARQUET_SUFFIX)
+    assert _parquet_matches_csv(parquet, item.table_path) == 2 * FRAMES
+    summary = json.loads(item.summary_path.read_text())
+    assert summary["parquet"] == str(parquet) and summary["parquet_problem"] is None
+    assert summary_line(summary).endswith(f"and {parquet.name}")
+
+
+def test_parquet_without_pyarrow_is_refused_with_the_way_to_get_it(recording, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
+    monkeypatch.delenv("FACECAST_CONFIG", raising=False)
+    parser = argparse.ArgumentParser()
+    analyze_command.add_arguments(parser)
+    args = parser.parse_args(["--format", "both", str(recording[0])])
+    assert analyze_command.main(args) == 2
+    said = capsys.readouterr().err
+    assert "--format both: Parquet tables need pyarrow" in said
+    assert "pip install 'facecast[analyze]'" in said
+    # The default writes the CSV alone, and says why once; --format csv and --quiet say nothing.
+    assert analyze_command._parquet_wanted("auto", quiet=False) is False
+    assert "writing CSV tables only: Parquet tables need pyarrow" in capsys.readouterr().err
+    assert analyze_command._parquet_wanted("auto", quiet=True) is False
+    assert analyze_command._parquet_wanted("csv", quiet=False) is False
+    assert capsys.readouterr().err == ""

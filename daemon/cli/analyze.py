@@ -26,8 +26,14 @@ def add_arguments(parser) -> None:
                         "recordings also get each frame's capture time from their sidecar")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="where the tables go (default: next to each video): "
-                        "<name>.faces.csv, <name>.faces.json (the summary) and "
-                        "<name>.faces.progress.json (what a re-run resumes from, or skips)")
+                        "<name>.faces.csv, <name>.faces.parquet (see --format), "
+                        "<name>.faces.json (the summary) and <name>.faces.progress.json (what a "
+                        "re-run resumes from, or skips)")
+    parser.add_argument("--format", choices=("auto", "csv", "both"), default="auto",
+                        help="the tables written: the CSV always (it is what a re-run resumes); "
+                        "'both' adds <name>.faces.parquet, made from the CSV when the file is "
+                        "finished, and needs pyarrow (pip install 'facecast[analyze]'); 'auto' "
+                        "(default) adds it when pyarrow is installed; 'csv': the CSV only")
     parser.add_argument("--config", default=None,
                         help="the daemon's config file, for its models (face_landmarker.task), "
                         "output.max_faces and daemon.detect_interval_s (default: "
@@ -60,8 +66,12 @@ def main(args) -> int:
         return 2
     # Without a config file, the defaults (a Config needs cameras, which analysis has none of).
     config = video_analysis.StackConfig.of(loaded)
+    parquet = _parquet_wanted(args.format, quiet=args.quiet)
+    if parquet is None:
+        return 2
     settings = video_analysis.Settings(landmarks=args.landmarks,
-                                       detect_interval_s=config.daemon.detect_interval_s)
+                                       detect_interval_s=config.daemon.detect_interval_s,
+                                       parquet=parquet)
     import torch
 
     # Note [One thread on the CPU]
@@ -110,12 +120,32 @@ def main(args) -> int:
     return 1 if bad else 0
 
 
+def _parquet_wanted(table_format: str, quiet: bool) -> bool | None:
+    """Whether to write Parquet tables too; None (said on stderr) when --format both cannot be
+    done here."""
+    if table_format == "csv":
+        return False
+    from facecast.daemon.cli.analysis_parquet import pyarrow_problem
+
+    problem = pyarrow_problem()
+    if problem and table_format == "both":
+        print(f"facecast: --format both: {problem}", file=sys.stderr)
+        return None
+    if problem and not quiet:
+        print(f"facecast: writing CSV tables only: {problem} (--format csv: without this notice)",
+              file=sys.stderr)
+    return not problem
+
+
 def _summary_line(summary: dict) -> str:
     rate = summary["frames_per_s"]
     line = (f"{summary['video']}: {summary['frames']} frames, {summary['frames_measured']} "
             f"measured, {summary['faces']} faces in {summary['frames_with_faces']} frames; "
             f"{summary['seconds']:.1f} s" + (f" ({rate:.1f} frames/s)" if rate else "")
-            + f" -> {summary['table']}")
+            + f" -> {summary['table']}"
+            + (f" and {Path(summary['parquet']).name}" if summary.get("parquet") else ""))
+    if summary.get("parquet_problem"):
+        line += f"\n  no Parquet table: {summary['parquet_problem']}"
     if summary["frames_unreadable"]:
         line += (f"\n  {summary['frames_unreadable']} frame(s) unreadable or missing (rows with "
                  f"the reason in `problem`), first: {summary['problems'][0]}")

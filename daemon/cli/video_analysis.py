@@ -54,6 +54,17 @@ Note [Frames that are not in the table]
     are rows, each with the reason; where only the header's duration says so, one row says
     about how many are missing. (The recorder's files have no B-frames: decode order is
     presentation order, so an unreadable packet's row is the next frame's.)
+
+Note [Decoding ahead]
+    Each file is decoded on a thread of its own, a few frames ahead of the models
+    (`FramesAhead`): FFmpeg's decoding and PyAV's conversion to BGR release the GIL, so they run
+    on another core while torch measures the frames before (seen on the 2-core machine: two
+    files decoded on two threads in the time of one). Without it every frame's decoding (4-7 ms
+    of a 1080p H.264 frame there) waited in line before the models; with several files (and
+    on a GPU, whose stack outruns one core's decoder) the files' decoders run side by side. It
+    changes no number: the frames, their order and the batches are the same. Frames held
+    ahead are bounded (AHEAD_FRAMES_TOTAL over all files, at least 2 a file), and a file's
+    thread stops, and is waited for, before its container is closed.
 """
 
 from __future__ import annotations
@@ -64,6 +75,8 @@ import json
 import logging
 import math
 import os
+import queue
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -93,7 +106,13 @@ PTS_MATCH_S = 0.0011
 LEADING_COLUMNS = ("frame", "pts_s", "capture_ts_lsl", "problem")
 TABLE_SUFFIX = ".faces.csv"
 SUMMARY_SUFFIX = ".faces.json"
+PARQUET_SUFFIX = ".faces.parquet"  # with Settings.parquet (facecast.daemon.cli.analysis_parquet)
 PROGRESS_SUFFIX = ".faces.progress.json"
+# Note [Decoding ahead]: decoded frames held ahead of the models, over all files (a 1080p BGR
+# frame is 6.2 MB), and per file at least/most.
+AHEAD_FRAMES_TOTAL = 48
+AHEAD_FRAMES_PER_FILE = (2, 8)
+DECODER_STOP_TIMEOUT_S = 10.0
 
 
 class VideoError(Exception):
@@ -204,6 +223,82 @@ def _ffmpeg_reason(exc: Exception) -> str:
     return getattr(exc, "strerror", None) or str(exc)
 
 
+class _Ended:
+    """What a decoding thread puts last: the end of the file, or the exception it raised."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class FramesAhead:
+    """A file's frames, decoded on a thread of its own up to `depth` frames ahead of the reader
+    (Note [Decoding ahead]). Iterate it from one thread; `close()` stops the thread and waits
+    for it (bounded) before the decoder may be closed."""
+
+    def __init__(self, frames: Iterator[DecodedFrame], depth: int, name: str) -> None:
+        if depth < 1:
+            raise ValueError(f"decoding ahead needs a depth of at least 1 frame, got {depth}")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._decode, args=(frames,), daemon=True,
+                                        name=f"facecast-decode:{name}")
+        self._thread.start()
+
+    def _decode(self, frames: Iterator[DecodedFrame]) -> None:
+        end = _Ended()
+        try:
+            for frame in frames:
+                if not self._put(frame):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            end = _Ended(exc)
+        self._put(end)
+
+    def _put(self, item) -> bool:
+        """Queue it, unless told to stop meanwhile (then False)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> FramesAhead:
+        return self
+
+    def __next__(self) -> DecodedFrame:
+        if self._ended:
+            raise StopIteration
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._ended = True
+                    raise RuntimeError(f"{self._thread.name} ended without a last frame") from None
+        if isinstance(item, _Ended):
+            self._ended = True
+            if item.error is not None:
+                raise item.error
+            raise StopIteration
+        return item
+
+    def close(self) -> bool:
+        """Stop decoding and wait for the thread (DECODER_STOP_TIMEOUT_S); False if it is still
+        running (its decoder must then stay open)."""
+        self._stop.set()
+        while True:  # a thread blocked on a full queue sees the stop within 0.1 s anyway
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(DECODER_STOP_TIMEOUT_S)
+        return not self._thread.is_alive()
+
+
 # -- one file --------------------------------------------------------------------------------
 
 
@@ -260,6 +355,8 @@ class FileAnalysis:
     summary_path: Path
     progress_path: Path
     decoder: FrameDecoder | None = None
+    parquet_path: Path | None = None  # where its Parquet table goes (None: not asked for)
+    parquet_problem: str = ""  # why it could not be written
     problem: str = ""  # why the file cannot be analysed at all
     capture_ts: dict[int, str] = field(default_factory=dict)
     capture_ts_source: str = ""
@@ -271,7 +368,7 @@ class FileAnalysis:
     seconds: float = 0.0  # of work, over every run
     next_frame: int = 0  # the frame the next row is of
     total_frames: int = 0  # best guess, for progress (0: unknown)
-    _frames: Iterator[DecodedFrame] | None = None
+    _frames: Iterator[DecodedFrame] | None = None  # a FramesAhead while run() runs
     _table = None
     _writer = None
     _last_pass_pts_s: float = -math.inf
@@ -291,6 +388,11 @@ class Settings:
     landmarks: bool = False  # the 1,434 landmark columns
     detect_interval_s: float = 0.5  # the config's daemon.detect_interval_s
     resume_every_frames: int = RESUME_EVERY_FRAMES
+    # `<name>.faces.parquet` too, made from the finished CSV (pyarrow: Note [Parquet from the
+    # finished CSV] in facecast.daemon.cli.analysis_parquet).
+    parquet: bool = False
+    # Note [Decoding ahead]; off: each frame decoded when the models want it (the same table).
+    decode_ahead: bool = True
 
 
 Progress = Callable[[FileAnalysis], None]
@@ -327,7 +429,8 @@ class Analyzer:
         seen: dict[Path, Path] = {}
         for index, video in enumerate(videos):
             table, summary, progress = output_paths(video, out_dir)
-            item = FileAnalysis(video, f"file{index}", table, summary, progress)
+            item = FileAnalysis(video, f"file{index}", table, summary, progress,
+                                parquet_path=table.with_name(video.stem + PARQUET_SUFFIX))
             files.append(item)
             if table.resolve() in seen:
                 item.problem = (f"{video}: its table would be {table}, as {seen[table.resolve()]}'s"
@@ -369,7 +472,12 @@ class Analyzer:
             item.seconds = saved["seconds"]
             item.problems = saved.get("problems", [])
             decoder.close()
+            if self.settings.parquet and not _newer(item.parquet_path, item.table_path):
+                self._write_parquet(item)  # finished before Parquet was asked for, or pyarrow there
+                write_private_json(item.summary_path, self.summary(item))
             return
+        # A Parquet table of an earlier run is the old table's: made again when this run ends.
+        item.parquet_path.unlink(missing_ok=True)
         if saved is not None:
             os.truncate(item.table_path, saved["table_bytes"])
             self._replay_track_ids(item)
@@ -446,6 +554,11 @@ class Analyzer:
         last resume point)."""
         active = [f for f in files if not f.problem and not f.done]
         try:
+            if self.settings.decode_ahead and active:
+                low, high = AHEAD_FRAMES_PER_FILE
+                depth = max(low, min(high, AHEAD_FRAMES_TOTAL // len(active)))
+                for item in active:
+                    item._frames = FramesAhead(item._frames, depth, item.video.name)
             while active:
                 batch: list[tuple[FileAnalysis, DecodedFrame]] = []
                 for item in active:
@@ -464,7 +577,12 @@ class Analyzer:
                 if item._table is not None:
                     item._table.close()
                     item._table = None
-                if item.decoder is not None:
+                stopped = not isinstance(item._frames, FramesAhead) or item._frames.close()
+                if not stopped:  # closing the container under a running decoder would crash
+                    log.warning("%s: its decoding thread did not stop within %.0f s; its file "
+                                "stays open until this process ends", item.video,
+                                DECODER_STOP_TIMEOUT_S)
+                elif item.decoder is not None:
                     item.decoder.close()
 
     def _next_measurable(self, item: FileAnalysis) -> DecodedFrame | None:
@@ -599,7 +717,23 @@ class Analyzer:
         item.seconds = item._seconds_before + time.monotonic() - item._started_monotonic
         item.done = True
         self._save_progress(item, item.next_frame, complete=True)
+        if self.settings.parquet:
+            self._write_parquet(item)
         write_private_json(item.summary_path, self.summary(item))
+
+    def _write_parquet(self, item: FileAnalysis) -> None:
+        """Note [Parquet from the finished CSV]; a failure is the file's `parquet_problem` (its
+        CSV stands)."""
+        from facecast.daemon.cli import analysis_parquet
+
+        item.parquet_problem = analysis_parquet.pyarrow_problem()
+        if item.parquet_problem:
+            return
+        try:
+            analysis_parquet.write_from_csv(item.table_path, item.parquet_path, self.columns)
+        except Exception as exc:  # noqa: BLE001 - said in the summary; the CSV is the table
+            item.parquet_problem = f"{item.parquet_path}: not written ({type(exc).__name__}: {exc})"
+            log.error("%s", item.parquet_problem)
 
     def _save_progress(self, item: FileAnalysis, frame_index: int, complete: bool) -> None:
         item._table.flush()
@@ -619,6 +753,9 @@ class Analyzer:
         return {
             "version": TABLE_VERSION, "facecast": __version__, "video": str(item.video),
             "table": str(item.table_path),
+            "parquet": (str(item.parquet_path) if self.settings.parquet and item.done
+                        and not item.parquet_problem else None),
+            "parquet_problem": item.parquet_problem or None,
             "ok": counts.unreadable == 0 and counts.concealed == 0,  # every frame read cleanly
             "complete": item.done,
             "frames": item.next_frame, "frames_measured": counts.frames,
@@ -639,6 +776,14 @@ class Analyzer:
                           ("problem", "text"))]
                         + [{"name": label, "unit": unit} for label, unit, _ in self.channels]),
         }
+
+
+def _newer(path: Path, than: Path) -> bool:
+    """Whether `path` exists and was written after `than`."""
+    try:
+        return path.stat().st_mtime_ns >= than.stat().st_mtime_ns
+    except FileNotFoundError:
+        return False
 
 
 def recorded_pts_s(capture_ts: dict[int, str]) -> list[float]:
