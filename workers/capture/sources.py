@@ -986,9 +986,10 @@ class EncodedSyntheticLoop:
         colour conversion alone limits the decoded frames to ~38-41 dB PSNR against the renders.
         The file is a memfd (mode 0600), not a file in the runtime directory: nothing names it,
         the kernel frees it when the source closes it or the process dies however it dies, and
-        only this user's processes can open /proc/<pid>/fd/<n>. A 1080p loop is 0.6 MB as
-        H.264 (6 MB as MJPEG) against synthetic-replay's 187 MB of raw frames; encoding it took
-        1.6 s (MJPEG 0.9 s) at open on a 2-core CI machine, the frames rendered one by one,
+        only this user's processes can open /proc/<pid>/fd/<n>. A 1080p loop is 0.9 MB as
+        H.264 (0.6 MB while libx264 ignored the options above and made one IDR frame and
+        B-frames; 6 MB as MJPEG) against synthetic-replay's 187 MB of raw frames; encoding it
+        took 1.6-1.9 s (MJPEG 0.9 s) at open on a 2-core CI machine, the frames rendered one by one,
         never all held; decoding a 1080p frame to BGR there costs ~12 ms (MJPEG ~9 ms) of CPU.
     """
 
