@@ -15,7 +15,12 @@ Note [NVDEC path]
     (MP4/MKV keep SPS/PPS out of band and length-prefix the NAL units; NVDEC's parser takes
     start codes; on a stream that is Annex B already the filter passes packets through, and
     the parameter sets of its SDP are put in front of each keyframe). Each packet is stamped
-    with `pylsl.local_clock()` when the demuxer hands it over. `NvdecDecoder` feeds it to
+    with `pylsl.local_clock()` when the demuxer hands it over. PyAV rather than PyNvVideoCodec's
+    own demuxer: its binding is CreateDemuxer(filename) alone, with no open or read timeout and
+    no FFmpeg options, so a dead RTSP peer would hold the camera's thread until the worker is
+    killed as hung, and RTSP could not be asked for over TCP as the CPU path asks for it;
+    PyAV takes both (`timeout=(open, read)`, `rtsp_transport`), as OpenCV does on the CPU path,
+    and runs on a machine without a GPU. `NvdecDecoder` feeds it to
     PyNvVideoCodec's low-level decoder (CreateDecoder + Decode(PacketData); not SimpleDecoder,
     which needs a seekable container and failed on a raw .h264 file: issue 22), created on the
     device's primary context (Note [One context]) and on a CUDA stream of the camera's own,
