@@ -55,7 +55,7 @@ def camera_views(config: Config, workers) -> dict[str, dict]:
             "source": capture.source if capture else "",
             "reason": capture.fallback_reason if capture else "",
             # Note [Decoder choice], where the capture worker's report carries it.
-            "decoder": getattr(capture, "decoder", "") if capture else "",
+            "decoder": capture.decoder if capture else "",
             "latency": output.latency_ms if output else None,
         }
     return views

@@ -1,4 +1,4 @@
-"""FrameHops (Note [Latency accounted] in shared/stats.py): a frame's latency split into the hops
+"""FrameHops (shared/stats.py, Note [Latency accounted]): a frame's latency split into the hops
 between its stamps, whose means add up to the mean latency."""
 
 from __future__ import annotations

@@ -97,10 +97,9 @@ def render(status: DaemonStatus) -> str:
         why = capture.fallback_reason if capture else ""
         source = capture.source if capture else _not_captured(status, camera_id)
         skipped = f", skipped {consumer.skipped}" if consumer and consumer.skipped else ""
-        # The decoder (Note [Decoder choice]), where the capture worker's report carries it.
-        decoder = getattr(capture, "decoder", "") if capture else ""
-        decoded = (f"; decoder {decoder}: {getattr(capture, 'decode_reason', '')}"
-                   if decoder else "")
+        # The decoder (Note [Decoder choice]) of a camera with compressed video.
+        decoder = capture.decoder if capture else ""
+        decoded = f"; decoder {decoder}: {capture.decode_reason}" if decoder else ""
         lines.append(
             f"{camera_id:<12} {(capture.fps if capture else 0):>7.1f}/s "
             f"{(output.fps if output else 0):>7.1f}/s {(output.faces if output else 0):>5} "

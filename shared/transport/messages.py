@@ -340,6 +340,10 @@ class CameraReport(msgspec.Struct, frozen=True, kw_only=True):
     transport: str = ""
     ring_epoch: int = 0
     fallback_reason: str = ""
+    # capture only: "gpu" (NVDEC) or "cpu" for a camera with compressed video, and why (Note
+    # [Decoder choice]); "" for one without (a V4L2 or synthetic camera)
+    decoder: str = ""
+    decode_reason: str = ""
     latency_ms: StageTiming | None = None  # output only: capture → LSL push
     checksum_mismatches: int = 0  # frame consumers: slots whose bytes were not the published frame
     # recorder only (facecast.workers.recorder.worker): "recording", "stopped: <reason>", "" elsewhere

@@ -319,14 +319,8 @@ class CameraCapture:
         )
 
 
-# CameraReport (shared/transport/messages.py) is another room's to change: the decoder goes into
-# it where it has `decoder` and `decode_reason`; until then status shows a camera's decoder
-# through its `decoder` events and, when it is trouble, the worker's trouble line.
-_REPORT_HAS_DECODER = {"decoder", "decode_reason"} <= set(CameraReport.__struct_fields__)
-
-
 def _decoder_fields(choice: DecodeChoice | None) -> dict[str, str]:
-    if not _REPORT_HAS_DECODER or choice is None:
+    if choice is None:
         return {}
     return {"decoder": choice.decoder, "decode_reason": choice.reason}
 
