@@ -723,6 +723,11 @@ def test_asking_for_the_gpu_decoder_without_a_gpu_is_a_reason_in_status_not_a_cr
             "memory, so the CPU decodes them"), asks.detail
         auto = daemon.worker("capture:autocam")
         assert auto.state == "running" and auto.detail == "", auto  # auto: no trouble
+        # Each camera's report says which decoder and why (status, the consoles).
+        reports = {r.camera_id: r for reports in daemon.status().cameras.values()
+                   for r in reports if r.source}
+        assert reports["asksgpu"].decoder == reports["autocam"].decoder == "cpu", reports
+        assert "its capture worker runs on the CPU" in reports["asksgpu"].decode_reason, reports
         log_text = daemon.log_path.read_text()
         assert 'camera autocam: decoder cpu (decode = "auto", but its capture worker runs' in \
             log_text
