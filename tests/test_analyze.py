@@ -61,9 +61,14 @@ def pipeline(installed_models):
 def recording(tmp_path_factory) -> tuple[Path, SyntheticScene, list[float]]:
     """A facecast recording: the synthetic scene rendered at each capture time, through the
     recorder's encoder (libx264, Matroska), and its sidecar."""
-    folder = tmp_path_factory.mktemp("recording")
-    path = folder / "cam0_20260101-000000.000Z_000.mkv"
+    path = tmp_path_factory.mktemp("recording") / "cam0_20260101-000000.000Z_000.mkv"
     scene = SyntheticScene(WIDTH, HEIGHT, seed="analyze")
+    return path, scene, _record(path, scene)
+
+
+def _record(path: Path, scene: SyntheticScene) -> list[float]:
+    """FRAMES frames of the scene through the recorder's encoder and sidecar; their capture
+    times."""
     stamps = [FIRST_CAPTURE_TS_LSL + index / FPS for index in range(FRAMES)]
     encoder = PyAvEncoder(path, WIDTH, HEIGHT, FPS, container="mkv")
     sidecar = Sidecar(path.with_suffix(".csv"))
@@ -72,7 +77,20 @@ def recording(tmp_path_factory) -> tuple[Path, SyntheticScene, list[float]]:
         sidecar.row(index, index, index, capture_ts_lsl, "written")
     encoder.close()
     sidecar.close()
-    return path, scene, stamps
+    return stamps
+
+
+@pytest.fixture(scope="module")
+def one_person_recording(tmp_path_factory) -> tuple[Path, SyntheticScene, list[float]]:
+    """A recording with one person (a staged scene): the pose models find her body (in the
+    two-person scene at this size they find none)."""
+    from facecast.shared.config import StagedAppearance, StagingConfig
+
+    path = tmp_path_factory.mktemp("one_person") / "cam1_20260101-000000.000Z_000.mkv"
+    scene = SyntheticScene(WIDTH, HEIGHT, seed="analyze", staging=StagingConfig(
+        cycle_s=86400.0, appearances=[StagedAppearance(photo="astronaut", seat=0, from_s=0.0,
+                                                       until_s=86400.0)]))
+    return path, scene, _record(path, scene)
 
 
 def _analyze(pipeline, videos, out: Path, settings: va.Settings, on_progress=None,
@@ -373,7 +391,7 @@ def _parquet_matches_csv(parquet: Path, table: Path) -> int:
     for index, row in enumerate(rows):
         for name in header:
             value, text = columns[name][index], row[name]
-            if name == "problem":
+            if name in ("problem", "participant"):
                 assert value == text
             elif text == "":
                 assert value is None, (index, name)
@@ -421,3 +439,161 @@ def test_parquet_without_pyarrow_is_refused_with_the_way_to_get_it(recording, mo
     assert analyze_command._parquet_wanted("auto", quiet=True) is False
     assert analyze_command._parquet_wanted("csv", quiet=False) is False
     assert capsys.readouterr().err == ""
+
+
+@pytest.fixture(scope="module")
+def pose_pipeline(installed_models):
+    """The roi_landmark worker's pose pipeline (output.pose), loaded once."""
+    from facecast.shared.config import OutputConfig
+    from facecast.workers.inference.pipelines import build_pose_pipeline
+
+    return build_pose_pipeline(va.StackConfig(output=OutputConfig(pose=True)), torch.device("cpu"))
+
+
+def test_body_pose_is_a_row_per_frame_as_live_and_resumes_to_the_same_table(
+        pipeline, pose_pipeline, one_person_recording, tmp_path):
+    """Note [Body pose offline]: `<name>.pose.csv` has a row per frame with the MoCap stream's
+    channels, the numbers a live-style PosePipeline loop gives on the same frames (the output
+    worker's most present body); an interrupted run resumes to the same tables."""
+    from facecast.workers.output.outlets import pose_channels
+
+    video, _, stamps = one_person_recording
+    settings = va.Settings(resume_every_frames=RESUME_EVERY, pose=True)
+    with pytest.raises(ValueError, match="needs a pose pipeline"):
+        va.Analyzer(pipeline, settings)
+    analyzer = va.Analyzer(pipeline, settings, pose_pipeline=pose_pipeline)
+    whole = analyzer.open([video], tmp_path / "whole")
+    analyzer.run(whole)
+    item = whole[0]
+    assert json.loads(item.summary_path.read_text())["faces"] == FRAMES
+    rows = _rows(item.pose_table_path)
+    labels = [label for label, *_ in pose_channels()]
+    with open(item.pose_table_path, newline="") as handle:
+        assert next(csv.reader(handle)) == list(va.LEADING_COLUMNS) + labels
+    assert [int(row["frame"]) for row in rows] == list(range(FRAMES))
+    assert [row["capture_ts_lsl"] for row in rows] == [repr(ts) for ts in stamps]
+    bodies = [row for row in rows if row["nose_x"]]
+    assert len(bodies) == FRAMES  # the photo's head and shoulders make a body for the models
+    assert all(0.0 <= float(row[f"{marker}_visibility"]) <= 1.0 for row in bodies
+               for marker in ("nose", "left_shoulder", "right_hip"))
+    assert stat.S_IMODE(item.pose_table_path.stat().st_mode) == 0o600
+    summary = json.loads(item.summary_path.read_text())
+    assert summary["pose_table"] == str(item.pose_table_path)
+    assert [column["name"] for column in summary["pose_columns"]] == labels
+
+    # A live-style loop over the same frames: PosePipeline.track on capture time, reset where
+    # the analysis has its resume points, the most present body (the output worker's choice).
+    with av.open(str(video)) as container:
+        frames = [frame.to_ndarray(format="bgr24") for frame in container.decode(video=0)]
+    for index, (frame, capture_ts_lsl) in enumerate(zip(frames, stamps)):
+        if index % RESUME_EVERY == 0:
+            pose_pipeline.reset("cam0")
+        poses = pose_pipeline.track([frame], ["cam0"], timestamps_s=[capture_ts_lsl])[0]
+        if not poses:
+            assert not rows[index]["nose_x"], index
+            continue
+        best = max(poses, key=lambda pose: pose.presence)
+        expected = np.column_stack([best.world_landmarks_m, best.landmarks[:, 3]]).ravel()
+        offline = np.array([float(rows[index][label]) for label in labels], np.float32)
+        np.testing.assert_allclose(offline, expected, rtol=1e-5, atol=1e-4,
+                                   err_msg=f"frame {index}")
+
+    def interrupt(item: va.FileAnalysis) -> None:
+        if item.next_frame >= 13:
+            raise KeyboardInterrupt
+
+    cut = va.Analyzer(pipeline, settings, pose_pipeline=pose_pipeline)
+    with pytest.raises(KeyboardInterrupt):
+        cut.run(cut.open([video], tmp_path / "cut"), on_progress=interrupt)
+    again = va.Analyzer(pipeline, settings, pose_pipeline=pose_pipeline)
+    resumed = again.open([video], tmp_path / "cut")
+    again.run(resumed)
+    assert resumed[0].resumed_from_frame == 8
+    assert resumed[0].pose_table_path.read_bytes() == item.pose_table_path.read_bytes()
+    assert resumed[0].table_path.read_bytes() == item.table_path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def enrolled_gallery(installed_models, tmp_path_factory) -> Path:
+    """A gallery with the recording's two people, enrolled from their photos as `facecast
+    enroll --photo` does."""
+    from facecast.daemon.cli import participants
+    from facecast.models import assets
+    from facecast.shared import config as config_mod
+    from facecast.shared import gallery
+
+    try:
+        assets.face_embedding_model_path()
+    except assets.ModelError as exc:
+        pytest.skip(f"the face embedding network is not installed: {exc}")
+    stack = participants._photo_embedder(config_mod.ModelsConfig())
+    photos = Path(__file__).resolve().parents[1] / "workers" / "capture" / "synthetic_faces"
+    path = tmp_path_factory.mktemp("gallery") / "participants.json"
+    gallery.enrol(path, "eileen", stack.embed(photos / "astronaut.png")[None])
+    gallery.enrol(path, "grace", stack.embed(photos / "grace_hopper.png")[None])
+    return path
+
+
+def test_participants_are_named_on_every_face_and_resume_to_the_same_table(
+        pipeline, recording, analysed, enrolled_gallery, tmp_path):
+    """Note [Participants offline]: each face row carries its participant, from the gallery,
+    on every frame (both people enrolled, both always in view); the face columns are the table
+    without participants; an interrupted run resumes to the same table; a missing or empty
+    gallery is refused before any model loads, saying where it looked."""
+    from facecast.shared.config import ParticipantsConfig
+
+    cpu = torch.device("cpu")
+    settings = va.Settings(resume_every_frames=RESUME_EVERY, participants=True)
+    with pytest.raises(ValueError, match="needs make_identities"):
+        va.Analyzer(pipeline, settings)
+    empty = tmp_path / "nobody.json"
+    with pytest.raises(va.SetupError, match=f"--participants: nobody is enrolled in {empty}"):
+        va.build_analyzer(va.StackConfig(participants=ParticipantsConfig(gallery=str(empty))),
+                          cpu, settings)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(va.SetupError, match="--participants: .*broken.json"):
+        va.build_analyzer(va.StackConfig(participants=ParticipantsConfig(gallery=str(broken))),
+                          cpu, settings)
+
+    video, scene, stamps = recording
+    config = va.StackConfig(participants=ParticipantsConfig(gallery=str(enrolled_gallery)))
+    analyzer = va.build_analyzer(config, cpu, settings)
+    whole = analyzer.open([video], tmp_path / "whole")
+    analyzer.run(whole)
+    rows = _rows(whole[0].table_path)
+    assert list(rows[0])[-2:] == list(va.PARTICIPANT_COLUMNS)
+    plain = _rows(analysed.table_path)
+    assert [{k: v for k, v in row.items() if k not in va.PARTICIPANT_COLUMNS} for row in rows] \
+        == plain
+    person = {"astronaut": "eileen", "grace_hopper": "grace"}
+    for index, capture_ts_lsl in enumerate(stamps):
+        for face in scene.faces_at(capture_ts_lsl):
+            [row] = [row for row in rows if int(row["frame"]) == index and box_close(
+                face.box_px, [tuple(float(row[k]) for k in ("box_x1", "box_y1", "box_x2",
+                                                             "box_y2"))], BOX_TOLERANCE)]
+            assert row["participant"] == person[face.name], (index, row["participant"])
+            assert 0.0 < float(row["identity_confidence"]) <= 1.0
+    summary = json.loads(whole[0].summary_path.read_text())
+    assert [c["name"] for c in summary["columns"]][-2:] == list(va.PARTICIPANT_COLUMNS)
+    if HAVE_PYARROW:  # the names as strings in the Parquet table
+        import pyarrow as pa
+
+        from facecast.daemon.cli import analysis_parquet
+
+        parquet = tmp_path / "named.parquet"
+        analysis_parquet.write_from_csv(whole[0].table_path, parquet, analyzer.columns)
+        assert _parquet_matches_csv(parquet, whole[0].table_path) == 2 * FRAMES
+        types = analysis_parquet.column_types(analyzer.columns)
+        assert (types["participant"], types["identity_confidence"]) == (pa.string(), pa.float32())
+
+    def interrupt(item: va.FileAnalysis) -> None:
+        if item.next_frame >= 13:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        analyzer.run(analyzer.open([video], tmp_path / "cut"), on_progress=interrupt)
+    resumed = analyzer.open([video], tmp_path / "cut")
+    analyzer.run(resumed)
+    assert resumed[0].resumed_from_frame == 8
+    assert resumed[0].table_path.read_bytes() == whole[0].table_path.read_bytes()

@@ -7,7 +7,8 @@ Note [Parquet from the finished CSV]
     no such append, so `<name>.faces.parquet` is made from the CSV once the file is finished,
     with the same columns in the same order, typed: `frame` int64, `pts_s` and
     `capture_ts_lsl` float64 (the capture time's text carries every digit of the double, Note
-    [Container timestamps]), `problem` string ("" when fine, as in the CSV), `track_id` int32,
+    [Container timestamps]), `problem` and `participant` strings ("" when fine or unknown, as
+    in the CSV), `track_id` int32,
     every other channel float32, the Face streams' own type (the CSV holds each as the shortest
     text that reads back to the same float32, so nothing is lost); an empty number is null. A re-run that finds a finished
     file without its Parquet table (made before pyarrow was installed) makes it from the CSV.
@@ -42,7 +43,7 @@ def column_types(columns: Sequence[str]) -> dict:
     import pyarrow as pa
 
     special = {"frame": pa.int64(), "pts_s": pa.float64(), "capture_ts_lsl": pa.float64(),
-               "problem": pa.string(), "track_id": pa.int32()}
+               "problem": pa.string(), "track_id": pa.int32(), "participant": pa.string()}
     return {name: special.get(name, pa.float32()) for name in columns}
 
 

@@ -42,6 +42,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--landmarks", action="store_true",
                         help="add the 478 landmarks (1,434 columns, as the Face streams with "
                         "output.landmarks)")
+    parser.add_argument("--pose", action="store_true",
+                        help="body pose too: <name>.pose.csv, one row per frame with the most "
+                        "present body's 33 markers (world landmarks in meters, visibility), the "
+                        "MoCap stream's channels")
+    parser.add_argument("--participants", action="store_true",
+                        help="name the faces as live, by face embeddings matched to the gallery "
+                        "(`facecast enroll`; the config's participants.gallery, match_distance "
+                        "and embed_interval_s): columns participant and identity_confidence")
     parser.add_argument("--restart", action="store_true",
                         help="analyse every file from its start, even where an earlier run "
                         "finished or stopped part-way (default: resume it, or skip a finished one)")
@@ -71,7 +79,8 @@ def main(args) -> int:
         return 2
     settings = video_analysis.Settings(landmarks=args.landmarks,
                                        detect_interval_s=config.daemon.detect_interval_s,
-                                       parquet=parquet)
+                                       parquet=parquet, pose=args.pose,
+                                       participants=args.participants)
     import torch
 
     # Note [One thread on the CPU]
@@ -87,6 +96,9 @@ def main(args) -> int:
         analyzer = video_analysis.build_analyzer(config, torch.device("cpu"), settings)
     except BootError as exc:
         print(f"facecast: cannot load the models: {exc}", file=sys.stderr)
+        return 2
+    except video_analysis.SetupError as exc:
+        print(f"facecast: {exc}", file=sys.stderr)
         return 2
     out_dir = Path(args.out) if args.out else None
     files = analyzer.open([Path(video) for video in args.videos], out_dir, restart=args.restart)
@@ -143,7 +155,8 @@ def _summary_line(summary: dict) -> str:
             f"measured, {summary['faces']} faces in {summary['frames_with_faces']} frames; "
             f"{summary['seconds']:.1f} s" + (f" ({rate:.1f} frames/s)" if rate else "")
             + f" -> {summary['table']}"
-            + (f" and {Path(summary['parquet']).name}" if summary.get("parquet") else ""))
+            + (f" and {Path(summary['parquet']).name}" if summary.get("parquet") else "")
+            + (f", {Path(summary['pose_table']).name}" if summary.get("pose_table") else ""))
     if summary.get("parquet_problem"):
         line += f"\n  no Parquet table: {summary['parquet_problem']}"
     if summary["frames_unreadable"]:

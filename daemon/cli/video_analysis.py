@@ -55,6 +55,29 @@ Note [Frames that are not in the table]
     about how many are missing. (The recorder's files have no B-frames: decode order is
     presentation order, so an unreadable packet's row is the next frame's.)
 
+Note [Body pose offline]
+    With `--pose` (Settings.pose) the roi_landmark worker's PosePipeline measures every frame
+    too, tracked per file as live (`track(..., timestamps_s=...)`: the capture times where
+    the recorder's sidecar gives them, as live, else the presentation times), and the frame's most present body is a row of `<name>.pose.csv`: the MoCap
+    stream's channels (33 markers' world landmarks in meters and visibility, the names and
+    order of `pose_channels()`), as the output worker picks it (`_push_pose`), one row per
+    frame, empty where no body was found, with the reason where the frame could not be read.
+    A table of its own because live it is a stream of its own: one sample per frame, not per
+    face. Its tracker is reset at the resume points with the face tracker's, its length kept
+    in the progress file with the face table's (Note [Resume points]).
+
+Note [Participants offline]
+    With `--participants` (Settings.participants) every face row is named as live: the roi_landmark
+    worker's EmbeddingIdentities (the gallery of `facecast enroll`, the config's
+    match_distance and embed_interval_s: a track embedded when it appears, then on that
+    schedule, a rename confirmed, one face per name), one per file, on the frames' capture
+    times where the sidecar gives them, else their presentation times. Columns `participant`
+    ("" unknown) and `identity_confidence` (0..1) end the row. Names are by embeddings only:
+    a seat map names cameras and regions of a live setup, which a file is not. At each resume
+    point the file's identities start afresh with its tracker (every face is embedded again
+    on the next frame, as a track's first look is), so that a resumed run writes the same table
+    (Note [Resume points]).
+
 Note [Decoding ahead]
     Each file is decoded on a thread of its own, a few frames ahead of the models
     (`FramesAhead`): FFmpeg's decoding and PyAV's conversion to BGR release the GIL, so they run
@@ -84,6 +107,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
@@ -92,7 +116,7 @@ from facecast.shared import config as config_mod
 from facecast.shared import private_files
 from facecast.shared.transport.messages import TRACK_ID_LIMIT
 from facecast.shared.version import __version__
-from facecast.workers.output.outlets import FaceLayout, FaceSample, face_channels
+from facecast.workers.output.outlets import FaceLayout, FaceSample, face_channels, pose_channels
 from facecast.workers.inference.roi_landmark import TRACK_HOLD_S
 from facecast.workers.inference.tracking import TrackIds, TrackIdSource
 
@@ -104,15 +128,23 @@ RESUME_EVERY_FRAMES = 300  # Note [Resume points]
 # up to half of it; the recorder's "pts must increase" bump adds a tick at most at 1000 fps).
 PTS_MATCH_S = 0.0011
 LEADING_COLUMNS = ("frame", "pts_s", "capture_ts_lsl", "problem")
+PARTICIPANT_COLUMNS = ("participant", "identity_confidence")  # Note [Participants offline]
 TABLE_SUFFIX = ".faces.csv"
 SUMMARY_SUFFIX = ".faces.json"
 PARQUET_SUFFIX = ".faces.parquet"  # with Settings.parquet (facecast.daemon.cli.analysis_parquet)
+POSE_SUFFIX = ".pose.csv"  # with Settings.pose: Note [Body pose offline]
+POSE_PARQUET_SUFFIX = ".pose.parquet"
 PROGRESS_SUFFIX = ".faces.progress.json"
 # Note [Decoding ahead]: decoded frames held ahead of the models, over all files (a 1080p BGR
 # frame is 6.2 MB), and per file at least/most.
 AHEAD_FRAMES_TOTAL = 48
 AHEAD_FRAMES_PER_FILE = (2, 8)
 DECODER_STOP_TIMEOUT_S = 10.0
+
+
+class SetupError(Exception):
+    """What was asked cannot be done with this setup (a gallery missing or empty): the message
+    says what and how to fix it."""
 
 
 class VideoError(Exception):
@@ -356,6 +388,8 @@ class FileAnalysis:
     progress_path: Path
     decoder: FrameDecoder | None = None
     parquet_path: Path | None = None  # where its Parquet table goes (None: not asked for)
+    pose_table_path: Path | None = None  # Note [Body pose offline]
+    identities: object = None  # an Identities (Note [Participants offline])
     parquet_problem: str = ""  # why it could not be written
     problem: str = ""  # why the file cannot be analysed at all
     capture_ts: dict[int, str] = field(default_factory=dict)
@@ -371,6 +405,8 @@ class FileAnalysis:
     _frames: Iterator[DecodedFrame] | None = None  # a FramesAhead while run() runs
     _table = None
     _writer = None
+    _pose_table = None
+    _pose_writer = None
     _last_pass_pts_s: float = -math.inf
     _started_monotonic: float = 0.0
     # Placing decoded frames (Note [Frames that are not in the table]):
@@ -391,6 +427,8 @@ class Settings:
     # `<name>.faces.parquet` too, made from the finished CSV (pyarrow: Note [Parquet from the
     # finished CSV] in facecast.daemon.cli.analysis_parquet).
     parquet: bool = False
+    pose: bool = False  # `<name>.pose.csv` (Note [Body pose offline]); needs a pose pipeline
+    participants: bool = False  # Note [Participants offline]; needs an identities factory
     # Note [Decoding ahead]; off: each frame decoded when the models want it (the same table).
     decode_ahead: bool = True
 
@@ -401,8 +439,16 @@ Progress = Callable[[FileAnalysis], None]
 class Analyzer:
     """Videos through one FacePipeline (Note [Analysis as live], Note [Resume points])."""
 
-    def __init__(self, pipeline, settings: Settings, *, landmarker_problem: str = "") -> None:
+    def __init__(self, pipeline, settings: Settings, *, landmarker_problem: str = "",
+                 pose_pipeline=None, make_identities: Callable[[], object] | None = None) -> None:
+        if settings.pose and pose_pipeline is None:
+            raise ValueError("Settings(pose=True) needs a pose pipeline (build_analyzer makes one)")
+        if settings.participants and make_identities is None:
+            raise ValueError("Settings(participants=True) needs make_identities (build_analyzer "
+                             "makes it)")
+        self.make_identities = make_identities if settings.participants else None
         self.pipeline = pipeline
+        self.pose_pipeline = pose_pipeline if settings.pose else None
         self.settings = settings
         self.landmarker_problem = landmarker_problem
         # Switched off as in the roi_landmark worker: passes follow the detection schedule.
@@ -411,7 +457,10 @@ class Analyzer:
         self.channels = face_channels(settings.landmarks, blendshapes=with_landmarker,
                                       head_translation=with_landmarker)
         self.layout = FaceLayout(settings.landmarks, with_landmarker, with_landmarker)
-        self.columns = list(LEADING_COLUMNS) + self.layout.labels
+        self.columns = list(LEADING_COLUMNS) + self.layout.labels + (
+            list(PARTICIPANT_COLUMNS) if settings.participants else [])
+        self.pose_channels = pose_channels()
+        self.pose_columns = list(LEADING_COLUMNS) + [label for label, *_ in self.pose_channels]
 
     def settings_key(self) -> dict:
         """What a table depends on besides the video: a resume with other settings starts over."""
@@ -419,7 +468,8 @@ class Analyzer:
                 "detect_interval_s": self.settings.detect_interval_s,
                 "resume_every_frames": self.settings.resume_every_frames,
                 "max_faces": self.pipeline.max_faces, "landmarker": self.pipeline.landmarker,
-                "columns": len(self.columns)}
+                "columns": len(self.columns), "pose": self.settings.pose,
+                "participants": self.settings.participants}
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -430,7 +480,9 @@ class Analyzer:
         for index, video in enumerate(videos):
             table, summary, progress = output_paths(video, out_dir)
             item = FileAnalysis(video, f"file{index}", table, summary, progress,
-                                parquet_path=table.with_name(video.stem + PARQUET_SUFFIX))
+                                parquet_path=table.with_name(video.stem + PARQUET_SUFFIX),
+                                pose_table_path=(table.with_name(video.stem + POSE_SUFFIX)
+                                                 if self.settings.pose else None))
             files.append(item)
             if table.resolve() in seen:
                 item.problem = (f"{video}: its table would be {table}, as {seen[table.resolve()]}'s"
@@ -456,6 +508,10 @@ class Analyzer:
         item.total_frames = decoder.expected_frames or len(item.capture_ts) or (
             round(decoder.duration_s * decoder.fps) if decoder.fps else 0)
         self.pipeline.reset(item.camera_id)  # an Analyzer may share its pipeline with another
+        if self.pose_pipeline is not None:
+            self.pose_pipeline.reset(item.camera_id)
+        if self.make_identities is not None:
+            item.identities = self.make_identities()
         source = TrackIdSource()
         source.add(1, TRACK_ID_LIMIT - 1)
         item.track_ids = TrackIds(source, hold_s=TRACK_HOLD_S)
@@ -476,8 +532,9 @@ class Analyzer:
                 self._write_parquet(item)  # finished before Parquet was asked for, or pyarrow there
                 write_private_json(item.summary_path, self.summary(item))
             return
-        # A Parquet table of an earlier run is the old table's: made again when this run ends.
+        # Parquet tables of an earlier run are the old tables': made again when this run ends.
         item.parquet_path.unlink(missing_ok=True)
+        item.parquet_path.with_name(item.video.stem + POSE_PARQUET_SUFFIX).unlink(missing_ok=True)
         if saved is not None:
             os.truncate(item.table_path, saved["table_bytes"])
             self._replay_track_ids(item)
@@ -488,10 +545,18 @@ class Analyzer:
             item._seconds_before = saved["seconds"]
             item._table = open(item.table_path, "a", newline="")
             item._writer = csv.writer(item._table)
+            if item.pose_table_path is not None:
+                os.truncate(item.pose_table_path, saved["pose_table_bytes"])
+                item._pose_table = open(item.pose_table_path, "a", newline="")
+                item._pose_writer = csv.writer(item._pose_table)
         else:
             item._table = private_files.open_private(item.table_path, binary=False)
             item._writer = csv.writer(item._table)
             item._writer.writerow(self.columns)
+            if item.pose_table_path is not None:
+                item._pose_table = private_files.open_private(item.pose_table_path, binary=False)
+                item._pose_writer = csv.writer(item._pose_table)
+                item._pose_writer.writerow(self.pose_columns)
         # The decoder counts no frame the file lacks: its count at the resume point is at least
         # this (converting a few frames too many costs a millisecond each).
         item._frames = decoder.frames(decode_from=max(0, item.next_frame - item.counts.unreadable))
@@ -515,10 +580,12 @@ class Analyzer:
             return None
         if not saved.get("complete"):
             try:
-                if item.table_path.stat().st_size < saved["table_bytes"]:
-                    log.warning("%s is shorter than its progress file says: analysing %s from "
-                                "its start", item.table_path, item.video)
-                    return None
+                for path, length in ((item.table_path, saved["table_bytes"]),
+                                     (item.pose_table_path, saved.get("pose_table_bytes"))):
+                    if path is not None and (length is None or path.stat().st_size < length):
+                        log.warning("%s is shorter than its progress file says: analysing %s "
+                                    "from its start", path, item.video)
+                        return None
             except OSError:
                 return None
         return saved
@@ -574,9 +641,10 @@ class Analyzer:
                 active = [f for f in active if not f.done]
         finally:
             for item in files:
-                if item._table is not None:
-                    item._table.close()
-                    item._table = None
+                for table in ("_table", "_pose_table"):
+                    if getattr(item, table) is not None:
+                        getattr(item, table).close()
+                        setattr(item, table, None)
                 stopped = not isinstance(item._frames, FramesAhead) or item._frames.close()
                 if not stopped:  # closing the container under a running decoder would crash
                     log.warning("%s: its decoding thread did not stop within %.0f s; its file "
@@ -633,6 +701,10 @@ class Analyzer:
         every = self.settings.resume_every_frames
         item._next_resume_point = (frame_index // every + 1) * every
         self.pipeline.reset(item.camera_id)
+        if self.pose_pipeline is not None:
+            self.pose_pipeline.reset(item.camera_id)
+        if self.make_identities is not None:  # Note [Participants offline]
+            item.identities = self.make_identities()
         item._last_pass_pts_s = -math.inf
         self._save_progress(item, frame_index, complete=False)
 
@@ -653,6 +725,24 @@ class Analyzer:
         faces_per_frame = self.pipeline.track(images, camera_ids, detections=detections)
         for (item, frame), faces in zip(batch, faces_per_frame):
             self._write_faces(item, frame, faces)
+        if self.pose_pipeline is not None:  # Note [Body pose offline]
+            poses_per_frame = self.pose_pipeline.track(
+                images, camera_ids, timestamps_s=[_frame_time_s(item, frame) for item, frame in batch])
+            for (item, frame), poses in zip(batch, poses_per_frame):
+                self._write_pose(item, frame, poses)
+
+    def _write_pose(self, item: FileAnalysis, frame: DecodedFrame, poses) -> None:
+        """The frame's most present body, as the output worker publishes it (`_push_pose`)."""
+        pts_s = frame.pts_s if frame.pts_s is not None else math.nan
+        lead = [frame.index, _number(pts_s), item.capture_ts.get(frame.index, ""), frame.problem]
+        if not poses:
+            item._pose_writer.writerow(lead + [""] * len(self.pose_channels))
+            return
+        best = max(poses, key=lambda pose: pose.presence)
+        sample = np.empty((len(best.world_landmarks_m), 4), np.float32)
+        sample[:, :3] = best.world_landmarks_m
+        sample[:, 3] = best.landmarks[:, 3]
+        item._pose_writer.writerow(lead + [_number(v) for v in sample.ravel()])
 
     def _write_faces(self, item: FileAnalysis, frame: DecodedFrame, faces) -> None:
         pts_s = frame.pts_s if frame.pts_s is not None else math.nan
@@ -665,24 +755,49 @@ class Analyzer:
         if frame.problem:
             self._note_problem(item, f"frame {frame.index}: {frame.problem}")
         if not faces:
-            item._writer.writerow(lead + [""] * len(self.layout.labels))
+            item._writer.writerow(lead + [""] * (len(self.columns) - len(lead)))
             return
         item.counts.frames_with_faces += 1
-        for track_id, face in zip(ids, faces):
+        names = self._participants(item, frame, ids, faces)
+        for track_id, face, name in zip(ids, faces, names):
             item.counts.faces += 1
             sample = self.layout.sample(FaceSample(
                 track_id=track_id, presence=face.presence, box_px=face.box,
                 head_pose_deg=face.head_pose, head_translation_cm=face.head_translation_cm,
                 blendshapes=face.blendshapes,
                 landmarks_px=face.landmarks if self.settings.landmarks else None))
-            item._writer.writerow(lead + [str(track_id)] + [_number(v) for v in sample[1:]])
+            item._writer.writerow(lead + [str(track_id)] + [_number(v) for v in sample[1:]]
+                                  + name)
+
+    def _participants(self, item: FileAnalysis, frame: DecodedFrame, ids, faces) -> list[list]:
+        """Each face's participant and identity_confidence cells, or none (Note [Participants
+        offline])."""
+        if item.identities is None:
+            return [[] for _ in faces]
+        from facecast.workers.inference.identity import FrameFaces
+
+        named = [(track_id, face) for track_id, face in zip(ids, faces) if track_id is not None]
+        who = item.identities.identify([FrameFaces(
+            camera_id=item.camera_id, capture_ts_lsl=_frame_time_s(item, frame),
+            tensor=torch.from_numpy(frame.image), track_ids=[track_id for track_id, _ in named],
+            boxes_px=[face.box for _, face in named],
+            landmarks_px=[face.landmarks for _, face in named])])[0]
+        by_track = {track_id: identity for (track_id, _), identity in zip(named, who)}
+        cells = []
+        for track_id in ids:
+            identity = by_track.get(track_id)
+            cells.append(["", ""] if identity is None else
+                         [identity.participant, _number(np.float32(identity.confidence))])
+        return cells
 
     def _write_problem_row(self, item: FileAnalysis, index: int, pts_s: float | None,
                            problem: str) -> None:
         item.counts.unreadable += 1
         self._note_problem(item, f"frame {index}: {problem}")
-        item._writer.writerow([index, _number(pts_s), item.capture_ts.get(index, ""), problem]
-                              + [""] * len(self.layout.labels))
+        lead = [index, _number(pts_s), item.capture_ts.get(index, ""), problem]
+        item._writer.writerow(lead + [""] * (len(self.columns) - len(lead)))
+        if item._pose_writer is not None:
+            item._pose_writer.writerow(lead + [""] * len(self.pose_channels))
 
     @staticmethod
     def _note_problem(item: FileAnalysis, problem: str) -> None:
@@ -714,6 +829,8 @@ class Analyzer:
                     f"frames, its header's duration of {decoder.duration_s:.3f} s at "
                     f"{decoder.fps:g} fps gives {item.next_frame + about} (truncated?)")
         item._table.flush()
+        if item._pose_table is not None:
+            item._pose_table.flush()
         item.seconds = item._seconds_before + time.monotonic() - item._started_monotonic
         item.done = True
         self._save_progress(item, item.next_frame, complete=True)
@@ -731,18 +848,27 @@ class Analyzer:
             return
         try:
             analysis_parquet.write_from_csv(item.table_path, item.parquet_path, self.columns)
+            if item.pose_table_path is not None:
+                analysis_parquet.write_from_csv(
+                    item.pose_table_path,
+                    item.pose_table_path.with_name(item.video.stem + POSE_PARQUET_SUFFIX),
+                    self.pose_columns)
         except Exception as exc:  # noqa: BLE001 - said in the summary; the CSV is the table
             item.parquet_problem = f"{item.parquet_path}: not written ({type(exc).__name__}: {exc})"
             log.error("%s", item.parquet_problem)
 
     def _save_progress(self, item: FileAnalysis, frame_index: int, complete: bool) -> None:
-        item._table.flush()
-        os.fsync(item._table.fileno())
+        for table in (item._table, item._pose_table):
+            if table is not None:
+                table.flush()
+                os.fsync(table.fileno())
         seconds = item._seconds_before + time.monotonic() - item._started_monotonic
         write_private_json(item.progress_path, {
             "version": TABLE_VERSION, "identity": self._video_identity(item),
             "settings": self.settings_key(), "frame": frame_index,
-            "table_bytes": item._table.tell(), "counts": item.counts.as_dict(),
+            "table_bytes": item._table.tell(),
+            "pose_table_bytes": item._pose_table.tell() if item._pose_table is not None else None,
+            "counts": item.counts.as_dict(),
             "problems": item.problems, "seconds": seconds, "complete": complete})
 
     def summary(self, item: FileAnalysis) -> dict:
@@ -756,6 +882,7 @@ class Analyzer:
             "parquet": (str(item.parquet_path) if self.settings.parquet and item.done
                         and not item.parquet_problem else None),
             "parquet_problem": item.parquet_problem or None,
+            "pose_table": str(item.pose_table_path) if item.pose_table_path else None,
             "ok": counts.unreadable == 0 and counts.concealed == 0,  # every frame read cleanly
             "complete": item.done,
             "frames": item.next_frame, "frames_measured": counts.frames,
@@ -774,8 +901,24 @@ class Analyzer:
             "columns": ([{"name": name, "unit": unit} for name, unit in
                          (("frame", "count"), ("pts_s", "seconds"), ("capture_ts_lsl", "seconds"),
                           ("problem", "text"))]
-                        + [{"name": label, "unit": unit} for label, unit, _ in self.channels]),
+                        + [{"name": label, "unit": unit} for label, unit, _ in self.channels]
+                        + ([{"name": "participant", "unit": "text"},
+                            {"name": "identity_confidence", "unit": "normalized"}]
+                           if self.settings.participants else [])),
+            **({"pose_columns": [{"name": label, "unit": unit}
+                                 for label, unit, *_ in self.pose_channels]}
+               if self.pose_pipeline is not None else {}),
         }
+
+
+def _frame_time_s(item: FileAnalysis, frame: DecodedFrame) -> float:
+    """The time PosePipeline smooths its ROI on and identities keep their schedule on (Note
+    [Body pose offline], Note [Participants offline]): the capture time where the sidecar gives
+    it, as live (the container's times are rounded to its tick: 67 ms
+    for 66.7 ms in Matroska), else the presentation time, else the frame's index."""
+    if frame.index in item.capture_ts:
+        return float(item.capture_ts[frame.index])
+    return frame.pts_s if frame.pts_s is not None else float(frame.index)
 
 
 def _newer(path: Path, than: Path) -> bool:
@@ -828,17 +971,56 @@ class StackConfig:
     models: config_mod.ModelsConfig = field(default_factory=config_mod.ModelsConfig)
     output: config_mod.OutputConfig = field(default_factory=config_mod.OutputConfig)
     daemon: config_mod.DaemonConfig = field(default_factory=config_mod.DaemonConfig)
+    participants: config_mod.ParticipantsConfig = field(
+        default_factory=config_mod.ParticipantsConfig)
 
     @classmethod
     def of(cls, config: config_mod.Config | None) -> StackConfig:
-        return cls() if config is None else cls(config.models, config.output, config.daemon)
+        return cls() if config is None else cls(config.models, config.output, config.daemon,
+                                                config.participants)
 
 
 def build_analyzer(config: StackConfig | config_mod.Config, device: torch.device, settings: Settings
                    ) -> Analyzer:
     """The daemon's face pipeline for this device (facecast.workers.inference.pipelines.build_pipeline:
-    the same models, face_landmarker.task and max_faces); BootError when a model cannot load."""
-    from facecast.workers.inference.pipelines import build_pipeline
+    the same models, face_landmarker.task and max_faces), with Settings.pose its pose
+    pipeline, with Settings.participants the identities of Note [Participants offline];
+    BootError when a model cannot load, SetupError when the gallery is missing or empty."""
+    from facecast.workers.base import BootError
+    from facecast.workers.inference.pipelines import build_pipeline, build_pose_pipeline
 
+    identities_factory = None
+    if settings.participants:
+        from facecast.models import assets
+        from facecast.models.face_embedding import FaceEmbedder
+        from facecast.workers.inference.identity import EmbeddingIdentities, GalleryWatch
+
+        participants = msgspec.structs.replace(
+            getattr(config, "participants", config_mod.ParticipantsConfig()), enabled=True,
+            identify="embeddings", seats=[])
+        watch = GalleryWatch(participants.gallery)  # read now: a bad gallery is said at once
+        watch.poll(time.monotonic())
+        if watch.problem:
+            raise SetupError(f"--participants: {watch.problem} (the gallery `facecast enroll` "
+                             "writes; participants.gallery in the config names another)")
+        if watch.gallery is None or not watch.gallery.embeddings:
+            raise SetupError(f"--participants: nobody is enrolled in {watch.path} "
+                             "(`facecast enroll`)")
+        try:
+            embedder = FaceEmbedder.from_model_dir(config.models.dir or None, device)
+        except assets.ModelError as exc:
+            raise BootError(f"participants cannot be named: {exc}") from None
+
+        def make_identities() -> EmbeddingIdentities:
+            return EmbeddingIdentities(participants, embedder)
+
+        identities_factory = make_identities
+    # After the gallery's check: a bad gallery is said before seconds of model loading.
     pipeline, problem = build_pipeline(config, device, blendshapes=True)
-    return Analyzer(pipeline, settings, landmarker_problem=problem)
+    pose_pipeline = None
+    if settings.pose:  # as the roi_landmark worker builds it with output.pose
+        pose_pipeline = build_pose_pipeline(
+            StackConfig(config.models, msgspec.structs.replace(config.output, pose=True),
+                        config.daemon), device)
+    return Analyzer(pipeline, settings, landmarker_problem=problem, pose_pipeline=pose_pipeline,
+                    make_identities=identities_factory)
