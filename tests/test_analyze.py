@@ -597,3 +597,18 @@ def test_participants_are_named_on_every_face_and_resume_to_the_same_table(
     analyzer.run(resumed)
     assert resumed[0].resumed_from_frame == 8
     assert resumed[0].table_path.read_bytes() == whole[0].table_path.read_bytes()
+
+
+@pytest.mark.parametrize("device, said", [
+    ("tpu", "--device tpu: not a device (allowed: auto, cpu, cuda, cuda:N)"),
+    ("cuda:0" if not torch.cuda.is_available() else "meta",
+     "torch sees no CUDA device" if not torch.cuda.is_available() else "not cpu or cuda"),
+])
+def test_a_device_that_cannot_run_the_stack_is_refused(recording, monkeypatch, capsys, device,
+                                                       said):
+    monkeypatch.delenv("FACECAST_CONFIG", raising=False)
+    parser = argparse.ArgumentParser()
+    analyze_command.add_arguments(parser)
+    args = parser.parse_args(["--device", device, "--format", "csv", str(recording[0])])
+    assert analyze_command.main(args) == 2
+    assert said in capsys.readouterr().err

@@ -50,6 +50,9 @@ def add_arguments(parser) -> None:
                         help="name the faces as live, by face embeddings matched to the gallery "
                         "(`facecast enroll`; the config's participants.gallery, match_distance "
                         "and embed_interval_s): columns participant and identity_confidence")
+    parser.add_argument("--device", default="auto",
+                        help="where the face stack runs: auto (default: the first CUDA GPU torch "
+                        "sees, else the CPU), cpu, cuda or cuda:N; decoding is PyAV's on the CPU")
     parser.add_argument("--restart", action="store_true",
                         help="analyse every file from its start, even where an earlier run "
                         "finished or stopped part-way (default: resume it, or skip a finished one)")
@@ -91,9 +94,24 @@ def main(args) -> int:
     #     another core.
     torch.set_num_threads(1)
     try:
-        # The CPU stack (this machine's decoder is PyAV's); the GPU device and NVDEC come with
-        # the capture work on NVDEC (issue 23).
-        analyzer = video_analysis.build_analyzer(config, torch.device("cpu"), settings)
+        if args.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(args.device)
+    except RuntimeError:
+        print(f"facecast: --device {args.device}: not a device (allowed: auto, cpu, cuda, "
+              "cuda:N)", file=sys.stderr)
+        return 2
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda"
+                                              and not torch.cuda.is_available()):
+        print(f"facecast: --device {args.device}: "
+              + ("torch sees no CUDA device" if device.type == "cuda" else "not cpu or cuda"),
+              file=sys.stderr)
+        return 2
+    try:
+        # Decoding is PyAV's on the CPU (decoding with NVDEC: the capture worker's decoder, not
+        # wired here yet).
+        analyzer = video_analysis.build_analyzer(config, device, settings)
     except BootError as exc:
         print(f"facecast: cannot load the models: {exc}", file=sys.stderr)
         return 2
