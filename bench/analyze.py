@@ -33,9 +33,10 @@ per face a 256x256 crop of the rotated ROI (`cv2.warpAffine`, MediaPipe's ImageT
 landmarks detector, landmarks projected to the frame, the blendshape model on 146 of them, and
 the next frame's ROI from the landmarks (bounding box, eye-corner rotation, square, x1.5). No
 head pose, no table: less work than facecast does per face. A face the short-range detector
-misses (it letterboxes the whole frame to 128x128, so faces under ~20 px there are lost: the
-four-face files') is started from the ground truth box instead, so that both sides measure every
-face; the JSON counts those (`seeded_from_truth`).
+misses (it letterboxes the whole frame to 128x128, where small faces are lost) would be started
+from the ground truth box instead, so that both sides measure every face; the JSON counts those
+(`seeded_from_truth`: none in the run of docs/benchmarks.md, where one detector call per file
+found every face).
 
 *Decode only*: the same decoder with nothing else, for reference.
 
