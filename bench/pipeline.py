@@ -81,7 +81,7 @@ OUTPUT_LATENCY_FRAMES = _output_latency_frames()
 
 def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int | str,
                 cuda_graphs: bool, half: bool, host: str, source: str,
-                detection_share: float | None = None) -> str:
+                detection_share: float | None = None, decode: str = "auto") -> str:
     # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
@@ -89,6 +89,7 @@ def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: in
         f"roi_landmark_workers = {json.dumps(roi_workers)}",  # TOML: 2 or "auto"
         'log_level = "info"',
         *([f"detection_share = {detection_share}"] if detection_share is not None else []),
+        f'decode = "{decode}"',  # where the encoded sources' video is decoded (Note [Decoder choice])
         "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
         f"half = {str(half).lower()}", "", "[output]", f"max_faces = {MAX_FACES}", "",
     ]
@@ -443,11 +444,12 @@ def run_one(cameras: int, transport: str, args) -> dict:
               "models": "fp16" if args.half else "fp32", "cuda_graphs": args.cuda_graphs,
               "roi_workers": args.roi_workers,
               "detection_share": args.detection_share or "auto",
+              "decode": args.decode,
               "log": str(log_path)}
     with tempfile.TemporaryDirectory(prefix="fcb-") as tmp:
         tmp = Path(tmp)
         config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
-                             args.half, host, args.source, args.detection_share)
+                             args.half, host, args.source, args.detection_share, args.decode)
         daemon = DaemonUnderTest(tmp, config, log_path)
         try:
             if not daemon.wait_ready(args.boot_timeout_s):
@@ -655,6 +657,8 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         stage = max(r["stages"].items(), key=lambda kv: kv[1]["p99_ms"], default=("-", {"p99_ms": 0}))
         gpu = r["gpus"][0] if r["gpus"] else None
         source = "" if r.get("source", "synthetic") == "synthetic" else f", {r['source']}"
+        if r.get("source", "").startswith("synthetic-") and r["source"] != "synthetic-replay":
+            source += f" (decode {r.get('decode', 'auto')})"
         cells = [r["cameras"], f"{r['transport']} ({'/'.join(r['transports_seen'])}){source}",
                  r["frames_due"], r["published_fps"], f"{r['dropped']} ({r['dropped_pct']}%)",
                  f"{r['latency_p50_ms']} / {r['latency_p99_ms']}", _faces_cell(r["faces"]),
@@ -844,6 +848,9 @@ def main() -> int:
                              "synthetic loop])")
     parser.add_argument("--roi-workers", type=lambda text: text if text == "auto" else int(text),
                         default="auto", help="daemon.roi_landmark_workers (default: auto)")
+    parser.add_argument("--decode", choices=("auto", "gpu", "cpu"), default="auto",
+                        help="daemon.decode: where synthetic-h264/-mjpeg cameras' video is decoded "
+                             "(gpu: NVDEC, the camera's reason in status where it cannot)")
     parser.add_argument("--detection-share", type=float, default=None,
                         help="daemon.detection_share (default: the config's auto)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
