@@ -1,55 +1,78 @@
 #!/usr/bin/env bash
 # The GPU machine's checklist in one background run, for a device whose commands stop after
-# 10 minutes: `bench/gpu_check.sh start` launches it (setsid) and returns; `bench/gpu_check.sh
-# wait S` waits up to S seconds for it and copies what it has so far to $OUT. Call `wait` again
-# at once (the machine goes back when idle) until it prints "gpu_check: done".
+# 10 minutes: `bench/gpu_check.sh start [STEP...]` launches it (setsid) and returns;
+# `bench/gpu_check.sh wait S` waits up to S seconds for it and copies what it has so far to $OUT.
+# Call `wait` again at once (the machine goes back when idle) until it prints "gpu_check: done".
 #
-# What it runs, in order (each step's log in $OUT/gpu_check/): boot and stop of 32 and 64
-# cameras on cuda_ipc; the `gpu` tests (with $FACECAST_REAL_FOOTAGE set to the videos in
-# .footage/, for tests/test_real_footage_gpu.py); real footage through the stack and the daemon
-# (bench/real_footage.py); the whole daemon against MediaPipe at 8, 32 and 64 replayed cameras
-# (same definitions on both sides, bench/accounting.py); the models bench at batch 64 (the
-# goals' batch) with the FaceLandmarker bundle. Run from the repository
-# root, with .whl/, .models/, .mp/ and .footage/ (copies of ../shared/footage/*.mp4) carried
-# (bench/gpu_host_env.sh; without dlib's 31 MB network in .models/, which no gpu test needs, they
-# fit one call's 64 MiB). The machine goes back 30 s after a call ends, taking the background
-# run with it: call `wait` again at once, every time.
-# It took 23 minutes on the H200 (2026-11-26), and a machine is held at most 30 minutes: start it
-# on a fresh machine.
+# Steps (each one's log in $OUT/gpu_check/; minutes on the H200, 2026-11-26):
+#   boot_stop     boot and stop of 32 and 64 replayed cameras on cuda_ipc (2)
+#   gpu_tests     the `gpu` tests, with $FACECAST_REAL_FOOTAGE set to the videos in .footage/ for
+#                 tests/test_real_footage_gpu.py, and tests/test_nvdec_gpu.py where PyAV and
+#                 PyNvVideoCodec are installed (.whl2a/, .whl2b/: bench/gpu_host_env.sh) (10-11)
+#   real_footage  real footage through the stack and the daemon (bench/real_footage.py) (4.5)
+#   pipeline      the whole daemon against MediaPipe at 8, 32 and 64 replayed cameras (same
+#                 definitions on both sides, bench/accounting.py) (5-6)
+#   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle (2)
+#   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
+#                 (needs .whl2a/.whl2b installed) (about 12)
+# Default: boot_stop gpu_tests real_footage pipeline models (23 minutes). A machine is held at
+# most 30 minutes: start on a fresh machine, and put `decode` in a run of its own.
+# Run from the repository root, with .whl/, .models/, .mp/ and .footage/ (copies of
+# ../shared/footage/*.mp4) carried (bench/gpu_host_env.sh; they fit one call's 64 MiB). The
+# machine goes back 30 s after a call ends, taking the background run with it: call `wait` again
+# at once, every time.
 set -u
 STATE=/tmp/gpu_check
+DEFAULT_STEPS="boot_stop gpu_tests real_footage pipeline models"
 case "${1:-}" in
 start)
+    shift
     rm -rf "$STATE" && mkdir -p "$STATE"
-    setsid nohup bash "$0" run > "$STATE/run.log" 2>&1 < /dev/null &
+    setsid nohup bash "$0" run "${@:-$DEFAULT_STEPS}" > "$STATE/run.log" 2>&1 < /dev/null &
     echo "gpu_check: started"
     ;;
 run)
+    shift
     # On a private copy of the tree: every later call to the machine (`wait`) copies the working
     # tree over the repository again, under the running steps.
     rm -rf "$STATE/tree" && mkdir -p "$STATE/tree" && cp -r . "$STATE/tree/" && cd "$STATE/tree"
     . bench/gpu_host_env.sh
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mp .mp/*.whl
+    [ -d .mp ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mp .mp/*.whl
+    FACECAST_REAL_FOOTAGE=$(ls "$PWD"/.footage/*.mp4 2>/dev/null | paste -sd:)
+    export FACECAST_REAL_FOOTAGE
     step() {  # name, command...
         local name=$1; shift
         echo "$(date -u +%H:%M:%S) start $name" >> "$STATE/steps.txt"
         "$@" > "$STATE/$name.log" 2>&1
         echo "$(date -u +%H:%M:%S) end $name rc=$?" >> "$STATE/steps.txt"
     }
-    step boot_stop python3 bench/pipeline.py --boot-stop-only --cameras 32 64 \
-        --transports cuda_ipc --source synthetic-replay --hold-s 5 \
-        --out "$STATE/boot-stop.json" --log-dir "$STATE/logs"
-    FACECAST_REAL_FOOTAGE=$(ls "$PWD"/.footage/*.mp4 2>/dev/null | paste -sd:)
-    export FACECAST_REAL_FOOTAGE
-    step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests
-    step real_footage bash -c "cd bench && python3 real_footage.py ${FACECAST_REAL_FOOTAGE//:/ } \
-        --out '$STATE/benchmarks-real-footage.json' --log-dir '$STATE/logs'"
-    step pipeline python3 bench/pipeline.py --cameras 8 32 64 --transports cuda_ipc \
-        --source synthetic-replay --warmup-s 5 --measure-s 18 --mediapipe-baseline --mediapipe-path /tmp/mp \
-        --baseline-warmup-s 3 --baseline-measure-s 10 --small-face-s 2 \
-        --out "$STATE/benchmarks-pipeline.json" --log-dir "$STATE/logs"
-    step models python3 bench/models.py --batch-sizes 64 --cameras 32 --budget-s 200 \
-        --face-landmarker-task .models/face_landmarker.task --out "$STATE/benchmarks-models.json"
+    for name in $*; do
+        case $name in
+        boot_stop) step boot_stop python3 bench/pipeline.py --boot-stop-only --cameras 32 64 \
+            --transports cuda_ipc --source synthetic-replay --hold-s 5 \
+            --out "$STATE/boot-stop.json" --log-dir "$STATE/logs" ;;
+        gpu_tests) step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+            --durations=30 tests ;;
+        real_footage) step real_footage bash -c "cd bench && python3 real_footage.py \
+            ${FACECAST_REAL_FOOTAGE//:/ } --out '$STATE/benchmarks-real-footage.json' \
+            --log-dir '$STATE/logs'" ;;
+        pipeline) step pipeline python3 bench/pipeline.py --cameras 8 32 64 \
+            --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 18 \
+            --mediapipe-baseline --mediapipe-path /tmp/mp --baseline-warmup-s 3 \
+            --baseline-measure-s 10 --small-face-s 2 \
+            --out "$STATE/benchmarks-pipeline.json" --log-dir "$STATE/logs" ;;
+        models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
+            --budget-s 200 --face-landmarker-task .models/face_landmarker.task \
+            --out "$STATE/benchmarks-models.json" ;;
+        decode) for decode in gpu cpu; do
+                step "decode-$decode" python3 bench/pipeline.py --cameras 8 16 32 48 64 \
+                    --transports cuda_ipc --source synthetic-h264 --decode "$decode" \
+                    --warmup-s 4 --measure-s 10 \
+                    --out "$STATE/benchmarks-decode-$decode.json" --log-dir "$STATE/logs"
+            done ;;
+        *) echo "$(date -u +%H:%M:%S) unknown step $name" >> "$STATE/steps.txt" ;;
+        esac
+    done
     echo "gpu_check: done" >> "$STATE/steps.txt"
     ;;
 wait)
@@ -64,7 +87,7 @@ wait)
     cat "$STATE/steps.txt" 2>/dev/null
     ;;
 *)
-    echo "usage: $0 start | wait [SECONDS]" >&2
+    echo "usage: $0 start [STEP...] | wait [SECONDS]" >&2
     exit 2
     ;;
 esac
