@@ -270,6 +270,7 @@ def test_status_command_answers_what_the_daemon_is_doing(daemon):
     camera_line = next(line for line in text.splitlines() if line.startswith("synth0 "))
     assert "shm" in camera_line and "ms" in camera_line  # transport and latency p50/p99
     assert "roi_landmark:cpu:0/landmarks" in text  # per-stage latency
+    assert "a frame, grab to LSL push" in text and "hop 4: read → measured" in text  # the hops
     assert "GPU: none" in text
 
 

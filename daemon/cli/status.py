@@ -113,10 +113,17 @@ def render(status: DaemonStatus) -> str:
             where = f"  {r.recording_file}" if r.recording_file else ""
             lines.append(f"{camera_id:<12} {r.recorded_frames:>8} {r.recording_drops:>6}  "
                          f"{r.recording}{where}")
-    if status.stages:
+    stages = {name: t for name, t in status.stages.items() if "/hop " not in name}
+    hops = {name.split("/", 1)[1]: t for name, t in status.stages.items() if "/hop " in name}
+    if stages:
         lines += ["", f"{'stage':<40} {'p50 ms':>8} {'p99 ms':>8} {'count':>8}"]
-        for name, timing in sorted(status.stages.items()):
+        for name, timing in sorted(stages.items()):
             lines.append(f"{name:<40} {timing.p50_ms:>8.1f} {timing.p99_ms:>8.1f} {timing.count:>8}")
+    if hops:  # Note [Latency accounted]: the same frames in every hop, so the means add up
+        lines += ["", f"{'a frame, grab to LSL push':<40} {'mean ms':>8} {'p99 ms':>8} {'frames':>8}"]
+        for name, timing in sorted(hops.items()):
+            lines.append(f"{name:<40} {timing.mean_ms or 0:>8.1f} {timing.p99_ms:>8.1f} "
+                         f"{timing.count:>8}")
     lines.append("")
     if status.gpus:
         for gpu in status.gpus:
