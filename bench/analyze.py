@@ -62,6 +62,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+from docs_section import replace_section  # bench/docs_section.py (this folder is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION_TITLE = "## `facecast analyze` (`bench/analyze.py`)"
@@ -541,18 +542,6 @@ def goal_text(data: dict) -> str:
     return text
 
 
-def write_docs(path: Path, section: str) -> None:
-    """Replace this bench's section of the file (its title to the next `## ` or the end)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_TITLE in text:
-        begin = text.index(SECTION_TITLE)
-        end = text.find("\n## ", begin + 1)
-        text = text[:begin] + section + (text[end + 1:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n\n" + section
-    path.write_text(text)
-
-
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -589,7 +578,7 @@ def main() -> int:
         text = report(json.loads(args.from_json.read_text()))
         print(text)
         if args.docs:
-            write_docs(Path(args.docs), text)
+            replace_section(Path(args.docs), SECTION_TITLE, text)
         return 0
     footage_specs = []
     for spec in args.footage:
@@ -674,7 +663,7 @@ def main() -> int:
     text = report(data)
     print(text)
     if args.docs:
-        write_docs(Path(args.docs), text)
+        replace_section(Path(args.docs), SECTION_TITLE, text)
     return 0
 
 

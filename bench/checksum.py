@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from facecast.shared.transport import frames
+from docs_section import replace_section  # bench/docs_section.py (this folder is on sys.path)
 
 RESOLUTIONS = {"1080p": (1080, 1920, 3), "4K": (2160, 3840, 3)}
 CYCLE_FRAMES = 8
@@ -312,19 +313,6 @@ def section(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_docs(path: Path, text: str) -> None:
-    """Replace this section of the file, or add it at the end; the other sections stay."""
-    document = path.read_text()
-    begin = document.find(SECTION)
-    if begin < 0:
-        path.write_text(document.rstrip("\n") + "\n\n" + text)
-        return
-    end = document.find("\n## ", begin + 1)
-    end = len(document) if end < 0 else end + 1
-    path.write_text(document[:begin] + text + ("\n" if end < len(document) else "") +
-                    document[end:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=200)
@@ -353,7 +341,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": ordered}, indent=1) + "\n")
     if args.docs:
-        write_docs(Path(args.docs), text)
+        replace_section(Path(args.docs), SECTION, text)
 
 
 if __name__ == "__main__":

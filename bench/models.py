@@ -91,6 +91,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from docs_section import replace_section  # bench/docs_section.py (this folder is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
 FRAME_HW = (1080, 1920)
@@ -743,18 +744,6 @@ def goals_text(data: dict) -> str:
     return "Goals of issue 24: " + "; ".join(parts) + "."
 
 
-def write_docs(path: Path, section: str) -> None:
-    """Replace the Models section of the file (from its title to the next `## ` or the end)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_TITLE in text:
-        begin = text.index(SECTION_TITLE)
-        end = text.find("\n## ", begin + 1)
-        text = text[:begin] + section + (text[end + 1:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n\n" + section
-    path.write_text(text)
-
-
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -790,7 +779,7 @@ def main() -> int:
         text = report(json.loads(args.from_json.read_text()))
         print(text)
         if args.docs:
-            write_docs(Path(args.docs), text)
+            replace_section(Path(args.docs), SECTION_TITLE, text)
         return 0
     budget = Budget(args.budget_s)
 
@@ -894,7 +883,7 @@ def main() -> int:
     text = report(data)
     print(text)
     if args.docs:
-        write_docs(Path(args.docs), text)
+        replace_section(Path(args.docs), SECTION_TITLE, text)
     return 0
 
 

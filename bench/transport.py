@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from docs_section import replace_section  # bench/docs_section.py (this folder is on sys.path)
 
 RESOLUTIONS = {"small": (240, 320, 3), "720p": (720, 1280, 3), "1080p": (1080, 1920, 3),
                "4K": (2160, 3840, 3)}
@@ -656,14 +657,6 @@ def _wrap(line: str) -> str:
                          break_long_words=False)
 
 
-def write_docs(path: Path, section: str) -> None:
-    text = path.read_text()
-    begin = text.index("## Frame transport")
-    end = text.find("\n## ", begin + 1)
-    end = len(text) if end < 0 else end + 1
-    path.write_text(text[:begin] + section + "\n" + text[end:])
-
-
 def parse_list(text: str, kind=str) -> list:
     return [kind(item) for item in text.split(",") if item]
 
@@ -718,7 +711,7 @@ def main() -> None:
         text = markdown(result, result["meta"]["command"], args.from_json)
         print(text)
         if args.docs:
-            write_docs(Path(args.docs), text)
+            replace_section(Path(args.docs), "## Frame transport", text)
         return
 
     import torch
@@ -795,7 +788,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if args.docs:
-        write_docs(Path(args.docs), text)
+        replace_section(Path(args.docs), "## Frame transport", text)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ MISSING_REASON = (
     "gstreamer1.0-plugins-base gstreamer1.0-plugins-good)"
 )
 
-# argv: port width height fps. A moving ball, MJPEG over RTP, shared by every client.
+# argv: port width height fps encoding. A moving ball over RTP, shared by every client: MJPEG, or
+# H.264 (x264enc where GStreamer has it, else openh264enc; a keyframe a second, its SPS/PPS in the
+# SDP and before each keyframe).
 _SERVER = r'''
 import sys
 import gi
@@ -34,16 +36,24 @@ gi.require_version("Gst", "1.0")
 gi.require_version("GstRtspServer", "1.0")
 from gi.repository import GLib, Gst, GstRtspServer
 
-port, width, height, fps = sys.argv[1:5]
+port, width, height, fps, encoding = sys.argv[1:6]
 Gst.init(None)
+if encoding == "jpeg":
+    encode = "jpegenc ! rtpjpegpay name=pay0 pt=26"
+elif Gst.ElementFactory.find("x264enc"):
+    encode = (f"x264enc tune=zerolatency speed-preset=superfast key-int-max={fps} bframes=0 "
+              "! h264parse ! rtph264pay name=pay0 pt=96 config-interval=1")
+elif Gst.ElementFactory.find("openh264enc"):
+    encode = f"openh264enc gop-size={fps} ! h264parse ! rtph264pay name=pay0 pt=96 config-interval=1"
+else:
+    sys.exit("no H.264 encoder in GStreamer (x264enc or openh264enc)")
 server = GstRtspServer.RTSPServer()
 server.set_address("127.0.0.1")
 server.set_service(port)
 factory = GstRtspServer.RTSPMediaFactory()
 factory.set_launch(
     "( videotestsrc is-live=true pattern=ball "
-    f"! video/x-raw,format=I420,width={width},height={height},framerate={fps}/1 "
-    "! jpegenc ! rtpjpegpay name=pay0 pt=26 )"
+    f"! video/x-raw,format=I420,width={width},height={height},framerate={fps}/1 ! {encode} )"
 )
 factory.set_shared(True)
 server.get_mount_points().add_factory("/cam", factory)
@@ -88,8 +98,11 @@ class RtspPeer:
     """`rtsp://127.0.0.1:<port>/cam`; `start()` returns once it listens, `kill()` is a crash."""
 
     def __init__(self, python: str, port: int | None = None, *, width: int = 320,
-                 height: int = 240, fps: int = 25) -> None:
+                 height: int = 240, fps: int = 25, encoding: str = "jpeg") -> None:
+        if encoding not in ("jpeg", "h264"):
+            raise ValueError(f"an RTSP peer sends jpeg or h264, not {encoding!r}")
         self.python = python
+        self.encoding = encoding
         self.port = port or free_port()
         self.width, self.height, self.fps = width, height, fps
         self.process: subprocess.Popen[bytes] | None = None
@@ -103,7 +116,7 @@ class RtspPeer:
         self._stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
             [self.python, "-c", _SERVER, str(self.port), str(self.width), str(self.height),
-             str(self.fps)],
+             str(self.fps), self.encoding],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr,
         )
         assert self.process.stdout is not None

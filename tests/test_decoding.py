@@ -610,47 +610,12 @@ def test_a_failing_gpu_decoder_falls_back_while_the_groups_other_camera_publishe
 
 # --- an RTSP camera --------------------------------------------------------------------------------
 
-# tests/rtsp_peer.py's server with H.264 instead of MJPEG (x264enc where GStreamer has it, else
-# openh264enc): a keyframe a second, its SPS/PPS in the SDP and before each keyframe.
-H264_SERVER = r'''
-import sys
-import gi
-gi.require_version("Gst", "1.0")
-gi.require_version("GstRtspServer", "1.0")
-from gi.repository import GLib, Gst, GstRtspServer
-
-port, width, height, fps = sys.argv[1:5]
-Gst.init(None)
-if Gst.ElementFactory.find("x264enc"):
-    encoder = f"x264enc tune=zerolatency speed-preset=superfast key-int-max={fps} bframes=0"
-elif Gst.ElementFactory.find("openh264enc"):
-    encoder = f"openh264enc gop-size={fps}"
-else:
-    sys.exit("no H.264 encoder in GStreamer (x264enc or openh264enc)")
-server = GstRtspServer.RTSPServer()
-server.set_address("127.0.0.1")
-server.set_service(port)
-factory = GstRtspServer.RTSPMediaFactory()
-factory.set_launch(
-    "( videotestsrc is-live=true pattern=ball "
-    f"! video/x-raw,format=I420,width={width},height={height},framerate={fps}/1 "
-    f"! {encoder} ! h264parse ! rtph264pay name=pay0 pt=96 config-interval=1 )"
-)
-factory.set_shared(True)
-server.get_mount_points().add_factory("/cam", factory)
-if server.attach(None) == 0:
-    sys.exit("cannot listen on port " + port)
-print("ready", flush=True)
-GLib.MainLoop().run()
-'''
-
 
 @pytest.fixture
-def h264_rtsp_camera(gst_python, monkeypatch):
+def h264_rtsp_camera(gst_python):
     import rtsp_peer
 
-    monkeypatch.setattr(rtsp_peer, "_SERVER", H264_SERVER)
-    peer = rtsp_peer.RtspPeer(gst_python, width=320, height=240, fps=25)
+    peer = rtsp_peer.RtspPeer(gst_python, width=320, height=240, fps=25, encoding="h264")
     peer.start()
     try:
         yield peer
