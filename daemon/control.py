@@ -178,6 +178,9 @@ def assignment(supervisor: Supervisor, spec: WorkerSpec) -> Assignment:
     hold = any(held.name == spec.name for held in supervisor.captures_held)
     if hold:
         supervisor.captures_told_to_hold.add(spec.name)
+        worker = supervisor.workers.get(spec.name)
+        if worker is not None:
+            worker.held = True
     return Assignment(worker=spec.name, config=msgspec.json.encode(config),
                       camera_ids=list(spec.camera_ids), device=spec.device,
                       standby=spec.standby, track_ids=track_ids, hold=hold)

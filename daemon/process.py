@@ -115,6 +115,7 @@ class WorkerProcess:
     restarts: int = 0
     consecutive_failures: int = 0
     started_monotonic: float = 0.0
+    held: bool = False  # told to wait for Release before booting (Note [Boot order])
     last_heartbeat_monotonic: float = 0.0
     next_start_monotonic: float = 0.0
     stop_deadline_monotonic: float = 0.0  # stopping: SIGKILL when this passes
@@ -184,6 +185,7 @@ class WorkerProcess:
         self.secret = secret
         now = time.monotonic()
         self.started_monotonic = self.last_heartbeat_monotonic = now
+        self.held = False  # its Assignment says (Note [Boot order])
         self.abort_sent_monotonic = self.kill_sent_monotonic = None
         self.reports, self.stages, self.boot_error, self.trouble = [], {}, "", ""
         self.rejected_messages = 0

@@ -35,8 +35,10 @@ Note [Boot order]
     (imports, torch and the CUDA context: 4.8 s of the 5.6-8.3 s a capture worker of 8 cameras
     took to boot on the H200, then serial after the detection worker's 23 s) while the inference
     workers boot, and open their sources and stream when the supervisor sends Release. A held
-    worker's boot is timed (daemon.boot_timeout_s) from its release. A capture worker started
-    later (a restart) is not held.
+    worker's boot is timed (daemon.boot_timeout_s) from its release; until then, once it has
+    prepared, it is judged by its heartbeats, as a running worker is, so that inference slower
+    than the boot timeout does not get it killed. A capture worker started later (a restart) is
+    not held.
 """
 
 from __future__ import annotations
@@ -234,6 +236,7 @@ class Supervisor:
                 self.captures_told_to_hold.discard(spec.name)
                 worker = self.workers.get(spec.name)
                 if worker is not None and worker.state is S.BOOTING:
+                    worker.held = False
                     worker.started_monotonic = time.monotonic()  # its boot is timed from here
                     self.control.send_to(spec.name, Release(worker=spec.name))
             # else: its Hello has not come yet, and its Assignment will not hold it

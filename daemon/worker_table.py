@@ -201,9 +201,13 @@ class WorkerTable:
                               worker.name, worker.pid, now - worker.abort_sent_monotonic)
                     worker.signal(signal.SIGKILL)
                 continue
-            if worker.state is S.BOOTING and now - worker.started_monotonic > daemon.boot_timeout_s:
+            # A held worker (Note [Boot order]) that has prepared and waits for its release
+            # heartbeats: it is judged as a running one until released, then its boot is timed.
+            waiting = worker.held and worker.last_heartbeat_monotonic > worker.started_monotonic
+            if (worker.state is S.BOOTING and not waiting
+                    and now - worker.started_monotonic > daemon.boot_timeout_s):
                 worker.detail = f"hung: did not start within {daemon.boot_timeout_s:g} s"
-            elif (worker.state in (S.RUNNING, S.STANDBY)
+            elif ((worker.state in (S.RUNNING, S.STANDBY) or waiting)
                   and now - worker.last_heartbeat_monotonic > daemon.heartbeat_timeout_s):
                 worker.detail = (f"hung: no heartbeat for "
                                  f"{now - worker.last_heartbeat_monotonic:.1f} s")

@@ -61,6 +61,40 @@ def test_on_a_gpu_capture_is_held_until_the_inference_workers_are_up(runtime_dir
     assert len(sent) == 1 and len(started) == 5  # each started and released once
 
 
+def test_a_held_worker_waiting_for_its_release_is_judged_by_its_heartbeats(runtime_dir,
+                                                                            monkeypatch):
+    """Held past daemon.boot_timeout_s (inference slow to boot) is not hung while it heartbeats;
+    silent, or still preparing past the boot timeout, it is."""
+    import time
+
+    from facecast.daemon.layout import WorkerSpec
+
+    supervisor, _ = _supervisor(runtime_dir, 1, monkeypatch)
+    daemon = supervisor.config.daemon
+    aborted: list[str] = []
+    now = time.monotonic()
+
+    def held_worker(name: str, heartbeat_ago_s: float | None) -> WorkerProcess:
+        worker = WorkerProcess(WorkerSpec(name, "capture", ("cam0",), "cuda:0"))
+        worker.state, worker.held = WorkerState.BOOTING, True
+        worker.started_monotonic = now - daemon.boot_timeout_s - 5
+        worker.last_heartbeat_monotonic = (worker.started_monotonic if heartbeat_ago_s is None
+                                           else now - heartbeat_ago_s)
+        monkeypatch.setattr(worker, "alive", lambda: True, raising=False)
+        monkeypatch.setattr(worker, "signal", lambda signum, w=worker: aborted.append(w.name),
+                            raising=False)
+        supervisor.workers._workers[name] = worker
+        return worker
+
+    held_worker("capture:waiting", heartbeat_ago_s=0.5)
+    held_worker("capture:silent", heartbeat_ago_s=daemon.heartbeat_timeout_s + 1)
+    held_worker("capture:preparing", heartbeat_ago_s=None)  # no heartbeat since it started
+    supervisor.workers.check_liveness(daemon)
+    assert sorted(aborted) == ["capture:preparing", "capture:silent"]
+    assert "did not start within" in supervisor.workers.get("capture:preparing").detail
+    assert "no heartbeat for" in supervisor.workers.get("capture:silent").detail
+
+
 def test_on_the_cpu_everything_starts_at_once(runtime_dir, monkeypatch):
     supervisor, started = _supervisor(runtime_dir, 0, monkeypatch)
     supervisor._start_workers()
