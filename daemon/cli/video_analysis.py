@@ -424,8 +424,8 @@ class Settings:
     landmarks: bool = False  # the 1,434 landmark columns
     detect_interval_s: float = 0.5  # the config's daemon.detect_interval_s
     resume_every_frames: int = RESUME_EVERY_FRAMES
-    # `<name>.faces.parquet` too, made from the finished CSV (pyarrow: Note [Parquet from the
-    # finished CSV] in facecast.daemon.cli.analysis_parquet).
+    # `<name>.faces.parquet` too, made from the finished CSV (pyarrow,
+    # daemon/cli/analysis_parquet.py: Note [Parquet from the finished CSV]).
     parquet: bool = False
     pose: bool = False  # `<name>.pose.csv` (Note [Body pose offline]); needs a pose pipeline
     participants: bool = False  # Note [Participants offline]; needs an identities factory
