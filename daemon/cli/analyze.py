@@ -52,7 +52,13 @@ def add_arguments(parser) -> None:
                         "and embed_interval_s): columns participant and identity_confidence")
     parser.add_argument("--device", default="auto",
                         help="where the face stack runs: auto (default: the first CUDA GPU torch "
-                        "sees, else the CPU), cpu, cuda or cuda:N; decoding is PyAV's on the CPU")
+                        "sees, else the CPU), cpu, cuda or cuda:N")
+    parser.add_argument("--decode", choices=("auto", "gpu", "cpu"), default="auto",
+                        help="who decodes the files: auto (default) and gpu: NVDEC on the stack's "
+                        "GPU for H.264/H.265 (frames stay on the GPU), PyAV on the CPU where "
+                        "NVDEC cannot (no GPU stack, pynvvideocodec missing, another codec, a "
+                        "failure mid-file: the rest of that file), the reason said once; cpu: "
+                        "PyAV always")
     parser.add_argument("--restart", action="store_true",
                         help="analyse every file from its start, even where an earlier run "
                         "finished or stopped part-way (default: resume it, or skip a finished one)")
@@ -83,7 +89,7 @@ def main(args) -> int:
     settings = video_analysis.Settings(landmarks=args.landmarks,
                                        detect_interval_s=config.daemon.detect_interval_s,
                                        parquet=parquet, pose=args.pose,
-                                       participants=args.participants)
+                                       participants=args.participants, decode=args.decode)
     import torch
 
     # Note [One thread on the CPU]
@@ -109,8 +115,6 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        # Decoding is PyAV's on the CPU (decoding with NVDEC: the capture worker's decoder, not
-        # wired here yet).
         analyzer = video_analysis.build_analyzer(config, device, settings)
     except BootError as exc:
         print(f"facecast: cannot load the models: {exc}", file=sys.stderr)
@@ -128,10 +132,18 @@ def main(args) -> int:
         elif item.resumed_from_frame and not args.quiet and not args.json:
             print(f"{item.video}: resuming at frame {item.resumed_from_frame}")
     working = any(not item.problem and not item.done for item in files)
+    decoders = _DecoderNotices(analyzer, args.decode, quiet=args.quiet)
+    decoders.say_run()
     shown = _JsonProgress(files) if args.json else (
         None if args.quiet or not working else _Bars(files))
+
+    def on_progress(item) -> None:
+        decoders(item)
+        if shown is not None:
+            shown(item)
+
     try:
-        analyzer.run(files, on_progress=shown)
+        analyzer.run(files, on_progress=on_progress)
     except KeyboardInterrupt:
         if shown is not None:
             shown.close()
@@ -184,6 +196,47 @@ def _summary_line(summary: dict) -> str:
         line += (f"\n  {summary['frames_concealed']} frame(s) decoded with errors concealed "
                  "(measured; `problem` says so)")
     return line
+
+
+class _DecoderNotices:
+    """Note [Analysis on NVDEC]: why files are decoded on the CPU, on stderr, once: the run's
+    reason (the GPU asked for and not usable here) before the work, a file's when it is seen
+    (its codec at open, a failure mid-file when it happens). Said where the GPU decoder could
+    have been expected: `--decode gpu`, or auto with the stack on a GPU."""
+
+    def __init__(self, analyzer, requested: str, quiet: bool) -> None:
+        import torch
+
+        self.analyzer = analyzer
+        self.quiet = quiet
+        on_gpu = torch.device(analyzer.pipeline.device).type == "cuda"
+        self.wanted = requested == "gpu" or (requested == "auto" and on_gpu)
+        self._said: dict[int, int] = {}
+
+    def say_run(self) -> None:
+        problem = self.analyzer.gpu_decode_problem
+        if self.wanted and problem and not self.quiet:
+            print(f"facecast: decoding on the CPU (PyAV): --decode {self.analyzer.settings.decode}"
+                  f", but {problem}", file=sys.stderr, flush=True)
+
+    def __call__(self, item) -> None:
+        events = getattr(item.decoder, "events", None)
+        if not events:
+            return
+        said = self._said.get(id(item), 0)
+        if said == 0:
+            said = 1  # the first: said here only when the GPU was tried and refused the file
+            first = events[0]
+            if (self.wanted and self.analyzer.gpu_decode_problem is None
+                    and first.decoder.startswith("PyAV") and not self.quiet):
+                print(f"facecast: {item.video}: decoding on the CPU (PyAV): {first.reason}",
+                      file=sys.stderr, flush=True)
+        for event in events[said:]:
+            if not self.quiet:
+                print(f"facecast: {item.video}: {event.decoder} decodes from frame "
+                      f"{event.at_frame} on: {event.reason}", file=sys.stderr, flush=True)
+            said += 1
+        self._said[id(item)] = said
 
 
 class _Bars:

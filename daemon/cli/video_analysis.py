@@ -160,14 +160,17 @@ class DecodedFrame:
     index: int  # the decoder's count from 0 (Note [Frames that are not in the table])
     pts: int | None  # presentation timestamp in the stream's time base (None: unknown)
     pts_s: float | None  # the same in seconds
-    image: np.ndarray | None  # HxWx3 uint8 BGR; None when the frame could not be read
+    # HxWx3 uint8 BGR (a numpy array, or a tensor on the GPU from NVDEC); None when the frame
+    # could not be read
+    image: np.ndarray | torch.Tensor | None
     problem: str = ""  # why it could not be read, or what was wrong with it ("" when fine)
 
 
 class FrameDecoder(ABC):
     """A video file's frames in presentation order. `PyAvDecoder` is the CPU implementation;
-    an NVDEC decoder handing frames that are already on the GPU (as uint8 HxWx3 tensors, which
-    FacePipeline takes as they are) is a second implementation of this interface."""
+    facecast.daemon.cli.analysis_decoding's NVDEC decoder hands frames that are already on the
+    GPU (uint8 HxWx3 tensors, which FacePipeline takes as they are), PyAV's for the rest of a
+    file where NVDEC cannot go on (Note [Analysis on NVDEC])."""
 
     fps: float  # the stream's nominal rate (0.0 when the file does not say)
     expected_frames: int  # what the container's header says it holds (0: it does not say)
@@ -285,6 +288,12 @@ class FramesAhead:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
             end = _Ended(exc)
+        finally:
+            # Ended on this thread, whatever the reader did: a GPU decoder is let go on the
+            # thread that used it (Note [Analysis on NVDEC]).
+            close = getattr(frames, "close", None)
+            if close is not None:
+                close()
         self._put(end)
 
     def _put(self, item) -> bool:
@@ -431,6 +440,8 @@ class Settings:
     participants: bool = False  # Note [Participants offline]; needs an identities factory
     # Note [Decoding ahead]; off: each frame decoded when the models want it (the same table).
     decode_ahead: bool = True
+    # Note [Analysis on NVDEC] (facecast.daemon.cli.analysis_decoding): "auto", "gpu" or "cpu".
+    decode: str = "auto"
 
 
 Progress = Callable[[FileAnalysis], None]
@@ -461,6 +472,11 @@ class Analyzer:
             list(PARTICIPANT_COLUMNS) if settings.participants else [])
         self.pose_channels = pose_channels()
         self.pose_columns = list(LEADING_COLUMNS) + [label for label, *_ in self.pose_channels]
+        from facecast.daemon.cli import analysis_decoding
+
+        # Why no file is decoded on the GPU in this run (None: each is tried on NVDEC).
+        self.gpu_decode_problem = analysis_decoding.gpu_decode_problem(
+            settings.decode, torch.device(pipeline.device))
 
     def settings_key(self) -> dict:
         """What a table depends on besides the video: a resume with other settings starts over."""
@@ -490,13 +506,22 @@ class Analyzer:
                 continue
             seen[table.resolve()] = video
             try:
-                item.decoder = PyAvDecoder(video)
+                item.decoder = self._open_decoder(video)
             except VideoError as exc:
                 item.problem = str(exc)
                 continue
             item.capture_ts, item.capture_ts_source = read_sidecar(video)
             self._start(item, restart)
         return files
+
+    def _open_decoder(self, video: Path) -> FrameDecoder:
+        """NVDEC where it takes the file, PyAV on the CPU for the rest (Note [Analysis on
+        NVDEC]); VideoError when the file cannot be read at all."""
+        from facecast.daemon.cli import analysis_decoding
+
+        return analysis_decoding.open_decoder(video, self.settings.decode,
+                                              self.gpu_decode_problem,
+                                              torch.device(self.pipeline.device))
 
     def _video_identity(self, item: FileAnalysis) -> dict:
         stat = item.video.stat()
@@ -645,7 +670,13 @@ class Analyzer:
                     if getattr(item, table) is not None:
                         getattr(item, table).close()
                         setattr(item, table, None)
-                stopped = not isinstance(item._frames, FramesAhead) or item._frames.close()
+                if isinstance(item._frames, FramesAhead):
+                    stopped = item._frames.close()
+                else:
+                    stopped = True
+                    close = getattr(item._frames, "close", None)
+                    if close is not None:  # a generator: ended on this thread, which ran it
+                        close()
                 if not stopped:  # closing the container under a running decoder would crash
                     log.warning("%s: its decoding thread did not stop within %.0f s; its file "
                                 "stays open until this process ends", item.video,
@@ -711,6 +742,11 @@ class Analyzer:
     def _measure(self, batch: list[tuple[FileAnalysis, DecodedFrame]]) -> None:
         camera_ids = [item.camera_id for item, _ in batch]
         images = [frame.image for _, frame in batch]
+        if not all(isinstance(image, np.ndarray) for image in images):
+            # Frames of NVDEC (tensors on the GPU) with a file's frames of PyAV: one kind of
+            # frame in a batch (FrameBatch moves the host ones to the device).
+            images = [torch.from_numpy(image) if isinstance(image, np.ndarray) else image
+                      for image in images]
         due = []  # the detection worker's `_due` on the video's clock (Note [Analysis as live])
         for index, (item, frame) in enumerate(batch):
             pts_s = frame.pts_s if frame.pts_s is not None else item._last_pass_pts_s
@@ -779,7 +815,8 @@ class Analyzer:
         named = [(track_id, face) for track_id, face in zip(ids, faces) if track_id is not None]
         who = item.identities.identify([FrameFaces(
             camera_id=item.camera_id, capture_ts_lsl=_frame_time_s(item, frame),
-            tensor=torch.from_numpy(frame.image), track_ids=[track_id for track_id, _ in named],
+            tensor=(torch.from_numpy(frame.image) if isinstance(frame.image, np.ndarray)
+                    else frame.image), track_ids=[track_id for track_id, _ in named],
             boxes_px=[face.box for _, face in named],
             landmarks_px=[face.landmarks for _, face in named])])[0]
         by_track = {track_id: identity for (track_id, _), identity in zip(named, who)}
@@ -895,7 +932,9 @@ class Analyzer:
             "frames_per_s": round(counts.frames / item.seconds, 2) if item.seconds > 0 else None,
             "resumed_from_frame": item.resumed_from_frame,
             "capture_timestamps": item.capture_ts_source,
-            "device": str(self.pipeline.device), "decoder": "PyAV (CPU)",
+            "device": str(self.pipeline.device),
+            "decoder": _describe_decoder(item.decoder),
+            "decoder_changes": [vars(event) for event in getattr(item.decoder, "events", [])],
             "landmarker": self.pipeline.landmarker,
             "landmarker_problem": self.landmarker_problem or None,
             "columns": ([{"name": name, "unit": unit} for name, unit in
@@ -909,6 +948,14 @@ class Analyzer:
                                  for label, unit, *_ in self.pose_channels]}
                if self.pose_pipeline is not None else {}),
         }
+
+
+def _describe_decoder(decoder: FrameDecoder | None) -> str | None:
+    """Which decoder gave the file's frames (Note [Analysis on NVDEC])."""
+    if decoder is None:
+        return None
+    describe = getattr(decoder, "describe", None)
+    return describe() if describe is not None else "PyAV (CPU)"
 
 
 def _frame_time_s(item: FileAnalysis, frame: DecodedFrame) -> float:
