@@ -523,22 +523,19 @@ def gpu_decode_source_problem(source: str | int) -> str:
     known only once it is open). From the source's text alone, as config validation must
     (STYLE §10): no file is opened and no GPU asked."""
     # Imported here: camera_sources imports this module.
-    from facecast.shared.camera_sources import ENCODED_SYNTHETIC_CODECS, SourceConfigError, source_kind
+    from facecast.shared.camera_sources import SourceConfigError, source_kind
 
     try:
         kind = source_kind(source)
     except SourceConfigError:
         return ""  # the source's own error says what is wrong (check-config, the capture worker)
-    allowed = ('allowed for H.264/H.265 video: a video file, an rtsp:// or http:// stream, '
-               '"synthetic-h264"')
+    allowed = ('allowed for H.264/H.265 and MJPEG video: a video file, an rtsp:// or http:// '
+               'stream, "synthetic-h264", "synthetic-mjpeg"')
     if kind in ("synthetic", "synthetic-replay"):
         return f"source {source!r} makes raw frames: there is nothing to decode ({allowed})"
     if kind == "v4l2":
-        return (f"source {source!r} is a V4L2 camera, decoded by OpenCV on the CPU (MJPEG on "
-                f"the GPU is not built yet; {allowed})")
-    if kind in ENCODED_SYNTHETIC_CODECS and ENCODED_SYNTHETIC_CODECS[kind] != "h264":
-        return (f"source {source!r} is MJPEG, decoded on the CPU (MJPEG on the GPU is not built "
-                f"yet; {allowed})")
+        return (f"source {source!r} is a V4L2 camera, decoded by OpenCV on the CPU (its MJPEG "
+                f"is not handed to the GPU yet; {allowed})")
     return ""
 
 

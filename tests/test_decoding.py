@@ -60,7 +60,6 @@ NO_NVDEC = "pynvvideocodec is not installed (pip install 'facecast[gpu]')"
     (DecodeRequest("auto", "cuda:0"), "synthetic-replay", "none", "makes raw frames"),
     (DecodeRequest("cpu", "cuda:0"), "file", "cpu", 'decode = "cpu"'),
     (DecodeRequest("auto", "cuda:0"), "v4l2", "cpu", "a V4L2 camera: OpenCV decodes"),
-    (DecodeRequest("gpu", "cuda:0"), "synthetic-mjpeg", "cpu", "MJPEG: decoded on the CPU"),
     (DecodeRequest("gpu", "cuda:0", gpu_failed="NVDEC failed on a packet (boom)"), "stream",
      "cpu", "its GPU decoder failed mid-stream (NVDEC failed on a packet (boom)); on the CPU "
      "decoder until its capture worker restarts"),
@@ -166,7 +165,6 @@ def test_decode_is_inherited_and_overridden():
 @pytest.mark.parametrize("source, problem", [
     ("synthetic", "makes raw frames: there is nothing to decode"),
     ("synthetic-replay", "makes raw frames"),
-    ("synthetic-mjpeg", "is MJPEG, decoded on the CPU"),
     ("/dev/video0", "is a V4L2 camera, decoded by OpenCV on the CPU"),
     (0, "is a V4L2 camera"),
 ])
@@ -176,7 +174,7 @@ def test_decode_gpu_for_a_source_it_can_never_decode_is_a_config_error(source, p
         config_mod.loads(f'[[cameras]]\nid = "cam"\nsource = {value}\ndecode = "gpu"\n')
     text = str(caught.value)
     assert "cameras[0].decode: camera 'cam' asks for decode = \"gpu\", but" in text, text
-    assert problem in text and "allowed for H.264/H.265 video" in text, text
+    assert problem in text and "allowed for H.264/H.265 and MJPEG video" in text, text
     # daemon.decode = "gpu" is for every camera the GPU can take: not an error.
     config_mod.loads(f'[daemon]\ndecode = "gpu"\n[[cameras]]\nid = "cam"\nsource = {value}\n')
 
@@ -432,9 +430,8 @@ def test_the_gpu_paths_synthetic_camera_shows_its_truth(cpu_nvdec):
 
 
 @pytest.mark.parametrize("name, codec, pix_fmt, reason", [
-    ("mjpeg.avi", "mjpeg", "yuvj420p", "its video is mjpeg; the GPU decoder takes H.264 and "
-     "H.265 (MJPEG on the GPU is not built yet)"),
-    ("mpeg4.mp4", "mpeg4", "yuv420p", "its video is mpeg4; the GPU decoder takes H.264 and H.265"),
+    ("mpeg4.mp4", "mpeg4", "yuv420p", "its video is mpeg4; the GPU decoders take H.264 and H.265 "
+     "(NVDEC) and MJPEG (nvJPEG)"),
     ("444.mp4", "libx264", "yuv444p", "its video is H.264 High 4:4:4 Predictive 320x240 yuv444p: "
      "the GPU path converts 8-bit 4:2:0 only"),
 ])
@@ -643,8 +640,12 @@ def test_an_h264_rtsp_camera_on_the_gpu_path(cpu_nvdec, h264_rtsp_camera):
         assert 0 < float(frame.float().mean()) < 128
 
 
-def test_an_mjpeg_rtsp_camera_asking_for_the_gpu_is_decoded_on_the_cpu(cpu_nvdec, gst_python):
+def test_an_mjpeg_rtsp_camera_asking_for_the_gpu_without_nvimgcodec_is_decoded_on_the_cpu(
+        cpu_nvdec, gst_python, monkeypatch):
     import rtsp_peer
+
+    no_nvjpeg = "nvidia-nvimgcodec-cu13 is not installed (pip install 'facecast[gpu]')"
+    monkeypatch.setattr(decoding, "nvjpeg_unavailable_reason", lambda: no_nvjpeg)
 
     peer = rtsp_peer.RtspPeer(gst_python, width=320, height=240, fps=25)
     peer.start()
@@ -653,9 +654,7 @@ def test_an_mjpeg_rtsp_camera_asking_for_the_gpu_is_decoded_on_the_cpu(cpu_nvdec
         with open_source(camera, open_timeout_s=5.0, read_timeout_s=5.0,
                          decode=DecodeRequest("gpu", "cuda:0")) as opened:
             assert not opened.on_device
-            assert opened.decode == DecodeChoice("cpu", 'decode = "gpu", but its video is '
-                                                 "mjpeg; the GPU decoder takes H.264 and H.265 "
-                                                 "(MJPEG on the GPU is not built yet)")
+            assert opened.decode == DecodeChoice("cpu", f'decode = "gpu", but {no_nvjpeg}')
             frame, _ = opened.read()
             assert frame.shape == (240, 320, 3)
     finally:

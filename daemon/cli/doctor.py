@@ -214,7 +214,9 @@ def check_nvdec(loaded: config.Config | None = None,
     from facecast.workers.capture import decoding
 
     reason = decoding.nvdec_unavailable_reason()
-    lines = []
+    jpeg_reason = decoding.nvjpeg_unavailable_reason()  # MJPEG cameras (Note [nvJPEG path])
+    lines = [f"nvJPEG (MJPEG cameras): unavailable: {jpeg_reason}" if jpeg_reason else
+             "nvJPEG (MJPEG cameras): available (nvidia-nvimgcodec-cu13)"]
     if loaded is not None:
         import torch
 
@@ -226,10 +228,11 @@ def check_nvdec(loaded: config.Config | None = None,
                 continue  # check-config and the transport check say what is wrong with it
             device = f"cuda:{max(camera.gpu, 0)}" if on_gpu else "cpu"
             request = decoding.DecodeRequest(loaded.decode_for(camera), device)
-            choice = decoding.plan(request, kind, nvdec_reason=lambda: reason)
+            choice = decoding.plan(request, kind, nvdec_reason=lambda: reason,
+                                   nvjpeg_reason=lambda: jpeg_reason)
             told = (f"{choice.decoder}: {choice.reason}" if choice is not None else
-                    "gpu where its video is H.264/H.265, 8-bit 4:2:0 (known when it opens), "
-                    "else cpu, with the reason in status")
+                    "gpu where its video is H.264/H.265, 8-bit 4:2:0, or MJPEG (known when it "
+                    "opens), else cpu, with the reason in status")
             lines.append(f"camera {camera.id}: {request.asked()} -> {told}")
     if reason:
         return CheckResult("NVDEC", WARN, f"GPU decoding unavailable: {reason}; H.264/H.265 "

@@ -1,42 +1,53 @@
-"""Which decoder a camera's compressed video gets, and why: NVDEC on the GPU or OpenCV/FFmpeg on
-the CPU.
+"""Which decoder a camera's compressed video gets, and why: NVDEC (H.264/H.265) or nvJPEG through
+nvImageCodec (MJPEG) on the GPU, or OpenCV/FFmpeg on the CPU.
 
 Runs in the capture worker (and `facecast doctor` asks the same questions). The decisions here
 are pure functions of the config, the source's kind and what this process can see, so that every
-reason can be tested on any machine; the GPU decoder itself (facecast.workers.capture.nvdec) is
-imported only where it is tried, and nothing here imports torch or PyNvVideoCodec before a GPU
-is known to be in play (tests/test_import_weight.py: a CPU capture worker never loads torch).
+reason can be tested on any machine; the GPU decoders themselves (facecast.workers.capture.nvdec,
+.nvjpeg) are imported only where they are tried, and nothing here imports torch, PyNvVideoCodec
+or nvImageCodec before a GPU is known to be in play (tests/test_import_weight.py: a CPU capture
+worker never loads torch).
 
 Note [Decoder choice]
     `decode = "auto" | "gpu" | "cpu"` (daemon.decode, overridable per camera). A camera gets one
-    `DecodeChoice` each time its source opens: a decoder ("gpu": NVDEC through PyNvVideoCodec,
-    frames written into the camera's GPU ring without a host copy; "cpu": OpenCV's FFMPEG
+    `DecodeChoice` each time its source opens: a decoder ("gpu": NVDEC through PyNvVideoCodec
+    for H.264/H.265, nvJPEG through nvImageCodec for MJPEG (Note [nvJPEG path]), frames written
+    into the camera's GPU ring without a host copy; "cpu": OpenCV's FFMPEG
     backend, today's path; "none": a synthetic source's raw frames) and the reason, which the
     capture worker logs, puts on the Markers stream (a `decoder` event when it changes), hands
     to status, and names in its heartbeat's trouble when the GPU was asked for and not given.
     In order, `plan` decides:
     - raw frames ("synthetic", "synthetic-replay"): "none", nothing to decode;
     - decode = "cpu": the CPU, as asked;
-    - what the GPU path does not take (a V4L2 camera, MJPEG): the CPU, saying so;
+    - what the GPU path does not take (a V4L2 camera: OpenCV's V4L2 backend decodes its MJPEG
+      and hands over BGR; Note [nvJPEG path] says why its JPEG bytes are not taken yet): the
+      CPU, saying so;
     - a GPU decoder that failed mid-stream on this camera: the CPU for the rest of this capture
       worker's life (Note [GPU decoder failing mid-stream]);
     - a capture worker on the CPU (no GPU, or models.device = "cpu"): the CPU, since frames go
       to a shared-memory ring there and a GPU decode would be copied straight back;
-    - no NVDEC here (`nvdec_unavailable_reason`: no CUDA device, pynvvideocodec not installed
-      or not loadable, no libnvcuvid.so.1 in the driver): the CPU, with that reason;
+    - no GPU decoder for it here: "synthetic-mjpeg" asks `nvjpeg_unavailable_reason` (no CUDA
+      device, nvidia-nvimgcodec-cu13 not installed or not loadable), "synthetic-h264"
+      `nvdec_unavailable_reason` (no CUDA device, pynvvideocodec not installed or not
+      loadable, no libnvcuvid.so.1 in the driver); a file or stream, whose codec is known only
+      once it is open, goes to the CPU only when neither can be used (both reasons said), and
+      its open turns it to the CPU with the reason of the one its codec needs;
     - otherwise the GPU decoder is tried, and its open decides (nvdec.open_gpu_source): the
-      stream's codec (H.264 and H.265 only), its pixel format (8-bit 4:2:0 only, which NVDEC
-      hands over as NV12), and the decoder's creation, which happens at its first frame (NVDEC
-      engines or memory exhausted, a profile the GPU does not support) each turn the camera to
-      the CPU decoder with the reason (`GpuDecodeUnavailable`). A source that cannot be
-      reached at all (a peer down, no such file) is lost as before, whatever the decoder.
+      stream's codec (H.264 and H.265 on NVDEC, MJPEG on nvJPEG), its pixel format (8-bit
+      4:2:0 only, which NVDEC hands over as NV12), and the decoder's creation, which happens at
+      its first frame (NVDEC engines or memory exhausted, a profile the GPU does not support;
+      for MJPEG, neither nvImageCodec's hardware backend nor its default one decoding the first
+      JPEG) each turn the camera to the CPU decoder with the reason (`GpuDecodeUnavailable`).
+      A source that cannot be reached at all (a peer down, no such file) is lost as before,
+      whatever the decoder.
     decode = "gpu" differs from "auto" only in what it says: a camera that asked for the GPU
     and got the CPU is the capture worker's trouble in status, and config validation refuses
     it for a source that can never be decoded on the GPU (config.gpu_decode_source_problem).
     Nothing is ever refused at run time for the decoder: the CPU one always stays.
 
 Note [GPU decoder failing mid-stream]
-    An exception from NVDEC or the conversion after a camera's first frame is a
+    An exception from NVDEC, nvImageCodec (or a JPEG it gives no image for) or the conversion
+    after a camera's first frame is a
     `GpuDecodeFailed`: the camera's thread closes its GPU source, says so (a warning, a
     `decoder_fallback` event, status), and opens the source again at once with the CPU decoder,
     without the reconnect backoff of a lost camera; the group's other cameras never see it
@@ -65,7 +76,9 @@ GPU_CODECS = {"h264": "H.264", "hevc": "H.265"}
 # 8-bit 4:2:0, which NVDEC hands over as NV12 (the only layout nvdec.nv12_to_bgr converts).
 GPU_PIXEL_FORMATS = ("yuv420p", "yuvj420p")
 RAW_SOURCES = ("synthetic", "synthetic-replay")
-CPU_ONLY_SOURCES = RAW_SOURCES + ("v4l2", "synthetic-mjpeg")  # what the GPU path does not take
+JPEG_CODECS = {"mjpeg": "MJPEG"}  # what nvJPEG decodes (facecast.workers.capture.nvjpeg)
+CPU_ONLY_SOURCES = RAW_SOURCES + ("v4l2",)  # what the GPU path does not take
+NVIMGCODEC_MODULE = "nvidia.nvimgcodec"  # the wheel nvidia-nvimgcodec-cu13 (facecast[gpu])
 
 INJECT_FAILURE_ENV = "FACECAST_INJECT_DECODER_FAILURE"  # Note [GPU decoder failing mid-stream]
 ALLOW_FAULTS_ENV = "FACECAST_ALLOW_FAULT_INJECTION"  # the same switch as Note [Fault injection]
@@ -93,7 +106,7 @@ class GpuDecodeFailed(Exception):
 class DecodeChoice:
     """The decoder a camera's frames come from, and why (Note [Decoder choice])."""
 
-    decoder: str  # "gpu" (NVDEC), "cpu" (OpenCV/FFmpeg), "none" (raw frames)
+    decoder: str  # "gpu" (NVDEC or nvJPEG), "cpu" (OpenCV/FFmpeg), "none" (raw frames)
     reason: str
 
     def describe(self) -> str:
@@ -117,9 +130,11 @@ class DecodeRequest:
 
 
 def plan(request: DecodeRequest, source_kind: str,
-         nvdec_reason=lambda: nvdec_unavailable_reason()) -> DecodeChoice | None:
+         nvdec_reason=lambda: nvdec_unavailable_reason(),
+         nvjpeg_reason=lambda: nvjpeg_unavailable_reason()) -> DecodeChoice | None:
     """The decoder of Note [Decoder choice], or None: try the GPU (its open decides the rest).
-    `nvdec_reason()` is asked last, and only on a GPU worker (it imports torch)."""
+    `nvdec_reason()` and `nvjpeg_reason()` are asked last, and only on a GPU worker (they
+    import torch)."""
     if request.requested not in DECODE_MODES:
         raise ValueError(f"decode {request.requested!r} is not one of {', '.join(DECODE_MODES)}")
     if source_kind in RAW_SOURCES:
@@ -127,11 +142,8 @@ def plan(request: DecodeRequest, source_kind: str,
     if request.requested == "cpu":
         return DecodeChoice("cpu", 'decode = "cpu"')
     if source_kind == "v4l2":
-        return DecodeChoice("cpu", "a V4L2 camera: OpenCV decodes its frames on the CPU; MJPEG "
-                            "on the GPU is not built yet")
-    if source_kind == "synthetic-mjpeg":
-        return DecodeChoice("cpu", "MJPEG: decoded on the CPU; MJPEG on the GPU is not built "
-                            "yet")
+        return DecodeChoice("cpu", "a V4L2 camera: OpenCV decodes its frames on the CPU; its "
+                            "MJPEG is not handed to the GPU yet (Note [nvJPEG path])")
     if request.gpu_failed:
         return DecodeChoice("cpu", f"its GPU decoder failed mid-stream ({request.gpu_failed}); "
                             "on the CPU decoder until its capture worker restarts")
@@ -139,7 +151,18 @@ def plan(request: DecodeRequest, source_kind: str,
         return DecodeChoice("cpu", f"{request.asked()}, but its capture worker runs on the CPU "
                             "(no GPU here, or models.device = \"cpu\"): its frames go through "
                             "shared memory, so the CPU decodes them")
-    reason = nvdec_reason()
+    if source_kind == "synthetic-mjpeg":
+        reason = nvjpeg_reason()
+    elif source_kind == "synthetic-h264":
+        reason = nvdec_reason()
+    else:  # a file or a stream: its codec is known at open (nvdec.open_gpu_source)
+        reason = nvdec_reason()
+        if reason:
+            jpeg_reason = nvjpeg_reason()
+            if not jpeg_reason:
+                return None  # MJPEG would be decoded on the GPU; H.264 is told why not at open
+            if jpeg_reason != reason:
+                reason = f"{reason} (and for MJPEG, {jpeg_reason})"
     if reason:
         return DecodeChoice("cpu", f"{request.asked()}, but {reason}")
     return None
@@ -180,6 +203,31 @@ def nvdec_unavailable_reason() -> str | None:
     except OSError as exc:
         return (f"the NVIDIA driver's NVDEC library cannot be loaded ({exc}; in a container, "
                 "the driver capability 'video' is needed)")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def nvjpeg_unavailable_reason() -> str | None:
+    """Why nvImageCodec cannot decode JPEGs on the GPU in this process (None: it may; the
+    decoder's creation and the first JPEG still decide, Note [nvJPEG path]). Imports torch (and
+    nvImageCodec, which loads its own nvJPEG and CUDA runtime from the wheel); asked once per
+    process."""
+    from facecast.shared.transport.cuda_driver import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason:
+        return reason
+    try:
+        found = importlib.util.find_spec(NVIMGCODEC_MODULE)
+    except ModuleNotFoundError:  # no `nvidia` namespace package at all
+        found = None
+    if found is None:
+        return "nvidia-nvimgcodec-cu13 is not installed (pip install 'facecast[gpu]')"
+    try:
+        importlib.import_module(NVIMGCODEC_MODULE)
+    except Exception as exc:  # noqa: BLE001 - a missing libcuda or CUDA runtime: say which
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"nvImageCodec cannot be loaded ({first_line})"
     return None
 
 

@@ -342,12 +342,16 @@ class NvdecSource(FrameSource):
     def _start(self, reader: PacketReader, keyframe_deadline_s: float) -> torch.Tensor:
         """Check what the reader found, make the decoder, decode the first frame (Note [NVDEC
         path]); returns it (BGR). GpuDecodeUnavailable says why the GPU cannot take it."""
+        if reader.codec in decoding.JPEG_CODECS:
+            raise _MjpegFound(reader)  # nvJPEG's, the reader open (open_gpu_source)
         self.reader = reader
         if reader.codec not in GPU_CODECS:
-            later = " (MJPEG on the GPU is not built yet)" if reader.codec == "mjpeg" else ""
             raise GpuDecodeUnavailable(
-                f"its video is {reader.codec or 'of an unknown codec'}; the GPU decoder takes "
-                f"{' and '.join(GPU_CODECS.values())}{later}")
+                f"its video is {reader.codec or 'of an unknown codec'}; the GPU decoders take "
+                f"{' and '.join(GPU_CODECS.values())} (NVDEC) and MJPEG (nvJPEG)")
+        reason = decoding.nvdec_unavailable_reason()  # plan may have let it by for MJPEG
+        if reason:
+            raise GpuDecodeUnavailable(reason)
         if reader.pix_fmt and reader.pix_fmt not in GPU_PIXEL_FORMATS:
             raise GpuDecodeUnavailable(
                 f"its video is {reader.describe()}: the GPU path converts 8-bit 4:2:0 only")
@@ -676,17 +680,37 @@ class NvdecEncodedSyntheticSource(NvdecSource):
             encoded.close()
 
 
+class _MjpegFound(Exception):
+    """A file's or stream's video is MJPEG: nvJPEG's (Note [nvJPEG path]), with its reader,
+    which stays open so that an HTTP camera is not connected to twice."""
+
+    def __init__(self, reader: PacketReader) -> None:
+        super().__init__(reader.codec)
+        self.reader = reader
+
+
 def open_gpu_source(camera: CameraConfig, kind: str, request: DecodeRequest, *,
-                    open_timeout_s: float, read_timeout_s: float) -> NvdecSource:
-    """The camera's source on the GPU decoder; GpuDecodeUnavailable (the CPU decoder takes it),
-    or what the CPU source would raise for a source that cannot be reached at all."""
+                    open_timeout_s: float, read_timeout_s: float) -> FrameSource:
+    """The camera's source on the GPU decoder its codec needs (NVDEC, or nvJPEG for MJPEG:
+    facecast.workers.capture.nvjpeg); GpuDecodeUnavailable (the CPU decoder takes it), or what
+    the CPU source would raise for a source that cannot be reached at all."""
     if kind == "synthetic-h264":
         return NvdecEncodedSyntheticSource(camera, request)
-    if kind == "stream":
-        return NvdecStreamSource(camera, request, open_timeout_s=open_timeout_s,
-                                 read_timeout_s=read_timeout_s)
-    if kind == "file":
-        return NvdecFileSource(camera, request)
+    if kind == "synthetic-mjpeg":
+        from facecast.workers.capture import nvjpeg
+
+        return nvjpeg.open_jpeg_source(camera, kind, request)
+    try:
+        if kind == "stream":
+            return NvdecStreamSource(camera, request, open_timeout_s=open_timeout_s,
+                                     read_timeout_s=read_timeout_s)
+        if kind == "file":
+            return NvdecFileSource(camera, request)
+    except _MjpegFound as found:
+        from facecast.workers.capture import nvjpeg
+
+        return nvjpeg.open_jpeg_source(camera, kind, request, found.reader,
+                                       read_timeout_s=read_timeout_s)
     raise GpuDecodeUnavailable(f"a {kind} source is not decoded on the GPU")
 
 

@@ -29,8 +29,10 @@ Kinds, chosen from `CameraConfig.source`:
 
 These are the CPU decoder's sources. H.264/H.265 files and streams and "synthetic-h264" may be
 decoded on the GPU instead (facecast.workers.capture.nvdec, the same kinds' NVDEC twins, whose
-`read()` gives a torch tensor on the camera's GPU): `open_source(camera, decode=...)` chooses,
-and every source's `decode` says which decoder it got and why (Note [Decoder choice]).
+`read()` gives a torch tensor on the camera's GPU), and MJPEG files and streams and
+"synthetic-mjpeg" by nvJPEG (facecast.workers.capture.nvjpeg, Note [nvJPEG path]):
+`open_source(camera, decode=...)` chooses, and every source's `decode` says which decoder it got
+and why (Note [Decoder choice]).
 """
 
 from __future__ import annotations

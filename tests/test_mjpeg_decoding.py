@@ -1,0 +1,490 @@
+"""MJPEG cameras on the GPU decoder (Note [nvJPEG path]), on any machine: which decoder an MJPEG
+source gets and every reason for the CPU one that a machine without a GPU can produce
+(Note [Decoder choice]); the nvJPEG path's demuxing, warm-up, backend fallback, pacing, looping,
+stamping and mid-stream failure with OpenCV's imdecode playing nvImageCodec's part (`CpuJpeg`:
+only the decode call itself and the device memory are stand-ins), its frames against the CPU
+decoder's (PSNR >= 40 dB); and a capture group whose nvJPEG camera fails mid-stream and goes on
+on the CPU decoder while the other camera keeps publishing (Note [GPU decoder failing
+mid-stream]).
+
+The same checks against the real nvImageCodec are tests/test_nvjpeg_gpu.py (marker gpu)."""
+
+from __future__ import annotations
+
+import math
+import queue
+import sys
+import time
+
+import av
+import cv2
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from facecast.shared import config as config_mod
+from facecast.shared.config import CameraConfig
+from facecast.shared.transport.publisher import FramePublisher
+from facecast.shared.transport.rings import ShmRingReader, Verdict
+from facecast.workers.capture import decoding, nvdec, nvjpeg
+from facecast.workers.capture import worker as capture_worker
+from facecast.workers.capture.decoding import DecodeChoice, DecodeRequest, GpuDecodeFailed
+from facecast.workers.capture.sources import (
+    EncodedSyntheticSource,
+    FileSource,
+    SyntheticScene,
+    open_source,
+    synthetic_truth,
+)
+
+MIN_PSNR_DB = 40.0  # issue 22's bound for the GPU decoder against the CPU one
+NO_NVJPEG = "nvidia-nvimgcodec-cu13 is not installed (pip install 'facecast[gpu]')"
+NO_NVDEC = "pynvvideocodec is not installed (pip install 'facecast[gpu]')"
+NO_CUDA = "no CUDA device is visible to PyTorch (no GPU or no NVIDIA driver)"
+
+
+def _psnr_db(frame: np.ndarray, reference: np.ndarray) -> float:
+    mse = np.mean((frame.astype(np.float64) - reference.astype(np.float64)) ** 2)
+    return 10 * math.log10(255.0**2 / mse) if mse else math.inf
+
+
+def _camera(source: str = "synthetic-mjpeg", **fields) -> CameraConfig:
+    return CameraConfig(id="jpg0", source=source, **{"width": 320, "height": 240, "fps": 20.0,
+                                                     **fields})
+
+
+# --- the choice ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("request_, kind, nvdec_reason, nvjpeg_reason, expected", [
+    # "synthetic-mjpeg" asks nvJPEG alone.
+    (DecodeRequest("gpu", "cuda:0"), "synthetic-mjpeg", None, NO_NVJPEG,
+     DecodeChoice("cpu", f'decode = "gpu", but {NO_NVJPEG}')),
+    (DecodeRequest("auto", "cuda:0"), "synthetic-mjpeg", NO_NVDEC, None, None),
+    # A file or stream: the CPU only when neither GPU decoder can be used, both reasons said.
+    (DecodeRequest("auto", "cuda:0"), "file", NO_NVDEC, None, None),
+    (DecodeRequest("auto", "cuda:0"), "stream", NO_NVDEC, NO_NVJPEG,
+     DecodeChoice("cpu", f'decode = "auto", but {NO_NVDEC} (and for MJPEG, {NO_NVJPEG})')),
+    (DecodeRequest("auto", "cuda:0"), "file", NO_CUDA, NO_CUDA,
+     DecodeChoice("cpu", f'decode = "auto", but {NO_CUDA}')),
+    # A USB camera's MJPEG stays on the CPU, saying why; a CPU worker never asks.
+    (DecodeRequest("gpu", "cuda:0"), "v4l2", None, None,
+     DecodeChoice("cpu", "a V4L2 camera: OpenCV decodes its frames on the CPU; its MJPEG is not "
+                  "handed to the GPU yet (Note [nvJPEG path])")),
+    (DecodeRequest("gpu", "cpu"), "synthetic-mjpeg", None, None,
+     DecodeChoice("cpu", 'decode = "gpu", but its capture worker runs on the CPU (no GPU here, '
+                  'or models.device = "cpu"): its frames go through shared memory, so the CPU '
+                  "decodes them")),
+    (DecodeRequest("cpu", "cuda:0"), "synthetic-mjpeg", None, None,
+     DecodeChoice("cpu", 'decode = "cpu"')),
+    (DecodeRequest("auto", "cuda:0", gpu_failed="nvImageCodec failed on a JPEG (boom)"),
+     "synthetic-mjpeg", None, None,
+     DecodeChoice("cpu", "its GPU decoder failed mid-stream (nvImageCodec failed on a JPEG "
+                  "(boom)); on the CPU decoder until its capture worker restarts")),
+])
+def test_every_reason_for_an_mjpeg_sources_decoder_is_said(request_, kind, nvdec_reason,
+                                                            nvjpeg_reason, expected):
+    asked = []
+
+    def ask(reason, name):
+        def answer():
+            asked.append(name)
+            return reason
+        return answer
+
+    choice = decoding.plan(request_, kind, ask(nvdec_reason, "nvdec"),
+                           ask(nvjpeg_reason, "nvjpeg"))
+    assert choice == expected
+    if request_.device == "cpu":
+        assert not asked  # a CPU worker never imports torch for it
+    if kind == "synthetic-mjpeg" and asked:
+        assert asked == ["nvjpeg"]
+
+
+def test_gpu_asked_for_an_mjpeg_source_and_not_given_is_trouble():
+    cpu = DecodeChoice("cpu", "why")
+    assert decoding.is_trouble(DecodeRequest("gpu", "cuda:0"), cpu, "synthetic-mjpeg")
+    assert not decoding.is_trouble(DecodeRequest("gpu", "cuda:0"), cpu, "v4l2")
+
+
+def test_nvjpeg_unavailable_reasons(monkeypatch):
+    from facecast.shared.transport import cuda_driver
+
+    decoding.nvjpeg_unavailable_reason.cache_clear()
+    try:
+        monkeypatch.setattr(cuda_driver, "cuda_unavailable_reason", lambda: "no CUDA here")
+        assert decoding.nvjpeg_unavailable_reason() == "no CUDA here"
+
+        decoding.nvjpeg_unavailable_reason.cache_clear()
+        monkeypatch.setattr(cuda_driver, "cuda_unavailable_reason", lambda: None)
+        monkeypatch.setattr(decoding.importlib.util, "find_spec", lambda name: None)
+        assert decoding.nvjpeg_unavailable_reason() == NO_NVJPEG
+
+        def no_namespace(name):
+            raise ModuleNotFoundError("No module named 'nvidia'")
+
+        decoding.nvjpeg_unavailable_reason.cache_clear()
+        monkeypatch.setattr(decoding.importlib.util, "find_spec", no_namespace)
+        assert decoding.nvjpeg_unavailable_reason() == NO_NVJPEG
+
+        # Installed but not loadable (its extension needs libcuda.so.1).
+        decoding.nvjpeg_unavailable_reason.cache_clear()
+        monkeypatch.setattr(decoding.importlib.util, "find_spec", lambda name: object())
+        monkeypatch.setitem(sys.modules, decoding.NVIMGCODEC_MODULE, None)  # import raises
+        reason = decoding.nvjpeg_unavailable_reason()
+        assert reason.startswith("nvImageCodec cannot be loaded ("), reason
+    finally:
+        decoding.nvjpeg_unavailable_reason.cache_clear()
+
+
+def test_this_machine_opens_an_mjpeg_camera_asking_for_the_gpu_on_the_cpu_with_the_reason():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: tests/test_nvjpeg_gpu.py")
+    with open_source(_camera(), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert isinstance(opened, EncodedSyntheticSource) and not opened.on_device
+        assert opened.decode == DecodeChoice("cpu", f'decode = "gpu", but {NO_CUDA}')
+        frame, _ = opened.read()
+        assert frame.shape == (240, 320, 3)
+
+
+def test_decode_gpu_for_an_mjpeg_source_is_valid_config_and_for_a_usb_camera_is_not():
+    assert config_mod.gpu_decode_source_problem("synthetic-mjpeg") == ""
+    assert config_mod.gpu_decode_source_problem("http://cam/mjpg/video.mjpg") == ""
+    assert "is a V4L2 camera, decoded by OpenCV on the CPU (its MJPEG is not handed to the GPU" \
+        in config_mod.gpu_decode_source_problem("/dev/video0")
+
+
+# --- the nvJPEG path with the JPEG decode played on the CPU ---------------------------------------
+
+
+class CpuJpeg:
+    """A stand-in for nvjpeg.JpegDecoder: OpenCV's imdecode (libjpeg) decodes each JPEG the
+    source feeds it into an RGB tensor in host memory, as nvImageCodec's Image is RGB in device
+    memory. What it proves about the real path: every packet the source hands over is a whole
+    JPEG, and the source's warm-up, backend fallback, pacing, positions, looping and stamping
+    hold. `refuse` lists backends whose construction fails (as GPU_ONLY's did on the H100)."""
+
+    made: list[CpuJpeg] = []
+    refuse: set[str] = set()
+
+    def __init__(self, device_index, stream, backend) -> None:
+        if backend in CpuJpeg.refuse:
+            raise RuntimeError("Could not create decoder. Code: 7")
+        self.backend = backend
+        self.jpegs = 0
+        self.closed = False
+        CpuJpeg.made.append(self)
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        assert data[:2] == b"\xff\xd8", "not a JPEG"
+        self.jpegs += 1
+        bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+        if bgr is None:
+            raise RuntimeError("no image")
+        return torch.from_numpy(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _NoStream:
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def cpu_jpeg(monkeypatch):
+    """The nvJPEG path as it is, with `CpuJpeg` for nvImageCodec and host memory for the
+    device's; NVDEC not available (an MJPEG file must still reach nvJPEG)."""
+    CpuJpeg.made.clear()
+    CpuJpeg.refuse = set()
+    monkeypatch.setattr(nvjpeg, "JpegDecoder", CpuJpeg)
+    monkeypatch.setattr(nvjpeg.NvjpegSource, "_new_stream", lambda self: _NoStream())
+    monkeypatch.setattr(nvjpeg.NvjpegSource, "_hand_over", lambda self: None)
+    monkeypatch.setattr(nvdec.NvdecSource, "_new_stream", lambda self: _NoStream())
+    monkeypatch.setattr(decoding, "nvjpeg_unavailable_reason", lambda: None)
+    monkeypatch.setattr(decoding, "nvdec_unavailable_reason", lambda: NO_NVDEC)
+    yield CpuJpeg
+    CpuJpeg.refuse = set()
+
+
+def _write_mjpeg(path, frames=30, fps=100, size=(320, 240), container=None) -> str:
+    """An MJPEG file of the synthetic scene, as USB cameras send it (yuvj420p, q ~90)."""
+    scene = SyntheticScene(*size)
+    with av.open(str(path), mode="w", format=container) as output:
+        stream = output.add_stream("mjpeg", rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuvj420p"
+        stream.codec_context.qmin = stream.codec_context.qmax = 3
+        for index in range(frames):
+            frame = av.VideoFrame.from_ndarray(scene.render(index / fps), format="bgr24")
+            frame.pts = index
+            output.mux(stream.encode(frame))
+        output.mux(stream.encode(None))
+    return str(path)
+
+
+def _opencv_frames(path: str) -> list[np.ndarray]:
+    capture = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
+    decoded = []
+    while True:
+        ok, frame = capture.read()
+        if not ok:
+            break
+        decoded.append(frame)
+    capture.release()
+    return decoded
+
+
+@pytest.mark.parametrize("name, container", [("mjpeg.avi", None), ("mjpeg.mkv", None),
+                                             ("raw.mjpeg", "mjpeg")])
+def test_the_gpu_paths_mjpeg_file_frames_match_the_cpu_decoder(cpu_jpeg, tmp_path, name,
+                                                                container):
+    path = _write_mjpeg(tmp_path / name, container=container)
+    references = _opencv_frames(path)
+    assert len(references) == 30
+    with open_source(_camera(path), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert isinstance(opened, nvjpeg.NvjpegFileSource) and opened.on_device
+        assert opened.decode.decoder == "gpu"
+        assert opened.decode.reason == ('decode = "gpu": MJPEG 320x240 on nvImageCodec\'s '
+                                        "hardware JPEG engine (GPU 0)"), opened.decode
+        assert opened.granted.backend == "nvJPEG" and opened.granted.fourcc == "mjpeg"
+        stamps = []
+        for index in range(len(references) + 10):  # through the file's end and round again
+            frame, capture_ts_lsl = opened.read()
+            stamps.append(capture_ts_lsl)
+            reference = references[index % len(references)]
+            assert frame.shape == reference.shape and frame.dtype == torch.uint8
+            assert frame.is_contiguous()
+            assert _psnr_db(frame.numpy(), reference) >= MIN_PSNR_DB, (name, index)
+        assert opened.loops == 1 and opened.frames_decoded == len(references) + 10
+        assert np.all(np.diff(stamps) > 0), "capture times must increase"
+        assert len(cpu_jpeg.made) == 1 and cpu_jpeg.made[0].backend == "hardware"
+    assert cpu_jpeg.made[0].closed
+
+
+def test_the_gpu_paths_synthetic_mjpeg_camera_shows_its_truth_as_the_cpu_decoder(cpu_jpeg):
+    camera = _camera()
+    truth = synthetic_truth(camera)
+    loop = truth.render_loop()
+    with open_source(camera, decode=DecodeRequest("cpu", "cuda:0")) as on_cpu:
+        cpu_frames = {}
+        for _ in range(on_cpu.encoded.frame_count + 4):
+            frame, capture_ts_lsl = on_cpu.read()
+            cpu_frames[truth.loop_index(capture_ts_lsl)] = frame
+    with open_source(camera, decode=DecodeRequest("auto", "cuda:0")) as opened:
+        opened_monotonic = time.monotonic()
+        assert isinstance(opened, nvjpeg.NvjpegEncodedSyntheticSource) and opened.on_device
+        assert opened.decode.reason.startswith('decode = "auto": MJPEG 320x240 on '
+                                               "nvImageCodec's hardware JPEG engine")
+        compared = 0
+        for _ in range(opened.encoded.frame_count + 12):  # past the file's end
+            frame, capture_ts_lsl = opened.read()
+            psnr_db = [_psnr_db(frame.numpy(), reference) for reference in loop]
+            index = truth.loop_index(capture_ts_lsl)
+            assert int(np.argmax(psnr_db)) == index and psnr_db[index] >= 34.0, index
+            assert opened.ground_truth(capture_ts_lsl) == truth.faces_at(capture_ts_lsl)
+            if index in cpu_frames:
+                compared += 1
+                assert _psnr_db(frame.numpy(), cpu_frames[index]) >= MIN_PSNR_DB, index
+        assert compared >= 10 and opened.loops >= 1
+        # JPEG is intra-only: only the frames shown are decoded, a late reader's skipped ones
+        # are not (the warm-up's first JPEG aside).
+        assert opened.frames_decoded == opened.frames_read + 1
+        sent = (time.monotonic() - opened_monotonic) * camera.fps
+        assert opened.frames_read <= sent + 3
+
+
+def test_the_hardware_backend_refused_falls_back_to_the_default_backends(cpu_jpeg):
+    cpu_jpeg.refuse = {"hardware"}
+    with open_source(_camera(), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert opened.on_device
+        assert opened.decode.reason == (
+            'decode = "gpu": MJPEG 320x240 on nvImageCodec\'s default backends (nvImageCodec\'s '
+            "hardware JPEG engine: RuntimeError: Could not create decoder. Code: 7) (GPU 0)")
+        frame, _ = opened.read()
+        assert frame.shape == (240, 320, 3)
+
+
+def test_no_backend_that_decodes_the_first_jpeg_leaves_the_camera_to_the_cpu(cpu_jpeg,
+                                                                             tmp_path):
+    cpu_jpeg.refuse = {"hardware", "default"}
+    with open_source(_camera(), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert isinstance(opened, EncodedSyntheticSource) and not opened.on_device
+        assert opened.decode.reason == (
+            'decode = "gpu", but nvImageCodec could not decode its first JPEG (nvImageCodec\'s '
+            "hardware JPEG engine: RuntimeError: Could not create decoder. Code: 7; "
+            "nvImageCodec's default backends: RuntimeError: Could not create decoder. Code: 7)")
+        assert decoding.is_trouble(DecodeRequest("gpu", "cuda:0"), opened.decode,
+                                   "synthetic-mjpeg")
+    path = _write_mjpeg(tmp_path / "m.avi", frames=5)
+    with open_source(_camera(path), decode=DecodeRequest("auto", "cuda:0")) as opened:
+        assert isinstance(opened, FileSource) and not opened.on_device
+        assert opened.decode.reason.startswith('decode = "auto", but nvImageCodec could not')
+        opened.read()
+
+
+def test_an_mjpeg_file_without_nvimgcodec_and_an_h264_file_without_nvdec_go_to_the_cpu(
+        cpu_jpeg, tmp_path, monkeypatch):
+    h264 = tmp_path / "h.mp4"
+    with av.open(str(h264), mode="w") as output:
+        stream = output.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 320, 240, "yuv420p"
+        for index in range(5):
+            frame = av.VideoFrame.from_ndarray(np.full((240, 320, 3), index * 40, np.uint8),
+                                               format="bgr24")
+            frame.pts = index
+            output.mux(stream.encode(frame))
+        output.mux(stream.encode(None))
+    # NVDEC missing, nvJPEG here: plan lets the file by, its open finds H.264 and says why not.
+    with open_source(_camera(str(h264)), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert not opened.on_device
+        assert opened.decode == DecodeChoice("cpu", f'decode = "gpu", but {NO_NVDEC}')
+        opened.read()
+    # NVDEC here, nvJPEG missing: the MJPEG file's open (NVDEC's reader) says why not.
+    monkeypatch.setattr(decoding, "nvdec_unavailable_reason", lambda: None)
+    monkeypatch.setattr(decoding, "nvjpeg_unavailable_reason", lambda: NO_NVJPEG)
+    path = _write_mjpeg(tmp_path / "m.avi", frames=5)
+    with open_source(_camera(path), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert isinstance(opened, FileSource) and not opened.on_device
+        assert opened.decode == DecodeChoice("cpu", f'decode = "gpu", but {NO_NVJPEG}')
+        opened.read()
+    assert not cpu_jpeg.made
+
+
+def test_a_mid_stream_jpeg_failure_and_an_injected_one_are_gpu_decoder_failures(cpu_jpeg,
+                                                                                monkeypatch):
+    with open_source(_camera(), decode=DecodeRequest("auto", "cuda:0")) as opened:
+        opened.read()
+
+        def broken(data):
+            raise RuntimeError("nvImageCodec's hardware JPEG engine gave no image for a "
+                               "1234-byte JPEG")
+
+        opened.decoder.decode = broken
+        with pytest.raises(GpuDecodeFailed, match=r"nvImageCodec failed on a JPEG "
+                           r"\(RuntimeError: nvImageCodec's hardware JPEG engine gave no image"):
+            opened.read()
+    monkeypatch.setenv(decoding.ALLOW_FAULTS_ENV, "1")
+    monkeypatch.setenv(decoding.INJECT_FAILURE_ENV, "jpg0@3")
+    with open_source(_camera(), decode=DecodeRequest("auto", "cuda:0")) as opened:
+        for _ in range(3):
+            opened.read()
+        with pytest.raises(GpuDecodeFailed, match="injected failure after 3 frames"):
+            opened.read()
+
+
+def test_an_mjpeg_rtsp_camera_on_the_gpu_path(cpu_jpeg, gst_python):
+    """The stream path: the reader NVDEC's open made is handed over, not opened again."""
+    import rtsp_peer
+
+    peer = rtsp_peer.RtspPeer(gst_python, width=320, height=240, fps=25)
+    peer.start()
+    try:
+        camera = CameraConfig(id="rtsp1", source=peer.url, width=320, height=240, fps=25.0)
+        with open_source(camera, open_timeout_s=5.0, read_timeout_s=5.0,
+                         decode=DecodeRequest("gpu", "cuda:0")) as opened:
+            assert isinstance(opened, nvjpeg.NvjpegStreamSource) and opened.on_device
+            assert opened.decode.reason.startswith('decode = "gpu": MJPEG 320x240 on '
+                                                   "nvImageCodec's hardware JPEG engine")
+            stamps = []
+            for _ in range(10):
+                frame, capture_ts_lsl = opened.read()
+                assert frame.shape == (240, 320, 3)
+                stamps.append(capture_ts_lsl)
+            assert np.all(np.diff(stamps) >= 0)
+            assert 0 < float(frame.float().mean()) < 128  # videotestsrc's ball on black
+    finally:
+        peer.kill()
+
+
+# --- a capture group: one camera's nvJPEG decoder fails, the other camera goes on ------------------
+
+
+class _Worker:
+    """What CameraCapture asks of its capture worker."""
+
+    def __init__(self, context, runtime_dir, device):
+        self.context, self.runtime_dir, self.device = context, runtime_dir, device
+        self.stopping = False
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.cameras = {}
+
+    def queue_event(self, kind, **fields):
+        self.events.put((kind, fields))
+
+    def drained(self):
+        found = []
+        while not self.events.empty():
+            found.append(self.events.get())
+        return found
+
+
+def test_a_failing_nvjpeg_camera_falls_back_while_the_groups_other_camera_publishes(
+        cpu_jpeg, monkeypatch, runtime_dir):
+    monkeypatch.setenv(decoding.ALLOW_FAULTS_ENV, "1")
+    monkeypatch.setenv(decoding.INJECT_FAILURE_ENV, "gpucam@8")
+    loaded = config_mod.loads(
+        '[daemon]\ntransport = "shm"\n'
+        '[[cameras]]\nid = "gpucam"\nsource = "synthetic-mjpeg"\nwidth = 320\nheight = 240\n'
+        'fps = 20\ndecode = "gpu"\n'
+        '[[cameras]]\nid = "othercam"\nsource = "synthetic-mjpeg"\nwidth = 320\nheight = 240\n'
+        'fps = 20\ndecode = "gpu"\n')
+    with zmq.Context() as context:
+        worker = _Worker(context, runtime_dir, "cuda:0")
+        captures = {}
+        published: dict[str, list] = {"gpucam": [], "othercam": []}
+        for camera in loaded.cameras:
+            capture = capture_worker.CameraCapture(camera, loaded, worker)
+            capture.publisher = FramePublisher(context, runtime_dir, camera.id, slot_count=4,
+                                               transport="shm")
+            for method in ("publish", "publish_device"):
+                original = getattr(capture.publisher, method)
+
+                def recording(frame, capture_ts_lsl, _original=original, _id=camera.id,
+                              _method=method):
+                    message = _original(frame, capture_ts_lsl)
+                    published[_id].append((_method, message))
+                    return message
+
+                setattr(capture.publisher, method, recording)
+            capture._open()
+            captures[camera.id] = capture
+        worker.cameras = captures
+        readers = {}
+        try:
+            gpu, other = captures["gpucam"], captures["othercam"]
+            assert gpu.decode.decoder == "gpu" and gpu.source.on_device
+            assert other.decode.decoder == "gpu" and other.source.on_device
+            for _ in range(20):  # each camera steps in turn, as their threads would
+                for camera_id, capture in captures.items():
+                    capture.step()
+                    method, message = published[camera_id][-1]
+                    description = capture.publisher.producer.description()
+                    if camera_id not in readers or readers[camera_id].ring_epoch != \
+                            description.ring_epoch:
+                        readers[camera_id] = ShmRingReader(description, device=None)
+                    assert readers[camera_id].read(message).verdict is Verdict.OK
+            methods = [method for method, _ in published["gpucam"]]
+            # 8 frames from nvJPEG, then the CPU decoder's, with no step lost.
+            assert methods[:8] == ["publish_device"] * 8 and set(methods[8:]) == {"publish"}
+            assert len(published["gpucam"]) == 19  # the step that failed published nothing
+            # The other camera kept its GPU decoder and published every step.
+            assert [method for method, _ in published["othercam"]] == ["publish_device"] * 20
+            assert gpu.decode.decoder == "cpu" and not gpu.source.on_device
+            assert gpu.decode.reason.startswith(
+                "its GPU decoder failed mid-stream (injected failure after 8 frames")
+            assert other.decode.decoder == "gpu"
+            trouble = capture_worker.CaptureWorker.trouble(worker)
+            assert trouble.startswith("camera gpucam: decoded on the CPU: its GPU decoder "
+                                      "failed mid-stream (injected failure after 8 frames")
+            events = [(kind, fields["camera"]) for kind, fields in worker.drained()
+                      if kind.startswith("decoder")]
+            assert events == [("decoder", "gpucam"), ("decoder", "othercam"),
+                              ("decoder_fallback", "gpucam"), ("decoder", "gpucam")], events
+        finally:
+            for reader in readers.values():
+                reader.close()
+            for capture in captures.values():
+                capture._close_in_thread()

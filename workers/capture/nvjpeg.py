@@ -1,0 +1,441 @@
+"""MJPEG cameras decoded on the GPU: each compressed frame (a whole JPEG) demuxed on the CPU by
+PyAV (nvdec.PacketReader), decoded by nvImageCodec (`nvidia.nvimgcodec`, wheel
+nvidia-nvimgcodec-cu13 0.9.0.20) into the camera's GPU, RGB → BGR in torch, and handed to the
+ring as a device tensor (`FramePublisher.publish_device`; Note [Frames born on the GPU]).
+
+Runs in the capture worker, on the camera's thread (Note [Camera threads]), and is imported only
+where the GPU decoder is tried for MJPEG (nvdec.open_gpu_source): it imports torch and PyAV;
+nvImageCodec is imported when a decoder is made. What of nvImageCodec is used was read from the
+0.9.0.20 wheel's bound docstrings on a machine without a GPU; nothing in this module has run on
+a GPU in the session that wrote it. The sources' demuxing, pacing, positions, looping, stamping
+and fallbacks ran on the CPU with OpenCV playing nvImageCodec's part (tests/test_mjpeg_decoding.py,
+`CpuJpeg`); the real decode is for the `gpu` tests (tests/test_nvjpeg_gpu.py).
+
+Note [nvJPEG path]
+    Sources: an MJPEG file or HTTP/RTSP stream (what nvdec.open_gpu_source's PacketReader finds
+    to be `mjpeg` is handed here, already open: an HTTP camera is not connected to twice) and
+    "synthetic-mjpeg" (the encoded synthetic loop, Note [Encoded synthetic loop]). Each packet
+    of an MJPEG stream is one whole JPEG, stamped with `pylsl.local_clock()` when the demuxer
+    hands it over, as on the NVDEC path; a file is played at its rate and stamped when the pacer
+    hands a frame out, as FileSource's; "synthetic-mjpeg" as its CPU twin. JPEG is intra-only, so
+    a late reader of the synthetic loop skips packets without decoding them.
+    Decoder: one `nvimgcodec.Decoder` per camera on the camera's GPU, its work on a CUDA stream
+    of the camera's own (`cuda_stream=`), first with the hardware JPEG engine alone
+    (`Backend(BackendKind.HW_GPU_ONLY)`), else with nvImageCodec's default backends (all it has:
+    the hardware engine, the CUDA nvJPEG decoder, the CPU ones), whose output is still device
+    memory. Issue 22 measured both on an H100 (1080p in 1.5-2 ms warm, within one grey level of
+    OpenCV) and found `GPU_ONLY` failing to make a decoder ("Could not create decoder", code 7),
+    so it is not asked for. Which backend a camera got is in its decoder's reason. The first
+    JPEG is decoded at open: that is where a decoder that cannot be made, or a JPEG the backend
+    cannot take (the hardware engine's limits: baseline JPEG), shows, and it is the warm-up
+    (nvImageCodec's first decode in a process took 1-1.6 s; issue 22), paid at open rather than
+    on a live frame. Whether that cost is per process or per decoder is not measured.
+    Output: nvImageCodec decodes to interleaved RGB (its default, `ColorSpec.SRGB`, JFIF's
+    full-range BT.601) into an Image the decoder reuses frame after frame (`image=`, stream
+    order on the camera's stream keeps the next decode from overwriting a frame before it is
+    converted); `torch.as_tensor` sees it through `__cuda_array_interface__` (row pitch honoured)
+    and the channels are flipped into a new BGR tensor on the same stream, the producer-private
+    frame whose checksum the ring computes. EXIF orientation is not applied (a camera's frames
+    are what its sensor saw, as OpenCV's FFMPEG backend gives them). A decode that gives no
+    image (nvImageCodec returns None rather than raising) is a failure like an exception.
+    Not batched across a capture group's cameras: each camera has its own thread, source and
+    pace (Note [Camera threads]), and a batch would make the first camera's frame wait for the
+    others' (up to a frame period), tie every camera of a batch to the slowest and to the one
+    whose JPEG fails, where Note [GPU decoder failing mid-stream] wants one camera to fall back
+    alone. The H100's seven JPEG engines are shared by the cameras' concurrent decodes instead;
+    whether nvImageCodec releases the GIL while it decodes, which that concurrency needs, is
+    not verified: if the decode-stage bench shows the threads serialised there, a per-worker
+    batcher is the next step.
+    USB (V4L2) MJPEG cameras stay on the CPU: OpenCV's V4L2 backend can hand over a frame's
+    JPEG bytes undecoded (`CAP_PROP_CONVERT_RGB` = 0 with the MJPG fourcc, a 1xN uint8 buffer),
+    but that was not tried on a camera here (none to try it on), a driver that grants YUYV
+    instead gives raw frames in the same call, and whether the backend's buffer is a whole JPEG
+    (some cameras omit the Huffman tables, which FFmpeg's mjpeg decoder adds) is unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import pylsl
+import torch
+
+from facecast.shared.config import CameraConfig, redact_url
+from facecast.workers.capture import decoding
+from facecast.workers.capture.decoding import (
+    JPEG_CODECS,
+    DecodeChoice,
+    DecodeRequest,
+    GpuDecodeFailed,
+    GpuDecodeUnavailable,
+)
+from facecast.workers.capture.nvdec import _READ_ERRORS, PacketReader, _text
+from facecast.workers.capture.sources import (
+    EncodedSyntheticLoop,
+    FrameSource,
+    Granted,
+    SyntheticReplay,
+    _capture_half_into_ticks,
+    _Pacer,
+    capture_in_a_new_tick,
+    video_file_path,
+)
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("hardware", "default")  # tried in this order at open (Note [nvJPEG path])
+_BACKEND_NAMES = {"hardware": "nvImageCodec's hardware JPEG engine",
+                  "default": "nvImageCodec's default backends"}
+
+
+class JpegDecoder:
+    """One nvImageCodec decoder on the camera's GPU and CUDA stream (Note [nvJPEG path]).
+
+    nvImageCodec 0.9.0.20's API as its wheel states it: Decoder(device_id, max_num_cpu_threads,
+    backends, options), Backend(backend_kind, load_hint, load_hint_policy),
+    BackendKind.HW_GPU_ONLY, DecodeParams(apply_exif_orientation, color_spec, allow_any_depth,
+    sample_format), ColorSpec.SRGB, CodeStream(bytes), Decoder.decode(src, image, params,
+    cuda_stream) -> Image or None, Image.__cuda_array_interface__. Not run on a GPU here."""
+
+    def __init__(self, device_index: int, stream: torch.cuda.Stream, backend: str) -> None:
+        from nvidia import nvimgcodec  # decoding.nvjpeg_unavailable_reason said it loads
+
+        self._nvimgcodec = nvimgcodec
+        self.backend = backend
+        self.device = torch.device("cuda", device_index)
+        self._cuda_stream = int(stream.cuda_stream)
+        backends = ([nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)]
+                    if backend == "hardware" else [])  # [] is "all, with their defaults"
+        # One CPU thread: the CPU backends are a last resort of the default set, and a capture
+        # worker's cameras are many threads already.
+        self._decoder = nvimgcodec.Decoder(device_id=device_index, max_num_cpu_threads=1,
+                                           backends=backends)
+        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
+                                               color_spec=nvimgcodec.ColorSpec.SRGB,
+                                               allow_any_depth=False)
+        self._image = None  # reused frame after frame (its buffer is the decoder's own)
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        """The JPEG as an H x W x 3 uint8 RGB tensor on the device: a view of the decoder's
+        image, valid until the next decode, ready in the order of the decoder's stream. Raises
+        RuntimeError where nvImageCodec gives no image."""
+        code_stream = self._nvimgcodec.CodeStream(data)
+        image = self._decoder.decode(code_stream, image=self._image, params=self._params,
+                                     cuda_stream=self._cuda_stream)
+        if image is None:
+            raise RuntimeError(f"{_BACKEND_NAMES[self.backend]} gave no image for a "
+                               f"{len(data)}-byte JPEG")
+        self._image = image
+        rgb = torch.as_tensor(image, device=self.device)
+        if rgb.dim() != 3 or rgb.shape[2] != 3 or rgb.dtype != torch.uint8:
+            raise RuntimeError(f"nvImageCodec gave a {tuple(rgb.shape)} {rgb.dtype} image, not "
+                               "H x W x 3 uint8 RGB")
+        return rgb
+
+    def close(self) -> None:
+        self._image = None
+        self._decoder = None  # its destructor frees its resources
+
+
+class NvjpegSource(FrameSource):
+    """A camera's MJPEG decoded by nvImageCodec: `read()` gives (BGR uint8 HxWx3 tensor on the
+    camera's GPU, capture_ts_lsl), the tensor the caller's own and ready on its current stream."""
+
+    backend = "nvJPEG"
+    on_device = True
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
+        super().__init__(camera)
+        self.request = request
+        self.device_index = request.device_index
+        self.device = torch.device("cuda", self.device_index)
+        self.stream = self._new_stream()
+        self.reader: PacketReader | None = None
+        self.decoder: JpegDecoder | None = None
+        self.decode: DecodeChoice | None = None
+        self.frames_decoded = 0
+        self.loops = 0
+        self._primed = False
+        self._inject_after = decoding.injected_failure_after(camera.id)
+
+    # -- opening
+
+    def _start(self, reader: PacketReader) -> tuple[torch.Tensor, float]:
+        """Check what the reader found, make the decoder on the first JPEG (the warm-up, Note
+        [nvJPEG path]); returns that frame (BGR) and its read time. GpuDecodeUnavailable says
+        why the GPU cannot take the camera."""
+        self.reader = reader
+        if reader.codec not in JPEG_CODECS:
+            raise GpuDecodeUnavailable(f"its video is {reader.codec or 'of an unknown codec'}, "
+                                       "not MJPEG")
+        packet = self._next_packet_or_lost()
+        if packet is None:
+            raise GpuDecodeUnavailable(f"{self._describe(reader)} ended before its first frame")
+        data, _, read_ts = packet
+        failures = []
+        for backend in BACKENDS:
+            try:
+                self.decoder = JpegDecoder(self.device_index, self.stream, backend)
+                first = self._convert(self.decoder.decode(data))
+                self.stream.synchronize()  # a failure of the first decode shows here, at open
+                break
+            except Exception as exc:  # noqa: BLE001 - "Could not create decoder", None, CUDA
+                failures.append(f"{_BACKEND_NAMES[backend]}: {_text(exc)}")
+                if self.decoder is not None:
+                    self.decoder.close()
+                    self.decoder = None
+        else:
+            raise GpuDecodeUnavailable("nvImageCodec could not decode its first JPEG ("
+                                       + "; ".join(failures) + ")")
+        self.frames_decoded += 1
+        self._primed = True
+        height, width = int(first.shape[0]), int(first.shape[1])
+        fallback = f" ({failures[0]})" if failures else ""
+        self.decode = DecodeChoice("gpu", f"{self.request.asked()}: {self._describe(reader)} on "
+                                   f"{_BACKEND_NAMES[self.decoder.backend]}{fallback} "
+                                   f"(GPU {self.device_index})")
+        self.granted = Granted(width, height, reader.fps or self.camera.fps, reader.codec,
+                               self.backend)
+        return first, read_ts
+
+    @staticmethod
+    def _describe(reader: PacketReader) -> str:
+        return f"MJPEG {reader.width}x{reader.height}"
+
+    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
+        """Subclasses turn a reader's error into SourceLost where the source is a stream."""
+        return self.reader.read()
+
+    # -- decoding
+
+    def _decode(self, data: bytes) -> torch.Tensor:
+        """One JPEG as a new BGR tensor on the camera's stream; GpuDecodeFailed once primed."""
+        try:
+            frame = self._convert(self.decoder.decode(data))
+        except Exception as exc:  # noqa: BLE001 - whatever nvImageCodec or CUDA raised
+            raise GpuDecodeFailed(f"nvImageCodec failed on a JPEG ({_text(exc)})") from exc
+        if (frame.shape[1], frame.shape[0]) != (self.granted.width, self.granted.height):
+            raise self._lost(f"frame size changed from {self.granted.width}x"
+                             f"{self.granted.height} to {frame.shape[1]}x{frame.shape[0]}; "
+                             "reopen to renegotiate")
+        self.frames_decoded += 1
+        return frame
+
+    def _convert(self, rgb: torch.Tensor) -> torch.Tensor:
+        """RGB (a view of the decoder's image) → a new contiguous BGR tensor, on the camera's
+        stream (Note [nvJPEG path])."""
+        with torch.cuda.stream(self.stream):
+            return rgb.flip(-1).contiguous()
+
+    def read(self) -> tuple[torch.Tensor, float]:
+        if self.decoder is None:
+            raise self._lost("source is closed")
+        if self._inject_after is not None and self.frames_read >= self._inject_after:
+            raise GpuDecodeFailed(f"injected failure after {self.frames_read} frames "
+                                  f"({decoding.INJECT_FAILURE_ENV})")
+        frame, capture_ts_lsl = self._read_frame()
+        self.frames_read += 1
+        self._hand_over()
+        return frame, capture_ts_lsl
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        raise NotImplementedError
+
+    # -- the device (two small seams: tests/test_mjpeg_decoding.py plays the GPU on the CPU)
+
+    def _new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device)
+
+    def _hand_over(self) -> None:
+        """The frame is the caller's on its current stream (Note [NVDEC path])."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def close(self) -> None:
+        """On the camera's thread (Note [Camera threads]); never raises."""
+        try:
+            self.stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - closing after a failure: say so, go on
+            log.warning("camera %s: waiting for its GPU decoder's stream: %s", self.camera_id, exc)
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+class NvjpegFileSource(NvjpegSource):
+    """An MJPEG video file, looped and paced at its native fps, as sources.FileSource, decoded
+    on the GPU."""
+
+    kind = "file"
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest,
+                 reader: PacketReader) -> None:
+        super().__init__(camera, request)
+        self.path = video_file_path(camera)
+        try:
+            self._first, _ = self._start(reader)
+        except BaseException:
+            self.close()
+            raise
+        fps = self.granted.fps
+        if not (math.isfinite(fps) and 0 < fps <= 1000):
+            log.warning("camera %s: %s has no usable frame rate (%r); pacing it at the "
+                        "configured %g fps", camera.id, self.path, fps, camera.fps)
+            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
+        self._pacer = _Pacer(self.granted.fps)
+        log.info("camera %s: file %s plays %s, looped", camera.id, self.path,
+                 self.granted.describe())
+
+    @property
+    def frames_skipped(self) -> int:
+        return self._pacer.frames_skipped
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        self._pacer.wait()
+        if self._first is not None:
+            frame, self._first = self._first, None
+        else:
+            packet = self.reader.read()
+            if packet is None:  # the file's end: it starts again, as FileSource's
+                self.reader.close()
+                try:
+                    self.reader = PacketReader(str(self.path))
+                except _READ_ERRORS as exc:
+                    self.reader = None
+                    raise self._lost(f"FFmpeg (PyAV) cannot open video file "
+                                     f"{str(self.path)!r} ({_text(exc)})") from exc
+                self.loops += 1
+                packet = self.reader.read()
+                if packet is None:
+                    raise self._lost(f"video file {str(self.path)!r} yields no frames")
+            frame = self._decode(packet[0])
+        return frame, pylsl.local_clock()  # a file's frame is captured when handed out
+
+
+class NvjpegStreamSource(NvjpegSource):
+    """An HTTP (or RTSP) MJPEG stream, demuxed by PyAV, decoded on the GPU; frames as fast as
+    they come, as sources.StreamSource."""
+
+    kind = "stream"
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest, reader: PacketReader, *,
+                 read_timeout_s: float = 5.0) -> None:
+        super().__init__(camera, request)
+        self.url = str(camera.source)
+        self.read_timeout_s = read_timeout_s
+        try:
+            self._first = self._start(reader)
+        except BaseException:
+            self.close()
+            raise
+        if not (math.isfinite(self.granted.fps) and 0 < self.granted.fps <= 1000):
+            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
+        log.info("camera %s: stream %s delivers %s", camera.id, redact_url(self.url),
+                 self.granted.describe())
+
+    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
+        try:
+            return self.reader.read()
+        except _READ_ERRORS as exc:
+            raise self._lost(f"stream {redact_url(self.url)} ended or sent nothing for "
+                             f"{self.read_timeout_s:g} s (peer gone? {_text(exc)})") from exc
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        packet = self._next_packet_or_lost()
+        if packet is None:
+            raise self._lost(f"stream {redact_url(self.url)} ended")
+        data, _, read_ts = packet
+        return self._decode(data), read_ts
+
+
+class NvjpegEncodedSyntheticSource(NvjpegSource):
+    """"synthetic-mjpeg" decoded on the GPU: the same encoded loop, pacing, file positions and
+    ground truth as sources.EncodedSyntheticSource (Note [Encoded synthetic loop]); a late
+    reader's skipped frames are skipped undecoded (JPEG is intra-only)."""
+
+    kind = "synthetic-mjpeg"
+
+    def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
+        super().__init__(camera, request)
+        self.replay = SyntheticReplay.for_camera(camera)
+        self.encoded = EncodedSyntheticLoop(self.replay, "mjpeg", name=camera.id)
+        try:
+            self._start(PacketReader(str(self.encoded.path)))  # file frame 0: the warm-up
+        except BaseException:
+            self.close()
+            raise
+        self._next_position = 1  # the file frame the reader gives next
+        self.granted = dataclasses.replace(self.granted, fps=camera.fps)
+        self._pacer = _Pacer(camera.fps)
+        _capture_half_into_ticks(self._pacer, camera.fps)
+        log.info("camera %s: %s encoded its %d-frame round trip once (%.2f MB in memory, "
+                 "%.2f s) and decodes it on the GPU at %g fps", camera.id, self.kind,
+                 self.encoded.frame_count, self.encoded.nbytes / 1e6, self.encoded.encode_s,
+                 camera.fps)
+
+    @property
+    def frames_skipped(self) -> int:
+        return self._pacer.frames_skipped
+
+    def _read_frame(self) -> tuple[torch.Tensor, float]:
+        self._pacer.wait()
+        capture_ts_lsl, position = capture_in_a_new_tick(  # when a camera would have sent it
+            self.replay, (self._next_position - 1) % self.encoded.frame_count)
+        while self._next_position % self.encoded.frame_count != position:
+            self._next_packet()  # skipped, not decoded
+        return self._decode(self._next_packet()), capture_ts_lsl
+
+    def _next_packet(self) -> bytes:
+        """The next file frame's JPEG; the file's end is its frame 0."""
+        if self._next_position == self.encoded.frame_count:
+            self.reader.close()
+            self.reader = PacketReader(str(self.encoded.path))
+            self._next_position = 0
+            self.loops += 1
+        packet = self.reader.read()
+        if packet is None:
+            raise self._lost(f"{self.kind}: the encoded loop ended after {self._next_position} "
+                             f"of its {self.encoded.frame_count} frames")
+        self._next_position += 1
+        return packet[0]
+
+    def ground_truth(self, capture_ts_lsl: float):
+        """The faces in the frame that was captured at `capture_ts_lsl`."""
+        return self.replay.faces_at(capture_ts_lsl)
+
+    def close(self) -> None:
+        super().close()
+        encoded = getattr(self, "encoded", None)
+        if encoded is not None:
+            encoded.close()
+
+
+def open_jpeg_source(camera: CameraConfig, kind: str, request: DecodeRequest,
+                     reader: PacketReader | None = None, *,
+                     read_timeout_s: float = 5.0) -> NvjpegSource:
+    """The camera's MJPEG source on nvImageCodec: "synthetic-mjpeg", or a file or stream whose
+    open PacketReader (nvdec.open_gpu_source's) found MJPEG; GpuDecodeUnavailable (the CPU
+    decoder takes it), or SourceLost."""
+    reason = decoding.nvjpeg_unavailable_reason()  # plan asked it for "synthetic-mjpeg" only
+    if reason or reader is None and kind != "synthetic-mjpeg" or kind not in (
+            "synthetic-mjpeg", "stream", "file"):
+        if reader is not None:
+            reader.close()
+        raise GpuDecodeUnavailable(reason or f"a {kind} source is not decoded by nvJPEG")
+    if kind == "synthetic-mjpeg":
+        return NvjpegEncodedSyntheticSource(camera, request)
+    try:
+        if kind == "stream":
+            return NvjpegStreamSource(camera, request, reader, read_timeout_s=read_timeout_s)
+        return NvjpegFileSource(camera, request, reader)
+    except BaseException:
+        reader.close()  # the source's own close may have closed it: closing twice is harmless
+        raise
+
