@@ -16,8 +16,8 @@ two seats: one face is a staged scene with one person; four faces are two scenes
 width side by side (about 240 px faces at 1080p, 160 px at 720p; one face: 420 / 280 px).
 The files are made once in `--work` and reused.
 
-*facecast*: `facecast analyze`'s work in this process: `video_analysis.Analyzer` (PyAV decoding
-on the CPU, the daemon's FacePipeline with face_landmarker.task: detection on the live schedule,
+*facecast*: `facecast analyze`'s work in this process: `video_analysis.Analyzer` (decoding as
+*Decoder* says, the daemon's FacePipeline with face_landmarker.task: detection on the live schedule,
 tracking, the 478-point mesh, blendshapes, head pose and translation, track ids, the CSV table),
 `output.max_faces = 4`, one torch thread on the CPU as the command sets it (Note [One thread on
 the CPU]). Timed from opening the file to its summary; model loading is not included (once per
@@ -38,7 +38,14 @@ from the ground truth box instead, so that both sides measure every face; the JS
 (`seeded_from_truth`: none in the run of docs/benchmarks.md, where one detector call per file
 found every face).
 
-*Decode only*: the same decoder with nothing else, for reference.
+*Decoder*: `--decode` as the command's (Note [Analysis on NVDEC]): with `--device cuda` and
+the default `auto`, NVDEC decodes the files and its frames stay on the GPU; on the CPU, PyAV.
+The table names the decoder facecast's runs got (`decoder`: a fallback to PyAV, with its
+reason, shows there and in the JSON's `decoder_changes`). LiteRT's frames are PyAV's always
+(numpy arrays on the CPU).
+
+*Decode only*: facecast's decoder with nothing else, for reference (NVDEC's frames converted
+to BGR on the GPU, waited for at the end).
 
 Every file is run `--repeats` times, facecast and LiteRT alternating, and the table gives the
 median of the repeats (the JSON keeps every sample): the 2-core machine is shared with other
@@ -156,14 +163,23 @@ def cpu_s() -> float:
     return time.process_time()
 
 
-def decode_only(footage: Footage) -> dict:
-    from facecast.daemon.cli.video_analysis import PyAvDecoder
+def decode_only(footage: Footage, analyzer) -> dict:
+    """The file through the decoder `analyzer` gives it (NVDEC or PyAV), nothing else."""
+    import torch
 
+    from facecast.daemon.cli import analysis_decoding
+
+    device = torch.device(analyzer.pipeline.device)
     wall0, cpu0 = time.perf_counter(), cpu_s()
-    decoder = PyAvDecoder(footage.path)
+    decoder = analysis_decoding.open_decoder(footage.path, analyzer.settings.decode,
+                                             analyzer.gpu_decode_problem, device)
     count = sum(1 for frame in decoder.frames() if frame.image is not None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     decoder.close()
-    return _rates(count, time.perf_counter() - wall0, cpu_s() - cpu0)
+    return {**_rates(count, time.perf_counter() - wall0, cpu_s() - cpu0),
+            "decoder": decoder.describe(),
+            "decoder_changes": [vars(event) for event in decoder.events]}
 
 
 def _rates(frames: int, wall_s: float, cpu_used_s: float) -> dict:
@@ -198,8 +214,11 @@ def run_facecast(analyzer, footage: Footage, out_dir: Path, files_at_once: int =
     analyzer.run(files)
     wall_s, cpu_used_s = time.perf_counter() - wall0, cpu_s() - cpu0
     faces = found = 0
+    decoders, changes = [], []
     for item in files:
         summary = analyzer.summary(item)
+        decoders.append(summary["decoder"])
+        changes.append(summary["decoder_changes"])
         if summary["frames_measured"] != footage.frames:
             raise RuntimeError(f"{item.video}: {summary['frames_measured']} frames measured of "
                                f"{footage.frames}: {summary['problems'][:3]}")
@@ -214,7 +233,8 @@ def run_facecast(analyzer, footage: Footage, out_dir: Path, files_at_once: int =
                      for i, truth in enumerate(footage.truth))
     return {**_rates(footage.frames * len(files), wall_s, cpu_used_s), "files": len(files),
             "faces": faces, "faces_on_truth": found,
-            "faces_true": sum(map(len, footage.truth)) * len(files)}
+            "faces_true": sum(map(len, footage.truth)) * len(files),
+            "decoder": " / ".join(sorted(set(decoders))), "decoder_changes": changes}
 
 
 def _iou(a, b) -> float:
@@ -451,7 +471,7 @@ def report(data: dict) -> str:
              f"H.264 files of {settings['frames']} frames (30 fps) made from the synthetic scene"
              + (f", {at_once} copies of each analysed at once (batched as files are)" if at_once > 1
                 else "")
-             + "; frames/s end to end, PyAV decoding on the CPU included, median of "
+             + "; frames/s end to end, decoding included (the decoder: its column), median of "
              f"{settings['repeats']} runs; CPU ms = process CPU time per frame, every thread. "
              f"facecast = `facecast analyze`'s Analyzer, the stack on {data['device']} (detection on "
              "the live schedule, tracking, mesh, blendshapes, head pose, track ids, the CSV), "
@@ -462,16 +482,16 @@ def report(data: dict) -> str:
              "landmarks, blendshapes) in VIDEO mode on the same decoder's frames, decoding inline; "
              "× = facecast's frames/s over LiteRT's. Faces on truth: measured faces on the "
              "ground truth's, over all frames.", "",
-             "| footage | faces on truth: facecast / LiteRT | decode only frames/s | "
+             "| footage | decoder | faces on truth: facecast / LiteRT | decode only frames/s | "
              + ("facecast inline frames/s (CPU ms) | " if inline else "")
              + "facecast frames/s (CPU ms) | "
              + " | ".join(f"LiteRT {t}t frames/s (CPU ms) | × LiteRT {t}t | × by CPU time"
                           for t in threads) + " |",
-             "|---|---|---|" + ("---|" if inline else "") + "---|" + "---|---|---|" * len(threads)]
+             "|---|---|---|---|" + ("---|" if inline else "") + "---|" + "---|---|---|" * len(threads)]
     for row in data["rows"]:
         face_rate = _median(row["facecast"], "frames_per_s")
         first = row["facecast"][0]
-        cells = [row["footage"],
+        cells = [row["footage"], first.get("decoder", "PyAV (CPU)"),
                  f"{first['faces_on_truth']}/{first['faces_true']} / "
                  + " / ".join(f"{row['litert'][str(t)][0]['faces_on_truth']}" for t in threads),
                  f"{_median(row['decode'], 'frames_per_s'):.0f}"]
@@ -548,8 +568,10 @@ def goal_text(data: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu",
-                        help="where facecast's stack runs: cpu (default) or cuda; the decoder is "
-                        "PyAV on the CPU either way (the command's, until NVDEC decoding lands)")
+                        help="where facecast's stack runs: cpu (default) or cuda")
+    parser.add_argument("--decode", choices=("auto", "gpu", "cpu"), default="auto",
+                        help="facecast's decoder, as the command's --decode (default auto: NVDEC "
+                        "with --device cuda where it can, else PyAV); the table names it")
     parser.add_argument("--frames", type=int, default=120, help="frames per file (even)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--footage", nargs="+", default=[f"{w}x{h}x{n}" for w, h, n in FOOTAGE],
@@ -607,9 +629,12 @@ def main() -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
     config = va.StackConfig(output=config_mod.OutputConfig(max_faces=MAX_FACES))
-    analyzer = va.build_analyzer(config, device, va.Settings())
+    analyzer = va.build_analyzer(config, device, va.Settings(decode=args.decode))
+    if analyzer.gpu_decode_problem and (args.decode == "gpu" or device.type == "cuda"):
+        print(f"bench/analyze.py: decoding with PyAV on the CPU: {analyzer.gpu_decode_problem}",
+              file=sys.stderr)
     # The per-frame baseline: the same stack, each frame decoded when the models want it.
-    inline = va.Analyzer(analyzer.pipeline, va.Settings(decode_ahead=False),
+    inline = va.Analyzer(analyzer.pipeline, va.Settings(decode_ahead=False, decode=args.decode),
                          landmarker_problem=analyzer.landmarker_problem)
     if analyzer.pipeline.landmarker != "face_landmarker":
         print(f"bench/analyze.py: no face_landmarker.task ({analyzer.landmarker_problem}): "
@@ -621,6 +646,7 @@ def main() -> int:
     data = {"machine": machine_info(device), "device": str(device),
             "command": shlex.join(["python3", "bench/analyze.py", *sys.argv[1:]]),
             "settings": {"frames": args.frames, "repeats": args.repeats, "fps": FPS,
+                         "decode": args.decode, "gpu_decode_problem": analyzer.gpu_decode_problem,
                          "files_at_once": args.files_at_once,
                          "max_faces": MAX_FACES, "litert_threads": args.litert_threads,
                          "torch_threads": torch.get_num_threads()},
@@ -644,7 +670,7 @@ def main() -> int:
                "litert": {str(t): [] for t in args.litert_threads}}
         data["rows"].append(row)
         for repeat in range(args.repeats):
-            row["decode"].append(decode_only(footage))
+            row["decode"].append(decode_only(footage, analyzer))
             if not args.skip_inline:
                 row["facecast_inline"].append(run_facecast(inline, footage, args.work / "tables",
                                                            args.files_at_once))
@@ -654,7 +680,8 @@ def main() -> int:
                 row["litert"][str(threads)].append(run_litert(bundle, threads, footage))
             inline_text = (f"inline {row['facecast_inline'][-1]['frames_per_s']:.1f}, "
                            if row["facecast_inline"] else "")
-            print(f"{footage.name} #{repeat + 1}: decode {row['decode'][-1]['frames_per_s']:.1f}, "
+            print(f"{footage.name} #{repeat + 1} ({row['facecast'][-1]['decoder']}): decode "
+                  f"{row['decode'][-1]['frames_per_s']:.1f}, "
                   f"facecast {inline_text}ahead {row['facecast'][-1]['frames_per_s']:.1f}, "
                   + ", ".join(
                       f"LiteRT {t}t {row['litert'][str(t)][-1]['frames_per_s']:.1f}"
