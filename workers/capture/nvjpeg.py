@@ -6,8 +6,9 @@ ring as a device tensor (`FramePublisher.publish_device`; Note [Frames born on t
 Runs in the capture worker, on the camera's thread (Note [Camera threads]), and is imported only
 where the GPU decoder is tried for MJPEG (nvdec.open_gpu_source): it imports torch and PyAV;
 nvImageCodec is imported when a decoder is made. What of nvImageCodec is used was read from the
-0.9.0.20 wheel's bound docstrings on a machine without a GPU; nothing in this module has run on
-a GPU in the session that wrote it. The sources' demuxing, pacing, positions, looping, stamping
+0.9.0.20 wheel's bound signatures on a machine without a GPU (where the module imports, its
+CodeStream parses a JPEG, and making a Decoder with these arguments fails only for want of
+libcuda.so); nothing in this module has run on a GPU in the session that wrote it. The sources' demuxing, pacing, positions, looping, stamping
 and fallbacks ran on the CPU with OpenCV playing nvImageCodec's part (tests/test_mjpeg_decoding.py,
 `CpuJpeg`); the real decode is for the `gpu` tests (tests/test_nvjpeg_gpu.py).
 
@@ -107,7 +108,7 @@ class JpegDecoder:
         self.device = torch.device("cuda", device_index)
         self._cuda_stream = int(stream.cuda_stream)
         backends = ([nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)]
-                    if backend == "hardware" else [])  # [] is "all, with their defaults"
+                    if backend == "hardware" else None)  # None: all, with their defaults
         # One CPU thread: the CPU backends are a last resort of the default set, and a capture
         # worker's cameras are many threads already.
         self._decoder = nvimgcodec.Decoder(device_id=device_index, max_num_cpu_threads=1,
