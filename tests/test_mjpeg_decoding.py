@@ -488,3 +488,55 @@ def test_a_failing_nvjpeg_camera_falls_back_while_the_groups_other_camera_publis
                 reader.close()
             for capture in captures.values():
                 capture._close_in_thread()
+
+
+def test_an_http_mjpeg_camera_on_the_gpu_path_and_its_peer_going_away(cpu_jpeg, tmp_path):
+    """An HTTP camera's multipart JPEG (ffmpeg's mpjpeg muxer, as test_sources' peer): each part
+    a whole JPEG for nvJPEG; the peer gone is a lost camera, not a decoder failure."""
+    import shutil
+    import socket
+    import subprocess
+
+    from facecast.workers.capture.sources import SourceLost
+
+    ffmpeg = shutil.which("ffmpeg")
+    if ffmpeg is None:
+        pytest.skip("no HTTP peer: ffmpeg is not installed (Debian: apt-get install -y ffmpeg)")
+    video = _write_mjpeg(tmp_path / "peer.avi", frames=25, fps=25)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/cam.mjpg"
+    peer = subprocess.Popen([ffmpeg, "-hide_banner", "-loglevel", "error", "-re", "-stream_loop",
+                             "-1", "-i", video, "-c:v", "copy", "-f", "mpjpeg", "-listen", "1",
+                             url], stdin=subprocess.DEVNULL)
+    try:
+        camera = CameraConfig(id="http1", source=url, width=320, height=240, fps=25.0)
+        deadline_monotonic = time.monotonic() + 10.0
+        while True:  # until ffmpeg listens
+            try:
+                opened = open_source(camera, open_timeout_s=5.0, read_timeout_s=3.0,
+                                     decode=DecodeRequest("gpu", "cuda:0"))
+                break
+            except SourceLost:
+                if time.monotonic() > deadline_monotonic:
+                    raise
+                time.sleep(0.1)
+        with opened:
+            assert isinstance(opened, nvjpeg.NvjpegStreamSource) and opened.on_device, \
+                opened.decode
+            assert opened.decode.reason.startswith('decode = "gpu": MJPEG 320x240 on ')
+            references = _opencv_frames(video)
+            for _ in range(10):
+                frame, _ = opened.read()
+                assert max(_psnr_db(frame.numpy(), reference)
+                           for reference in references) >= MIN_PSNR_DB
+            peer.kill()
+            peer.wait(timeout=10)
+            with pytest.raises(SourceLost, match=f"127.0.0.1:{port}"):
+                for _ in range(200):
+                    opened.read()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(timeout=10)
