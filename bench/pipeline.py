@@ -844,13 +844,14 @@ def main() -> int:
                         help="the cameras' source (and the MediaPipe baseline's): rendered live "
                              "(costs a core per 1080p30 camera), a loop rendered once "
                              "(Note [Synthetic replay]), or that loop "
-                             "encoded once and decoded every frame on the CPU (Note [Encoded "
-                             "synthetic loop])")
+                             "encoded once and decoded every frame where --decode says (Note "
+                             "[Encoded synthetic loop])")
     parser.add_argument("--roi-workers", type=lambda text: text if text == "auto" else int(text),
                         default="auto", help="daemon.roi_landmark_workers (default: auto)")
     parser.add_argument("--decode", choices=("auto", "gpu", "cpu"), default="auto",
                         help="daemon.decode: where synthetic-h264/-mjpeg cameras' video is decoded "
-                             "(gpu: NVDEC, the camera's reason in status where it cannot)")
+                             "(gpu: NVDEC for H.264, nvJPEG for MJPEG; the camera's reason in "
+                             "status where it cannot)")
     parser.add_argument("--detection-share", type=float, default=None,
                         help="daemon.detection_share (default: the config's auto)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
