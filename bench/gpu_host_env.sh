@@ -19,6 +19,9 @@
 #             27 MB, for the NVDEC path and tests/test_nvdec_gpu.py): carry one per call while the
 #             machine stays warm; each is installed into /tmp/fc/<folder> the call it comes, and
 #             stays on the path for later calls to the same machine.
+#   .whl2c/   optional: nvidia-nvimgcodec-cu13 0.9.0.20 (25 MB, py3-none-manylinux_2_28_x86_64),
+#             for the nvJPEG path and tests/test_nvjpeg_gpu.py (which needs PyAV too: .whl2a/),
+#             carried and installed the same way.
 # The repository is not pip-installed there: facecast.* is a namespace of symlinks to its folders,
 # which is what pyproject's package-dir does for an installed copy.
 set -e
@@ -27,7 +30,7 @@ if [ ! -d "$_fc_root/site" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$_fc_root/site" .whl/*.whl
 fi
-for _extra in .whl2a .whl2b; do
+for _extra in .whl2a .whl2b .whl2c; do
     if [ -d "$_extra" ] && [ ! -d "$_fc_root/$_extra" ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --target "$_fc_root/$_extra" "$_extra"/*.whl
@@ -37,7 +40,7 @@ mkdir -p "$_fc_root/pkg/facecast"
 for _part in daemon workers shared models; do
     ln -sfn "$PWD/$_part" "$_fc_root/pkg/facecast/$_part"
 done
-export PYTHONPATH="$_fc_root/pkg:$_fc_root/site:$_fc_root/.whl2a:$_fc_root/.whl2b${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$_fc_root/pkg:$_fc_root/site:$_fc_root/.whl2a:$_fc_root/.whl2b:$_fc_root/.whl2c${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$_fc_root/site/bin:$PATH"
 export FACECAST_MODEL_DIR="$PWD/.models"
 export FACECAST_TEST_PHOTOS="$PWD/.models/test_photos.npz"
