@@ -20,11 +20,22 @@ import numpy as np
 import pytest
 import torch
 
-from facecast.shared.config import CameraConfig
-from facecast.workers.capture import decoding, nvjpeg
-from facecast.workers.capture.decoding import DecodeRequest, GpuDecodeFailed
-from facecast.workers.capture.sources import SyntheticScene, open_source, synthetic_truth
-from test_mjpeg_decoding import MIN_PSNR_DB, _opencv_frames, _psnr_db, _write_mjpeg
+pytest.importorskip("av", reason="the nvJPEG path demuxes with PyAV (.whl2a/ on the GPU host)")
+
+from facecast.shared.config import CameraConfig  # noqa: E402
+from facecast.workers.capture import decoding, nvjpeg  # noqa: E402
+from facecast.workers.capture.decoding import DecodeRequest, GpuDecodeFailed  # noqa: E402
+from facecast.workers.capture.sources import (  # noqa: E402
+    SyntheticScene,
+    open_source,
+    synthetic_truth,
+)
+from test_mjpeg_decoding import (  # noqa: E402
+    MIN_PSNR_DB,
+    _opencv_frames,
+    _psnr_db,
+    _write_mjpeg,
+)
 
 _REASON = decoding.nvjpeg_unavailable_reason()
 pytestmark = [pytest.mark.gpu,
