@@ -117,6 +117,7 @@ class JpegDecoder:
                                                color_spec=nvimgcodec.ColorSpec.SRGB,
                                                allow_any_depth=False)
         self._image = None  # reused frame after frame (its buffer is the decoder's own)
+        self._code_stream = None
 
     def decode(self, data: bytes) -> torch.Tensor:
         """The JPEG as an H x W x 3 uint8 RGB tensor on the device: a view of the decoder's
@@ -129,6 +130,10 @@ class JpegDecoder:
             raise RuntimeError(f"{_BACKEND_NAMES[self.backend]} gave no image for a "
                                f"{len(data)}-byte JPEG")
         self._image = image
+        # Kept until the next decode, which stream order puts after this one: whether the
+        # CodeStream copies the bytes and whether any of the decode reads them after `decode`
+        # returns is not documented (not verified either way).
+        self._code_stream = code_stream
         rgb = torch.as_tensor(image, device=self.device)
         if rgb.dim() != 3 or rgb.shape[2] != 3 or rgb.dtype != torch.uint8:
             raise RuntimeError(f"nvImageCodec gave a {tuple(rgb.shape)} {rgb.dtype} image, not "
@@ -136,7 +141,7 @@ class JpegDecoder:
         return rgb
 
     def close(self) -> None:
-        self._image = None
+        self._image = self._code_stream = None
         self._decoder = None  # its destructor frees its resources
 
 
