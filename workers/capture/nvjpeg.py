@@ -47,11 +47,15 @@ Note [nvJPEG path]
     whether nvImageCodec releases the GIL while it decodes, which that concurrency needs, is
     not verified: if the decode-stage bench shows the threads serialised there, a per-worker
     batcher is the next step.
-    USB (V4L2) MJPEG cameras stay on the CPU: OpenCV's V4L2 backend can hand over a frame's
-    JPEG bytes undecoded (`CAP_PROP_CONVERT_RGB` = 0 with the MJPG fourcc, a 1xN uint8 buffer),
-    but that was not tried on a camera here (none to try it on), a driver that grants YUYV
-    instead gives raw frames in the same call, and whether the backend's buffer is a whole JPEG
-    (some cameras omit the Huffman tables, which FFmpeg's mjpeg decoder adds) is unknown.
+    USB (V4L2) MJPEG cameras stay on the CPU for now. OpenCV's V4L2 backend can hand the bytes
+    over: with `CAP_PROP_CONVERT_RGB` = 0 its retrieveFrame copies the driver's buffer as it
+    came (`bytesused` bytes, a 1 x N frame for MJPEG; read in OpenCV's
+    modules/videoio/src/cap_v4l.cpp), so a V4L2 twin of these sources is the way. Not built
+    here because nothing of it could be tried (no USB camera on this machine or the GPU one),
+    a driver that grants YUYV instead of the asked MJPG gives raw frames through the same call
+    (the twin must check the granted fourcc), and UVC cameras may send JPEGs without Huffman
+    tables (FFmpeg's and libjpeg's decoders supply the standard ones; whether nvImageCodec
+    does is unknown).
 """
 
 from __future__ import annotations
