@@ -148,8 +148,10 @@ def pytest_runtest_protocol(item, nextitem):
 #     config with what each of them needs switched on, and no more: the 478 landmarks (`output.
 #     landmarks`, tests/test_daemon_blendshapes.py checks their channels) and the fault-injection
 #     hook (FACECAST_ALLOW_FAULT_INJECTION, tests/test_fault_injection.py spoils frames, which no
-#     consumer publishes). Its users are run one after the other (pytest_collection_modifyitems
-#     moves them to the first one's place), so that no other test runs beside an idle daemon.
+#     consumer publishes); and no warm spares, since none of them kills a worker (Note [Spares
+#     only where a test needs them]). Its users are run one after the other
+#     (pytest_collection_modifyitems moves them to the first one's place), so that no other test
+#     runs beside an idle daemon.
 #     A test that kills workers, reloads, records or otherwise changes what the daemon does keeps
 #     a daemon of its own.
 SHARED_DEFAULT_DAEMON = "default_daemon"
@@ -178,16 +180,18 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def default_daemon(installed_models, tmp_path_factory):
-    """A ready daemon of config/default.toml, landmarks on and fault injection allowed, shared by
-    the test files that only watch it (Note [One daemon for several test files])."""
+    """A ready daemon of config/default.toml, landmarks on, no warm spares and fault injection
+    allowed, shared by the test files that only watch it (Note [One daemon for several test
+    files])."""
     from daemon_harness import REPO, ready_daemon
 
     from facecast.daemon.control import FAULT_INJECTION_ENV
 
     text = (REPO / "config/default.toml").read_text()
-    assert "[output]\n" in text
-    running = ready_daemon(tmp_path_factory.mktemp("default"),
-                           config_text=text.replace("[output]\n", "[output]\nlandmarks = true\n"),
+    assert "[output]\n" in text and "[daemon]\n" in text
+    text = (text.replace("[output]\n", "[output]\nlandmarks = true\n")
+            .replace("[daemon]\n", '[daemon]\nwarm_standby = "off"\n'))
+    running = ready_daemon(tmp_path_factory.mktemp("default"), config_text=text,
                            env={FAULT_INJECTION_ENV: "1"})
     daemon = running.__enter__()
     _shared_default_daemon.append(running)

@@ -266,9 +266,25 @@ class Daemon:
                                      f"{self.log_tail()}")
             time.sleep(0.1)
 
+    # Note [Spares only where a test needs them]
+    #     A daemon's warm spares (Note [Warm standby]) boot after READY at nice +10 (Note [Spares
+    #     at a lower priority]), beside the daemon's own pipeline, which takes about a core on
+    #     the CPU. On an idle 2-core machine they are booted 4-5 s after READY; with one busy
+    #     process beside the tests (CI), 40 s (measured, config/default.toml), and every test
+    #     daemon waits for them (`ready_daemon`: the steady state). So a test daemon has spares
+    #     only where its tests are about them: a killed worker replaced by its spare, the 2 s
+    #     restart promise, the spares' priority, track ids across a takeover (tests/
+    #     test_daemon_e2e.py, test_warm_standby.py, test_spare_priority.py,
+    #     test_track_ids_daemon.py, the soak). The others say `warm_standby = "off"`: what they
+    #     check (streams, the console, recordings, models, sources) does not depend on a spare
+    #     waiting, and a worker they kill restarts cold, which is slower, not easier. Their
+    #     daemon is ready sooner, before its pipeline has found the faces: a test that scores
+    #     every frame it records against the truth waits for that first (`wait_for_faces`), as
+    #     the spares' boot used to make it wait.
     def wait_for_spares(self, timeout_s: float = 90.0) -> None:
         """The warm spares start at READY (Note [Warm standby]); the daemon's steady state, with
-        its 2 s restart promise, begins once each has booted."""
+        its 2 s restart promise, begins once each has booted (Note [Spares only where a test
+        needs them])."""
         deadline = time.monotonic() + timeout_s
         while True:
             spares = [w for w in self.status().workers if w.standby]
@@ -277,6 +293,22 @@ class Daemon:
             if time.monotonic() > deadline:
                 raise AssertionError(f"spares not booted within {timeout_s} s: {spares}\n"
                                      f"{self.log_tail()}")
+            time.sleep(0.1)
+
+    def wait_for_faces(self, cameras, timeout_s: float = 90.0) -> None:
+        """Until status reports a face in the newest frame of each camera: the pipeline's
+        warm-up (its first passes, the first detection) is over. A test that scores every frame
+        it records against the truth resolves its streams after this, so that its recording
+        starts in the steady state (Note [Spares only where a test needs them])."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reports = self.status().cameras
+            if all(any(report.faces > 0 for report in reports.get(camera, ()))
+                   for camera in cameras):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no face on every camera of {cameras} within {timeout_s} s:"
+                                     f" {reports}\n{self.log_tail()}")
             time.sleep(0.1)
 
     def log_tail(self, lines: int = 60) -> str:

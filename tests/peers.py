@@ -35,15 +35,30 @@ class Peers:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, role: str, **options) -> subprocess.Popen:
+        """A peer process; a consumer once it has subscribed (it says so)."""
+        (proc,) = self.start_many(1, role, **options)
+        return proc
+
+    def start_many(self, count: int, role: str, **options) -> list[subprocess.Popen]:
+        """`count` peers of one role started side by side (each consumer's imports take a
+        while), returned once every consumer has subscribed."""
         argv = [sys.executable, str(PEERS_SCRIPT), role, "--runtime-dir", self.runtime_dir]
         for key, value in options.items():
             flag = "--" + key.replace("_", "-")
             argv += [flag] if value is True else [flag, str(value)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        self.procs.append(proc)
+        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+        self.procs += procs
         if role == "consumer":
-            assert json.loads(proc.stdout.readline()) == {"ready": True}
-        return proc
+            for proc in procs:
+                assert self.next_line(proc) == {"ready": True}
+        return procs
+
+    @staticmethod
+    def next_line(proc: subprocess.Popen) -> dict:
+        """The next JSON line a peer printed (before its result: `ready`, `first_frame`)."""
+        line = proc.stdout.readline()
+        assert line, f"peer exited with {proc.wait()} before saying more"
+        return json.loads(line)
 
     @staticmethod
     def result(proc: subprocess.Popen, timeout_s: float = 60) -> dict:
@@ -149,9 +164,12 @@ def run_consumer(args) -> None:
         print(json.dumps({"ready": True}), flush=True)
         deadline = time.monotonic() + args.timeout_s
         try:
-            while time.monotonic() < deadline and last_seq < args.until_seq:
+            while (time.monotonic() < deadline and last_seq < args.until_seq
+                   and not _asked_to_stop(args)):
                 for frame in subscriber.receive(timeout_ms=50):
                     seq = frame.message.frame_seq
+                    if first_seq < 0 and args.say_first_frame:
+                        print(json.dumps({"first_frame": seq}), flush=True)
                     first_seq = seq if first_seq < 0 else first_seq
                     if args.slow_s:
                         time.sleep(args.slow_s)
@@ -175,6 +193,11 @@ def run_consumer(args) -> None:
                 "fallback_reason": status.fallback_reason, "fallbacks": status.fallbacks,
             }), flush=True)
             subscriber.close()
+
+
+def _asked_to_stop(args) -> bool:
+    """Whether the test made the --stop-file: end the loop and report."""
+    return bool(args.stop_file) and Path(args.stop_file).exists()
 
 
 def _ipc_opens() -> int:
@@ -281,12 +304,12 @@ def run_tamper(args) -> None:
 
 
 def run_tamper_loop(args) -> None:
-    """A third process that keeps writing into a ring for `--timeout-s` seconds once attached: it
-    waits for the description file, attaches the ring as `tamper` does (and says so with a file
-    beside it, for the producer), then cycles through every slot
-    (the one the producer is filling included, whichever that is), changing each as `--change`
-    says at a position that moves from change to change. What a buggy or hostile writer with
-    the ring's name or handle does all the time, not once."""
+    """A third process that keeps writing into a ring for `--timeout-s` seconds once attached (or
+    until its --stop-file exists): it waits for the description file, attaches the ring as
+    `tamper` does (and says so with a file beside it, for the producer), then cycles through
+    every slot (the one the producer is filling included, whichever that is), changing each as
+    `--change` says at a position that moves from change to change. What a buggy or hostile
+    writer with the ring's name or handle does all the time, not once."""
     from facecast.shared.transport import messages
 
     path = Path(args.description)
@@ -303,7 +326,7 @@ def run_tamper_loop(args) -> None:
         # Writing from now on: the producer (with --description-out) goes on past frame 0.
         path.with_name(path.name + ".attached").touch()
         deadline = time.monotonic() + args.timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not _asked_to_stop(args):
             for view in views:
                 tampered(view, args.change, int(rng.integers(0, frame_bytes)),
                          int(rng.integers(0, 2**31)))
@@ -341,6 +364,10 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--skip-event-wait", action="store_true")
+    parser.add_argument("--stop-file", default="",
+                        help="consumer, tamper-loop: end the loop (and report) once FILE exists")
+    parser.add_argument("--say-first-frame", action="store_true",
+                        help="consumer: print {\"first_frame\": seq} once a frame came")
     parser.add_argument("--slot", type=int, default=0, help="tamper: the slot to change")
     parser.add_argument("--change", choices=TAMPER_CHANGES, default="byte")
     parser.add_argument("--position", type=int, default=0,

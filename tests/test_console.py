@@ -29,6 +29,7 @@ TOKEN = "console-test-token-0123456789"
 CONFIG = f"""
 [daemon]
 transport = "shm"
+warm_standby = "off"  # Note [Spares only where a test needs them]
 
 [output]
 max_faces = 2

@@ -36,6 +36,7 @@ TOKEN = "browser-test-token-0123456789"  # every request needs it (Note [Console
 CONFIG = f"""
 [daemon]
 transport = "shm"
+warm_standby = "off"  # Note [Spares only where a test needs them]
 
 [output]
 max_faces = 2

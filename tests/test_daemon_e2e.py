@@ -185,12 +185,21 @@ def test_each_worker_kind_killed_is_restarted_and_its_stream_continues(daemon, f
         resumed = [s for s in watched.timestamps[-50:] if s > killed_at]
         assert resumed, f"{watched.name} did not continue after {name} was killed"
         gaps_s[name] = resumed[0] - killed_at
-        time.sleep(3)  # let the restart marker through before the next kill
+        _wait_for_marker(markers, "worker_restart", worker=name)  # before the next kill
     restarted = [e["worker"] for e in marker_events(markers) if e["event"] == "worker_restart"]
     assert restarted == list(WORKERS_TO_KILL), marker_events(markers)
     print("gap after SIGKILL (s):", {k: round(v, 2) for k, v in gaps_s.items()})
     slow = {k: v for k, v in gaps_s.items() if v > RESUME_LIMIT_S}
     assert not slow, f"streams resumed later than {RESUME_LIMIT_S} s: {slow}"
+
+
+def _wait_for_marker(markers, kind: str, timeout_s: float = 30.0, **fields) -> None:
+    """Until the Markers stream has brought an event `kind` with these fields."""
+    deadline = time.monotonic() + timeout_s
+    while not any(e["event"] == kind and all(e.get(k) == v for k, v in fields.items())
+                  for e in marker_events(markers)):
+        assert time.monotonic() < deadline, f"no {kind} {fields} marker: {marker_events(markers)}"
+        time.sleep(0.05)
 
 
 def _wait_for_its_warm_standby(daemon, role: str, timeout_s: float = 60.0) -> None:
@@ -206,6 +215,7 @@ def _wait_for_its_warm_standby(daemon, role: str, timeout_s: float = 60.0) -> No
 
 
 def test_reload_refuses_a_bad_file_and_applies_an_added_camera(daemon, face_streams, markers):
+    daemon.wait_for_spares()  # the fresh spares of killed workers too: none starts meanwhile
     good_text = daemon.config_path.read_text()
     pids = {w.name: w.pid for w in daemon.status().workers}
     daemon.config_path.write_text(good_text.replace("fps = 15", "fps = -3", 1))
@@ -289,7 +299,7 @@ def test_sigterm_stops_in_order_within_5_s_and_leaves_nothing(daemon, markers):
         assert not Path(f"/proc/{pid}").exists() or _is_zombie_of_other(pid)
     assert daemon.own_shm() == []
     assert [p for p in daemon.runtime_dir.iterdir() if p.is_socket()] == []
-    time.sleep(0.5)
+    _wait_for_marker(markers, "stop")
     assert marker_events(markers)[-1]["event"] == "stop"
     # sd_notify, as a real NOTIFY_SOCKET received it: READY once, watchdog pings while up,
     # STOPPING at the end.

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from daemon_harness import Daemon, Recorder
+from daemon_harness import Recorder, ready_daemon
 from facecast.workers.output.outlets import pose_channels
 
 pytestmark = pytest.mark.daemon
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.daemon
 CONFIG = """
 [daemon]
 transport = "shm"
+warm_standby = "off"  # Note [Spares only where a test needs them]
 
 [output]
 max_faces = 1
@@ -33,13 +34,8 @@ fps = 10
 
 @pytest.fixture(scope="module")
 def daemon(installed_models, tmp_path_factory):
-    daemon = Daemon(tmp_path_factory.mktemp("pose"), config_text=CONFIG)
-    try:
-        assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
-        daemon.wait_for_spares()  # steady state (Note [Warm standby])
+    with ready_daemon(tmp_path_factory.mktemp("pose"), config_text=CONFIG) as daemon:
         yield daemon
-    finally:
-        daemon.close()
 
 
 def test_mocap_stream_follows_the_face_stream_frame_for_frame(daemon):

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.daemon
 CONFIG = """
 [daemon]
 transport = "shm"
+warm_standby = "off"  # Note [Spares only where a test needs them]
 detect_interval_s = 60
 detection_share = 1.0
 

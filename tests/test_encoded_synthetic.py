@@ -170,7 +170,9 @@ def test_a_file_that_ends_early_is_a_lost_source() -> None:
 # --- through the whole daemon ---------------------------------------------------------------------
 
 CAMERAS = ("h264cam", "mjpegcam")
-CONFIG = ('[daemon]\ntransport = "shm"\n[output]\nmax_faces = 2\n'
+# Note [Spares only where a test needs them]: no warm spares.
+CONFIG = ('[daemon]\ntransport = "shm"\nwarm_standby = "off"\n'
+          '[output]\nmax_faces = 2\n'
           '[[cameras]]\nid = "h264cam"\nsource = "synthetic-h264"\nwidth = 640\nheight = 360\n'
           'fps = 15\n'
           '[[cameras]]\nid = "mjpegcam"\nsource = "synthetic-mjpeg"\nwidth = 640\nheight = 360\n'
@@ -186,6 +188,7 @@ def daemon(installed_models, tmp_path_factory):
 @pytest.mark.daemon
 def test_the_daemon_publishes_the_decoded_faces_where_the_truth_says(daemon):
     parsed = config_mod.loads(CONFIG)
+    daemon.wait_for_faces(CAMERAS)  # the recording starts in the steady state
     records = daemon.resolve("Face", count=4)
     by_camera = {camera: [r for r in records if f"-{camera}-face" in r.source_id]
                  for camera in CAMERAS}

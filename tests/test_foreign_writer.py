@@ -26,17 +26,21 @@ FRAMES = 120
 def _run(runtime_dir: str, transport: str, device: str, change: str) -> tuple[dict, dict]:
     peers = Peers(runtime_dir)
     description = Path(runtime_dir) / "ring.msgpack"
+    stop = Path(runtime_dir) / "stop"  # the consumer and the writer end their loops once it exists
     try:
         # Bounded in time: a writer that spoils every frame leaves none to reach until_seq. The
         # producer holds frame 1 back until the tamperer writes (its CUDA attach takes seconds),
-        # which the consumer's bound includes.
+        # which the consumer's bound includes. Once the producer has published every frame (and
+        # lingered half a second), the writer and the consumer are asked to stop and report: a
+        # spoiled last frame would otherwise keep the consumer to its bound.
         consumer = peers.start("consumer", device=device, shape=SHAPE, until_seq=FRAMES - 1,
-                               timeout_s=15)
+                               timeout_s=15, stop_file=str(stop))
         tamperer = peers.start("tamper-loop", description=str(description), change=change,
-                               timeout_s=7, slow_s=0.0005, seed=5)
+                               timeout_s=7, slow_s=0.0005, seed=5, stop_file=str(stop))
         producer = peers.start("producer", frames=FRAMES, fps=30, shape=SHAPE,
                                transport=transport, description_out=str(description))
         Peers.result(producer)
+        stop.touch()
         seen = Peers.result(consumer, timeout_s=60)
         tampered = Peers.result(tamperer, timeout_s=60)
         return seen, tampered

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.daemon
 CONFIG = """
 [daemon]
 transport = "shm"
+warm_standby = "off"  # Note [Spares only where a test needs them]
 
 [web]
 enabled = false
@@ -177,8 +178,9 @@ def test_a_bundle_truncated_while_the_daemon_runs_is_replaced_and_said(tmp_path)
     models.mkdir()
     for path in [*installed.glob("*.tflite"), installed / assets.LANDMARKER_TASK_FILE]:
         (models / path.name).write_bytes(path.read_bytes())
-    config = (CONFIG.replace("[daemon]\n", "[daemon]\nwarm_standby = \"off\"\n")
-              .replace("[participants]\n", f'[models]\ndir = "{models}"\n\n[participants]\n')
+    # No warm spare (CONFIG has none): a spare would have loaded the bundle before it was cut.
+    config = (CONFIG.replace("[participants]\n",
+                             f'[models]\ndir = "{models}"\n\n[participants]\n')
               .replace("@GALLERY@", str(tmp_path / "participants.json")))
     with ready_daemon(tmp_path, config) as daemon:
         markers = Recorder(daemon.resolve("Markers", count=1))

@@ -39,7 +39,7 @@ def own_segments(pid: int) -> list[str]:
 
 def test_round_trip_1000_random_frames_to_4_consumer_processes(peers):
     shape = "240,320,3"
-    consumers = [peers.start("consumer", shape=shape, until_seq=999) for _ in range(4)]
+    consumers = peers.start_many(4, "consumer", shape=shape, until_seq=999)
     producer = peers.start("producer", shape=shape, frames=1000, fps=100, transport="shm")
     assert Peers.result(producer)["published"] == 1000
     for consumer in consumers:
@@ -122,9 +122,10 @@ def test_concurrent_writes_never_yield_a_torn_frame():
 
 def test_producer_restart_gives_new_epoch_and_consumer_reattaches(peers):
     shape = "96,128,3"
-    consumer = peers.start("consumer", shape=shape, timeout_s=20, until_seq=10**9)
+    consumer = peers.start("consumer", shape=shape, timeout_s=20, until_seq=10**9,
+                           say_first_frame=True)
     first = peers.start("producer", shape=shape, frames=100000, fps=100, transport="shm")
-    time.sleep(2.0)
+    assert "first_frame" in Peers.next_line(consumer)  # it reads the first ring
     first.send_signal(signal.SIGKILL)
     first.wait()
     removed = shm.sweep_dead_owners(owner_pid=first.pid)  # not other runs' segments
@@ -140,10 +141,10 @@ def test_producer_restart_gives_new_epoch_and_consumer_reattaches(peers):
 
 def test_consumer_killed_leaves_producer_and_other_consumers_running(peers):
     shape = "96,128,3"
-    victim = peers.start("consumer", shape=shape, until_seq=599)
-    survivor = peers.start("consumer", shape=shape, until_seq=599)
+    victim, survivor = peers.start_many(2, "consumer", shape=shape, until_seq=599,
+                                        say_first_frame=True)
     producer = peers.start("producer", shape=shape, frames=600, fps=100, transport="shm")
-    time.sleep(2.0)
+    assert "first_frame" in Peers.next_line(victim)  # killed while it reads
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     started = time.monotonic()

@@ -132,7 +132,9 @@ def test_captures_are_paced_like_a_camera_half_a_period_into_their_tick() -> Non
 
 # --- through the whole daemon ---------------------------------------------------------------------
 
-CONFIG = ('[daemon]\ntransport = "shm"\n[output]\nmax_faces = 2\n[[cameras]]\nid = "replay0"\n'
+# Note [Spares only where a test needs them]: no warm spares.
+CONFIG = ('[daemon]\ntransport = "shm"\nwarm_standby = "off"\n'
+          '[output]\nmax_faces = 2\n[[cameras]]\nid = "replay0"\n'
           'source = "synthetic-replay"\nwidth = 640\nheight = 360\nfps = 15\n')
 
 
@@ -144,6 +146,7 @@ def daemon(installed_models, tmp_path_factory):
 
 @pytest.mark.daemon
 def test_the_daemon_publishes_the_replayed_faces_where_its_truth_says(daemon):
+    daemon.wait_for_faces(["replay0"])  # the recording starts in the steady state
     slots = daemon.resolve("Face", count=2)
     assert len(slots) == 2, daemon.log_tail()
     recorder = Recorder(slots)
