@@ -195,6 +195,16 @@ def box_close(truth_box, boxes, tolerance: float = BOX_TOLERANCE) -> bool:
     return False
 
 
+SPARE_TEST_FPS = 5  # Note [Spares only where a test needs them]
+
+
+def default_config_at(fps: int) -> str:
+    """config/default.toml with its cameras at `fps` frames per second."""
+    text = (REPO / "config/default.toml").read_text()
+    assert text.count("fps = 15\n") == text.count("[[cameras]]") > 0, "default.toml's cameras"
+    return text.replace("fps = 15\n", f"fps = {fps}\n")
+
+
 class Daemon:
     """`facecast run` with its own runtime directory, host name and notify socket."""
 
@@ -280,7 +290,12 @@ class Daemon:
     #     waiting, and a worker they kill restarts cold, which is slower, not easier. Their
     #     daemon is ready sooner, before its pipeline has found the faces: a test that scores
     #     every frame it records against the truth waits for that first (`wait_for_faces`), as
-    #     the spares' boot used to make it wait.
+    #     the spares' boot used to make it wait. The tests of spares (but the end-to-end test
+    #     of config/default.toml, test_daemon_e2e.py, with its 2 s restart promise) run that
+    #     config's cameras at SPARE_TEST_FPS (`default_config_at`): the pipeline then takes
+    #     half a core instead of one, and the spares boot 7.5 s after READY instead of 23 s
+    #     beside one busy process (measured); what they check (which process takes over, its
+    #     priority, its track ids, that a fresh spare follows) does not depend on the rate.
     def wait_for_spares(self, timeout_s: float = 90.0) -> None:
         """The warm spares start at READY (Note [Warm standby]); the daemon's steady state, with
         its 2 s restart promise, begins once each has booted (Note [Spares only where a test

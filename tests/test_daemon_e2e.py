@@ -202,6 +202,15 @@ def _wait_for_marker(markers, kind: str, timeout_s: float = 30.0, **fields) -> N
         time.sleep(0.05)
 
 
+def _wait_for_every_spare_started(daemon, timeout_s: float = 30.0) -> None:
+    """The fresh spare of each killed worker starts STANDBY_RESPAWN_DELAY_S after the takeover
+    (Note [Warm standby]): until each spare has its process (booted or booting)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(w.pid for w in daemon.status().workers if w.standby):
+        assert time.monotonic() < deadline, daemon.status().workers
+        time.sleep(0.1)
+
+
 def _wait_for_its_warm_standby(daemon, role: str, timeout_s: float = 60.0) -> None:
     """The spares start at READY (Note [Warm standby]); the 2 s promise holds once the spare of
     the role is booted. Capture on the CPU has none: its cold start is the fast path."""
@@ -215,7 +224,7 @@ def _wait_for_its_warm_standby(daemon, role: str, timeout_s: float = 60.0) -> No
 
 
 def test_reload_refuses_a_bad_file_and_applies_an_added_camera(daemon, face_streams, markers):
-    daemon.wait_for_spares()  # the fresh spares of killed workers too: none starts meanwhile
+    _wait_for_every_spare_started(daemon)  # no worker starts during the reload
     good_text = daemon.config_path.read_text()
     pids = {w.name: w.pid for w in daemon.status().workers}
     daemon.config_path.write_text(good_text.replace("fps = 15", "fps = -3", 1))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import REPO, ready_daemon
+from daemon_harness import SPARE_TEST_FPS, default_config_at, ready_daemon
 from facecast.shared import cpu_priority
 
-CONFIG = (REPO / "config/default.toml").read_text().replace(
+CONFIG = default_config_at(SPARE_TEST_FPS).replace(  # Note [Spares only where a test needs them]
     "enabled = true", "enabled = false")  # no console: it has no spare
 
 

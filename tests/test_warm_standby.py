@@ -13,7 +13,7 @@ import time
 import pylsl
 import pytest
 
-from daemon_harness import REPO, Daemon, Recorder
+from daemon_harness import REPO, SPARE_TEST_FPS, Daemon, Recorder, default_config_at
 from facecast.daemon import layout
 from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.shared import config as config_mod
@@ -80,8 +80,10 @@ def test_hand_over_gives_the_spare_process_to_the_dead_worker():
 
 @pytest.fixture(scope="module")
 def daemon(installed_models, tmp_path_factory):
-    # config/default.toml: warm_standby = "auto" keeps CPU spares as well.
-    daemon = Daemon(tmp_path_factory.mktemp("standby"))
+    # config/default.toml: warm_standby = "auto" keeps CPU spares as well. Its cameras at
+    # SPARE_TEST_FPS (Note [Spares only where a test needs them]).
+    daemon = Daemon(tmp_path_factory.mktemp("standby"),
+                    config_text=default_config_at(SPARE_TEST_FPS))
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
         yield daemon
