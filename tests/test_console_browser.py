@@ -498,7 +498,9 @@ def _serve_in_thread(app) -> tuple[str, callable]:
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        runner = web.AppRunner(app, access_log=None)
+        # As the console worker serves it: handlers still in flight (the page's event stream)
+        # get half a second at cleanup, not aiohttp's default 60 s.
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         loop.run_until_complete(runner.setup())
         loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
         served["port"] = runner.addresses[0][1]
@@ -514,6 +516,7 @@ def _serve_in_thread(app) -> tuple[str, callable]:
     def stop() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+        assert not thread.is_alive(), "the test's web server did not stop"
 
     return f"http://127.0.0.1:{served['port']}", stop
 
