@@ -49,11 +49,24 @@ fps = 10
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def daemon(installed_models, tmp_path_factory):
+    """One daemon for the module, on a copy of the installed models (the last test damages
+    one); no warm spare (CONFIG has none): a spare would have loaded the bundle before it was
+    cut."""
+    from facecast.models import assets
+
     tmp = tmp_path_factory.mktemp("hostile")
     gallery_path = tmp / "participants.json"
-    with ready_daemon(tmp, CONFIG.replace("@GALLERY@", str(gallery_path))) as running:
+    models = tmp / "models"
+    models.mkdir()
+    installed = next(iter(installed_models.values())).parent
+    for path in [*installed.glob("*.tflite"), *installed.glob(assets.LANDMARKER_TASK_FILE)]:
+        (models / path.name).write_bytes(path.read_bytes())
+    config = (CONFIG.replace("[participants]\n", f'[models]\ndir = "{models}"\n\n[participants]\n')
+              .replace("@GALLERY@", str(gallery_path)))
+    with ready_daemon(tmp, config) as running:
         running.gallery_path = gallery_path
+        running.models_dir = models
         running.markers = Recorder(running.resolve("Markers", count=1))
         try:
             yield running
@@ -163,44 +176,30 @@ def test_a_forged_worker_message_never_reaches_the_markers_stream(daemon):
     daemon.wait_for_worker("output", "running")
 
 
-def test_a_bundle_truncated_while_the_daemon_runs_is_replaced_and_said(tmp_path):
+def test_a_bundle_truncated_while_the_daemon_runs_is_replaced_and_said(daemon):
     """Note [Model files checked at load], on real processes: the
     roi_landmark worker that starts after face_landmarker.task was truncated measures with the
     verified copy of the bundle's models, and says so in status, on the Markers stream and in
-    the log (before: the attention mesh, NaN blendshapes, nothing said)."""
+    the log (before: the attention mesh, NaN blendshapes, nothing said). The module's last test:
+    it leaves the daemon's copy of the bundle damaged."""
     from facecast.models import assets
 
-    try:
-        installed = assets.landmarker_task_path().parent
-    except assets.ModelError as exc:
-        pytest.skip(f"face_landmarker.task is not installed (facecast models install): {exc}")
-    models = tmp_path / "models"
-    models.mkdir()
-    for path in [*installed.glob("*.tflite"), installed / assets.LANDMARKER_TASK_FILE]:
-        (models / path.name).write_bytes(path.read_bytes())
-    # No warm spare (CONFIG has none): a spare would have loaded the bundle before it was cut.
-    config = (CONFIG.replace("[participants]\n",
-                             f'[models]\ndir = "{models}"\n\n[participants]\n')
-              .replace("@GALLERY@", str(tmp_path / "participants.json")))
-    with ready_daemon(tmp_path, config) as daemon:
-        markers = Recorder(daemon.resolve("Markers", count=1))
-        try:
-            task = models / assets.LANDMARKER_TASK_FILE
-            task.write_bytes(task.read_bytes()[:1_000_000])
-            worker = next(w for w in daemon.status().workers if w.role == "roi_landmark")
-            os.kill(worker.pid, signal.SIGKILL)
-            daemon.wait_for_worker(worker.name, "running", not_pid=worker.pid)
-            event = _wait_for("a model_damaged marker", lambda: next(
-                (e for e in [json.loads(s[0]) for s in markers.records[0].samples]
-                 if e["event"] == "model_damaged"), None), daemon)
-        finally:
-            markers.stop()
-        assert event["worker"] == worker.name
-        assert event["reason"].startswith(f"{task} is 1000000 bytes, expected "), event
-        assert "using the verified copy of its models in" in event["reason"], event
-        detail = _wait_for("the damage in the worker's status", lambda: next(
-            (w.detail for w in daemon.status().workers
-             if w.name == worker.name and "(truncated" in w.detail), ""), daemon)
-        assert "verified copy" in detail
-        assert "(truncated; pinned SHA-256" in daemon.log_path.read_text()
-        assert daemon.worker(worker.name).state == "running"
+    task = daemon.models_dir / assets.LANDMARKER_TASK_FILE
+    if not task.exists():
+        pytest.skip("face_landmarker.task is not installed (facecast models install)")
+    assert not any(e["event"] == "model_damaged" for e in _markers(daemon)), _markers(daemon)
+    task.write_bytes(task.read_bytes()[:1_000_000])
+    worker = next(w for w in daemon.status().workers if w.role == "roi_landmark")
+    os.kill(worker.pid, signal.SIGKILL)
+    daemon.wait_for_worker(worker.name, "running", not_pid=worker.pid)
+    event = _wait_for("a model_damaged marker", lambda: next(
+        (e for e in _markers(daemon) if e["event"] == "model_damaged"), None), daemon)
+    assert event["worker"] == worker.name
+    assert event["reason"].startswith(f"{task} is 1000000 bytes, expected "), event
+    assert "using the verified copy of its models in" in event["reason"], event
+    detail = _wait_for("the damage in the worker's status", lambda: next(
+        (w.detail for w in daemon.status().workers
+         if w.name == worker.name and "(truncated" in w.detail), ""), daemon)
+    assert "verified copy" in detail
+    assert "(truncated; pinned SHA-256" in daemon.log_path.read_text()
+    assert daemon.worker(worker.name).state == "running"
