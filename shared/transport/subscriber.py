@@ -270,7 +270,7 @@ class FrameSubscriber:
 
     def _drain(self, events, newest: dict[str, FrameReady]) -> None:
         """Stage "receive": everything waiting on the sockets, decoded; only the newest frame of
-        each camera is kept (older ones are counted as skipped in _reader_for)."""
+        each camera is kept (older ones are counted as skipped in _handle)."""
         for socket, _ in events:
             if socket is not self.bus.socket:  # a ring-control reply
                 self._handle(self.bus.gate.decode(socket.recv()), newest)
@@ -282,7 +282,7 @@ class FrameSubscriber:
     ) -> list[ReceivedFrame]:
         requests = []
         for message in newest.values():
-            reader = self._reader_for(message)  # also keeps the ring attached while unwanted
+            reader = self._attached_reader(message)  # also keeps the ring attached while unwanted
             if reader is not None and (wanted is None or wanted(message.camera_id)):
                 requests.append((reader, message))
         frames: list[ReceivedFrame] = []
@@ -295,7 +295,13 @@ class FrameSubscriber:
         if isinstance(message, RingDescription):
             self._attach(message)
         elif isinstance(message, FrameReady) and message.camera_id in self.status:
-            newest[message.camera_id] = message  # older ones are skipped, counted in _read
+            # Counted as each message comes, not from the newest one's gap alone: a camera's
+            # first frames can arrive just after its ring did (a consumer with no frame of it
+            # yet), and those passed over must count too.
+            self._count_skipped(message)
+            if message.camera_id in newest:
+                self.status[message.camera_id].counts["skipped"] += 1  # an older one passed over
+            newest[message.camera_id] = message
 
     def _attach(self, description: RingDescription) -> None:
         camera_id = description.camera_id
@@ -326,16 +332,12 @@ class FrameSubscriber:
         log.info("attached %s ring of camera %s (epoch %x)", description.transport, camera_id,
                  description.ring_epoch)
 
-    def _reader_for(self, message: FrameReady) -> rings.RingReader | None:
-        self._count_skipped(message)
-        return self._attached_reader(message)
-
     def _count_skipped(self, message: FrameReady) -> None:
         camera_id = message.camera_id
         last_seq = self._last_seq.get(camera_id)
         if last_seq is not None and message.frame_seq > last_seq + 1:
-            # Frames this consumer never read: drained as older than the newest, or dropped by
-            # ZeroMQ's high-water mark while we were busy. Capture did not wait for us.
+            # Frames this consumer never saw: dropped by ZeroMQ's high-water mark while we were
+            # busy. Capture did not wait for us.
             self.status[camera_id].counts["skipped"] += message.frame_seq - last_seq - 1
         self._last_seq[camera_id] = message.frame_seq
 
