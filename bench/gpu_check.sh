@@ -15,6 +15,9 @@
 #   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle (2)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
 #                 (needs .whl2a/.whl2b installed) (about 12)
+#   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
+#                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
+#                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
 # Default: boot_stop gpu_tests real_footage pipeline models (23 minutes). A machine is held at
 # most 30 minutes: start on a fresh machine, and put `decode` in a run of its own.
 # Run from the repository root, with .whl/, .models/, .mp/ and .footage/ (copies of
@@ -70,6 +73,9 @@ run)
                     --warmup-s 4 --measure-s 10 \
                     --out "$STATE/benchmarks-decode-$decode.json" --log-dir "$STATE/logs"
             done ;;
+        analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
+            --files-at-once 8 --repeats 2 --frames 240 --skip-inline --litert-threads 1 8 \
+            --work "$STATE/analyze" --out "$STATE/benchmarks-analyze-gpu.json" --docs '' ;;
         *) echo "$(date -u +%H:%M:%S) unknown step $name" >> "$STATE/steps.txt" ;;
         esac
     done
