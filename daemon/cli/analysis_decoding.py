@@ -21,7 +21,7 @@ Note [Analysis on NVDEC]
     the file is decoded by PyAV on the CPU from its start, and the reason is said once (the
     process-wide ones once per run, a file's once per file). "gpu" and "auto" differ only in
     that: nothing is refused, the CPU decoder always stays.
-    Frames: each packet (Annex B, nvdec.PacketReader) goes to one NVDEC decoder of the file's
+    Frames: each packet (Annex B, gpu_decoded.PacketReader) goes to one NVDEC decoder of the file's
     own (nvdec.NvdecDecoder: 0-frame latency where the stream has no B-frames, the native
     latency and an end-of-stream flush otherwise), made on the thread that iterates the
     frames and used only there; each frame NVDEC gives is converted to BGR on the file's CUDA
@@ -47,7 +47,6 @@ Note [Analysis on NVDEC]
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import heapq
 import threading
@@ -56,17 +55,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-import av.error
 import torch
 
 from facecast.daemon.cli.video_analysis import DecodedFrame, FrameDecoder, PyAvDecoder
-from facecast.workers.capture import decoding, nvdec
-from facecast.workers.capture.decoding import (
-    GPU_CODECS,
-    GPU_PIXEL_FORMATS,
-    GpuDecodeFailed,
-    GpuDecodeUnavailable,
-)
+from facecast.workers.capture import decoding, gpu_decoded, nvdec
+from facecast.workers.capture.decoding import GpuDecodeFailed, GpuDecodeUnavailable
+from facecast.workers.capture.gpu_decoded import error_text
 
 CPU_NAME = "PyAV (CPU)"
 _PENDING_FRAMES_LIMIT = 32  # frames NVDEC may hold back with B-frames (its DPB holds at most 16)
@@ -159,32 +153,6 @@ class FallbackDecoder(FrameDecoder):
         self.cpu.close()
 
 
-class _TimedPacketReader(nvdec.PacketReader):
-    """nvdec.PacketReader, each packet's presentation time and discard flag noted as the
-    demuxer hands it over, in order: one per `read()` (its bitstream filters give one packet
-    for one). (To move into PacketReader itself: nvdec.py was being changed by other work
-    when this was written.)"""
-
-    def __init__(self, target: str) -> None:
-        super().__init__(target)
-        self.noted: collections.deque[tuple[int | None, bool]] = collections.deque()
-        self._packets = self._noting(self._packets)
-
-    def _noting(self, packets):
-        for packet in packets:
-            if packet.size:
-                self.noted.append((packet.pts, bool(packet.is_discard)))
-            yield packet
-
-    def read_timed(self) -> tuple[bytes, bool, int | None, bool] | None:
-        """(Annex B bytes, keyframe, pts, discard) of the next packet; None at the end."""
-        packet = self.read()
-        if packet is None:
-            return None
-        pts, discard = self.noted.popleft()
-        return packet[0], packet[1], pts, discard
-
-
 class NvdecFileDecoder:
     """A file's frames decoded by NVDEC on `device`, every one, in presentation order, as
     HxWx3 uint8 BGR tensors on that GPU (Note [Analysis on NVDEC]). Opening reads the header
@@ -197,21 +165,15 @@ class NvdecFileDecoder:
         self.name = f"NVDEC (GPU {self.device_index})"
         self.time_base = time_base
         try:
-            self.reader = _TimedPacketReader(str(path))
-        except (av.error.FFmpegError, OSError) as exc:
-            raise GpuDecodeUnavailable(f"PyAV cannot demux it ({_text(exc)})") from exc
+            self.reader = gpu_decoded.PacketReader(str(path))
+        except gpu_decoded.READ_ERRORS as exc:
+            raise GpuDecodeUnavailable(f"PyAV cannot demux it ({error_text(exc)})") from exc
         reader = self.reader
-        problem = None
-        if reader.codec not in GPU_CODECS:
-            problem = (f"its video is {reader.codec or 'of an unknown codec'}; NVDEC takes "
-                       f"{' and '.join(GPU_CODECS.values())}")
-        elif reader.pix_fmt and reader.pix_fmt not in GPU_PIXEL_FORMATS:
-            problem = f"its video is {reader.describe()}: the GPU path converts 8-bit 4:2:0 only"
-        elif reader.width % 2 or reader.height % 2:
-            problem = f"its video is {reader.describe()}: an odd size"
+        problem = nvdec.unsupported_reason(reader, mjpeg_elsewhere=False)
         if problem:
             reader.close()
             raise GpuDecodeUnavailable(problem)
+        self.colour = nvdec.colour_of(reader)
         self.low_latency = not reader.has_b_frames
         self.stream, self.consumer_stream = self._new_streams()
 
@@ -227,13 +189,13 @@ class NvdecFileDecoder:
                 decoder = nvdec.NvdecDecoder(reader.codec, self.device_index, self.stream,
                                              self.low_latency)
             except Exception as exc:  # noqa: BLE001 - PyNvVCException, RuntimeError: the reason
-                raise GpuDecodeUnavailable(f"NVDEC could not make a decoder ({_text(exc)})") \
+                raise GpuDecodeUnavailable(f"NVDEC could not make a decoder ({error_text(exc)})") \
                     from exc
             while True:
                 try:
                     packet = reader.read_timed()
-                except (av.error.FFmpegError, OSError) as exc:
-                    raise failure(f"the demuxer broke off ({_text(exc)})") from exc
+                except gpu_decoded.READ_ERRORS as exc:
+                    raise failure(f"the demuxer broke off ({error_text(exc)})") from exc
                 if packet is None:
                     if self.low_latency:
                         break
@@ -253,7 +215,7 @@ class NvdecFileDecoder:
                 try:
                     pointers = decoder.decode(data, packets)
                 except Exception as exc:  # noqa: BLE001 - whatever NVDEC raised, the reason says
-                    raise failure(f"NVDEC failed on packet {packets - 1} ({_text(exc)})") from exc
+                    raise failure(f"NVDEC failed on packet {packets - 1} ({error_text(exc)})") from exc
                 if data and self.low_latency and len(pointers) != 1:
                     raise failure(f"NVDEC gave {len(pointers)} frames for packet {packets - 1} "
                                   "(one expected: a stream without B-frames)")
@@ -290,10 +252,10 @@ class NvdecFileDecoder:
         try:
             nv12 = self._nv12_at(pointer, width, height)
             with torch.cuda.stream(self.stream):
-                frame = nvdec.nv12_to_bgr(nv12, height, width, self.reader.colour)
+                frame = nvdec.nv12_to_bgr(nv12, height, width, self.colour)
             self._hand_over(frame)
         except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
-            raise GpuDecodeFailed(f"converting NVDEC's frame failed ({_text(exc)})") from exc
+            raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
         return frame
 
     # -- the device (seams: tests/test_analyze.py plays NVDEC on the CPU through them)
@@ -326,8 +288,3 @@ class NvdecFileDecoder:
     def close(self) -> None:
         self.reader.close()
 
-
-def _text(exc: BaseException) -> str:
-    """An exception in one line: its type and its message's first line."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

@@ -5,9 +5,10 @@ converted NV12 → BGR with torch on the camera's GPU, and handed to the ring as
 Runs in the capture worker, on the camera's thread (Note [Camera threads]), and is imported only
 where the GPU decoder is tried (decoding.plan): it imports torch and PyAV; PyNvVideoCodec is
 imported when a decoder is made (its import needs the NVIDIA driver). What was read of
-PyNvVideoCodec 2.2.4 and what was run is said where it is used: nothing in this module has run on
-a GPU in the session that wrote it (no GPU there); `nv12_to_bgr` and the packet reader ran on the
-CPU (tests/test_decoding.py), the rest is for the `gpu` tests (tests/test_nvdec_gpu.py).
+PyNvVideoCodec 2.2.4 is said where it is used. On the CPU, tests/test_decoding.py runs all of it
+with FFmpeg playing NVDEC's part; on the GPU machine tests/test_nvdec_gpu.py (all passed on an
+H200, 2026-11-26, but for its RTSP case: no GStreamer RTSP server there). The demuxer and what
+the sources share with nvJPEG's are in gpu_decoded.py.
 
 Note [NVDEC path]
     Per camera: a `PacketReader` (PyAV) demuxes the file or the RTSP/HTTP stream on the CPU and
@@ -64,22 +65,17 @@ Note [NV12 to BGR]
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import av
-import av.bitstream
-import av.error
 import numpy as np
 import pylsl
 import torch
 
-from facecast.shared.config import CameraConfig, redact_url
+from facecast.shared.config import CameraConfig
 from facecast.workers.capture import decoding
 from facecast.workers.capture.decoding import (
     GPU_CODECS,
@@ -89,16 +85,19 @@ from facecast.workers.capture.decoding import (
     GpuDecodeFailed,
     GpuDecodeUnavailable,
 )
+from facecast.workers.capture.gpu_decoded import (
+    READ_ERRORS,
+    EncodedLoopPlayback,
+    FilePlayback,
+    GpuDecodedSource,
+    PacketReader,
+    StreamPlayback,
+    error_text,
+)
 from facecast.workers.capture.sources import (
-    EncodedSyntheticLoop,
     FrameSource,
     Granted,
-    SourceLost,
-    SyntheticReplay,
-    _capture_half_into_ticks,
-    _Pacer,
     _why_no_stream,
-    capture_in_a_new_tick,
     video_file_path,
 )
 
@@ -106,7 +105,6 @@ log = logging.getLogger(__name__)
 
 _AVCOL_SPC_BT709 = 1
 _AVCOL_RANGE_JPEG = 2
-_READ_ERRORS = (av.error.FFmpegError, OSError)
 # PyNvVideoCodec's codec enum member per FFmpeg codec name.
 _NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC"}
 
@@ -162,96 +160,6 @@ def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -
     bgr = torch.stack((luma + b_u * u, luma + (g_u * u + g_v * v), luma + r_v * v), dim=-1)
     # (half_h, 2, half_w, 2, 3) is (height, width, 3) in memory: row 2i+a, column 2j+b.
     return bgr.view(height, width, 3).round_().clamp_(0.0, 255.0).to(torch.uint8)
-
-
-# --- demuxing on the CPU ---------------------------------------------------------------------------
-
-
-def _stream_options(url: str) -> dict[str, str]:
-    """FFmpeg options for a stream: the user's $OPENCV_FFMPEG_CAPTURE_OPTIONS ("key;value|..."),
-    which the CPU path honours too (sources._open_ffmpeg), else RTSP over TCP."""
-    given = os.environ.get("OPENCV_FFMPEG_CAPTURE_OPTIONS")
-    if given is not None:
-        options = {}
-        for item in given.split("|"):
-            key, _, value = item.partition(";")
-            if key.strip():
-                options[key.strip()] = value.strip()
-        return options
-    return {"rtsp_transport": "tcp"} if url.lower().startswith(("rtsp://", "rtsps://")) else {}
-
-
-class PacketReader:
-    """The compressed packets of a file's or a stream's first video stream, in Annex B, each
-    stamped when the demuxer handed it over (Note [NVDEC path])."""
-
-    def __init__(self, target: str, *, stream: bool = False, open_timeout_s: float = 10.0,
-                 read_timeout_s: float = 5.0) -> None:
-        self.target = target
-        options = _stream_options(target) if stream else {}
-        self.container = av.open(target, mode="r", options=options,
-                                 timeout=(open_timeout_s, read_timeout_s) if stream else None)
-        try:
-            videos = self.container.streams.video
-            if not videos:
-                raise GpuDecodeUnavailable("it has no video stream")
-            self.stream = videos[0]
-            context = self.stream.codec_context
-            self.codec = context.name or ""
-            self.pix_fmt = context.pix_fmt or ""
-            self.profile = context.profile or ""
-            self.width, self.height = int(context.width or 0), int(context.height or 0)
-            self.has_b_frames = bool(context.has_b_frames)
-            self.colour = YuvToBgr.of(context.colorspace, context.color_range, self.pix_fmt)
-            rate = self.stream.average_rate or self.stream.guessed_rate
-            self.fps = float(rate) if rate else 0.0
-            self._filter = (av.bitstream.BitStreamFilterContext(
-                f"{self.codec}_mp4toannexb", in_stream=self.stream)
-                if self.codec in GPU_CODECS else None)
-            extradata = bytes(context.extradata or b"")
-            annex_b = extradata.startswith((b"\0\0\1", b"\0\0\0\1"))
-            self._parameter_sets = extradata if annex_b else b""
-            self._packets = self.container.demux(self.stream)
-            self._pending: collections.deque[tuple[bytes, bool, float]] = collections.deque()
-        except BaseException:
-            self.container.close()
-            raise
-
-    def describe(self) -> str:
-        """E.g. "H.264 High 1920x1080 yuv420p"."""
-        codec = GPU_CODECS.get(self.codec, self.codec or "an unknown codec")
-        profile = f" {self.profile}" if self.profile else ""
-        return f"{codec}{profile} {self.width}x{self.height} {self.pix_fmt or '?'}"
-
-    def read(self) -> tuple[bytes, bool, float] | None:
-        """(Annex B bytes, keyframe, pylsl.local_clock() when read) of the next packet; None at
-        the end. A stream's errors (its read timeout included) raise PyAV's errors."""
-        while not self._pending:
-            try:
-                packet = next(self._packets)
-            except StopIteration:
-                return None
-            if not packet.size:
-                continue  # the demuxer's flush packet at the end
-            read_ts = pylsl.local_clock()
-            keyframe = bool(packet.is_keyframe)
-            filtered = self._filter.filter(packet) if self._filter is not None else [packet]
-            for out in filtered:
-                data = bytes(out)
-                if keyframe and self._parameter_sets:
-                    data = self._parameter_sets + data
-                self._pending.append((data, keyframe, read_ts))
-        return self._pending.popleft()
-
-    def read_ahead(self) -> tuple[bytes, bool, float] | None:
-        """The packet `read` gives next, left to it (None: there is none)."""
-        packet = self.read()
-        if packet is not None:
-            self._pending.appendleft(packet)
-        return packet
-
-    def close(self) -> None:
-        self.container.close()
 
 
 # --- NVDEC through PyNvVideoCodec -----------------------------------------------------------------
@@ -313,29 +221,37 @@ class NvdecDecoder:
 # --- the sources ----------------------------------------------------------------------------------
 
 
-class NvdecSource(FrameSource):
-    """A camera's frames decoded by NVDEC: `read()` gives (BGR uint8 HxWx3 tensor on the camera's
-    GPU, capture_ts_lsl), the tensor the caller's own and ready on its current stream."""
+def unsupported_reason(reader: PacketReader, *, mjpeg_elsewhere: bool) -> str | None:
+    """Why NVDEC and `nv12_to_bgr` cannot take what the reader found, or None; a camera's
+    MJPEG goes to nvJPEG (`mjpeg_elsewhere`), a file analysed is NVDEC's or the CPU's."""
+    if reader.codec not in GPU_CODECS:
+        codecs = " and ".join(GPU_CODECS.values())
+        takers = (f"the GPU decoders take {codecs} (NVDEC) and MJPEG (nvJPEG)" if mjpeg_elsewhere
+                  else f"NVDEC takes {codecs}")
+        return f"its video is {reader.codec or 'of an unknown codec'}; {takers}"
+    if reader.pix_fmt and reader.pix_fmt not in GPU_PIXEL_FORMATS:
+        return f"its video is {reader.describe()}: the GPU path converts 8-bit 4:2:0 only"
+    if reader.width % 2 or reader.height % 2:
+        return f"its video is {reader.describe()}: an odd size"
+    return None
+
+
+def colour_of(reader: PacketReader) -> YuvToBgr:
+    """The NV12 → BGR conversion of the reader's video (Note [NV12 to BGR])."""
+    return YuvToBgr.of(reader.colorspace, reader.color_range, reader.pix_fmt)
+
+
+class NvdecSource(GpuDecodedSource):
+    """A camera's H.264/H.265 decoded by NVDEC (Note [NVDEC path])."""
 
     backend = "NVDEC"
-    on_device = True
     low_latency_always = False  # a source known to have no B-frames
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
-        super().__init__(camera)
-        self.request = request
-        self.device_index = request.device_index
-        self.device = torch.device("cuda", self.device_index)
-        self.stream = self._new_stream()
-        self.reader: PacketReader | None = None
+        super().__init__(camera, request)
         self.decoder: NvdecDecoder | None = None
-        self.decode: DecodeChoice | None = None
-        self.frames_decoded = 0
-        self.loops = 0
-        self._primed = False
         self._pts = 0
         self._ready: collections.deque[tuple[torch.Tensor, float]] = collections.deque()
-        self._inject_after = decoding.injected_failure_after(camera.id)
 
     # -- opening
 
@@ -345,24 +261,17 @@ class NvdecSource(FrameSource):
         if reader.codec in decoding.JPEG_CODECS:
             raise _MjpegFound(reader)  # nvJPEG's, the reader open (open_gpu_source)
         self.reader = reader
-        if reader.codec not in GPU_CODECS:
-            raise GpuDecodeUnavailable(
-                f"its video is {reader.codec or 'of an unknown codec'}; the GPU decoders take "
-                f"{' and '.join(GPU_CODECS.values())} (NVDEC) and MJPEG (nvJPEG)")
-        reason = decoding.nvdec_unavailable_reason()  # plan may have let it by for MJPEG
-        if reason:
+        reason = unsupported_reason(reader, mjpeg_elsewhere=True) or decoding.nvdec_unavailable_reason()
+        if reason:  # (plan may have let NVDEC's own reason by for MJPEG)
             raise GpuDecodeUnavailable(reason)
-        if reader.pix_fmt and reader.pix_fmt not in GPU_PIXEL_FORMATS:
-            raise GpuDecodeUnavailable(
-                f"its video is {reader.describe()}: the GPU path converts 8-bit 4:2:0 only")
-        if reader.width % 2 or reader.height % 2:
-            raise GpuDecodeUnavailable(f"its video is {reader.describe()}: an odd size")
+        self.colour = colour_of(reader)
         self.low_latency = self.low_latency_always or not reader.has_b_frames
         try:
             self.decoder = NvdecDecoder(reader.codec, self.device_index, self.stream,
                                         self.low_latency)
         except Exception as exc:  # noqa: BLE001 - PyNvVCException, RuntimeError: the reason
-            raise GpuDecodeUnavailable(f"NVDEC could not make a decoder ({_text(exc)})") from exc
+            raise GpuDecodeUnavailable(
+                f"NVDEC could not make a decoder ({error_text(exc)})") from exc
         deadline = time.monotonic() + keyframe_deadline_s
         while True:
             packet = self._next_packet_or_lost()
@@ -401,10 +310,6 @@ class NvdecSource(FrameSource):
                                self.backend)
         return first
 
-    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
-        """Subclasses turn a reader's error into SourceLost where the source is a stream."""
-        return self.reader.read()
-
     # -- decoding
 
     def _decode(self, data: bytes, read_ts: float) -> list[int]:
@@ -414,7 +319,7 @@ class NvdecSource(FrameSource):
         try:
             pointers = self.decoder.decode(data, pts)
         except Exception as exc:  # noqa: BLE001 - whatever NVDEC raised, the reason says
-            what = f"NVDEC failed on a packet ({_text(exc)})"
+            what = f"NVDEC failed on a packet ({error_text(exc)})"
             if self._primed:
                 raise GpuDecodeFailed(what) from exc
             raise GpuDecodeUnavailable(
@@ -422,6 +327,10 @@ class NvdecSource(FrameSource):
                 "support") from exc
         self.frames_decoded += len(pointers)
         return pointers
+
+    def _decode_into_ready(self, data: bytes, read_ts: float) -> None:
+        for pointer in self._decode(data, read_ts):
+            self._ready.append((self._convert(pointer), read_ts))
 
     def _convert(self, pointer: int) -> torch.Tensor:
         """The NV12 frame at `pointer` as a new BGR tensor, on the camera's stream."""
@@ -432,90 +341,38 @@ class NvdecSource(FrameSource):
         try:
             nv12 = self._nv12_at(pointer, width, height)
             with torch.cuda.stream(self.stream):
-                return nv12_to_bgr(nv12, height, width, self.reader.colour)
+                return nv12_to_bgr(nv12, height, width, self.colour)
         except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
-            raise GpuDecodeFailed(f"converting NVDEC's frame failed ({_text(exc)})") from exc
-
-    def read(self) -> tuple[torch.Tensor, float]:
-        if self.decoder is None:
-            raise self._lost("source is closed")
-        if self._inject_after is not None and self.frames_read >= self._inject_after:
-            raise GpuDecodeFailed(f"injected failure after {self.frames_read} frames "
-                                  f"({decoding.INJECT_FAILURE_ENV})")
-        frame, capture_ts_lsl = self._read_frame()
-        self.frames_read += 1
-        self._hand_over()
-        return frame, capture_ts_lsl
-
-    # -- the device (three small seams: tests/test_decoding.py plays NVDEC on the CPU through them)
-
-    def _new_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)
+            raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
 
     def _nv12_at(self, pointer: int, width: int, height: int) -> torch.Tensor:
-        """NVDEC's output buffer as a (height * 3 / 2) x width uint8 tensor (no copy)."""
+        """NVDEC's output buffer as a (height * 3 / 2) x width uint8 tensor (no copy); a seam
+        of tests/test_decoding.py, as GpuDecodedSource's device seams."""
         from facecast.shared.transport import cuda_driver
 
         return cuda_driver.tensor_at(pointer, width * height * 3 // 2,
                                      self.device_index).view(height * 3 // 2, width)
 
-    def _hand_over(self) -> None:
-        """The frame is the caller's on its current stream (Note [NVDEC path])."""
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-    def _read_frame(self) -> tuple[torch.Tensor, float]:
-        raise NotImplementedError
-
     def close(self) -> None:
-        """On the camera's thread (Note [Camera threads]); never raises."""
-        try:
-            self.stream.synchronize()
-        except Exception as exc:  # noqa: BLE001 - closing after a failure: say so, go on
-            log.warning("camera %s: waiting for its GPU decoder's stream: %s", self.camera_id, exc)
         self._ready.clear()
-        if self.decoder is not None:
-            self.decoder.close()
-            self.decoder = None
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
+        super().close()
 
 
-class NvdecFileSource(NvdecSource):
+class NvdecFileSource(FilePlayback, NvdecSource):
     """A video file, looped and paced at its native fps, as sources.FileSource, decoded on the
     GPU."""
-
-    kind = "file"
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest,
                  path: Path | None = None) -> None:
         super().__init__(camera, request)
         self.path = path if path is not None else video_file_path(camera)
         try:
-            first = self._start(self._open_reader(), keyframe_deadline_s=math.inf)
+            first = self._start(self._open_file(), keyframe_deadline_s=math.inf)
         except BaseException:
             self.close()
             raise
         self._ready.appendleft((first, self._first_read_ts))
-        fps = self.granted.fps
-        if not (math.isfinite(fps) and 0 < fps <= 1000):
-            log.warning("camera %s: %s has no usable frame rate (%r); pacing it at the "
-                        "configured %g fps", camera.id, self.path, fps, camera.fps)
-            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
-        self._pacer = _Pacer(self.granted.fps)
-        log.info("camera %s: file %s plays %s, looped", camera.id, self.path,
-                 self.granted.describe())
-
-    def _open_reader(self) -> PacketReader:
-        try:
-            return PacketReader(str(self.path))
-        except _READ_ERRORS as exc:
-            raise self._lost(f"FFmpeg (PyAV) cannot open video file {str(self.path)!r} "
-                             f"({_text(exc)})") from exc
-
-    @property
-    def frames_skipped(self) -> int:
-        return self._pacer.frames_skipped
+        self._play()
 
     def _read_frame(self) -> tuple[torch.Tensor, float]:
         self._pacer.wait()
@@ -525,8 +382,7 @@ class NvdecFileSource(NvdecSource):
                 self._start_again()
                 continue
             data, _, read_ts = packet
-            for pointer in self._decode(data, read_ts):
-                self._ready.append((self._convert(pointer), read_ts))
+            self._decode_into_ready(data, read_ts)
         # A file is played, not read as it comes: its frame is captured when the pacer hands
         # it out, as FileSource's grab stamps it (frames a decode gives together would share
         # their packet's read time).
@@ -538,9 +394,7 @@ class NvdecFileSource(NvdecSource):
         front) as any keyframe of a stream. With B-frames it holds the file's last frames: the
         end of the stream gets them out, and a new decoder takes the file again."""
         if not self.low_latency:
-            read_ts = pylsl.local_clock()
-            for pointer in self._decode(b"", read_ts):
-                self._ready.append((self._convert(pointer), read_ts))
+            self._decode_into_ready(b"", pylsl.local_clock())
             self.decoder.close()
             self.decoder = None
             try:
@@ -548,19 +402,13 @@ class NvdecFileSource(NvdecSource):
                                             self.low_latency)
             except Exception as exc:  # noqa: BLE001 - no decoder for the file's next round
                 raise GpuDecodeFailed(f"NVDEC could not make a decoder again at the file's end "
-                                      f"({_text(exc)})") from exc
-        self.reader.close()
-        self.reader = self._open_reader()
-        self.loops += 1
-        if self.reader.read_ahead() is None:
-            raise self._lost(f"video file {str(self.path)!r} yields no frames")
+                                      f"({error_text(exc)})") from exc
+        self._open_next_round()
 
 
-class NvdecStreamSource(NvdecSource):
+class NvdecStreamSource(StreamPlayback, NvdecSource):
     """An RTSP or HTTP stream of H.264/H.265, demuxed by PyAV, decoded on the GPU; frames as fast
     as they come, as sources.StreamSource."""
-
-    kind = "stream"
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest, *,
                  open_timeout_s: float = 10.0, read_timeout_s: float = 5.0) -> None:
@@ -571,7 +419,7 @@ class NvdecStreamSource(NvdecSource):
         try:
             reader = PacketReader(self.url, stream=True, open_timeout_s=open_timeout_s,
                                   read_timeout_s=read_timeout_s)
-        except _READ_ERRORS:
+        except READ_ERRORS:
             self.close()
             raise self._lost(_why_no_stream(self.url, open_timeout_s,
                                             time.monotonic() - started_monotonic)) from None
@@ -581,42 +429,26 @@ class NvdecStreamSource(NvdecSource):
             self.close()
             raise
         self._ready.appendleft((first, self._first_read_ts))
-        if not (math.isfinite(self.granted.fps) and 0 < self.granted.fps <= 1000):
-            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
-        log.info("camera %s: stream %s delivers %s", camera.id, redact_url(self.url),
-                 self.granted.describe())
-
-    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
-        try:
-            return self.reader.read()
-        except _READ_ERRORS as exc:
-            raise self._lost(f"stream {redact_url(self.url)} ended or sent nothing for "
-                             f"{self.read_timeout_s:g} s (peer gone? {_text(exc)})") from exc
+        self._play()
 
     def _read_frame(self) -> tuple[torch.Tensor, float]:
         while not self._ready:
-            packet = self._next_packet_or_lost()
-            if packet is None:
-                raise self._lost(f"stream {redact_url(self.url)} ended")
-            data, _, read_ts = packet
-            for pointer in self._decode(data, read_ts):
-                self._ready.append((self._convert(pointer), read_ts))
+            data, _, read_ts = self._next_packet_or_ended()
+            self._decode_into_ready(data, read_ts)
         return self._ready.popleft()
 
 
-class NvdecEncodedSyntheticSource(NvdecSource):
-    """"synthetic-h264" decoded on the GPU: the same encoded loop, pacing, file positions and
-    ground truth as sources.EncodedSyntheticSource (Note [Encoded synthetic loop])."""
+class NvdecEncodedSyntheticSource(EncodedLoopPlayback, NvdecSource):
+    """"synthetic-h264" decoded on the GPU (EncodedLoopPlayback)."""
 
     kind = "synthetic-h264"
     low_latency_always = True  # encoded without B-frames
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
         super().__init__(camera, request)
-        self.replay = SyntheticReplay.for_camera(camera)
-        self.encoded = EncodedSyntheticLoop(self.replay, "h264", name=camera.id)
+        self._encode_loop("h264")
         try:
-            self._start(self._open_reader(), keyframe_deadline_s=math.inf)  # file frame 0
+            self._start(self._open_loop(), keyframe_deadline_s=math.inf)  # file frame 0
             if self.frames_decoded != self._pts:
                 raise GpuDecodeUnavailable(
                     f"NVDEC gave {self.frames_decoded} frames for the encoded loop's first "
@@ -625,26 +457,10 @@ class NvdecEncodedSyntheticSource(NvdecSource):
             self.close()
             raise
         self._ready.clear()  # frames are taken by capture time, not in order (read)
-        self._next_position = self._pts  # the loop's frames decoded at open
-        self.granted = dataclasses.replace(self.granted, fps=camera.fps)
-        self._pacer = _Pacer(camera.fps)
-        _capture_half_into_ticks(self._pacer, camera.fps)
-        log.info("camera %s: %s encoded its %d-frame round trip once (%.2f MB in memory, "
-                 "%.2f s) and decodes it on the GPU at %g fps", camera.id, self.kind,
-                 self.encoded.frame_count, self.encoded.nbytes / 1e6, self.encoded.encode_s,
-                 camera.fps)
-
-    def _open_reader(self) -> PacketReader:
-        return PacketReader(str(self.encoded.path))
-
-    @property
-    def frames_skipped(self) -> int:
-        return self._pacer.frames_skipped
+        self._play(next_position=self._pts)  # the loop's frames decoded at open
 
     def _read_frame(self) -> tuple[torch.Tensor, float]:
-        self._pacer.wait()
-        capture_ts_lsl, position = capture_in_a_new_tick(  # when a camera would have sent it
-            self.replay, (self._next_position - 1) % self.encoded.frame_count)
+        capture_ts_lsl, position = self._next_capture()
         # A late reader's frames are decoded, not converted; the file's end is its frame 0.
         while self._next_position % self.encoded.frame_count != position:
             self._decode_next()
@@ -652,32 +468,13 @@ class NvdecEncodedSyntheticSource(NvdecSource):
 
     def _decode_next(self) -> int:
         """The next file frame's NV12 buffer (one packet, one frame: no B-frames)."""
-        if self._next_position == self.encoded.frame_count:
-            self.reader.close()
-            self.reader = self._open_reader()
-            self._next_position = 0
-            self.loops += 1
-        packet = self.reader.read()
-        if packet is None:
-            raise self._lost(f"{self.kind}: the encoded loop ended after {self._next_position} "
-                             f"of its {self.encoded.frame_count} frames")
-        data, _, read_ts = packet
+        position = self._next_position % self.encoded.frame_count
+        data, _, read_ts = self._next_loop_packet()
         pointers = self._decode(data, read_ts)
         if len(pointers) != 1:
             raise GpuDecodeFailed(f"NVDEC gave {len(pointers)} frames for file frame "
-                                  f"{self._next_position} of the encoded loop (one expected)")
-        self._next_position += 1
+                                  f"{position} of the encoded loop (one expected)")
         return pointers[0]
-
-    def ground_truth(self, capture_ts_lsl: float):
-        """The faces in the frame that was captured at `capture_ts_lsl`."""
-        return self.replay.faces_at(capture_ts_lsl)
-
-    def close(self) -> None:
-        super().close()
-        encoded = getattr(self, "encoded", None)
-        if encoded is not None:
-            encoded.close()
 
 
 class _MjpegFound(Exception):
@@ -712,9 +509,3 @@ def open_gpu_source(camera: CameraConfig, kind: str, request: DecodeRequest, *,
         return nvjpeg.open_jpeg_source(camera, kind, request, found.reader,
                                        read_timeout_s=read_timeout_s)
     raise GpuDecodeUnavailable(f"a {kind} source is not decoded on the GPU")
-
-
-def _text(exc: BaseException) -> str:
-    """An exception in one line: its type and its message's first line."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

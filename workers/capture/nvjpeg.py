@@ -1,5 +1,5 @@
 """MJPEG cameras decoded on the GPU: each compressed frame (a whole JPEG) demuxed on the CPU by
-PyAV (nvdec.PacketReader), decoded by nvImageCodec (`nvidia.nvimgcodec`, wheel
+PyAV (gpu_decoded.PacketReader), decoded by nvImageCodec (`nvidia.nvimgcodec`, wheel
 nvidia-nvimgcodec-cu13 0.9.0.20) into the camera's GPU, RGB → BGR in torch, and handed to the
 ring as a device tensor (`FramePublisher.publish_device`; Note [Frames born on the GPU]).
 
@@ -60,14 +60,12 @@ Note [nvJPEG path]
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 
 import pylsl
 import torch
 
-from facecast.shared.config import CameraConfig, redact_url
+from facecast.shared.config import CameraConfig
 from facecast.workers.capture import decoding
 from facecast.workers.capture.decoding import (
     JPEG_CODECS,
@@ -76,17 +74,15 @@ from facecast.workers.capture.decoding import (
     GpuDecodeFailed,
     GpuDecodeUnavailable,
 )
-from facecast.workers.capture.nvdec import _READ_ERRORS, PacketReader, _text
-from facecast.workers.capture.sources import (
-    EncodedSyntheticLoop,
-    FrameSource,
-    Granted,
-    SyntheticReplay,
-    _capture_half_into_ticks,
-    _Pacer,
-    capture_in_a_new_tick,
-    video_file_path,
+from facecast.workers.capture.gpu_decoded import (
+    EncodedLoopPlayback,
+    FilePlayback,
+    GpuDecodedSource,
+    PacketReader,
+    StreamPlayback,
+    error_text,
 )
+from facecast.workers.capture.sources import Granted, video_file_path
 
 log = logging.getLogger(__name__)
 
@@ -149,26 +145,14 @@ class JpegDecoder:
         self._decoder = None  # its destructor frees its resources
 
 
-class NvjpegSource(FrameSource):
-    """A camera's MJPEG decoded by nvImageCodec: `read()` gives (BGR uint8 HxWx3 tensor on the
-    camera's GPU, capture_ts_lsl), the tensor the caller's own and ready on its current stream."""
+class NvjpegSource(GpuDecodedSource):
+    """A camera's MJPEG decoded by nvImageCodec (Note [nvJPEG path])."""
 
     backend = "nvJPEG"
-    on_device = True
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
-        super().__init__(camera)
-        self.request = request
-        self.device_index = request.device_index
-        self.device = torch.device("cuda", self.device_index)
-        self.stream = self._new_stream()
-        self.reader: PacketReader | None = None
+        super().__init__(camera, request)
         self.decoder: JpegDecoder | None = None
-        self.decode: DecodeChoice | None = None
-        self.frames_decoded = 0
-        self.loops = 0
-        self._primed = False
-        self._inject_after = decoding.injected_failure_after(camera.id)
 
     # -- opening
 
@@ -192,7 +176,7 @@ class NvjpegSource(FrameSource):
                 self.stream.synchronize()  # a failure of the first decode shows here, at open
                 break
             except Exception as exc:  # noqa: BLE001 - "Could not create decoder", None, CUDA
-                failures.append(f"{_BACKEND_NAMES[backend]}: {_text(exc)}")
+                failures.append(f"{_BACKEND_NAMES[backend]}: {error_text(exc)}")
                 if self.decoder is not None:
                     self.decoder.close()
                     self.decoder = None
@@ -214,10 +198,6 @@ class NvjpegSource(FrameSource):
     def _describe(reader: PacketReader) -> str:
         return f"MJPEG {reader.width}x{reader.height}"
 
-    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
-        """Subclasses turn a reader's error into SourceLost where the source is a stream."""
-        return self.reader.read()
-
     # -- decoding
 
     def _decode(self, data: bytes) -> torch.Tensor:
@@ -225,7 +205,7 @@ class NvjpegSource(FrameSource):
         try:
             frame = self._convert(self.decoder.decode(data))
         except Exception as exc:  # noqa: BLE001 - whatever nvImageCodec or CUDA raised
-            raise GpuDecodeFailed(f"nvImageCodec failed on a JPEG ({_text(exc)})") from exc
+            raise GpuDecodeFailed(f"nvImageCodec failed on a JPEG ({error_text(exc)})") from exc
         if (frame.shape[1], frame.shape[0]) != (self.granted.width, self.granted.height):
             raise self._lost(f"frame size changed from {self.granted.width}x"
                              f"{self.granted.height} to {frame.shape[1]}x{frame.shape[0]}; "
@@ -239,48 +219,10 @@ class NvjpegSource(FrameSource):
         with torch.cuda.stream(self.stream):
             return rgb.flip(-1).contiguous()
 
-    def read(self) -> tuple[torch.Tensor, float]:
-        if self.decoder is None:
-            raise self._lost("source is closed")
-        if self._inject_after is not None and self.frames_read >= self._inject_after:
-            raise GpuDecodeFailed(f"injected failure after {self.frames_read} frames "
-                                  f"({decoding.INJECT_FAILURE_ENV})")
-        frame, capture_ts_lsl = self._read_frame()
-        self.frames_read += 1
-        self._hand_over()
-        return frame, capture_ts_lsl
 
-    def _read_frame(self) -> tuple[torch.Tensor, float]:
-        raise NotImplementedError
-
-    # -- the device (two small seams: tests/test_mjpeg_decoding.py plays the GPU on the CPU)
-
-    def _new_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)
-
-    def _hand_over(self) -> None:
-        """The frame is the caller's on its current stream (Note [NVDEC path])."""
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-    def close(self) -> None:
-        """On the camera's thread (Note [Camera threads]); never raises."""
-        try:
-            self.stream.synchronize()
-        except Exception as exc:  # noqa: BLE001 - closing after a failure: say so, go on
-            log.warning("camera %s: waiting for its GPU decoder's stream: %s", self.camera_id, exc)
-        if self.decoder is not None:
-            self.decoder.close()
-            self.decoder = None
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
-
-
-class NvjpegFileSource(NvjpegSource):
+class NvjpegFileSource(FilePlayback, NvjpegSource):
     """An MJPEG video file, looped and paced at its native fps, as sources.FileSource, decoded
     on the GPU."""
-
-    kind = "file"
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest,
                  reader: PacketReader) -> None:
@@ -291,18 +233,7 @@ class NvjpegFileSource(NvjpegSource):
         except BaseException:
             self.close()
             raise
-        fps = self.granted.fps
-        if not (math.isfinite(fps) and 0 < fps <= 1000):
-            log.warning("camera %s: %s has no usable frame rate (%r); pacing it at the "
-                        "configured %g fps", camera.id, self.path, fps, camera.fps)
-            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
-        self._pacer = _Pacer(self.granted.fps)
-        log.info("camera %s: file %s plays %s, looped", camera.id, self.path,
-                 self.granted.describe())
-
-    @property
-    def frames_skipped(self) -> int:
-        return self._pacer.frames_skipped
+        self._play()
 
     def _read_frame(self) -> tuple[torch.Tensor, float]:
         self._pacer.wait()
@@ -310,27 +241,16 @@ class NvjpegFileSource(NvjpegSource):
             frame, self._first = self._first, None
         else:
             packet = self.reader.read()
-            if packet is None:  # the file's end: it starts again, as FileSource's
-                self.reader.close()
-                try:
-                    self.reader = PacketReader(str(self.path))
-                except _READ_ERRORS as exc:
-                    self.reader = None
-                    raise self._lost(f"FFmpeg (PyAV) cannot open video file "
-                                     f"{str(self.path)!r} ({_text(exc)})") from exc
-                self.loops += 1
+            if packet is None:
+                self._open_next_round()
                 packet = self.reader.read()
-                if packet is None:
-                    raise self._lost(f"video file {str(self.path)!r} yields no frames")
             frame = self._decode(packet[0])
         return frame, pylsl.local_clock()  # a file's frame is captured when handed out
 
 
-class NvjpegStreamSource(NvjpegSource):
+class NvjpegStreamSource(StreamPlayback, NvjpegSource):
     """An HTTP (or RTSP) MJPEG stream, demuxed by PyAV, decoded on the GPU; frames as fast as
     they come, as sources.StreamSource."""
-
-    kind = "stream"
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest, reader: PacketReader, *,
                  read_timeout_s: float = 5.0) -> None:
@@ -342,89 +262,37 @@ class NvjpegStreamSource(NvjpegSource):
         except BaseException:
             self.close()
             raise
-        if not (math.isfinite(self.granted.fps) and 0 < self.granted.fps <= 1000):
-            self.granted = dataclasses.replace(self.granted, fps=camera.fps)
-        log.info("camera %s: stream %s delivers %s", camera.id, redact_url(self.url),
-                 self.granted.describe())
-
-    def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
-        try:
-            return self.reader.read()
-        except _READ_ERRORS as exc:
-            raise self._lost(f"stream {redact_url(self.url)} ended or sent nothing for "
-                             f"{self.read_timeout_s:g} s (peer gone? {_text(exc)})") from exc
+        self._play()
 
     def _read_frame(self) -> tuple[torch.Tensor, float]:
         if self._first is not None:
             first, self._first = self._first, None
             return first
-        packet = self._next_packet_or_lost()
-        if packet is None:
-            raise self._lost(f"stream {redact_url(self.url)} ended")
-        data, _, read_ts = packet
+        data, _, read_ts = self._next_packet_or_ended()
         return self._decode(data), read_ts
 
 
-class NvjpegEncodedSyntheticSource(NvjpegSource):
-    """"synthetic-mjpeg" decoded on the GPU: the same encoded loop, pacing, file positions and
-    ground truth as sources.EncodedSyntheticSource (Note [Encoded synthetic loop]); a late
-    reader's skipped frames are skipped undecoded (JPEG is intra-only)."""
+class NvjpegEncodedSyntheticSource(EncodedLoopPlayback, NvjpegSource):
+    """"synthetic-mjpeg" decoded on the GPU (EncodedLoopPlayback); a late reader's skipped
+    frames are skipped undecoded (JPEG is intra-only)."""
 
     kind = "synthetic-mjpeg"
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
         super().__init__(camera, request)
-        self.replay = SyntheticReplay.for_camera(camera)
-        self.encoded = EncodedSyntheticLoop(self.replay, "mjpeg", name=camera.id)
+        self._encode_loop("mjpeg")
         try:
-            self._start(PacketReader(str(self.encoded.path)))  # file frame 0: the warm-up
+            self._start(self._open_loop())  # file frame 0: the warm-up
         except BaseException:
             self.close()
             raise
-        self._next_position = 1  # the file frame the reader gives next
-        self.granted = dataclasses.replace(self.granted, fps=camera.fps)
-        self._pacer = _Pacer(camera.fps)
-        _capture_half_into_ticks(self._pacer, camera.fps)
-        log.info("camera %s: %s encoded its %d-frame round trip once (%.2f MB in memory, "
-                 "%.2f s) and decodes it on the GPU at %g fps", camera.id, self.kind,
-                 self.encoded.frame_count, self.encoded.nbytes / 1e6, self.encoded.encode_s,
-                 camera.fps)
-
-    @property
-    def frames_skipped(self) -> int:
-        return self._pacer.frames_skipped
+        self._play(next_position=1)
 
     def _read_frame(self) -> tuple[torch.Tensor, float]:
-        self._pacer.wait()
-        capture_ts_lsl, position = capture_in_a_new_tick(  # when a camera would have sent it
-            self.replay, (self._next_position - 1) % self.encoded.frame_count)
+        capture_ts_lsl, position = self._next_capture()
         while self._next_position % self.encoded.frame_count != position:
-            self._next_packet()  # skipped, not decoded
-        return self._decode(self._next_packet()), capture_ts_lsl
-
-    def _next_packet(self) -> bytes:
-        """The next file frame's JPEG; the file's end is its frame 0."""
-        if self._next_position == self.encoded.frame_count:
-            self.reader.close()
-            self.reader = PacketReader(str(self.encoded.path))
-            self._next_position = 0
-            self.loops += 1
-        packet = self.reader.read()
-        if packet is None:
-            raise self._lost(f"{self.kind}: the encoded loop ended after {self._next_position} "
-                             f"of its {self.encoded.frame_count} frames")
-        self._next_position += 1
-        return packet[0]
-
-    def ground_truth(self, capture_ts_lsl: float):
-        """The faces in the frame that was captured at `capture_ts_lsl`."""
-        return self.replay.faces_at(capture_ts_lsl)
-
-    def close(self) -> None:
-        super().close()
-        encoded = getattr(self, "encoded", None)
-        if encoded is not None:
-            encoded.close()
+            self._next_loop_packet()  # skipped, not decoded
+        return self._decode(self._next_loop_packet()[0]), capture_ts_lsl
 
 
 def open_jpeg_source(camera: CameraConfig, kind: str, request: DecodeRequest,
@@ -448,4 +316,3 @@ def open_jpeg_source(camera: CameraConfig, kind: str, request: DecodeRequest,
     except BaseException:
         reader.close()  # the source's own close may have closed it: closing twice is harmless
         raise
-
