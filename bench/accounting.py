@@ -39,6 +39,7 @@ import numpy as np
 #       p50 and p99 per camera, the worst camera's reported.
 
 MIN_IOU = 0.5  # a result's box matches a true face when their IoU is at least this
+NEWCOMER_GOAL_MS = 100.0  # a face that appears is published within this (issue 24 item 5)
 # Face widths (the detector-style box of SyntheticScene's ground truth) are counted in these bins.
 SIZE_BINS_PX = ((0, 150, "<150 px"), (150, 300, "150-300 px"), (300, math.inf, ">=300 px"))
 
@@ -66,6 +67,12 @@ DEFINITIONS = {
              f"counts as a found face when its detector-style box has IoU >= {MIN_IOU} with a "
              f"true face's box (each used once); found/true by face width; extra = results "
              f"matching no true face; faces_per_frame = found / frames_published",
+    "newcomers": f"with --newcomers, each camera's scene is staged (a person appears every "
+                 f"cycle while another stays): per appearance, the first frame showing the "
+                 f"newcomer (ground truth) to the arrival at an inlet of the first published "
+                 f"frame with a box matching them (IoU >= {MIN_IOU}); p50/p90/max over every "
+                 f"appearance inside the window, frames late, missed, and the share within "
+                 f"{NEWCOMER_GOAL_MS:g} ms (Note [A newcomer's delay])",
     "cpu_cores_busy": "user+system CPU seconds of the side's processes per second of the window "
                       "(facecast: the daemon's process tree, not the bench's inlets; MediaPipe: "
                       "its camera processes); both include rendering the synthetic frames",
@@ -238,4 +245,82 @@ class FaceTally:
                                    for label, n in self.true.items()},
             "faces_per_frame": round(found / self.frames, 3) if self.frames else None,
             "true_faces_per_frame": round(true / self.frames, 3) if self.frames else None,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Faces that appear (issue 24 item 5)
+# ---------------------------------------------------------------------------------------------
+
+# Note [A newcomer's delay]
+#     A person who walks into view must be published within NEWCOMER_GOAL_MS of the first
+#     frame that shows them. With a staged scene (Note [Staged scenes]) the ground truth says
+#     which frame that is: the capture clock's ticks (floor(t x fps), the synthetic sources
+#     capture half a period into each) are walked through the window, and an appearance is a
+#     tick whose frame shows the person where the tick before did not. Its delay is from that
+#     first frame's capture time (the published frame's own where that frame was published, else
+#     the middle of its tick) to the arrival of the first published frame, in that appearance,
+#     whose results hold a box matching the person's (IoU >= MIN_IOU); frames late counts the
+#     ticks between. An appearance whose person left again before any such frame is missed.
+#     Only appearances that begin and end inside the window count, so that a late drain cannot
+#     count one as missed.
+
+
+@dataclass
+class NewcomerTally:
+    """Appearances of one person (`name`) and how late each was first published."""
+
+    name: str
+    delays_ms: list[float] = field(default_factory=list)
+    frames_late: list[int] = field(default_factory=list)
+    missed: int = 0
+
+    def add_camera(self, truth, fps: float, window: Window, frame_ts: np.ndarray,
+                   frame_boxes: Sequence[np.ndarray], first_arrival: np.ndarray) -> None:
+        """One camera's published frames (capture timestamps in order, each frame's result boxes
+        (n, 4), when each first reached an inlet) against `truth.faces_at`."""
+        first_tick = math.ceil(window.start_ts_lsl * fps)
+        last_tick = math.floor(window.end_ts_lsl * fps) - 1
+        shown = [self._box(truth.faces_at((tick + 0.5) / fps))
+                 for tick in range(first_tick - 1, last_tick + 1)]
+        frame_ticks = np.floor(frame_ts * fps).astype(np.int64)
+        tick = first_tick
+        while tick <= last_tick:
+            index = tick - first_tick + 1
+            if shown[index] is None or shown[index - 1] is not None:
+                tick += 1
+                continue
+            leaves = next((t for t in range(tick + 1, last_tick + 1)
+                           if shown[t - first_tick + 1] is None), None)
+            if leaves is None:
+                break  # still in view at the window's end: not counted
+            frames = np.flatnonzero((frame_ticks >= tick) & (frame_ticks < leaves))
+            own = frames[frame_ticks[frames] == tick]
+            first_ts = frame_ts[own[0]] if len(own) else (tick + 0.5) / fps
+            for frame in frames:
+                person = self._box(truth.faces_at(frame_ts[frame]))
+                if person is not None and match([person], frame_boxes[frame]):
+                    self.delays_ms.append(float(first_arrival[frame] - first_ts) * 1e3)
+                    self.frames_late.append(int(frame_ticks[frame] - tick))
+                    break
+            else:
+                self.missed += 1
+            tick = leaves
+
+    def _box(self, truths) -> tuple[float, float, float, float] | None:
+        return next((t.box_px for t in truths if t.name == self.name), None)
+
+    def summary(self) -> dict:
+        delays = np.asarray(self.delays_ms)
+        found = len(delays)
+        return {
+            "person": self.name, "appearances": found + self.missed, "missed": self.missed,
+            "delay_p50_ms": round(float(np.percentile(delays, 50)), 1) if found else None,
+            "delay_p90_ms": round(float(np.percentile(delays, 90)), 1) if found else None,
+            "delay_max_ms": round(float(delays.max()), 1) if found else None,
+            "frames_late_p50": float(np.percentile(self.frames_late, 50)) if found else None,
+            "frames_late_max": int(max(self.frames_late)) if found else None,
+            "within_goal_pct": (round(100.0 * float((delays <= NEWCOMER_GOAL_MS).sum())
+                                      / (found + self.missed), 1)
+                                if found + self.missed else None),
         }

@@ -15,6 +15,8 @@
 #   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle (2)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
 #                 (needs .whl2a/.whl2b installed) (about 12)
+#   newcomers     issue 24 item 5: how late a person who walks in is published, 8 and 32 staged
+#                 replayed cameras (bench/pipeline.py --newcomers; never run yet: ~3?)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
 #                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
@@ -73,6 +75,9 @@ run)
                     --warmup-s 4 --measure-s 10 \
                     --out "$STATE/benchmarks-decode-$decode.json" --log-dir "$STATE/logs"
             done ;;
+        newcomers) step newcomers python3 bench/pipeline.py --newcomers --cameras 8 32 \
+            --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 12 \
+            --out "$STATE/benchmarks-newcomers.json" --log-dir "$STATE/logs" ;;
         analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
             --files-at-once 8 --repeats 2 --frames 240 --skip-inline --litert-threads 1 8 \
             --work "$STATE/analyze" --out "$STATE/benchmarks-analyze-gpu.json" --docs '' ;;

@@ -81,7 +81,8 @@ OUTPUT_LATENCY_FRAMES = _output_latency_frames()
 
 def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int | str,
                 cuda_graphs: bool, half: bool, host: str, source: str,
-                detection_share: float | None = None, decode: str = "auto") -> str:
+                detection_share: float | None = None, decode: str = "auto",
+                newcomers: bool = False) -> str:
     # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
@@ -96,7 +97,28 @@ def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: in
     for k in range(cameras):
         lines += ["[[cameras]]", f'id = "cam{k:02d}"', f'source = "{source}"',
                   f"width = {WIDTH}", f"height = {HEIGHT}", f"fps = {FPS}", ""]
+        if newcomers:
+            lines += staging_toml(NEWCOMER_STAGING)
     return "\n".join(lines)
+
+
+# --newcomers (Note [A newcomer's delay]): grace_hopper stays in seat 1, tracked; astronaut walks
+# into seat 0 halfway through every cycle of scene time. A replayed loop (1 s of scene time each
+# way) shows the arrival once a round trip (about every 2 s), the live scene once a second.
+NEWCOMER = "astronaut"
+NEWCOMER_STAGING = {"cycle_s": 1.0, "appearances": [
+    {"photo": "grace_hopper", "seat": 1, "from_s": 0.0, "until_s": 1.0},
+    {"photo": NEWCOMER, "seat": 0, "from_s": 0.5, "until_s": 1.0},
+]}
+
+
+def staging_toml(staging: dict) -> list[str]:
+    """The last [[cameras]] table's staging, as TOML lines."""
+    lines = ["[cameras.staging]", f"cycle_s = {staging['cycle_s']}", ""]
+    for shown in staging["appearances"]:
+        lines += ["[[cameras.staging.appearances]]",
+                  *(f"{key} = {json.dumps(value)}" for key, value in shown.items()), ""]
+    return lines
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -399,13 +421,19 @@ class FaceStreamReader:
 
 
 def published_frames(samples, window: accounting.Window, camera_ids: list[str],
-                     source: str = "synthetic") -> dict:
+                     source: str = "synthetic", newcomers: bool = False) -> dict:
     """Frames published in the window, faces against the ground truth and capture → inlet
-    latency, from every sample the inlets got (Note [One definition for both sides])."""
-    from facecast.shared.config import CameraConfig
+    latency, from every sample the inlets got (Note [One definition for both sides]); with
+    `newcomers`, how late each appearance of NEWCOMER was published (Note [A newcomer's
+    delay])."""
+    import msgspec
+
+    from facecast.shared.config import CameraConfig, StagingConfig
     from facecast.workers.capture.sources import synthetic_truth
 
+    staging = msgspec.convert(NEWCOMER_STAGING, StagingConfig) if newcomers else None
     faces = accounting.FaceTally()
+    arrivals_tally = accounting.NewcomerTally(NEWCOMER)
     published = 0
     per_camera_inlet: list[tuple[float, float]] = []
     for camera in camera_ids:
@@ -423,16 +451,20 @@ def published_frames(samples, window: accounting.Window, camera_ids: list[str],
         order = np.argsort(frame_of_sample, kind="stable")
         boxes_by_frame = np.split(boxes[order], np.cumsum(np.bincount(frame_of_sample))[:-1])
         truth = synthetic_truth(CameraConfig(id=camera, source=source, width=WIDTH,
-                                             height=HEIGHT, fps=FPS))
-        for capture_ts_lsl, frame_boxes in zip(frame_ts, boxes_by_frame):
-            faces.add(truth.faces_at(capture_ts_lsl),
-                      [tuple(b) for b in frame_boxes[np.isfinite(frame_boxes).all(axis=1)]])
+                                             height=HEIGHT, fps=FPS, staging=staging))
+        found_boxes = [[tuple(b) for b in frame_boxes[np.isfinite(frame_boxes).all(axis=1)]]
+                       for frame_boxes in boxes_by_frame]
+        for capture_ts_lsl, frame_boxes in zip(frame_ts, found_boxes):
+            faces.add(truth.faces_at(capture_ts_lsl), frame_boxes)
         # The frame's first sample to arrive, on any slot: when a consumer could have had it.
         first_arrival = np.full(len(frame_ts), np.inf)
         np.minimum.at(first_arrival, frame_of_sample, arrivals)
         per_camera_inlet.append(tuple(np.percentile((first_arrival - frame_ts) * 1e3, [50, 99])))
+        if newcomers:
+            arrivals_tally.add_camera(truth, FPS, window, frame_ts, found_boxes, first_arrival)
     return {"published": published, "faces": faces,
-            "inlet_latency": accounting.worst_camera_latency(per_camera_inlet)}
+            "inlet_latency": accounting.worst_camera_latency(per_camera_inlet),
+            "newcomers": arrivals_tally.summary() if newcomers else None}
 
 
 def run_one(cameras: int, transport: str, args) -> dict:
@@ -449,7 +481,8 @@ def run_one(cameras: int, transport: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="fcb-") as tmp:
         tmp = Path(tmp)
         config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
-                             args.half, host, args.source, args.detection_share, args.decode)
+                             args.half, host, args.source, args.detection_share, args.decode,
+                             args.newcomers)
         daemon = DaemonUnderTest(tmp, config, log_path)
         try:
             if not daemon.wait_ready(args.boot_timeout_s):
@@ -508,7 +541,8 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         drained = daemon.status()
     finally:
         reader.close()
-    counted = published_frames(reader.by_camera(), window, camera_ids, args.source)
+    counted = published_frames(reader.by_camera(), window, camera_ids, args.source,
+                               args.newcomers)
     reports = output_reports(drained)
     transports = sorted({r.transport for reports_ in last.cameras.values() for r in reports_
                          if r.transport})
@@ -528,6 +562,7 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         "latency_frames_before_window": max(0, OUTPUT_LATENCY_FRAMES - window.frames_per_camera),
         "latency_to_inlet": counted["inlet_latency"],
         "faces": counted["faces"].summary(),
+        **({"newcomers": counted["newcomers"]} if args.newcomers else {}),
         # Each worker's own stages, and the output worker's hops of every frame (Note [Latency
         # accounted]): their means add up to the mean latency, waits between processes included.
         "stages": {name: {"p50_ms": t.p50_ms, "p99_ms": t.p99_ms}
@@ -691,6 +726,8 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         lines += ["", *hops_table(rows)]
     if small_faces:
         lines += ["", *small_faces_table(small_faces)]
+    if any(r.get("newcomers") for r in rows):
+        lines += ["", *newcomers_table(rows)]
     lines += ["", *legend({**accounting.DEFINITIONS, **BOOT_STOP_DEFINITIONS})]
     text = "\n".join(lines)
     print(text)
@@ -716,6 +753,24 @@ def hops_table(rows: list[dict]) -> list[str]:
             lines.append(_row([r["cameras"], r["transport"], *(
                 f"{hops[name]['mean_ms']:.1f} ({hops[name]['p99_ms']:.1f})" if name in hops
                 else "-" for name in names)]))
+    return lines
+
+
+def newcomers_table(rows: list[dict]) -> list[str]:
+    """How late a person who walks in is published (Note [A newcomer's delay])."""
+    lines = [f"Faces that appear: from the first frame showing {NEWCOMER} to the first "
+             f"published frame with their face, at an inlet (goal: within "
+             f"{accounting.NEWCOMER_GOAL_MS:g} ms):", "",
+             _row(["cameras", "transport", "appearances", "missed", "delay p50 / p90 / max ms",
+                   "frames late p50 / max", f"within {accounting.NEWCOMER_GOAL_MS:g} ms"]),
+             "|" + "---|" * 7]
+    for r in rows:
+        n = r.get("newcomers")
+        if n:
+            lines.append(_row([r["cameras"], r["transport"], n["appearances"], n["missed"],
+                               f"{n['delay_p50_ms']} / {n['delay_p90_ms']} / {n['delay_max_ms']}",
+                               f"{n['frames_late_p50']} / {n['frames_late_max']}",
+                               f"{n['within_goal_pct']}%"]))
     return lines
 
 
@@ -854,6 +909,10 @@ def main() -> int:
                              "status where it cannot)")
     parser.add_argument("--detection-share", type=float, default=None,
                         help="daemon.detection_share (default: the config's auto)")
+    parser.add_argument("--newcomers", action="store_true",
+                        help="stage every camera's scene so that a person walks in once a cycle "
+                             "while another stays, and report how late each arrival was "
+                             "published (Note [A newcomer's delay]; synthetic sources only)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
@@ -900,6 +959,8 @@ def main() -> int:
         args.cameras = camera_counts(args.cameras)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    if args.newcomers and args.mediapipe_baseline:
+        parser.error("--newcomers stages facecast's cameras only: run the baseline without it")
     if args.boot_stop_only and args.mediapipe_baseline:
         parser.error("--boot-stop-only measures the daemon's boot and stop: no baseline with it")
     if args.plot:

@@ -435,6 +435,12 @@ class StagingConfig(_Strict):
         return sorted(shown, key=lambda appearance: appearance.seat)
 
 
+# Frames of the loop a replayed synthetic source renders once and plays back and forth (Note
+# [Synthetic replay]): the scene time it shows, so how long a staged script on it may be.
+SYNTHETIC_REPLAY_LOOP_FRAMES = 30
+_REPLAYED_SOURCES = ("synthetic-replay", "synthetic-h264", "synthetic-mjpeg")
+
+
 class CameraConfig(_Strict):
     id: CameraId
     source: Annotated[
@@ -466,16 +472,27 @@ class CameraConfig(_Strict):
     ] = ""
     staging: Annotated[
         StagingConfig | None,
-        msgspec.Meta(description='source = "synthetic" only: stage people, i.e. which photo '
-                     "sits in which seat and when (swap seats, leave, come back); absent: "
-                     "astronaut on the left and grace_hopper on the right, always"),
+        msgspec.Meta(description="synthetic sources only: stage people, i.e. which photo "
+                     "sits in which seat and when (swap seats, leave, come back); on a replayed "
+                     "loop the script must fit the loop's scene time; absent: astronaut on the "
+                     "left and grace_hopper on the right, always"),
     ] = None
 
     def __post_init__(self) -> None:
-        if self.staging is not None and self.source != "synthetic":
-            raise ValueError(f"staging: camera {self.id!r} has source {self.source!r}; only "
-                             'source = "synthetic" can be staged (a replayed loop shows one '
-                             "second of scene time)")
+        if self.staging is None or self.source == "synthetic":
+            return
+        if self.source not in _REPLAYED_SOURCES:
+            raise ValueError(f"staging: camera {self.id!r} has source {self.source!r}; only the "
+                             f"synthetic sources can be staged ({', '.join(_REPLAYED_SOURCES)} "
+                             'and "synthetic")')
+        loop_s = SYNTHETIC_REPLAY_LOOP_FRAMES / self.fps
+        if self.staging.cycle_s > loop_s + 1e-9:
+            raise ValueError(
+                f"staging: camera {self.id!r} has source {self.source!r}, whose replayed loop "
+                f"shows {SYNTHETIC_REPLAY_LOOP_FRAMES} frames ({loop_s:g} s at {self.fps:g} fps) "
+                f"of scene time, back and forth: a script of cycle_s = "
+                f"{self.staging.cycle_s:g} s does not fit in it; use cycle_s <= {loop_s:g}, or "
+                'source = "synthetic" (rendered live, any script)')
 
 
 class Config(_Strict):

@@ -4,10 +4,12 @@ samples as pylsl inlets deliver them. No daemon, no MediaPipe: the counting itse
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -17,7 +19,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import accounting  # noqa: E402 (bench/ is not a package)
 import pipeline  # noqa: E402
 
-from facecast.shared.config import CameraConfig  # noqa: E402
+from facecast.shared.config import CameraConfig, StagingConfig  # noqa: E402
 from facecast.workers.capture.sources import SyntheticScene, synthetic_truth  # noqa: E402
 
 
@@ -107,6 +109,53 @@ def test_published_frames_count_each_frame_once_from_every_slot_sample(source):
     # cam01 published nothing: all its frames are due and dropped.
     counts = accounting.frame_counts(2, window, counted["published"])
     assert counts["dropped"] == 60 - 28
+
+
+@pytest.mark.parametrize("source", ["synthetic", "synthetic-replay"])
+def test_a_newcomer_is_timed_from_the_first_frame_that_shows_them(source):
+    """Note [A newcomer's delay], on the staged scene the bench gives its cameras: every
+    appearance of NEWCOMER inside the window is found from the ground truth; its delay runs
+    from the first frame showing them to the arrival of the first published frame whose boxes
+    match them; an appearance never matched is missed; frames of the one who stays do not count."""
+    fps = float(pipeline.FPS)
+    window = accounting.Window.starting_at(200.0, measure_s=8.0, fps=fps)
+    config = CameraConfig(id="cam00", source=source, width=pipeline.WIDTH,
+                          height=pipeline.HEIGHT, fps=fps,
+                          staging=msgspec.convert(pipeline.NEWCOMER_STAGING, StagingConfig))
+    truth = synthetic_truth(config)
+    ticks = np.arange(math.floor(window.start_ts_lsl * fps) - 40,
+                      math.floor(window.end_ts_lsl * fps) + 40)
+    frame_ts = (ticks + 0.5) / fps  # captured half a period into each tick
+    shown = np.array([any(t.name == pipeline.NEWCOMER for t in truth.faces_at(ts))
+                      for ts in frame_ts])
+    firsts = np.flatnonzero(shown[1:] & ~shown[:-1]) + 1
+    inside = [i for i in firsts if window.contains(frame_ts[i])
+              and frame_ts[i + np.flatnonzero(~shown[i:])[0]] < window.end_ts_lsl]
+    assert len(inside) >= 3
+    missed_one, late_frames = inside[1], {inside[0]: 0, inside[2]: 3}
+    stamps, boxes = [], []
+    for index, ts in enumerate(frame_ts):
+        faces = {t.name: t.box_px for t in truth.faces_at(ts)}
+        stays = faces.get("grace_hopper", (np.nan,) * 4)
+        newcomer = faces.get(pipeline.NEWCOMER, (np.nan,) * 4)
+        first = max((i for i in firsts if i <= index), default=None)
+        if first == missed_one or (first in late_frames and index - first < late_frames[first]):
+            newcomer = (np.nan,) * 4  # not found yet (or never, in the missed appearance)
+        stamps += [ts, ts]
+        boxes += [stays, newcomer]
+    arrivals = np.array(stamps) + 0.040  # each frame reaches the inlet 40 ms after its capture
+    samples = {"cam00": (np.array(stamps), np.array(boxes, np.float64), arrivals)}
+    counted = pipeline.published_frames(samples, window, ["cam00"], source, newcomers=True)
+    newcomers = counted["newcomers"]
+    assert newcomers["appearances"] == len(inside) and newcomers["missed"] == 1
+    assert newcomers["frames_late_max"] == 3
+    expected_ms = [40.0 + late_frames.get(i, 0) / fps * 1e3 for i in inside if i != missed_one]
+    assert newcomers["delay_p50_ms"] == pytest.approx(np.percentile(expected_ms, 50), abs=0.05)
+    assert newcomers["delay_max_ms"] == pytest.approx(40.0 + 3 / fps * 1e3, abs=0.05)
+    assert newcomers["within_goal_pct"] == pytest.approx(
+        100.0 * (len(inside) - 2) / len(inside), abs=0.1)  # the missed one and the 140 ms one
+    # The staged scene's truth counts the faces: the newcomer is not missing when away.
+    assert counted["faces"].summary()["extra"] == 0
 
 
 def test_kills_are_counted_from_the_supervisors_log_lines():

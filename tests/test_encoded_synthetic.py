@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ from facecast.workers.capture.sources import (
     EncodedSyntheticSource,
     SourceConfigError,
     SyntheticReplay,
+    SyntheticScene,
     open_source,
     source_kind,
     synthetic_truth,
@@ -85,11 +87,32 @@ def test_an_odd_size_is_a_config_error() -> None:
     assert not _facecast_memfds()  # nothing left behind by the failed open
 
 
-def test_staging_stays_for_the_live_scene_only() -> None:
+def test_a_staged_script_that_fits_the_loop_is_taken() -> None:
+    """(One that does not fit: tests/test_staged_scene.py.)"""
     text = ('[[cameras]]\nid = "stg0"\nsource = "synthetic-h264"\n[cameras.staging]\n'
-            'cycle_s = 10.0\n')
-    with pytest.raises(config_mod.ConfigError, match="only source = \"synthetic\" can be staged"):
-        config_mod.loads(text)
+            'cycle_s = 1.0\n')
+    assert config_mod.loads(text).cameras[0].staging.cycle_s == 1.0
+
+
+def test_a_staged_replay_shows_what_its_script_says() -> None:
+    """Staging on a replayed loop: the loop frame of a capture time shows the script at that
+    frame's scene time (the truth and the pixels alike); the bench's newcomers use it."""
+    staging = msgspec.convert({"cycle_s": 1.0, "appearances": [
+        {"photo": "astronaut", "seat": 0, "from_s": 0.5, "until_s": 1.0}]},
+        config_mod.StagingConfig)
+    camera = CameraConfig(id="stg0", source="synthetic-replay", width=320, height=240, fps=20.0,
+                          staging=staging)
+    truth = synthetic_truth(camera)
+    loop = truth.render_loop()
+    empty = SyntheticScene(camera.width, camera.height, seed=camera.id,
+                           staging=config_mod.StagingConfig(cycle_s=1.0)).render(0.0)
+    fps = camera.fps
+    for tick in range(truth.cycle_frames):
+        capture_ts = (tick + 0.5) / fps
+        index = truth.loop_index(capture_ts)
+        names = [face.name for face in truth.faces_at(capture_ts)]
+        assert names == (["astronaut"] if (index / fps) % 1.0 >= 0.5 else []), (tick, index)
+        assert (np.abs(loop[index].astype(int) - empty.astype(int)).max() > 40) == bool(names)
 
 
 @pytest.mark.parametrize("source", CODECS)

@@ -147,12 +147,16 @@ def test_bad_staging_names_the_key_and_what_is_allowed(staging: str, expected: s
     assert expected in str(error.value)
 
 
-def test_only_the_live_synthetic_source_can_be_staged() -> None:
-    text = _CAMERA.replace('"synthetic"', '"synthetic-replay"')
+def test_only_synthetic_sources_can_be_staged_and_a_replay_within_its_loop() -> None:
     with pytest.raises(config.ConfigError) as error:
-        config.loads(text, origin="lab.toml")
-    assert "camera 'stg3' has source 'synthetic-replay'; only source = \"synthetic\" can be " \
-           "staged" in str(error.value)
+        config.loads(_CAMERA.replace('"synthetic"', '"lab.mp4"'), origin="lab.toml")
+    assert "camera 'stg3' has source 'lab.mp4'; only the synthetic sources can be staged" \
+        in str(error.value)
+    with pytest.raises(config.ConfigError) as error:
+        config.loads(_CAMERA.replace('"synthetic"', '"synthetic-replay"'), origin="lab.toml")
+    assert "camera 'stg3' has source 'synthetic-replay', whose replayed loop shows 30 frames " \
+           "(1 s at 30 fps) of scene time, back and forth: a script of cycle_s = 10 s does " \
+           "not fit in it; use cycle_s <= 1, or source = \"synthetic\"" in str(error.value)
 
 
 def _photo_face(name: str, size_px: int) -> np.ndarray:

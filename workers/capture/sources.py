@@ -62,7 +62,12 @@ from facecast.shared.camera_sources import (  # noqa: F401
     SourceConfigError,
     source_kind,
 )
-from facecast.shared.config import CameraConfig, StagingConfig, redact_url
+from facecast.shared.config import (
+    SYNTHETIC_REPLAY_LOOP_FRAMES,
+    CameraConfig,
+    StagingConfig,
+    redact_url,
+)
 from facecast.workers.capture import decoding
 from facecast.workers.capture.decoding import (
     DecodeChoice,
@@ -556,7 +561,7 @@ class SyntheticReplay:
         for 32 cameras); rendering it takes about half a second of one core at open.
     """
 
-    LOOP_FRAMES = 30  # 1 s each way at 30 fps
+    LOOP_FRAMES = SYNTHETIC_REPLAY_LOOP_FRAMES  # 1 s each way at 30 fps
 
     def __init__(self, scene: SyntheticScene, fps: float, loop_frames: int = LOOP_FRAMES) -> None:
         if loop_frames < 2:
