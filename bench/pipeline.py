@@ -141,6 +141,17 @@ def role_cpu_s(status) -> dict[int, tuple[str, float]]:
     return found
 
 
+def gpu_memory_by_role(status) -> dict[str, float]:
+    """MiB of device memory held by each role's processes (warm spares apart), as NVML counts
+    them per process (`WorkerStatus.gpu_memory_mib`)."""
+    by_role: dict[str, float] = {}
+    for worker in status.workers:
+        if worker.gpu_memory_mib is not None:
+            role = f"{worker.role} (spares)" if worker.standby else worker.role
+            by_role[role] = round(by_role.get(role, 0.0) + worker.gpu_memory_mib, 1)
+    return by_role
+
+
 def cores_by_role(first: dict, last: dict, window_s: float) -> dict[str, float]:
     """Cores busy per worker role over the window (processes alive at both ends)."""
     busy: dict[str, float] = {}
@@ -575,6 +586,8 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         "cpu_cores_by_role": cores_by_role(roles_first, roles_last, window.length_s),
         "gpus": [{"name": g.name, "utilization_pct": g.utilization_pct,
                   "memory_used_mib": g.memory_used_mib} for g in last.gpus],
+        # Where the GPU memory goes (NVML, per worker process, at the window's end).
+        "gpu_memory_mib_by_role": gpu_memory_by_role(last),
         "transports_seen": transports, "fallback_reasons": reasons,
         "workers": [f"{w.name}:{w.state}:{w.restarts}" for w in drained.workers],
     })
@@ -722,6 +735,16 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
             if by_role:
                 lines.append(_row([r["cameras"], r["transport"],
                                    *(by_role.get(role, "-") for role in roles)]))
+    memory_roles = sorted({role for r in rows for role in r.get("gpu_memory_mib_by_role", {})})
+    if memory_roles:
+        lines += ["", "GPU memory by process role, MiB (NVML, each worker process's own, at the "
+                  "window's end):", "", _row(["cameras", "transport", *memory_roles]),
+                  "|" + "---|" * (2 + len(memory_roles))]
+        for r in rows:
+            by_role = r.get("gpu_memory_mib_by_role", {})
+            if by_role:
+                lines.append(_row([r["cameras"], r["transport"],
+                                   *(by_role.get(role, "-") for role in memory_roles)]))
     if any(r.get("frame_hops") for r in rows):
         lines += ["", *hops_table(rows)]
     if small_faces:

@@ -193,11 +193,13 @@ def daemon_status(supervisor: Supervisor, reply_to: str) -> DaemonStatus:
     supervisor.recordings.add_ended(cameras)  # Note [Recording]
     stages = {f"{worker.name}/{stage}": timing
               for worker in workers for stage, timing in worker.stages.items()}
+    gpu_memory = supervisor.gpu_monitor.memory_by_pid()
     return DaemonStatus(
         reply_to=reply_to, pid=os.getpid(),
         uptime_s=round(time.monotonic() - supervisor.started_monotonic, 1),
         config_path=supervisor.config_path, ready=supervisor.ready,
-        workers=[w.status() for w in workers],
+        workers=[msgspec.structs.replace(status, gpu_memory_mib=gpu_memory.get(status.pid))
+                 for status in (w.status() for w in workers)],
         cameras=cameras, stages=stages, gpus=supervisor.gpu_monitor.status(),
         gpu_note=supervisor.gpu_monitor.note, recent_events=supervisor.events.recent(10),
         rejected_messages=supervisor.control.gate.rejected, face_models=supervisor.face_models,

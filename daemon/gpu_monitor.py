@@ -43,6 +43,23 @@ class GpuMonitor:
             self.note = f"NVML query failed: {exc}"
         return gpus
 
+    def memory_by_pid(self) -> dict[int, float]:
+        """Device memory (MiB) each process holds, all GPUs together, as NVML sees it: where
+        the daemon's GPU memory goes, worker by worker (`facecast status`). Empty without NVML;
+        a process NVML cannot account (usedGpuMemory unavailable) is left out."""
+        if self._nvml is None:
+            return {}
+        nvml, used = self._nvml, {}
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if process.usedGpuMemory is not None:
+                        used[process.pid] = used.get(process.pid, 0.0) + process.usedGpuMemory / 2**20
+        except Exception as exc:  # noqa: BLE001 - a GPU fell off the bus: report, don't die
+            self.note = f"NVML query failed: {exc}"
+        return {pid: round(mib, 1) for pid, mib in used.items()}
+
     def close(self) -> None:
         if self._nvml is not None:
             try:

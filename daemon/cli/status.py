@@ -72,13 +72,18 @@ def render(status: DaemonStatus) -> str:
     """One screen: what it is doing and why (STYLE §12)."""
     lines = [f"facecast daemon pid {status.pid}, up {status.uptime_s:.0f} s, "
              f"{'ready' if status.ready else 'starting'}, config {status.config_path}", ""]
-    lines.append(f"{'worker':<28} {'state':<10} {'pid':>7} {'restarts':>8} {'uptime':>8}  detail")
+    on_gpu = any(w.gpu_memory_mib is not None for w in status.workers)
+    gpu_heading = f" {'GPU MiB':>8}" if on_gpu else ""
+    lines.append(f"{'worker':<28} {'state':<10} {'pid':>7} {'restarts':>8} {'uptime':>8}"
+                 f"{gpu_heading}  detail")
     for w in status.workers:
         detail = w.detail or (f"last: {w.last_exit}" if w.last_exit else "")
         if w.rejected_messages:
             detail += f"{'; ' if detail else ''}{w.rejected_messages} malformed message(s) dropped"
+        gpu = (f" {w.gpu_memory_mib if w.gpu_memory_mib is not None else '-':>8}" if on_gpu
+               else "")
         lines.append(f"{w.name:<28} {w.state:<10} {w.pid:>7} {w.restarts:>8} "
-                     f"{w.uptime_s:>7.0f}s  {detail}")
+                     f"{w.uptime_s:>7.0f}s{gpu}  {detail}")
     if status.face_models:
         lines.append(f"face models: {status.face_models}")
     if status.participants:

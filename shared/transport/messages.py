@@ -465,6 +465,9 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     rejected_messages: int = 0  # malformed messages it refused, since it (re)started
     standby: bool = False  # a warm spare (Note [Warm standby]), not one of the config's workers
+    # Device memory its process holds on every GPU together (NVML), MiB; None where it holds none
+    # or NVML cannot tell (no GPU, or process ids NVML reports from another pid namespace).
+    gpu_memory_mib: float | None = None
 
 
 class GpuStatus(msgspec.Struct, frozen=True, kw_only=True):
