@@ -534,6 +534,56 @@ class _Worker:
         return found
 
 
+class SteppedGroup:
+    """A capture group's cameras on one GPU (played on the CPU), opened as the capture worker
+    opens them and stepped in turn on this thread, as their threads would step them; every
+    frame each publishes (`published[camera]`: method, message) is read back from its shm ring
+    and must be intact. tests/test_mjpeg_decoding.py uses it too."""
+
+    def __init__(self, context, loaded, runtime_dir):
+        self.worker = _Worker(context, runtime_dir, "cuda:0")
+        self.captures = {}
+        self.published: dict[str, list] = {camera.id: [] for camera in loaded.cameras}
+        self._readers = {}
+        for camera in loaded.cameras:
+            capture = capture_worker.CameraCapture(camera, loaded, self.worker)
+            capture.publisher = FramePublisher(context, runtime_dir, camera.id, slot_count=4,
+                                               transport="shm")
+            for method in ("publish", "publish_device"):
+                setattr(capture.publisher, method,
+                        self._recording(getattr(capture.publisher, method), camera.id, method))
+            capture._open()
+            self.captures[camera.id] = capture
+        self.worker.cameras = self.captures
+
+    def _recording(self, publish, camera_id, method):
+        def recording(frame, capture_ts_lsl):
+            message = publish(frame, capture_ts_lsl)
+            self.published[camera_id].append((method, message))
+            return message
+        return recording
+
+    def step(self, rounds: int) -> None:
+        for _ in range(rounds):
+            for camera_id, capture in self.captures.items():
+                capture.step()
+                _, message = self.published[camera_id][-1]
+                description = capture.publisher.producer.description()
+                reader = self._readers.get(camera_id)
+                if reader is None or reader.ring_epoch != description.ring_epoch:
+                    reader = self._readers[camera_id] = ShmRingReader(description, device=None)
+                assert reader.read(message).verdict is Verdict.OK
+
+    def methods(self, camera_id: str) -> list[str]:
+        return [method for method, _ in self.published[camera_id]]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        for capture in self.captures.values():
+            capture._close_in_thread()
+
+
 def test_a_failing_gpu_decoder_falls_back_while_the_groups_other_camera_publishes(
         cpu_nvdec, monkeypatch, runtime_dir):
     monkeypatch.setenv(decoding.ALLOW_FAULTS_ENV, "1")
@@ -545,65 +595,34 @@ def test_a_failing_gpu_decoder_falls_back_while_the_groups_other_camera_publishe
         '[[cameras]]\nid = "cpucam"\nsource = "synthetic-h264"\nwidth = 320\nheight = 240\n'
         'fps = 20\ndecode = "cpu"\n')
     with zmq.Context() as context:
-        worker = _Worker(context, runtime_dir, "cuda:0")
-        captures = {}
-        published: dict[str, list] = {"gpucam": [], "cpucam": []}
-        for camera in loaded.cameras:
-            capture = capture_worker.CameraCapture(camera, loaded, worker)
-            capture.publisher = FramePublisher(context, runtime_dir, camera.id, slot_count=4,
-                                               transport="shm")
-            for method in ("publish", "publish_device"):
-                original = getattr(capture.publisher, method)
-
-                def recording(frame, capture_ts_lsl, _original=original, _id=camera.id,
-                              _method=method):
-                    message = _original(frame, capture_ts_lsl)
-                    published[_id].append((_method, message))
-                    return message
-
-                setattr(capture.publisher, method, recording)
-            capture._open()
-            captures[camera.id] = capture
-        worker.cameras = captures
+        group = SteppedGroup(context, loaded, runtime_dir)
         try:
-            gpu, cpu = captures["gpucam"], captures["cpucam"]
+            gpu, cpu = group.captures["gpucam"], group.captures["cpucam"]
             assert gpu.decode.decoder == "gpu" and gpu.source.on_device
             assert cpu.decode == DecodeChoice("cpu", 'decode = "cpu"')
-            readers = {}
-            for _ in range(20):  # each camera steps in turn, as their threads would
-                for camera_id, capture in captures.items():
-                    capture.step()
-                    method, message = published[camera_id][-1]
-                    description = capture.publisher.producer.description()
-                    if camera_id not in readers or readers[camera_id].ring_epoch != \
-                            description.ring_epoch:
-                        readers[camera_id] = ShmRingReader(description, device=None)
-                    assert readers[camera_id].read(message).verdict is Verdict.OK
-            methods = [method for method, _ in published["gpucam"]]
+            group.step(20)
+            methods = group.methods("gpucam")
             # 8 frames from the GPU decoder, then the CPU's, with no step lost.
             assert methods[:8] == ["publish_device"] * 8 and set(methods[8:]) == {"publish"}
-            assert len(published["gpucam"]) == 19  # the step that failed published nothing
-            assert len(published["cpucam"]) == 20
+            assert len(methods) == 19  # the step that failed published nothing
+            assert len(group.methods("cpucam")) == 20
             assert gpu.decode.decoder == "cpu" and not gpu.source.on_device
             assert gpu.decode.reason.startswith(
                 "its GPU decoder failed mid-stream (injected failure after 8 frames")
             assert gpu.source_state == "ok" and gpu.gpu_decode_failed
             report = gpu.report()
             assert report.source == "ok" and report.frames == 19
-            trouble = capture_worker.CaptureWorker.trouble(worker)
+            trouble = capture_worker.CaptureWorker.trouble(group.worker)
             assert trouble.startswith("camera gpucam: decoded on the CPU: its GPU decoder "
                                       "failed mid-stream (injected failure after 8 frames")
-            events = [(kind, fields) for kind, fields in worker.drained()
+            events = [(kind, fields) for kind, fields in group.worker.drained()
                       if kind.startswith("decoder")]
             kinds = [(kind, fields["camera"]) for kind, fields in events]
             assert kinds == [("decoder", "gpucam"), ("decoder", "cpucam"),
                              ("decoder_fallback", "gpucam"), ("decoder", "gpucam")], kinds
             assert events[0][1]["decoder"] == "gpu" and events[3][1]["decoder"] == "cpu"
         finally:
-            for reader in readers.values():
-                reader.close()
-            for capture in captures.values():
-                capture._close_in_thread()
+            group.close()
 
 
 # --- an RTSP camera --------------------------------------------------------------------------------

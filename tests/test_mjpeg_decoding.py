@@ -11,8 +11,6 @@ The same checks against the real nvImageCodec are tests/test_nvjpeg_gpu.py (mark
 
 from __future__ import annotations
 
-import math
-import queue
 import sys
 import time
 
@@ -25,8 +23,6 @@ import zmq
 
 from facecast.shared import config as config_mod
 from facecast.shared.config import CameraConfig
-from facecast.shared.transport.publisher import FramePublisher
-from facecast.shared.transport.rings import ShmRingReader, Verdict
 from facecast.workers.capture import decoding, nvdec, nvjpeg
 from facecast.workers.capture import worker as capture_worker
 from facecast.workers.capture.decoding import DecodeChoice, DecodeRequest, GpuDecodeFailed
@@ -37,16 +33,10 @@ from facecast.workers.capture.sources import (
     open_source,
     synthetic_truth,
 )
+from test_decoding import MIN_PSNR_DB, NO_NVDEC, SteppedGroup, _NoStream, _psnr_db
 
-MIN_PSNR_DB = 40.0  # issue 22's bound for the GPU decoder against the CPU one
 NO_NVJPEG = "nvidia-nvimgcodec-cu13 is not installed (pip install 'facecast[gpu]')"
-NO_NVDEC = "pynvvideocodec is not installed (pip install 'facecast[gpu]')"
 NO_CUDA = "no CUDA device is visible to PyTorch (no GPU or no NVIDIA driver)"
-
-
-def _psnr_db(frame: np.ndarray, reference: np.ndarray) -> float:
-    mse = np.mean((frame.astype(np.float64) - reference.astype(np.float64)) ** 2)
-    return 10 * math.log10(255.0**2 / mse) if mse else math.inf
 
 
 def _camera(source: str = "synthetic-mjpeg", **fields) -> CameraConfig:
@@ -186,11 +176,6 @@ class CpuJpeg:
 
     def close(self) -> None:
         self.closed = True
-
-
-class _NoStream:
-    def synchronize(self) -> None:
-        pass
 
 
 @pytest.fixture
@@ -402,25 +387,6 @@ def test_an_mjpeg_rtsp_camera_on_the_gpu_path(cpu_jpeg, gst_python):
 # --- a capture group: one camera's nvJPEG decoder fails, the other camera goes on ------------------
 
 
-class _Worker:
-    """What CameraCapture asks of its capture worker."""
-
-    def __init__(self, context, runtime_dir, device):
-        self.context, self.runtime_dir, self.device = context, runtime_dir, device
-        self.stopping = False
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.cameras = {}
-
-    def queue_event(self, kind, **fields):
-        self.events.put((kind, fields))
-
-    def drained(self):
-        found = []
-        while not self.events.empty():
-            found.append(self.events.get())
-        return found
-
-
 def test_a_failing_nvjpeg_camera_falls_back_while_the_groups_other_camera_publishes(
         cpu_jpeg, monkeypatch, runtime_dir):
     monkeypatch.setenv(decoding.ALLOW_FAULTS_ENV, "1")
@@ -432,62 +398,31 @@ def test_a_failing_nvjpeg_camera_falls_back_while_the_groups_other_camera_publis
         '[[cameras]]\nid = "othercam"\nsource = "synthetic-mjpeg"\nwidth = 320\nheight = 240\n'
         'fps = 20\ndecode = "gpu"\n')
     with zmq.Context() as context:
-        worker = _Worker(context, runtime_dir, "cuda:0")
-        captures = {}
-        published: dict[str, list] = {"gpucam": [], "othercam": []}
-        for camera in loaded.cameras:
-            capture = capture_worker.CameraCapture(camera, loaded, worker)
-            capture.publisher = FramePublisher(context, runtime_dir, camera.id, slot_count=4,
-                                               transport="shm")
-            for method in ("publish", "publish_device"):
-                original = getattr(capture.publisher, method)
-
-                def recording(frame, capture_ts_lsl, _original=original, _id=camera.id,
-                              _method=method):
-                    message = _original(frame, capture_ts_lsl)
-                    published[_id].append((_method, message))
-                    return message
-
-                setattr(capture.publisher, method, recording)
-            capture._open()
-            captures[camera.id] = capture
-        worker.cameras = captures
-        readers = {}
+        group = SteppedGroup(context, loaded, runtime_dir)
         try:
-            gpu, other = captures["gpucam"], captures["othercam"]
+            gpu, other = group.captures["gpucam"], group.captures["othercam"]
             assert gpu.decode.decoder == "gpu" and gpu.source.on_device
             assert other.decode.decoder == "gpu" and other.source.on_device
-            for _ in range(20):  # each camera steps in turn, as their threads would
-                for camera_id, capture in captures.items():
-                    capture.step()
-                    method, message = published[camera_id][-1]
-                    description = capture.publisher.producer.description()
-                    if camera_id not in readers or readers[camera_id].ring_epoch != \
-                            description.ring_epoch:
-                        readers[camera_id] = ShmRingReader(description, device=None)
-                    assert readers[camera_id].read(message).verdict is Verdict.OK
-            methods = [method for method, _ in published["gpucam"]]
+            group.step(20)
+            methods = group.methods("gpucam")
             # 8 frames from nvJPEG, then the CPU decoder's, with no step lost.
             assert methods[:8] == ["publish_device"] * 8 and set(methods[8:]) == {"publish"}
-            assert len(published["gpucam"]) == 19  # the step that failed published nothing
+            assert len(methods) == 19  # the step that failed published nothing
             # The other camera kept its GPU decoder and published every step.
-            assert [method for method, _ in published["othercam"]] == ["publish_device"] * 20
+            assert group.methods("othercam") == ["publish_device"] * 20
             assert gpu.decode.decoder == "cpu" and not gpu.source.on_device
             assert gpu.decode.reason.startswith(
                 "its GPU decoder failed mid-stream (injected failure after 8 frames")
             assert other.decode.decoder == "gpu"
-            trouble = capture_worker.CaptureWorker.trouble(worker)
+            trouble = capture_worker.CaptureWorker.trouble(group.worker)
             assert trouble.startswith("camera gpucam: decoded on the CPU: its GPU decoder "
                                       "failed mid-stream (injected failure after 8 frames")
-            events = [(kind, fields["camera"]) for kind, fields in worker.drained()
+            events = [(kind, fields["camera"]) for kind, fields in group.worker.drained()
                       if kind.startswith("decoder")]
             assert events == [("decoder", "gpucam"), ("decoder", "othercam"),
                               ("decoder_fallback", "gpucam"), ("decoder", "gpucam")], events
         finally:
-            for reader in readers.values():
-                reader.close()
-            for capture in captures.values():
-                capture._close_in_thread()
+            group.close()
 
 
 def test_an_http_mjpeg_camera_on_the_gpu_path_and_its_peer_going_away(cpu_jpeg, tmp_path):
