@@ -175,12 +175,7 @@ def assignment(supervisor: Supervisor, spec: WorkerSpec) -> Assignment:
     config = (supervisor.recordings.config_for_recorder(supervisor.config)
               if spec.role == "recorder" else supervisor.config)
     # Note [Boot order]: a capture worker that starts before its device's inference is up waits.
-    hold = any(held.name == spec.name for held in supervisor.captures_held)
-    if hold:
-        supervisor.captures_told_to_hold.add(spec.name)
-        worker = supervisor.workers.get(spec.name)
-        if worker is not None:
-            worker.held = True
+    hold = supervisor.boot_order.holds(spec)
     return Assignment(worker=spec.name, config=msgspec.json.encode(config),
                       camera_ids=list(spec.camera_ids), device=spec.device,
                       standby=spec.standby, track_ids=track_ids, hold=hold)

@@ -21,24 +21,6 @@ Note [Supervisor loop]
     control socket's `stop` and `reload` requests: one command path. An unexpected exception in
     the loop is logged with its traceback and leads to the same ordered shutdown (exit code 1),
     never to workers left running.
-
-Note [Boot order]
-    On the CPU every worker starts at once. On a GPU, a device's capture workers stream only once
-    its detection and roi_landmark workers have booted. Those prepare a CUDA graph for every batch
-    size they can meet (Note [Warm shapes]): thousands of short kernels and syncs, each of which
-    waits for the GPU's time slice among every context on the device. With the capture workers
-    already streaming (64 cameras on the H200: 8 capture contexts, 2 inference workers), the
-    detection worker's graphs took 45 s and READY came after 51 s. Started on a quiet GPU, the
-    inference workers are then there for the first frames; nothing is lost, since no frame
-    exists before capture starts.
-    Capture workers are started at once all the same, *held* (Assignment.hold): they prepare
-    (imports, torch and the CUDA context: 4.8 s of the 5.6-8.3 s a capture worker of 8 cameras
-    took to boot on the H200, then serial after the detection worker's 23 s) while the inference
-    workers boot, and open their sources and stream when the supervisor sends Release. A held
-    worker's boot is timed (daemon.boot_timeout_s) from its release; until then, once it has
-    prepared, it is judged by its heartbeats, as a running worker is, so that inference slower
-    than the boot timeout does not get it killed. A capture worker started later (a restart) is
-    not held.
 """
 
 from __future__ import annotations
@@ -54,6 +36,7 @@ import time
 import zmq
 
 from facecast.daemon import layout, reporting
+from facecast.daemon.boot_order import BootOrder
 from facecast.daemon.control import ControlSocket
 from facecast.daemon.events import MarkerEvents
 from facecast.daemon.gallery_watch import GalleryWatch
@@ -69,7 +52,7 @@ from facecast.daemon.track_ids import TrackIdAllocator
 from facecast.daemon.worker_table import WorkerTable
 from facecast.shared import config as config_mod
 from facecast.shared.transport import endpoints, messages
-from facecast.shared.transport.messages import RecordRequest, Release
+from facecast.shared.transport.messages import RecordRequest
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +98,7 @@ class Supervisor:
         self._pending_signals: collections.deque[int] = collections.deque()
         self.stop_requested = False  # by a signal, `facecast stop` or --duration
         self._reload: Reload | None = None
-        # Note [Boot order]: capture workers held until their device's inference is up, and
-        # those of them whose Assignment said so (they wait for a Release).
-        self.captures_held: list[WorkerSpec] = []
-        self.captures_told_to_hold: set[str] = set()
+        self.boot_order = BootOrder(self.workers, self.control)  # Note [Boot order]
         self.start_at_ready: list[WorkerSpec] = []  # Note [Console after READY]
         self.shutdown: Shutdown | None = None
         self.recordings = Recordings(self.workers, self.gpu_count)  # Note [Recording]
@@ -185,8 +165,7 @@ class Supervisor:
                  self.runtime.path, len(self.config.cameras),
                  f"{self.gpu_count} GPU(s)" if self.gpu_count else "no GPU")
         specs = layout.plan(self.config, self.gpu_count)
-        # Note [Boot order]: on a GPU, capture streams once the device's inference workers are up.
-        self.captures_held = [s for s in specs if s.role == "capture" and s.device != "cpu"]
+        self.boot_order.hold_captures(specs)
         # Note [Console after READY].
         self.start_at_ready = [s for s in specs if s.role in layout.ROLES_STARTED_AT_READY]
         for spec in specs:
@@ -212,7 +191,7 @@ class Supervisor:
             self.shutdown.advance()
             return
         self.workers.check_liveness(self.config.daemon)
-        self._release_captures_when_inference_is_up()
+        self.boot_order.release_captures_when_inference_is_up()
         self.recordings.forget_stopped_recorders()
         self.workers.start_due()
         self._advance_reload()
@@ -220,27 +199,6 @@ class Supervisor:
         self._flush_events()
         self._tick_systemd()
         self._print_live_status()
-
-    def _release_captures_when_inference_is_up(self) -> None:
-        """Note [Boot order]."""
-        if not self.captures_held:
-            return
-        inference_devices = {w.spec.device for w in self.workers
-                             if w.spec.role in ("detection", "roi_landmark") and not w.spec.standby
-                             and w.state is not S.RUNNING and w.state not in GIVEN_UP_STATES}
-        waiting = []
-        for spec in self.captures_held:
-            if spec.device in inference_devices:
-                waiting.append(spec)
-            elif spec.name in self.captures_told_to_hold:
-                self.captures_told_to_hold.discard(spec.name)
-                worker = self.workers.get(spec.name)
-                if worker is not None and worker.state is S.BOOTING:
-                    worker.held = False
-                    worker.started_monotonic = time.monotonic()  # its boot is timed from here
-                    self.control.send_to(spec.name, Release(worker=spec.name))
-            # else: its Hello has not come yet, and its Assignment will not hold it
-        self.captures_held = waiting
 
     def _install_signal_handlers(self, wakeup_write: socket.socket) -> dict:
         def enqueue(signum, frame):  # nothing else here: the loop does the work (STYLE §2)

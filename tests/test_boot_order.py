@@ -47,17 +47,17 @@ def test_on_a_gpu_capture_is_held_until_the_inference_workers_are_up(runtime_dir
     cam0 = control.assignment(supervisor, supervisor.workers.get("capture:cam0").spec)
     assert cam0.hold
     assert not control.assignment(supervisor, supervisor.workers.get("output").spec).hold
-    supervisor._release_captures_when_inference_is_up()
+    supervisor.boot_order.release_captures_when_inference_is_up()
     assert sent == []  # both inference workers still booting
     supervisor.workers.get("detection:cuda:0").state = WorkerState.RUNNING
-    supervisor._release_captures_when_inference_is_up()
+    supervisor.boot_order.release_captures_when_inference_is_up()
     assert sent == []  # roi_landmark still booting
     # One given up on (it could not boot) does not hold the cameras back.
     supervisor.workers.get("roi_landmark:cuda:0:0").state = WorkerState.FAILED
-    supervisor._release_captures_when_inference_is_up()
+    supervisor.boot_order.release_captures_when_inference_is_up()
     assert sent == [("capture:cam0", Release(worker="capture:cam0", id=sent[0][1].id))]
     assert not control.assignment(supervisor, supervisor.workers.get("capture:cam1").spec).hold
-    supervisor._release_captures_when_inference_is_up()
+    supervisor.boot_order.release_captures_when_inference_is_up()
     assert len(sent) == 1 and len(started) == 5  # each started and released once
 
 
