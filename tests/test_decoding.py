@@ -549,7 +549,7 @@ class SteppedGroup:
             capture = capture_worker.CameraCapture(camera, loaded, self.worker)
             capture.publisher = FramePublisher(context, runtime_dir, camera.id, slot_count=4,
                                                transport="shm")
-            for method in ("publish", "publish_device"):
+            for method in ("publish", "publish_device", "publish_staged"):
                 setattr(capture.publisher, method,
                         self._recording(getattr(capture.publisher, method), camera.id, method))
             capture._open()
@@ -557,8 +557,8 @@ class SteppedGroup:
         self.worker.cameras = self.captures
 
     def _recording(self, publish, camera_id, method):
-        def recording(frame, capture_ts_lsl):
-            message = publish(frame, capture_ts_lsl)
+        def recording(*args):
+            message = publish(*args)
             self.published[camera_id].append((method, message))
             return message
         return recording
@@ -602,10 +602,11 @@ def test_a_failing_gpu_decoder_falls_back_while_the_groups_other_camera_publishe
             assert cpu.decode == DecodeChoice("cpu", 'decode = "cpu"')
             group.step(20)
             methods = group.methods("gpucam")
-            # 8 frames from the GPU decoder, then the CPU's, with no step lost.
-            assert methods[:8] == ["publish_device"] * 8 and set(methods[8:]) == {"publish"}
+            # 8 frames from the GPU decoder, then the CPU's (decoded into the ring's staging
+            # memory, Note [Staged writes]), with no step lost.
+            assert methods[:8] == ["publish_device"] * 8 and set(methods[8:]) == {"publish_staged"}
             assert len(methods) == 19  # the step that failed published nothing
-            assert len(group.methods("cpucam")) == 20
+            assert group.methods("cpucam") == ["publish_staged"] * 20
             assert gpu.decode.decoder == "cpu" and not gpu.source.on_device
             assert gpu.decode.reason.startswith(
                 "its GPU decoder failed mid-stream (injected failure after 8 frames")

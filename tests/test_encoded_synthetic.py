@@ -144,6 +144,30 @@ def test_decoded_frames_are_the_loop_frames_their_truth_names(source: str) -> No
     assert shown >= {0, truth.loop_frames - 1}, sorted(shown)
 
 
+@pytest.mark.parametrize("source", CODECS)
+def test_a_frame_decoded_into_given_memory_is_the_frame_read(source: str) -> None:
+    """Note [Staged writes]: `read_into` decodes into the ring's staging view (the array it is
+    given) and hands that array back; a view of another size gets a new array, the frame as
+    `read` gives it."""
+    camera = _camera(source)
+    truth = synthetic_truth(camera)
+    loop = truth.render_loop()
+    with open_source(camera) as opened:
+        assert opened.decodes_into
+        staging = np.zeros((240, 320, 3), np.uint8)
+        for _ in range(5):
+            frame, capture_ts_lsl = opened.read_into(staging)
+            assert frame is staging
+            psnr_db = [_psnr_db(frame, reference) for reference in loop]
+            assert int(np.argmax(psnr_db)) == truth.loop_index(capture_ts_lsl)
+        wrong_size = np.zeros((120, 160, 3), np.uint8)
+        frame, capture_ts_lsl = opened.read_into(wrong_size)
+        assert frame is not wrong_size and frame.shape == (240, 320, 3)
+        assert not wrong_size.any()
+        psnr_db = [_psnr_db(frame, reference) for reference in loop]
+        assert int(np.argmax(psnr_db)) == truth.loop_index(capture_ts_lsl)
+
+
 def test_a_late_reader_gets_the_frame_of_its_capture_time() -> None:
     camera = _camera("synthetic-h264")
     truth = synthetic_truth(camera)

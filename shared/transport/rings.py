@@ -27,7 +27,10 @@ Note [Staged writes]
     ring's pinned staging buffer for the slot, from which it goes to the GPU. At 1080p that is
     6 MB, about a millisecond of one core: the largest host cost of a frame (see the stage table
     of bench/transport.py). A source that can decode or render into memory it is given takes
-    `staging_view()` instead, writes the frame there and calls `publish_staged()`. The view is
+    `staging_view()` instead, writes the frame there and calls `publish_staged()`: the capture
+    worker does so for the sources OpenCV decodes (V4L2, streams, files and the encoded
+    synthetic loops on the CPU: `FrameSource.decodes_into`), whose retrieve writes into the view
+    in place of a new array that `write` would copy again. The view is
     always producer-private memory, never the slot that consumers map: on CUDA the slot's pinned
     staging buffer, handed out only once the slot's previous upload from it has finished (its
     event); on shm one private buffer, copied into the slot at commit (there staging saves no

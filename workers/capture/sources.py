@@ -132,6 +132,7 @@ class FrameSource:
 
     kind = "?"
     on_device = False
+    decodes_into = False  # `read_into` decodes into memory it is given (Note [Staged writes])
 
     def __init__(self, camera: CameraConfig) -> None:
         self.camera = camera
@@ -142,6 +143,12 @@ class FrameSource:
 
     def read(self) -> tuple[np.ndarray, float]:
         """The next frame (BGR uint8 HxWx3) and its capture time (`pylsl.local_clock()`)."""
+        raise NotImplementedError
+
+    def read_into(self, out: np.ndarray) -> tuple[np.ndarray, float]:
+        """`read`, decoding into `out` (a ring's staging view, Note [Staged writes]) where the
+        frame fits it: the frame returned is then `out` itself, else a new array (a frame of
+        another size or layout, which the caller publishes as it is). Where `decodes_into`."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -684,10 +691,21 @@ class _OpenCVSource(FrameSource):
     """Shared grab/retrieve logic: the timestamp is taken right after grab() returns."""
 
     backend = "?"
+    decodes_into = True
 
     def __init__(self, camera: CameraConfig) -> None:
         super().__init__(camera)
         self._capture: cv2.VideoCapture | None = None
+        self._into: np.ndarray | None = None  # where `_retrieve` decodes to (read_into)
+
+    def read_into(self, out: np.ndarray) -> tuple[np.ndarray, float]:
+        # OpenCV's retrieve writes into an array of the frame's size and type, and returns it;
+        # that saves the copy of a new array into the ring's staging memory.
+        self._into = out
+        try:
+            return self.read()
+        finally:
+            self._into = None
 
     def _grab(self) -> tuple[np.ndarray, float]:
         if self._capture is None:
@@ -698,7 +716,8 @@ class _OpenCVSource(FrameSource):
 
     def _retrieve(self, capture_ts_lsl: float) -> tuple[np.ndarray, float]:
         assert self._capture is not None
-        ok, frame = self._capture.retrieve()
+        ok, frame = (self._capture.retrieve(self._into) if self._into is not None
+                     else self._capture.retrieve())
         if not ok or frame is None:
             raise self._lost(f"{self.backend}: grabbed a frame that could not be decoded")
         frame = _as_bgr(frame)

@@ -33,6 +33,7 @@ import threading
 import time
 
 import cv2
+import numpy as np
 
 from facecast.shared.config import CameraConfig, Config
 from facecast.shared.transport.messages import CameraReport, InjectFault
@@ -251,8 +252,12 @@ class CameraCapture:
             self._open()
             if self.source is None:
                 return
+        staged = self._staging_view()
         try:
-            frame, capture_ts_lsl = self.source.read()
+            if staged is not None:
+                frame, capture_ts_lsl = self.source.read_into(staged)
+            else:
+                frame, capture_ts_lsl = self.source.read()
         except SourceLost as exc:
             self._lost(exc.reason)
             return
@@ -264,6 +269,8 @@ class CameraCapture:
             self.publisher.corrupt_next_frame()
         if self.source.on_device:  # decoded on the GPU (Note [Frames born on the GPU])
             message = self.publisher.publish_device(frame, capture_ts_lsl)
+        elif frame is staged:  # decoded into the ring's staging memory
+            message = self.publisher.publish_staged(capture_ts_lsl)
         else:
             message = self.publisher.publish(frame, capture_ts_lsl)
         if corrupting:
@@ -281,6 +288,15 @@ class CameraCapture:
             self.source_state = "ok"
             self.reopen.succeeded()
         self._report_transport_changes()
+
+    def _staging_view(self) -> np.ndarray | None:
+        """Where the source may decode its next frame (Note [Staged writes]): the ring's staging
+        memory for a frame of the size the source was granted; None for a source that cannot
+        decode into memory it is given, or whose frame size is not known yet."""
+        granted = self.source.granted
+        if not self.source.decodes_into or granted.width <= 0 or granted.height <= 0:
+            return None
+        return self.publisher.staging_view((granted.height, granted.width, 3))
 
     def _take_fault_request(self) -> bool:
         try:
