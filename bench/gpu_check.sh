@@ -65,6 +65,7 @@ run)
             --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 18 \
             --mediapipe-baseline --mediapipe-path /tmp/mp --baseline-warmup-s 3 \
             --baseline-measure-s 10 --small-face-s 2 \
+            --profile-roles capture roi_landmark detection output \
             --out "$STATE/benchmarks-pipeline.json" --log-dir "$STATE/logs" ;;
         models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
             --budget-s 200 --face-landmarker-task .models/face_landmarker.task \

@@ -540,6 +540,8 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         first = daemon.status()
         cpu_first = tree_cpu_s(daemon.process.pid)
         roles_first = role_cpu_s(first)
+        profiles = Profiles.start(first, args.profile_roles, window.length_s,
+                                  args.log_dir / f"profile-{cameras}-{result['transport']}")
         time.sleep(max(0.0, window.end_ts_lsl - pylsl.local_clock()))
         last = daemon.status()
         cpu_last = tree_cpu_s(daemon.process.pid)
@@ -550,6 +552,7 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
                and time.monotonic() < drain_deadline_monotonic):
             time.sleep(0.05)
         drained = daemon.status()
+        result["profiles"] = profiles.finish()
     finally:
         reader.close()
     counted = published_frames(reader.by_camera(), window, camera_ids, args.source,
@@ -591,6 +594,77 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         "transports_seen": transports, "fallback_reasons": reasons,
         "workers": [f"{w.name}:{w.state}:{w.restarts}" for w in drained.workers],
     })
+
+
+class Profiles:
+    """Where the CPU of one worker of each asked role goes during the window: py-spy samples it
+    (`record --nonblocking`: the process is not paused; idle threads are not counted), and the
+    functions that were on CPU most, their own time and with their callees, are kept."""
+
+    TOP = 12
+
+    def __init__(self, runs: dict[str, tuple[subprocess.Popen, Path]], missing: str) -> None:
+        self.runs, self.missing = runs, missing
+
+    @classmethod
+    def start(cls, status, roles: list[str], seconds: float, prefix: Path) -> Profiles:
+        if not roles:
+            return cls({}, "")
+        py_spy = shutil.which("py-spy")
+        if py_spy is None:
+            return cls({}, "py-spy is not installed (pip install py-spy)")
+        runs = {}
+        for role in roles:
+            worker = next((w for w in status.workers if w.role == role and not w.standby
+                           and w.pid > 0), None)
+            if worker is None:
+                continue
+            path = Path(f"{prefix}-{worker.name.replace(':', '_')}.txt")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            runs[worker.name] = (subprocess.Popen(
+                [py_spy, "record", "--pid", str(worker.pid), "--duration", str(int(seconds)),
+                 "--rate", "200", "--nonblocking", "--format", "raw", "--output", str(path)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), path)
+        return cls(runs, "")
+
+    def finish(self) -> dict:
+        if self.missing:
+            return {"error": self.missing}
+        found = {}
+        for name, (process, path) in self.runs.items():
+            try:
+                _, error = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                error = "py-spy did not finish"
+            found[name] = (self.summary(path.read_text()) if path.exists()
+                           else {"error": (error or "no output").strip()[-300:]})
+        return found
+
+    @classmethod
+    def summary(cls, collapsed: str) -> dict:
+        """py-spy's raw output (`frame;frame;...;leaf count` per line, outermost first) as the
+        top functions by own samples and by inclusive samples, in % of all samples."""
+        own: dict[str, int] = {}
+        inclusive: dict[str, int] = {}
+        total = 0
+        for line in collapsed.splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            samples = int(count)
+            frames = [frame for frame in stack.split(";") if frame]
+            total += samples
+            if frames:
+                own[frames[-1]] = own.get(frames[-1], 0) + samples
+            for frame in set(frames):
+                inclusive[frame] = inclusive.get(frame, 0) + samples
+
+        def top(counts: dict[str, int]) -> list[tuple[str, float]]:
+            ranked = sorted(counts.items(), key=lambda item: -item[1])[:cls.TOP]
+            return [(frame, round(100.0 * n / total, 1)) for frame, n in ranked]
+
+        return {"samples": total, "own_pct": top(own), "inclusive_pct": top(inclusive)}
 
 
 def versus(row: dict, baseline: dict | None) -> dict | None:
@@ -751,6 +825,8 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         lines += ["", *small_faces_table(small_faces)]
     if any(r.get("newcomers") for r in rows):
         lines += ["", *newcomers_table(rows)]
+    if any(r.get("profiles") for r in rows):
+        lines += ["", *profiles_lines(rows)]
     lines += ["", *legend({**accounting.DEFINITIONS, **BOOT_STOP_DEFINITIONS})]
     text = "\n".join(lines)
     print(text)
@@ -776,6 +852,23 @@ def hops_table(rows: list[dict]) -> list[str]:
             lines.append(_row([r["cameras"], r["transport"], *(
                 f"{hops[name]['mean_ms']:.1f} ({hops[name]['p99_ms']:.1f})" if name in hops
                 else "-" for name in names)]))
+    return lines
+
+
+def profiles_lines(rows: list[dict]) -> list[str]:
+    """Profiles.summary of each profiled worker: its functions most on CPU."""
+    lines = ["Where a worker's CPU goes (py-spy through the window, % of its samples on CPU; own "
+             "time, then with callees):"]
+    for r in rows:
+        for worker, found in (r.get("profiles") or {}).items():
+            if worker == "error" or "error" in found:
+                lines += ["", f"- {r['cameras']} cameras, {worker}: "
+                              f"{found if worker == 'error' else found['error']}"]
+                continue
+            lines += ["", f"- {r['cameras']} cameras, {worker} ({found['samples']} samples):",
+                      *(f"  - own {pct}%: {frame}" for frame, pct in found["own_pct"][:8]),
+                      *(f"  - with callees {pct}%: {frame}"
+                        for frame, pct in found["inclusive_pct"][:8])]
     return lines
 
 
@@ -936,6 +1029,10 @@ def main() -> int:
                         help="stage every camera's scene so that a person walks in once a cycle "
                              "while another stays, and report how late each arrival was "
                              "published (Note [A newcomer's delay]; synthetic sources only)")
+    parser.add_argument("--profile-roles", nargs="*", default=[], metavar="ROLE",
+                        help="py-spy one worker of each of these roles (e.g. capture "
+                             "roi_landmark detection) through the window; the top functions go "
+                             "into the JSON and the table (needs py-spy)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
