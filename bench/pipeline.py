@@ -777,7 +777,8 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
                               + [""] * (len(header) - 3)))
             continue
         stage = max(r["stages"].items(), key=lambda kv: kv[1]["p99_ms"], default=("-", {"p99_ms": 0}))
-        gpu = r["gpus"][0] if r["gpus"] else None
+        gpus = " + ".join(f"{g['utilization_pct']:.0f}% / {g['memory_used_mib']:.0f} MiB"
+                          for g in r["gpus"]) or "-"  # each GPU's, in index order
         source = "" if r.get("source", "synthetic") == "synthetic" else f", {r['source']}"
         if r.get("source", "").startswith("synthetic-") and r["source"] != "synthetic-replay":
             source += f" (decode {r.get('decode', 'auto')})"
@@ -785,7 +786,7 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
                  r["frames_due"], r["published_fps"], f"{r['dropped']} ({r['dropped_pct']}%)",
                  f"{r['latency_p50_ms']} / {r['latency_p99_ms']}", _faces_cell(r["faces"]),
                  f"{stage[0]} {stage[1]['p99_ms']:.0f}", r["cpu_cores_busy"],
-                 f"{gpu['utilization_pct']:.0f}% / {gpu['memory_used_mib']:.0f} MiB" if gpu else "-",
+                 gpus,
                  *_boot_stop_cells(r)]
         if with_baseline:
             v, b = r.get("vs_mediapipe"), r.get("mediapipe")

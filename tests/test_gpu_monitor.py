@@ -1,11 +1,14 @@
-"""Where the daemon's GPU memory goes, worker by worker: the supervisor's NVML monitor sums each
-process's device memory over the GPUs (`GpuMonitor.memory_by_pid`), `facecast status` shows it
-per worker. NVML is played here by a stand-in with its API's shape (no GPU on this machine); the
-`gpu` run of bench/pipeline.py reads the real one."""
+"""The supervisor's NVML monitor: which GPUs the daemon gets (those CUDA_VISIBLE_DEVICES leaves
+the workers, Note [Visible GPUs]) and where the daemon's GPU memory goes, worker by worker (each
+process's device memory summed over the GPUs, `GpuMonitor.memory_by_pid`), which `facecast
+status` shows per worker. NVML is played here by a stand-in with its API's shape (no GPU on this
+machine); the `gpu` run of bench/pipeline.py reads the real one."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+import pytest
 
 from facecast.daemon.cli.status import render
 from facecast.daemon.gpu_monitor import GpuMonitor
@@ -15,7 +18,7 @@ MIB = 2**20
 
 
 class FakeNvml:
-    """pynvml's calls that memory_by_pid makes, over two GPUs."""
+    """pynvml's calls that GpuMonitor makes, over one GPU per list of processes."""
 
     def __init__(self, processes_by_gpu):
         self.processes_by_gpu = processes_by_gpu
@@ -25,6 +28,18 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index):
         return index
+
+    def nvmlDeviceGetUUID(self, handle):
+        return f"GPU-{handle}{handle}{handle}-uuid".encode()  # bytes, as older pynvml gives
+
+    def nvmlDeviceGetName(self, handle):
+        return f"NVIDIA H{handle}00"
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(used=(handle + 1) * 1024 * MIB, total=80 * 1024 * MIB)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=10.0 * (handle + 1))
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
         return [SimpleNamespace(pid=pid, usedGpuMemory=used)
@@ -37,7 +52,40 @@ def _monitor(nvml) -> GpuMonitor:
     return monitor
 
 
-def test_memory_is_summed_per_process_over_the_gpus():
+@pytest.mark.parametrize("listed, visible", [
+    (None, [0, 1, 2]),  # unset: every GPU
+    ("1", [1]),
+    ("2,0", [2, 0]),  # CUDA's order is the list's
+    ("GPU-111-uuid", [1]),
+    ("GPU-222", [2]),  # a unique UUID prefix
+    ("0,7,1", [0]),  # CUDA stops at the first entry that names no device
+    ("1,1", [1]),  # and at one that names a device again
+    ("", []),
+    ("-1", []),
+    ("MIG-abc", [None]),  # a MIG instance: a GPU NVML cannot tell about here
+])
+def test_the_daemon_gets_the_gpus_cuda_shows_its_workers(monkeypatch, listed, visible):
+    if listed is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    monitor = _monitor(FakeNvml([[], [], []]))
+    assert monitor.visible() == visible
+    assert monitor.count() == len(visible)
+
+
+def test_status_names_each_gpu_as_the_workers_do(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES=2,0, status's GPU 0 is NVML's third (the workers' cuda:0)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    monitor = _monitor(FakeNvml([[(100, 512 * MIB)], [(101, 256 * MIB)], [(102, 128 * MIB)]]))
+    gpus = monitor.status()
+    assert [(g.index, g.name, g.memory_used_mib, g.utilization_pct) for g in gpus] == [
+        (0, "NVIDIA H200", 3072.0, 30.0), (1, "NVIDIA H000", 1024.0, 10.0)]
+    assert monitor.memory_by_pid() == {102: 128.0, 100: 512.0}  # 101 is on a hidden GPU
+
+
+def test_memory_is_summed_per_process_over_the_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monitor = _monitor(FakeNvml([
         [(100, 512 * MIB), (101, 2048 * MIB), (102, None)],  # 102: NVML cannot account it
         [(100, 256 * MIB)],
@@ -45,7 +93,8 @@ def test_memory_is_summed_per_process_over_the_gpus():
     assert monitor.memory_by_pid() == {100: 768.0, 101: 2048.0}
 
 
-def test_no_nvml_no_memory_and_a_failing_query_is_said():
+def test_no_nvml_no_memory_and_a_failing_query_is_said(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert _monitor(None).memory_by_pid() == {}
 
     class Broken(FakeNvml):
