@@ -15,6 +15,9 @@
 #   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle (2)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
 #                 (needs .whl2a/.whl2b installed) (about 12)
+#   two_gpus      issue 22 item 4, on the nvidia-h100-x2 kind: 64 synthetic-h264 cameras on one
+#                 GPU (CUDA_VISIBLE_DEVICES=0, Note [Visible GPUs]) against 128 on both, NVDEC
+#                 decoding (needs .whl2a/.whl2b; never run yet: ~6?)
 #   newcomers     issue 24 item 5: how late a person who walks in is published, 8 and 32 staged
 #                 replayed cameras (bench/pipeline.py --newcomers; never run yet: ~3?)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
@@ -76,6 +79,14 @@ run)
                     --warmup-s 4 --measure-s 10 \
                     --out "$STATE/benchmarks-decode-$decode.json" --log-dir "$STATE/logs"
             done ;;
+        two_gpus)
+            CUDA_VISIBLE_DEVICES=0 step two_gpus-one python3 bench/pipeline.py --cameras 64 \
+                --transports cuda_ipc --source synthetic-h264 --decode gpu --warmup-s 4 \
+                --measure-s 10 --out "$STATE/benchmarks-two-gpus-one.json" --log-dir "$STATE/logs"
+            step two_gpus-both python3 bench/pipeline.py --cameras 128 \
+                --transports cuda_ipc --source synthetic-h264 --decode gpu --warmup-s 4 \
+                --measure-s 10 --out "$STATE/benchmarks-two-gpus-both.json" \
+                --log-dir "$STATE/logs" ;;
         newcomers) step newcomers python3 bench/pipeline.py --newcomers --cameras 8 32 \
             --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 12 \
             --out "$STATE/benchmarks-newcomers.json" --log-dir "$STATE/logs" ;;
