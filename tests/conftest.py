@@ -134,8 +134,9 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         _running_item = None
-        if _uses_shared_default_daemon(item) and not _uses_shared_default_daemon(nextitem):
-            _close_shared_default_daemon()
+        shared = _shared_daemon_of(item)
+        if shared is not None and _shared_daemon_of(nextitem) != shared:
+            _close_shared_daemon(shared)
 
 
 # --- one daemon for several test files -----------------------------------------------------------
@@ -149,33 +150,55 @@ def pytest_runtest_protocol(item, nextitem):
 #     landmarks`, tests/test_daemon_blendshapes.py checks their channels) and the fault-injection
 #     hook (FACECAST_ALLOW_FAULT_INJECTION, tests/test_fault_injection.py spoils frames, which no
 #     consumer publishes); and no warm spares, since none of them kills a worker (Note [Spares
-#     only where a test needs them]). Its users are run one after the other
-#     (pytest_collection_modifyitems moves them to the first one's place), so that no other test
-#     runs beside an idle daemon.
-#     A test that kills workers, reloads, records or otherwise changes what the daemon does keeps
-#     a daemon of its own.
-SHARED_DEFAULT_DAEMON = "default_daemon"
-_shared_default_daemon = []  # the running one, while its users run
+#     only where a test needs them]).
+#     The tests of warm spares share another, `spare_daemon`: config/default.toml at
+#     SPARE_TEST_FPS with its spares (tests/test_warm_standby.py, test_spare_priority.py,
+#     test_track_ids_daemon.py). They kill workers, but each leaves the daemon as the next one
+#     needs it: every test of theirs begins in the steady state (`spare_daemon` waits until every
+#     spare has booted, Note [Warm standby]), a killed worker is restarted (by its spare or cold)
+#     and a fresh spare follows; what each checks is about its own kills (which process took
+#     over, its priority, the ids published around them, the events of its takeovers). Booting
+#     it once instead of three times saves two boots and two waits for four spares at nice +10.
+#     The users of a shared daemon are run one after the other (pytest_collection_modifyitems
+#     moves them to the first one's place), so that no other test runs beside an idle daemon.
+#     A test that reloads, records or otherwise changes what the daemon does keeps a daemon of
+#     its own.
+SHARED_DAEMONS = ("default_daemon", "spare_daemon")
+_shared_daemons: dict[str, list] = {name: [] for name in SHARED_DAEMONS}  # the running ones
 
 
-def _uses_shared_default_daemon(item) -> bool:
-    return item is not None and SHARED_DEFAULT_DAEMON in getattr(item, "fixturenames", ())
+def _shared_daemon_of(item) -> str | None:
+    """The shared daemon a test uses (Note [One daemon for several test files]), if any."""
+    names = getattr(item, "fixturenames", ()) if item is not None else ()
+    return next((name for name in SHARED_DAEMONS if name in names), None)
 
 
-def _close_shared_default_daemon() -> None:
-    while _shared_default_daemon:
-        _shared_default_daemon.pop().__exit__(None, None, None)
+def _close_shared_daemon(name: str) -> None:
+    running = _shared_daemons[name]
+    while running:
+        running.pop().__exit__(None, None, None)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The users of `default_daemon` one after the other (Note [One daemon for several test
+    """The users of each shared daemon one after the other (Note [One daemon for several test
     files]); every other test keeps its order."""
-    users = [item for item in items if _uses_shared_default_daemon(item)]
-    if len(users) < 2:
-        return
-    first = items.index(users[0])
-    others = [item for item in items if not _uses_shared_default_daemon(item)]
-    items[:] = others[:first] + users + others[first:]
+    for name in SHARED_DAEMONS:
+        users = [item for item in items if _shared_daemon_of(item) == name]
+        if len(users) < 2:
+            continue
+        first = items.index(users[0])
+        others = [item for item in items if _shared_daemon_of(item) != name]
+        items[:] = others[:first] + users + others[first:]
+
+
+def _shared_daemon(name: str, tmp, config_text: str, **options):
+    """A ready daemon kept for the users of `name`, stopped after the last of them."""
+    from daemon_harness import ready_daemon
+
+    running = ready_daemon(tmp, config_text=config_text, **options)
+    daemon = running.__enter__()
+    _shared_daemons[name].append(running)
+    return daemon
 
 
 @pytest.fixture(scope="session")
@@ -183,7 +206,7 @@ def default_daemon(installed_models, tmp_path_factory):
     """A ready daemon of config/default.toml, landmarks on, no warm spares and fault injection
     allowed, shared by the test files that only watch it (Note [One daemon for several test
     files])."""
-    from daemon_harness import REPO, ready_daemon
+    from daemon_harness import REPO
 
     from facecast.daemon.control import FAULT_INJECTION_ENV
 
@@ -191,14 +214,32 @@ def default_daemon(installed_models, tmp_path_factory):
     assert "[output]\n" in text and "[daemon]\n" in text
     text = (text.replace("[output]\n", "[output]\nlandmarks = true\n")
             .replace("[daemon]\n", '[daemon]\nwarm_standby = "off"\n'))
-    running = ready_daemon(tmp_path_factory.mktemp("default"), config_text=text,
-                           env={FAULT_INJECTION_ENV: "1"})
-    daemon = running.__enter__()
-    _shared_default_daemon.append(running)
     try:
-        yield daemon
+        yield _shared_daemon("default_daemon", tmp_path_factory.mktemp("default"), text,
+                             env={FAULT_INJECTION_ENV: "1"})
     finally:
-        _close_shared_default_daemon()
+        _close_shared_daemon("default_daemon")
+
+
+@pytest.fixture(scope="session")
+def _spare_daemon_running(installed_models, tmp_path_factory):
+    from daemon_harness import SPARE_TEST_FPS, default_config_at
+
+    try:
+        # config/default.toml's warm_standby = "auto" keeps CPU spares of every role.
+        yield _shared_daemon("spare_daemon", tmp_path_factory.mktemp("spares"),
+                             default_config_at(SPARE_TEST_FPS))
+    finally:
+        _close_shared_daemon("spare_daemon")
+
+
+@pytest.fixture
+def spare_daemon(_spare_daemon_running):
+    """A daemon of config/default.toml at SPARE_TEST_FPS with its warm spares, shared by the
+    tests of spares (Note [One daemon for several test files]), in its steady state: every spare
+    booted (a test before may have killed one, or had one take over)."""
+    _spare_daemon_running.wait_for_spares()
+    return _spare_daemon_running
 
 
 # What facecast's CLI sets in its own process's environment (shared/third_party_logs.py: a quiet

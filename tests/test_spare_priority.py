@@ -15,11 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import SPARE_TEST_FPS, default_config_at, ready_daemon
 from facecast.shared import cpu_priority
-
-CONFIG = default_config_at(SPARE_TEST_FPS).replace(  # Note [Spares only where a test needs them]
-    "enabled = true", "enabled = false")  # no console: it has no spare
 
 
 def thread_nices(pid: int) -> dict[int, int]:
@@ -35,30 +31,31 @@ def thread_nices(pid: int) -> dict[int, int]:
 
 
 @pytest.mark.daemon
-def test_spares_stand_by_at_a_lower_priority_and_a_promoted_one_gets_it_back(
-        installed_models, tmp_path):
+def test_spares_stand_by_at_a_lower_priority_and_a_promoted_one_gets_it_back(spare_daemon):
+    # The daemon the tests of spares share (Note [One daemon for several test files]): a worker
+    # whose spare took over before this test must have its priority back too.
+    daemon = spare_daemon
     base = cpu_priority.current_nice()  # the daemon inherits this test's nice
     permitted, why_not = cpu_priority.restore_permitted()
     lowered = min(base + cpu_priority.SPARE_NICE_INCREMENT, 19) if permitted else base
-    with ready_daemon(tmp_path, CONFIG) as daemon:
-        status = daemon.status()
-        spares = {w.name: w for w in status.workers if w.standby}
-        assert set(spares) == {"standby:capture:cpu", "standby:detection:cpu",
-                               "standby:roi_landmark:cpu", "standby:output"}
-        for spare in spares.values():
-            assert set(thread_nices(spare.pid).values()) == {lowered}, (spare, daemon.log_tail())
-            assert spare.detail == ("" if permitted else f"normal priority: {why_not}")
-        for worker in status.workers:
-            if not worker.standby:
-                assert set(thread_nices(worker.pid).values()) == {base}, worker
-        spare_pid = spares["standby:roi_landmark:cpu"].pid
-        assert len(thread_nices(spare_pid)) > 1  # torch's threads too, made while low
-        killed = daemon.worker("roi_landmark:cpu:0").pid
-        os.kill(killed, signal.SIGKILL)
-        promoted = daemon.wait_for_worker("roi_landmark:cpu:0", "running", not_pid=killed)
-        assert promoted.pid == spare_pid, promoted  # the spare's process took the name
-        assert set(thread_nices(promoted.pid).values()) == {base}, daemon.log_tail()
-        assert promoted.detail == "", promoted
+    status = daemon.status()
+    spares = {w.name: w for w in status.workers if w.standby}
+    assert set(spares) == {"standby:capture:cpu", "standby:detection:cpu",
+                           "standby:roi_landmark:cpu", "standby:output"}
+    for spare in spares.values():
+        assert set(thread_nices(spare.pid).values()) == {lowered}, (spare, daemon.log_tail())
+        assert spare.detail == ("" if permitted else f"normal priority: {why_not}")
+    for worker in status.workers:
+        if not worker.standby:
+            assert set(thread_nices(worker.pid).values()) == {base}, worker
+    spare_pid = spares["standby:roi_landmark:cpu"].pid
+    assert len(thread_nices(spare_pid)) > 1  # torch's threads too, made while low
+    killed = daemon.worker("roi_landmark:cpu:0").pid
+    os.kill(killed, signal.SIGKILL)
+    promoted = daemon.wait_for_worker("roi_landmark:cpu:0", "running", not_pid=killed)
+    assert promoted.pid == spare_pid, promoted  # the spare's process took the name
+    assert set(thread_nices(promoted.pid).values()) == {base}, daemon.log_tail()
+    assert promoted.detail == "", promoted
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),

@@ -1,7 +1,8 @@
 """Track ids stay unique across restarts of the roi_landmark worker (Note [Track id blocks]), end
 to end: `facecast run` on this CPU with config/default.toml (two
-synthetic cameras, two faces each, at 5 fps) and `daemon.warm_standby = "on"`, its Face streams read by
-real pylsl inlets. The roi_landmark worker is SIGKILLed twice: once its warm standby takes over,
+synthetic cameras, two faces each, at 5 fps) and its warm spares (`daemon.warm_standby = "auto"`,
+which is "on"), its Face streams read by real pylsl inlets; the daemon is the one the tests of
+spares share (`spare_daemon`). The roi_landmark worker is SIGKILLed twice: once its warm standby takes over,
 once it is started cold. No track id published after a kill was ever published before it, and
 the two cameras never share an id.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import pylsl
 import pytest
 
-from daemon_harness import SPARE_TEST_FPS, Recorder, default_config_at, ready_daemon
+from daemon_harness import Recorder
 from facecast.shared.transport.messages import TRACK_ID_LIMIT
 
 pytestmark = pytest.mark.daemon
@@ -31,13 +32,11 @@ WORKER = "roi_landmark:cpu:0"
 SPARE = "standby:roi_landmark:cpu"
 
 
-@pytest.fixture(scope="module")
-def daemon(installed_models, tmp_path_factory):
-    # Note [Spares only where a test needs them]: the cameras at SPARE_TEST_FPS.
-    text = default_config_at(SPARE_TEST_FPS).replace(
-        "[daemon]\n", '[daemon]\nwarm_standby = "on"\n')
-    with ready_daemon(tmp_path_factory.mktemp("track_ids"), config_text=text) as daemon:
-        yield daemon
+@pytest.fixture
+def daemon(spare_daemon):
+    # Note [Spares only where a test needs them]: the cameras at SPARE_TEST_FPS; the daemon is
+    # shared with the other tests of spares (Note [One daemon for several test files]).
+    return spare_daemon
 
 
 def _camera(daemon, record) -> str:

@@ -13,7 +13,7 @@ import time
 import pylsl
 import pytest
 
-from daemon_harness import REPO, SPARE_TEST_FPS, Daemon, Recorder, default_config_at
+from daemon_harness import REPO, Daemon, Recorder
 from facecast.daemon import layout
 from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.shared import config as config_mod
@@ -78,17 +78,15 @@ def test_hand_over_gives_the_spare_process_to_the_dead_worker():
 # --- a real daemon ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def daemon(installed_models, tmp_path_factory):
+@pytest.fixture
+def daemon(spare_daemon):
     # config/default.toml: warm_standby = "auto" keeps CPU spares as well. Its cameras at
-    # SPARE_TEST_FPS (Note [Spares only where a test needs them]).
-    daemon = Daemon(tmp_path_factory.mktemp("standby"),
-                    config_text=default_config_at(SPARE_TEST_FPS))
-    try:
-        assert daemon.notify.wait_for("READY=1", timeout_s=120), daemon.log_tail()
-        yield daemon
-    finally:
-        daemon.close()
+    # SPARE_TEST_FPS (Note [Spares only where a test needs them]), shared with the other tests of
+    # spares (Note [One daemon for several test files]).
+    return spare_daemon
+
+
+TAKEN_OVER: list[tuple[str, int]] = []  # (worker, its restarts) of each takeover seen here
 
 
 def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: str) -> float:
@@ -106,6 +104,7 @@ def _kill_and_watch_the_standby_take_over(daemon, role: str, name: str, device: 
         promoted = daemon.wait_for_worker(name, "running", timeout_s=30, not_pid=victim.pid)
         assert promoted.pid == spare.pid, (promoted, spare, daemon.log_tail())
         assert promoted.restarts == victim.restarts + 1
+        TAKEN_OVER.append((name, promoted.restarts))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(t > killed_at for t in watched.timestamps):
             time.sleep(0.05)
@@ -132,12 +131,14 @@ def test_a_killed_worker_is_replaced_by_its_warm_standby(daemon, role, name):
 
 @pytest.mark.daemon
 def test_restart_events_say_the_standby_took_over(daemon):
-    # The events that went to the Markers stream, as `facecast status` keeps them.
+    # The events that went to the Markers stream, as `facecast status` keeps them: those of the
+    # kills above (the shared daemon's other tests restart workers of their own, cold too).
     restarts = [json.loads(line.partition(" ")[2]) for line in daemon.status().recent_events
                 if line.startswith("worker_restart ")]
-    assert {event["worker"] for event in restarts} >= {"roi_landmark:cpu:0", "detection:cpu",
-                                                       "output"}
-    assert all(event["warm_standby"] is True for event in restarts), restarts
+    ours = [event for event in restarts if (event["worker"], event["restarts"]) in TAKEN_OVER]
+    assert {event["worker"] for event in ours} >= {"roi_landmark:cpu:0", "detection:cpu",
+                                                   "output"}, restarts
+    assert all(event["warm_standby"] is True for event in ours), ours
 
 
 @pytest.mark.daemon
