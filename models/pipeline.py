@@ -166,8 +166,8 @@ class FacePipeline:
         """A loaded model, ready to run here: zero PADs folded into their convolutions, on the
         device, in the model dtype, eval mode; on CUDA with channels_last convolution weights (the
         activations already are: Note [Batch and layout]), which spares
-        cuDNN a weight reorder per call. (On the CPU that measured no faster, so the weights stay
-        as they are.)"""
+        cuDNN a weight reorder per call; on the CPU each convolution with the kernel of Note
+        [Convolutions on the CPU] (oneDNN with weights packed once, F.linear, or F.conv2d)."""
         if isinstance(module, tflite_convert.TFLiteModule):
             tflite_convert.fuse_zero_padding(module)
         module = module.to(self.device, dtype=self.model_dtype).eval()
@@ -175,6 +175,8 @@ class FacePipeline:
             for conv in module.modules():
                 if isinstance(conv, tflite_ops.Conv2d):
                     conv.weight = conv.weight.contiguous(memory_format=torch.channels_last)
+        elif self.device.type == "cpu":
+            tflite_convert.use_cpu_kernels(module)
         return module
 
     def _load_landmarker(self, task):

@@ -398,6 +398,19 @@ def _free_after(steps, graph_outputs) -> list[list[int]]:
     return free_after
 
 
+def use_cpu_kernels(module: torch.nn.Module) -> dict[str, int]:
+    """Give every convolution of the module its CPU kernel (Note [Convolutions on the CPU] in
+    :mod:`facecast.models.tflite_ops`), for its weights as they are now: call it after the
+    module is on the CPU in its dtype (and after :func:`fuse_zero_padding`). Returns how many
+    convolutions got each kernel."""
+    counts: dict[str, int] = {}
+    for conv in module.modules():
+        if isinstance(conv, tflite_ops.Conv2d):
+            kernel = conv.use_cpu_kernel()
+            counts[kernel] = counts.get(kernel, 0) + 1
+    return counts
+
+
 def fuse_zero_padding(module: TFLiteModule) -> int:
     """Fold each PAD that pads only height and width, with zeros, equally on both sides, into
     the VALID convolution that is its only reader (the convolution pads by itself instead).
@@ -429,6 +442,7 @@ def fuse_zero_padding(module: TFLiteModule) -> int:
             kept.append(step)
             continue
         target.compute.conv_padding = (top, left)
+        target.compute.in_hw = tuple(pad.in_shape[1:3])
         target.input_slots = [step.input_slots[0] if slot == step.output_slots[0] else slot
                               for slot in target.input_slots]
         for slot in target.input_slots:  # the PAD's input is now read by the convolution

@@ -209,12 +209,54 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 # Convolutions and pooling
 
 
+# Note [Convolutions on the CPU]
+#     On a GPU every convolution is F.conv2d (cuDNN). On the CPU, F.conv2d picks its kernel by a
+#     heuristic made for NCHW and several threads: with one thread (facecast's CPU stack) and a
+#     batch under 16 it sends every 1x1 convolution to its im2col+GEMM kernel ("thnn") and the
+#     rest to oneDNN with the weights reordered on every call. Measured on the 2-core AMD EPYC
+#     (AVX-512, torch 2.13, one thread), per call on the channels_last activations these models
+#     hold (Note [Batch and layout]):
+#       - the v2 landmarker's last convolution, a 2x2 kernel over its whole 2x2 input (a fully
+#         connected layer, 512 -> 1434): 494 us in thnn, ~50 us as F.linear on the NHWC rows;
+#       - a 1x1 convolution that narrows many pixels (16 -> 8 channels at 128x128): 348 us in
+#         thnn, 126 us in oneDNN; widening ones (8 -> 16) the same in both;
+#       - depthwise, strided and the first 3x3/5x5 convolutions: 10-20% less in oneDNN with the
+#         weights reordered once (mkldnn._reorder_convolution_weight) than with F.conv2d's
+#         per-call reorder; 2x2/stride-2 ones up to 40% less;
+#       - 1x1 convolutions of few pixels (16x16 and less): thnn 8-50 us, oneDNN 27-65 us (its
+#         fixed cost per call).
+#     use_cpu_kernels() (FacePipeline._prepare, CPU devices only) gives each Conv2d its kernel
+#     by those rules: "linear" for a kernel that covers its whole unpadded input, "thnn"
+#     (F.conv2d) for 1x1 stride-1 convolutions that keep or widen their channels or have at most
+#     THNN_MAX_PIXELS pixels a sample, oneDNN with weights packed once for the rest. The sums
+#     are the same products in another order: outputs move by float rounding (the v2
+#     landmarker's points by ~3e-4 px of 256; against LiteRT every model stays within 3e-5
+#     relative, the "cpu_kernels" cases of tests/models/test_convert_parity.py and
+#     test_face_landmarker_parity.py). A module moved to a GPU or to another dtype afterwards
+#     runs F.conv2d again (the packed weights are a float32 CPU copy, not a buffer). With the
+#     kernels, the v2 landmarker took 8.8 ms a face instead of 10.3 at batch 1, the full-range
+#     detector 7.4 ms an input instead of 8.2 at batch 9 (same machine, alternating).
+THNN_MAX_PIXELS = 16 * 16
+
+
+def _mkldnn_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_convolution_weight"))
+
+
 class Conv2d(torch.nn.Module):
-    """CONV_2D and DEPTHWISE_CONV_2D: explicit TF padding, then a torch convolution (NCHW)."""
+    """CONV_2D and DEPTHWISE_CONV_2D: explicit TF padding, then a torch convolution (NCHW);
+    on the CPU, the kernel of Note [Convolutions on the CPU] once :meth:`use_cpu_kernel`
+    chose it."""
 
     def __init__(self, weight_oihw: np.ndarray, bias: np.ndarray | None, stride, dilation,
-                 groups: int, padding_ltrb, activation: int):
+                 groups: int, padding_ltrb, activation: int, in_hw: tuple[int, int] | None = None):
         super().__init__()
+        self.in_hw = tuple(in_hw) if in_hw is not None else None  # the input's H, W before padding
+        self.cpu_kernel = "conv2d"
+        self._linear_weight = None  # "linear": (O, KH*KW*I), the NHWC rows' order
+        self._packed_weight = None  # "onednn": the weight in oneDNN's own layout
         self.register_buffer("weight", _float_buffer(weight_oihw))
         self.register_buffer("bias", _float_buffer(bias) if bias is not None else None)
         self.stride = tuple(stride)
@@ -232,11 +274,60 @@ class Conv2d(torch.nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.cpu_kernel if x.device.type == "cpu" else "conv2d"
+        if kernel != "conv2d" and x.dtype != torch.float32:  # chosen for float32 weights
+            kernel = "conv2d"
+        if kernel == "linear":
+            rows = x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)
+            y = F.linear(rows, self._linear_weight, self.bias)[:, :, None, None]
+            return _apply_activation(y, self.activation)
         if self.explicit_padding is not None:
             x = F.pad(x, self.explicit_padding)
-        y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
-                     self.groups)
+        if kernel == "onednn":
+            y = torch.ops.mkldnn._convolution_pointwise(
+                x, self._packed_weight, self.bias, self.conv_padding, self.stride, self.dilation,
+                self.groups, "none", [], None)
+        else:
+            y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
+                         self.groups)
         return _apply_activation(y, self.activation)
+
+    def covers_whole_input(self) -> bool:
+        """True when the kernel spans the whole unpadded input (one output pixel: a fully
+        connected layer over the NHWC rows)."""
+        return (self.in_hw is not None and self.groups == 1 and self.explicit_padding is None
+                and tuple(self.conv_padding) == (0, 0) and tuple(self.dilation) == (1, 1)
+                and tuple(self.weight.shape[2:]) == self.in_hw)
+
+    def use_cpu_kernel(self) -> str:
+        """Choose this convolution's CPU kernel (Note [Convolutions on the CPU]) for its
+        weights as they are now (device and dtype); returns the choice."""
+        self._linear_weight = self._packed_weight = None
+        self.cpu_kernel = "conv2d"
+        out_channels, in_per_group, kernel_h, kernel_w = self.weight.shape
+        if self.weight.device.type != "cpu":
+            return self.cpu_kernel
+        if self.covers_whole_input():
+            self._linear_weight = self.weight.permute(0, 2, 3, 1).reshape(out_channels, -1).contiguous()
+            self.cpu_kernel = "linear"
+            return self.cpu_kernel
+        pointwise = (kernel_h, kernel_w) == (1, 1) and tuple(self.stride) == (1, 1) and self.groups == 1
+        few_pixels = self.in_hw is None or self.in_hw[0] * self.in_hw[1] <= THNN_MAX_PIXELS
+        if (pointwise and (out_channels >= in_per_group or few_pixels)) or not _mkldnn_available() \
+                or self.weight.dtype != torch.float32:
+            return self.cpu_kernel
+        height, width = self.in_hw
+        if self.explicit_padding is not None:
+            left, right, top, bottom = self.explicit_padding
+            height, width = height + top + bottom, width + left + right
+        try:
+            self._packed_weight = torch.ops.mkldnn._reorder_convolution_weight(
+                self.weight, list(self.conv_padding), list(self.stride), list(self.dilation),
+                self.groups, [1, in_per_group * self.groups, height, width])
+        except RuntimeError:  # a CPU or build oneDNN does not serve: F.conv2d, as before
+            return self.cpu_kernel
+        self.cpu_kernel = "onednn"
+        return self.cpu_kernel
 
 
 def _conv_bias(op: OpSpec) -> np.ndarray | None:
@@ -258,7 +349,7 @@ def build_conv_2d(op: OpSpec) -> torch.nn.Module:
                             o.StrideH(), o.StrideW(), o.DilationHFactor(), o.DilationWFactor())
     return Conv2d(weight.transpose(0, 3, 1, 2), _conv_bias(op), (o.StrideH(), o.StrideW()),
                   (o.DilationHFactor(), o.DilationWFactor()), channels // weight.shape[3],
-                  padding, _activation_code(op))
+                  padding, _activation_code(op), in_hw=x.shape[1:3])
 
 
 def build_depthwise_conv_2d(op: OpSpec) -> torch.nn.Module:
@@ -271,7 +362,7 @@ def build_depthwise_conv_2d(op: OpSpec) -> torch.nn.Module:
                             o.StrideH(), o.StrideW(), o.DilationHFactor(), o.DilationWFactor())
     return Conv2d(weight.transpose(3, 0, 1, 2), _conv_bias(op), (o.StrideH(), o.StrideW()),
                   (o.DilationHFactor(), o.DilationWFactor()), channels, padding,
-                  _activation_code(op))
+                  _activation_code(op), in_hw=x.shape[1:3])
 
 
 class MaxPool2d(torch.nn.Module):

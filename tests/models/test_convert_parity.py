@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from facecast.models.tflite_convert import UnsupportedOp, convert, read_graph
+from facecast.models.tflite_convert import (
+    UnsupportedOp,
+    convert,
+    fuse_zero_padding,
+    read_graph,
+    use_cpu_kernels,
+)
 
 # tests/models is on sys.path (pytest's default "prepend" import mode): plain imports.
 from litert_reference import PARITY_TABLE, cut_model, relative_error, run_litert
@@ -68,10 +74,22 @@ def _inputs(name: str, shape, photos) -> list[np.ndarray]:
     return samples
 
 
-@pytest.mark.parametrize("name", LITERT_MODELS)
-def test_model_matches_litert(name, installed_models, photos):
-    path = installed_models[name]
+def convert_as_prepared(path, name: str, cpu_kernels: bool):
+    """The converted module; with ``cpu_kernels`` as FacePipeline prepares it on the CPU (zero
+    PADs folded, Note [Convolutions on the CPU]: oneDNN with packed weights, F.linear)."""
     module = convert(path, name=name).eval()
+    if cpu_kernels:
+        fuse_zero_padding(module)
+        assert use_cpu_kernels(module).get("conv2d", 0) < sum(
+            1 for step in module.steps if step.op_type in ("CONV_2D", "DEPTHWISE_CONV_2D"))
+    return module
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["conv2d", "cpu_kernels"])
+@pytest.mark.parametrize("name", LITERT_MODELS)
+def test_model_matches_litert(name, cpu_kernels, installed_models, photos):
+    path = installed_models[name]
+    module = convert_as_prepared(path, name, cpu_kernels)
     samples = _inputs(name, module.input_shapes[0], photos)
     with torch.no_grad():
         batched = module(torch.from_numpy(np.concatenate(samples)))
@@ -87,7 +105,8 @@ def test_model_matches_litert(name, installed_models, photos):
                 own_spread = relative_error(run_litert(path, [sample], reference_kernels=True)
                                             [position], expected)
                 tolerance = max(tolerance, 3 * own_spread)
-        PARITY_TABLE[(name, f"{position}:{output_name}")] = (max(errors), tolerance)
+        label = f"{name} cpu kernels" if cpu_kernels else name
+        PARITY_TABLE[(label, f"{position}:{output_name}")] = (max(errors), tolerance)
         if max(errors) > tolerance:
             failures.append(f"output {position} {output_name!r}: errors {errors} > {tolerance:.1e}")
     assert not failures, f"{name}: " + "; ".join(failures)

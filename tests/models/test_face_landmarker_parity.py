@@ -22,14 +22,14 @@ from facecast.models import face_landmarker
 from facecast.models.tflite_convert import convert
 
 from litert_reference import PARITY_TABLE, relative_error, run_litert
-from test_convert_parity import _face_crop, _to_model_input
+from test_convert_parity import _face_crop, _to_model_input, convert_as_prepared
 
 TOLERANCE = 1e-4
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def _check(name: str, path: Path, samples: list[np.ndarray]) -> None:
-    module = convert(path, name=name).eval()
+def _check(name: str, path: Path, samples: list[np.ndarray], cpu_kernels: bool = False) -> None:
+    module = convert_as_prepared(path, name, cpu_kernels)
     with torch.no_grad():
         batched = module(torch.from_numpy(np.concatenate(samples)))
     failures = []
@@ -39,19 +39,21 @@ def _check(name: str, path: Path, samples: list[np.ndarray]) -> None:
             expected = run_litert(path, [sample])[position]
             actual = batched[position][index:index + 1].numpy().reshape(expected.shape)
             errors.append(relative_error(actual, expected))
-        PARITY_TABLE[(name, f"{position}:{output_name}")] = (max(errors), TOLERANCE)
+        PARITY_TABLE[(f"{name} cpu kernels" if cpu_kernels else name, f"{position}:{output_name}")] = (
+            max(errors), TOLERANCE)
         if max(errors) > TOLERANCE:
             failures.append(f"output {position} {output_name!r}: max error {max(errors):.2e}")
     assert not failures, f"{name}: " + "; ".join(failures)
 
 
-def test_v2_landmarker_matches_litert(landmarker_bundle, photos):
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["conv2d", "cpu_kernels"])
+def test_v2_landmarker_matches_litert(landmarker_bundle, photos, cpu_kernels):
     path = landmarker_bundle.face_landmarks_detector
     shape = (1, face_landmarker.INPUT_PX, face_landmarker.INPUT_PX, 3)
     samples = [np.random.default_rng(0).uniform(0, 1, size=shape).astype(np.float32)]
     samples += [_to_model_input(_face_crop(photo, name), shape, (0.0, 1.0))
                 for name, photo in photos.items()]
-    _check("face_landmarks_detector", path, samples)
+    _check("face_landmarks_detector", path, samples, cpu_kernels)
     # The decoding's premise: the photos' faces are present and their landmarks are inside the crop.
     module = convert(path).eval()
     with torch.no_grad():
@@ -61,14 +63,15 @@ def test_v2_landmarker_matches_litert(landmarker_bundle, photos):
     assert (landmarks[..., :2] > 0).all() and (landmarks[..., :2] < face_landmarker.INPUT_PX).all()
 
 
-def test_blendshape_model_matches_litert(landmarker_bundle):
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["conv2d", "cpu_kernels"])
+def test_blendshape_model_matches_litert(landmarker_bundle, cpu_kernels):
     arrays = np.load(FIXTURES / "mediapipe_face_landmarker.npz")
     faces = np.concatenate([arrays[key] for key in arrays.files if key.endswith("/landmarks_px")])
     inputs = blendshapes_mod.model_input(torch.from_numpy(faces)).numpy()
     samples = [face[None] for face in inputs]
     samples.append(np.random.default_rng(1).uniform(0, 640, size=(1, 146, 2)).astype(np.float32))
     assert len(samples) >= 10
-    _check("face_blendshapes", landmarker_bundle.face_blendshapes, samples)
+    _check("face_blendshapes", landmarker_bundle.face_blendshapes, samples, cpu_kernels)
 
 
 def test_blendshape_input_is_mediapipes_subset_in_pixels():
