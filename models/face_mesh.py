@@ -155,6 +155,19 @@ class Face:
 
 
 @dataclass
+class PendingMeasure:
+    """:meth:`FaceMeasurer.measure_start`'s work on its way: the device's (N, C) table, its host
+    copy (pinned; the same tensor on the CPU) and the event of that copy (None on the CPU)."""
+
+    frames: int
+    owners: list[int]
+    tracked: list[bool]
+    table: torch.Tensor | None
+    host: torch.Tensor | None
+    copied: torch.cuda.Event | None
+
+
+@dataclass
 class Measured:
     """What :meth:`FaceMeasurer.measure` found: the faces of each frame, and for each kept
     face its row in the device tensors (which the tracks keep, without a copy back)."""
@@ -307,15 +320,38 @@ class FaceMeasurer:
         (used for faces that were detected, not tracked); tracked: whether each ROI came from a
         track (its box then comes from its landmarks, its score is the mesh's presence).
         """
+        return self.measure_finish(self.measure_start(batch, owners, rects, roi_boxes, roi_scores,
+                                                      tracked))
+
+    def measure_start(self, batch, owners: list[int], rects: roi_mod.RotatedRects,
+                      roi_boxes: torch.Tensor, roi_scores: torch.Tensor,
+                      tracked: list[bool]) -> PendingMeasure:
+        """:meth:`measure`'s device work, queued with the copy of its results to the host;
+        nothing waits for it until :meth:`measure_finish` (Note [Reading while the device
+        measures])."""
         frames = len(batch)
         if not owners:
-            return Measured.nothing(frames)
+            return PendingMeasure(frames, owners, tracked, None, None, None)
         table = self.measure_on_device(batch, owners, rects, roi_boxes, roi_scores, tracked)
-        host = table.cpu().numpy()  # the one wait for the device
+        if table.device.type != "cuda":
+            return PendingMeasure(frames, owners, tracked, table, table, None)
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        copied = torch.cuda.Event(blocking=True)  # the host sleeps on it, rather than spin
+        copied.record()
+        return PendingMeasure(frames, owners, tracked, table, host, copied)
+
+    def measure_finish(self, pending: PendingMeasure) -> Measured:
+        """The faces of :meth:`measure_start`'s work: the one wait for the device."""
+        if not pending.owners:
+            return Measured.nothing(pending.frames)
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        host = pending.host.numpy()
         host_start_s = time.perf_counter()
-        faces, rows = self._faces(host, np.asarray(owners), tracked, frames)
+        faces, rows = self._faces(host, np.asarray(pending.owners), pending.tracked, pending.frames)
         self.last_host_work_s = time.perf_counter() - host_start_s
-        count = len(owners)
+        table, count = pending.table, len(pending.owners)
         return Measured(faces, rows, table[:, self.layout.landmarks].view(count, NUM_LANDMARKS, 3),
                         table[:, self.layout.box], host[:, self.layout.box])
 

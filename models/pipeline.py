@@ -31,6 +31,7 @@ toward the camera, relative to the face's centre of mass as in MediaPipe.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
@@ -41,7 +42,7 @@ from facecast.models import roi as roi_mod
 from facecast.models import tflite_convert, tflite_ops
 from facecast.models.cuda_graphs import GraphCache
 from facecast.models.face_detection import FaceDetector
-from facecast.models.face_mesh import Face, FaceMeasurer, Measured
+from facecast.models.face_mesh import Face, FaceMeasurer, PendingMeasure
 from facecast.models.face_tracking import FaceTracks
 
 if TYPE_CHECKING:
@@ -62,6 +63,15 @@ def _default_loader(name: str) -> torch.nn.Module:
 def bundle_name(task) -> str:
     """A face_landmarker.task given as a path or as an unpacked bundle, for a message."""
     return str(getattr(task, "task_path", task))
+
+
+@dataclass
+class PendingTrack:
+    """A :meth:`FacePipeline.track_start` on its way (for :meth:`FacePipeline.track_finish`)."""
+
+    states: list
+    owners: list[int]
+    measuring: PendingMeasure
 
 
 class FacePipeline:
@@ -233,6 +243,14 @@ class FacePipeline:
         that frame's (boxes, keypoints, scores) as :meth:`detect` returns them, used to add
         new faces to the tracks (:meth:`wants_detection` says which cameras should get one).
         """
+        return self.track_finish(self.track_start(frames, camera_ids, detections))
+
+    @torch.inference_mode()
+    def track_start(self, frames, camera_ids: Sequence[Hashable], detections=None) -> PendingTrack:
+        """:meth:`track`'s device work, queued: nothing waits for the device until
+        :meth:`track_finish`, which must come before the next track_start (the next ROIs come
+        from these landmarks). Meanwhile the caller may read its next frames (Note [Reading
+        while the device measures])."""
         batch = roi_mod.FrameBatch(frames, self.device, bgr=self.frames_are_bgr)
         if len(camera_ids) != len(batch):
             raise ValueError(f"{len(batch)} frames but {len(camera_ids)} camera ids")
@@ -243,12 +261,15 @@ class FacePipeline:
         else:
             det_by_frame = dict(detections)
         rois = self.tracks.next_rois(states, det_by_frame)
-        if rois.owners:
-            measured = self.measurer.measure(batch, rois.owners, rois.rects, rois.boxes_px, rois.scores,
-                                             rois.tracked)
-        else:
-            measured = Measured.nothing(len(states))
-        self.tracks.follow(states, rois.owners, measured)
+        measuring = self.measurer.measure_start(batch, rois.owners, rois.rects, rois.boxes_px,
+                                                rois.scores, rois.tracked)
+        return PendingTrack(states, rois.owners, measuring)
+
+    @torch.inference_mode()
+    def track_finish(self, pending: PendingTrack) -> list[list[Face]]:
+        """The faces of a :meth:`track_start`, each camera's tracks moved on by them."""
+        measured = self.measurer.measure_finish(pending.measuring)
+        self.tracks.follow(pending.states, pending.owners, measured)
         return measured.faces
 
     def wants_detection(self, camera_id: Hashable) -> bool:

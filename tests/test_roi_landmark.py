@@ -151,3 +151,38 @@ def test_an_unanswered_request_is_asked_again(control):
     worker._ask_for_track_ids_if_low()
     _answer(worker, router, TrackIdAllocator())
     assert worker.track_id_source.take() == 1
+
+
+# --- Note [Reading while the device measures] -------------------------------------------------
+
+
+def test_the_next_frames_are_read_while_a_batch_is_measured(control):
+    """`step` queues a batch, reads what has arrived meanwhile, and only then waits for the
+    batch and publishes it; one batch at most is on its way; with nothing new the worker goes
+    back to waiting for frames."""
+    worker, _ = control
+    calls = []
+    batches = iter([["a"], ["b"], [], ["c"], []])
+
+    class Subscriber:
+        def receive(self, timeout_ms):
+            batch = next(batches)
+            calls.append(("receive", timeout_ms, batch))
+            return batch
+
+    worker.subscriber = Subscriber()
+    worker._measuring = None
+    worker._drain_detections = lambda: None
+    worker._ask_for_track_ids_if_low = lambda: None
+    worker._start = lambda received: calls.append(("start", received)) or received
+    worker._finish = lambda measuring: calls.append(("finish", measuring))
+    worker.step()
+    assert calls == [("receive", 50, ["a"]), ("start", ["a"]), ("receive", 0, ["b"]),
+                     ("finish", ["a"]), ("start", ["b"])]
+    calls.clear()
+    worker.step()  # b is on its way; nothing new came: b is published, nothing queued
+    assert calls == [("receive", 0, []), ("finish", ["b"])] and worker._measuring is None
+    calls.clear()
+    worker.step()  # waiting for frames again
+    assert calls == [("receive", 50, ["c"]), ("start", ["c"]), ("receive", 0, []),
+                     ("finish", ["c"])]

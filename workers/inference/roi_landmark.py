@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pylsl
@@ -52,7 +54,23 @@ from facecast.workers.inference.pipelines import (
 )
 from facecast.workers.inference.tracking import TrackIds, TrackIdSource
 
+if TYPE_CHECKING:
+    from facecast.models.pipeline import PendingTrack
+
 log = logging.getLogger(__name__)
+
+# Note [Reading while the device measures]
+#     A batch's models run on the device while this worker's host thread would only wait for
+#     them; its host work (reading the next frames from their rings, then making, naming and
+#     publishing a batch's faces) took as long again, one after the other: at 32 cameras on the
+#     H200, picked up -> read 3.3 ms and read -> measured 14.5 ms a frame (Note [Latency
+#     accounted]), and at 64 cameras one worker fell behind (12 % of frames dropped) where two
+#     on the same GPU kept up. So `step` queues a batch's device work (FacePipeline.track_start),
+#     reads the frames that have arrived meanwhile, and only then waits for the batch
+#     (track_finish), publishes it, and queues the frames it read. The next batch's ROIs come
+#     from this batch's landmarks, so one batch at most is on its way; a frame read while its
+#     camera's previous frame is measured waits for that one (its "read -> measured" hop says
+#     so). On the CPU the models run inside track_start, and nothing changes but the order.
 
 # A detection is used on a later frame of its camera (the detector runs beside us, not before
 # us); after this much capture time the face may have moved out of the ROI it would give.
@@ -117,6 +135,7 @@ class RoiLandmarkWorker(Worker):
         # Periodic passes for newcomers are the detection worker's (daemon.detect_interval_s).
         self.pipeline.detect_interval_frames = 1 << 62
         self.timer = StageTimer()
+        self._measuring: _Measuring | None = None  # Note [Reading while the device measures]
         self.rates: dict[str, RateMeter] = {}
         self.faces: dict[str, int] = {}
         self.track_ids: dict[str, TrackIds] = {}
@@ -145,6 +164,9 @@ class RoiLandmarkWorker(Worker):
         self.subscriber = open_frames(self, self.subscriber)
 
     def reassign(self, previous_camera_ids: list[str]) -> None:
+        if self._measuring is not None:  # its frames were ours when read: their results go out
+            self._finish(self._measuring)
+            self._measuring = None
         for camera_id in set(previous_camera_ids) - set(self.camera_ids):
             self._reset(camera_id)
             self.track_ids.pop(camera_id, None)
@@ -155,11 +177,21 @@ class RoiLandmarkWorker(Worker):
             self.identities_config = self.config.participants
 
     def step(self) -> None:
+        """Note [Reading while the device measures]."""
         self._ask_for_track_ids_if_low()
-        received = self.subscriber.receive(timeout_ms=50)
+        if self._measuring is None:
+            received = self.subscriber.receive(timeout_ms=50)
+            self._drain_detections()
+            if not received:
+                return
+            self._measuring = self._start(received)
+        upcoming = self.subscriber.receive(timeout_ms=0)
         self._drain_detections()
-        if not received:
-            return
+        self._finish(self._measuring)
+        self._measuring = self._start(upcoming) if upcoming else None
+
+    def _start(self, received) -> _Measuring:
+        """The batch's device work queued (FacePipeline.track_start)."""
         camera_ids = [frame.message.camera_id for frame in received]
         detections = {}
         for index, frame in enumerate(received):
@@ -167,9 +199,18 @@ class RoiLandmarkWorker(Worker):
             if found is not None and self._usable(found, frame.message):
                 detections[index] = _as_tensors(found)
         start = time.monotonic()
-        faces_per_frame = self.pipeline.track(
+        pending = self.pipeline.track_start(
             [frame.tensor for frame in received], camera_ids, detections=detections)
-        self.timer.add_ms("landmarks", (time.monotonic() - start) * 1e3)
+        return _Measuring(received, camera_ids, pending, (time.monotonic() - start) * 1e3)
+
+    def _finish(self, measuring: _Measuring) -> None:
+        """The batch's faces, named and published, and the detections its cameras need."""
+        received, camera_ids = measuring.received, measuring.camera_ids
+        start = time.monotonic()
+        faces_per_frame = self.pipeline.track_finish(measuring.pending)
+        # The host's own time on the batch (queueing it, then waiting for it and making its
+        # faces), not the frames read in between.
+        self.timer.add_ms("landmarks", measuring.start_ms + (time.monotonic() - start) * 1e3)
         poses_per_frame = [None] * len(received)  # None: body pose is not measured
         if self.pose_pipeline is not None:
             start = time.monotonic()
@@ -358,6 +399,16 @@ class RoiLandmarkWorker(Worker):
             thing = getattr(self, name, None)
             if thing is not None:
                 thing.close()
+
+
+@dataclass
+class _Measuring:
+    """A batch whose device work is queued (Note [Reading while the device measures])."""
+
+    received: list  # the subscriber's ReceivedFrames
+    camera_ids: list[str]
+    pending: PendingTrack
+    start_ms: float  # the host's time queueing it
 
 
 def _as_tensors(found: Detections) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
