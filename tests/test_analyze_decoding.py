@@ -22,6 +22,7 @@ pytest.importorskip("av", reason="PyAV (the `av` wheel) decodes and writes the v
 from facecast.daemon.cli import analysis_decoding as ad
 from facecast.daemon.cli import analyze as analyze_command
 from facecast.daemon.cli import video_analysis as va
+from facecast.shared.face_schema import BLENDSHAPE_NAMES
 from facecast.workers.capture import decoding, nvdec
 from test_analyze import (  # noqa: F401 - pipeline, recording, analysed are fixtures
     FRAMES,
@@ -37,12 +38,16 @@ from test_decoding import CpuNvdec, _NoStream, _write_video
 NVDEC_SETTINGS = va.Settings(resume_every_frames=RESUME_EVERY, decode="gpu")
 # The numbers of a frame decoded by the two decoders (Note [NV12 to BGR]: 45.5 dB, at most 3
 # grey levels apart on the synthetic scene): what the tracker's landmarks make of that. Seen on
-# the 2-core machine: boxes 0.17 px, head pose 0.23 (degrees or cm), blendshapes and scores
-# 0.043, once 0.055 (eyeLookInRight, after a fallback mid-file, which changes the frame the
-# tracker follows from).
+# the 2-core machine: boxes 0.17 px, head pose 0.23 (degrees or cm), scores and most
+# blendshapes below 0.05; but the gaze blendshapes follow the irises, a pixel or two in a crop,
+# and after a fallback mid-file (which changes the frames the tracker follows from) one of them
+# moved by 0.139 (eyeLookOutLeft). So blendshapes are held by their mean over a face (the
+# expression) and each one only against a gross error.
 PIXELS_ATOL = 1.5
 SCORES_ATOL = 0.1
 DEGREES_ATOL = 2.0
+BLENDSHAPES_MEAN_ATOL = 0.02
+BLENDSHAPE_ATOL = 0.25
 
 
 @pytest.fixture
@@ -69,14 +74,22 @@ def _assert_same_rows(rows: list[dict], reference: list[dict]) -> None:
             for r in rows] == [(r["frame"], r["pts_s"], r["capture_ts_lsl"], r["problem"],
                                 r["track_id"]) for r in reference]
     for row, expected in zip(rows, reference):
+        blendshape_differences = []
         for name, text in row.items():
             if name in ("frame", "pts_s", "capture_ts_lsl", "problem", "track_id") or not text:
                 assert text == expected[name], (row["frame"], name)
                 continue
-            tolerance = (PIXELS_ATOL if name.startswith("box_") else DEGREES_ATOL
-                         if name.startswith("head_") else SCORES_ATOL)
-            assert abs(float(text) - float(expected[name])) <= tolerance, (
-                row["frame"], name, text, expected[name])
+            difference = abs(float(text) - float(expected[name]))
+            if name in BLENDSHAPE_NAMES:
+                blendshape_differences.append(difference)
+                tolerance = BLENDSHAPE_ATOL
+            else:
+                tolerance = (PIXELS_ATOL if name.startswith("box_") else DEGREES_ATOL
+                             if name.startswith("head_") else SCORES_ATOL)
+            assert difference <= tolerance, (row["frame"], name, text, expected[name])
+        if blendshape_differences:
+            assert np.mean(blendshape_differences) <= BLENDSHAPES_MEAN_ATOL, (
+                row["frame"], np.mean(blendshape_differences))
 
 
 def _summary(item: va.FileAnalysis) -> dict:
