@@ -533,10 +533,12 @@ def components_text(data: dict) -> str:
         "while it tracks fewer faces than asked for, and computes no head pose; facecast's "
         "stack adds the crops, projection, face geometry and head pose, the duplicate filter "
         "and the table (decoding: the decode-only column). The same .tflite models, two "
-        "runtimes: this torch build's CPU kernels (no XNNPACK in it) take about twice LiteRT's "
-        "time a face at batch 1, and batching faces does not help on one thread (measured apart "
-        "on this machine: the landmarks model 12-13 ms a face at batch 1, 13-15 at batch 4 and "
-        "8).")
+        "runtimes: this torch build's CPU kernels (no XNNPACK in it; oneDNN, MKL and its own, "
+        "chosen per convolution: Note [Convolutions on the CPU] in models/tflite_ops.py) take "
+        f"{parts['torch_landmarks_model_ms_per_face'] / parts['litert_landmarks_model_ms_per_face']:.1f}× "
+        "LiteRT's time a face for the landmarks model at batch 1, where about half of torch's "
+        "time is a fixed cost per operator (220 small operators: a batch of 4 faces measured "
+        "6-8 ms a face against 9-10 at batch 1 on this machine, 2026-11-26).")
 
 
 def goal_text(data: dict) -> str:
