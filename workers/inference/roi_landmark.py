@@ -164,7 +164,8 @@ class RoiLandmarkWorker(Worker):
         self.subscriber = open_frames(self, self.subscriber)
 
     def reassign(self, previous_camera_ids: list[str]) -> None:
-        if self._measuring is not None:  # its frames were ours when read: their results go out
+        # A batch on its way (there is none before boot): its frames were ours when read.
+        if getattr(self, "_measuring", None) is not None:
             self._finish(self._measuring)
             self._measuring = None
         for camera_id in set(previous_camera_ids) - set(self.camera_ids):
