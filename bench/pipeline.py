@@ -800,26 +800,10 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
                           b["cpu_cores_busy"], f"{v['cpu_ratio']} ({v['cpu_per_frame_ratio']})",
                           v["p99_ratio"]]
         lines.append(_row(cells))
-    roles = sorted({role for r in rows for role in r.get("cpu_cores_by_role", {})})
-    if roles:
-        lines += ["", "CPU cores busy by process role (capture includes rendering the synthetic "
-                  "frames):", "", _row(["cameras", "transport", *roles]),
-                  "|" + "---|" * (2 + len(roles))]
-        for r in rows:
-            by_role = r.get("cpu_cores_by_role", {})
-            if by_role:
-                lines.append(_row([r["cameras"], r["transport"],
-                                   *(by_role.get(role, "-") for role in roles)]))
-    memory_roles = sorted({role for r in rows for role in r.get("gpu_memory_mib_by_role", {})})
-    if memory_roles:
-        lines += ["", "GPU memory by process role, MiB (NVML, each worker process's own, at the "
-                  "window's end):", "", _row(["cameras", "transport", *memory_roles]),
-                  "|" + "---|" * (2 + len(memory_roles))]
-        for r in rows:
-            by_role = r.get("gpu_memory_mib_by_role", {})
-            if by_role:
-                lines.append(_row([r["cameras"], r["transport"],
-                                   *(by_role.get(role, "-") for role in memory_roles)]))
+    lines += by_role_table(rows, "cpu_cores_by_role", "CPU cores busy by process role (capture "
+                           "includes rendering the synthetic frames):")
+    lines += by_role_table(rows, "gpu_memory_mib_by_role", "GPU memory by process role, MiB "
+                           "(NVML, each worker process's own, at the window's end):")
     if any(r.get("frame_hops") for r in rows):
         lines += ["", *hops_table(rows)]
     if small_faces:
@@ -837,6 +821,21 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
 def legend(definitions: dict[str, str]) -> list[str]:
     return ["Definitions (the same for facecast and MediaPipe; JSON: \"definitions\"):", ""] + [
         f"- {name}: {text}" for name, text in definitions.items()]
+
+
+def by_role_table(rows: list[dict], key: str, title: str) -> list[str]:
+    """A row per run of its `key` figures (a dict by process role), a column per role."""
+    roles = sorted({role for r in rows for role in r.get(key, {})})
+    if not roles:
+        return []
+    lines = ["", title, "", _row(["cameras", "transport", *roles]),
+             "|" + "---|" * (2 + len(roles))]
+    for r in rows:
+        by_role = r.get(key, {})
+        if by_role:
+            lines.append(_row([r["cameras"], r["transport"],
+                               *(by_role.get(role, "-") for role in roles)]))
+    return lines
 
 
 def hops_table(rows: list[dict]) -> list[str]:
