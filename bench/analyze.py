@@ -534,7 +534,7 @@ def components_text(data: dict) -> str:
         "stack adds the crops, projection, face geometry and head pose, the duplicate filter "
         "and the table (decoding: the decode-only column). The same .tflite models, two "
         "runtimes: this torch build's CPU kernels (no XNNPACK in it; oneDNN, MKL and its own, "
-        "chosen per convolution: Note [Convolutions on the CPU] in models/tflite_ops.py) take "
+        "chosen per convolution: Note [Convolutions on the CPU]) take "
         f"{parts['torch_landmarks_model_ms_per_face'] / parts['litert_landmarks_model_ms_per_face']:.1f}× "
         "LiteRT's time a face for the landmarks model at batch 1, where about half of torch's "
         "time is a fixed cost per operator (220 small operators: a batch of 4 faces measured "

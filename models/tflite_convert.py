@@ -416,8 +416,8 @@ def _free_after(steps, graph_outputs) -> list[list[int]]:
 
 
 def use_cpu_kernels(module: torch.nn.Module) -> dict[str, int]:
-    """Give every convolution of the module its CPU kernel (Note [Convolutions on the CPU] in
-    :mod:`facecast.models.tflite_ops`), for its weights as they are now: call it after the
+    """Give every convolution of the module its CPU kernel (Note [Convolutions on the CPU]),
+    for its weights as they are now: call it after the
     module is on the CPU in its dtype (and after :func:`fuse_zero_padding`). Returns how many
     convolutions got each kernel."""
     counts: dict[str, int] = {}

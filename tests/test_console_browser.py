@@ -223,7 +223,8 @@ def test_page_loads_without_errors_and_every_camera_preview_is_live(daemon, brow
         # The picture itself moved (the synthetic faces drift), not only its number.
         difference = np.abs(later["image"].astype(np.int16) - first["image"]).mean()
         assert later["capture_ts_lsl"] > first["capture_ts_lsl"]
-        assert difference > 0.5, (camera_id, difference)
+        assert difference > 0.5, (camera_id, difference, first["frame_seq"], later["frame_seq"],
+                                  first["capture_ts_lsl"], later["capture_ts_lsl"])
     assert _severe_browser_log(browser) == []
 
 
