@@ -696,28 +696,30 @@ class _OpenCVSource(FrameSource):
     def __init__(self, camera: CameraConfig) -> None:
         super().__init__(camera)
         self._capture: cv2.VideoCapture | None = None
-        self._into: np.ndarray | None = None  # where `_retrieve` decodes to (read_into)
+
+    def read(self) -> tuple[np.ndarray, float]:
+        return self._read(None)
 
     def read_into(self, out: np.ndarray) -> tuple[np.ndarray, float]:
         # OpenCV's retrieve writes into an array of the frame's size and type, and returns it;
         # that saves the copy of a new array into the ring's staging memory.
-        self._into = out
-        try:
-            return self.read()
-        finally:
-            self._into = None
+        return self._read(out)
 
-    def _grab(self) -> tuple[np.ndarray, float]:
+    def _read(self, out: np.ndarray | None) -> tuple[np.ndarray, float]:
+        """`read`, decoding into `out` where it is given (`read_into`)."""
+        raise NotImplementedError
+
+    def _grab(self, out: np.ndarray | None) -> tuple[np.ndarray, float]:
         if self._capture is None:
             raise self._lost("source is closed")
         if not self._capture.grab():
             raise self._lost(self._grab_failure())
-        return self._retrieve(pylsl.local_clock())
+        return self._retrieve(pylsl.local_clock(), out)
 
-    def _retrieve(self, capture_ts_lsl: float) -> tuple[np.ndarray, float]:
+    def _retrieve(self, capture_ts_lsl: float,
+                  out: np.ndarray | None) -> tuple[np.ndarray, float]:
         assert self._capture is not None
-        ok, frame = (self._capture.retrieve(self._into) if self._into is not None
-                     else self._capture.retrieve())
+        ok, frame = self._capture.retrieve(out) if out is not None else self._capture.retrieve()
         if not ok or frame is None:
             raise self._lost(f"{self.backend}: grabbed a frame that could not be decoded")
         frame = _as_bgr(frame)
@@ -804,8 +806,8 @@ class V4L2Source(_OpenCVSource):
         if not stat.S_ISCHR(mode):
             raise SourceNotFound(self.camera_id, f"{path} is not a V4L2 device")
 
-    def read(self) -> tuple[np.ndarray, float]:
-        return self._grab()
+    def _read(self, out: np.ndarray | None) -> tuple[np.ndarray, float]:
+        return self._grab(out)
 
     def _grab_failure(self) -> str:
         return f"V4L2 device {self.device!r} delivered no frame (unplugged or driver error)"
@@ -912,8 +914,8 @@ class StreamSource(_OpenCVSource):
             self.granted.describe(),
         )
 
-    def read(self) -> tuple[np.ndarray, float]:
-        return self._grab()
+    def _read(self, out: np.ndarray | None) -> tuple[np.ndarray, float]:
+        return self._grab(out)
 
     def _grab_failure(self) -> str:
         return (
@@ -966,7 +968,7 @@ class FileSource(_OpenCVSource):
     def frames_skipped(self) -> int:
         return self._pacer.frames_skipped
 
-    def read(self) -> tuple[np.ndarray, float]:
+    def _read(self, out: np.ndarray | None) -> tuple[np.ndarray, float]:
         if self._capture is None:
             raise self._lost("source is closed")
         self._pacer.wait()
@@ -978,7 +980,7 @@ class FileSource(_OpenCVSource):
             self.loops += 1
             if not self._capture.grab():
                 raise self._lost(self._grab_failure())
-        return self._retrieve(pylsl.local_clock())
+        return self._retrieve(pylsl.local_clock(), out)
 
     def _grab_failure(self) -> str:
         return f"video file {str(self.path)!r} yields no frames"
@@ -1129,7 +1131,7 @@ class EncodedSyntheticSource(FileSource):
         self._next_position = 0  # the file frame the decoder gives next
         self.frames_decoded = 0
 
-    def read(self) -> tuple[np.ndarray, float]:
+    def _read(self, out: np.ndarray | None) -> tuple[np.ndarray, float]:
         if self._capture is None:
             raise self._lost("source is closed")
         self._pacer.wait()
@@ -1140,7 +1142,7 @@ class EncodedSyntheticSource(FileSource):
         while self._next_position % self.encoded.frame_count != position:
             self._grab_next()
         self._grab_next()
-        return self._retrieve(capture_ts_lsl)
+        return self._retrieve(capture_ts_lsl, out)
 
     def _grab_next(self) -> None:
         assert self._capture is not None
