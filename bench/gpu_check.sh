@@ -99,6 +99,11 @@ run)
     echo "gpu_check: done" >> "$STATE/steps.txt"
     ;;
 wait)
+    # A machine given back between calls comes back bare: say so at once rather than wait.
+    if [ ! -f "$STATE/steps.txt" ]; then
+        echo "gpu_check: no run on this machine (a fresh one: the last was given back)" >&2
+        exit 3
+    fi
     deadline=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $deadline ] && ! grep -q "gpu_check: done" "$STATE/steps.txt" 2>/dev/null; do
         sleep 5

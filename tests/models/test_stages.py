@@ -184,6 +184,21 @@ def test_box_iou_on_the_host_is_the_tensor_one():
     assert nms.box_pair_iou((0, 0, 10, 10), np.array([5.0, 0.0, 15.0, 10.0])) == pytest.approx(1 / 3)
 
 
+def test_box_pair_iou_in_plain_floats_is_box_iou_bit_for_bit():
+    """The trackers' per-pair IoU (plain floats, for speed) is box_iou's arithmetic: equal in
+    float64, overlapping, disjoint, touching, empty and inverted boxes included."""
+    rng = np.random.default_rng(7)
+    corners = rng.uniform(0, 100, (1000, 2))
+    a = np.concatenate([corners, corners + rng.uniform(-5, 40, (1000, 2))], axis=1)  # some inverted
+    b = a + rng.uniform(-30, 30, (1000, 4))  # mostly near a, some apart
+    a[:50, 2:] = a[:50, :2]  # no area
+    b[50:60] = a[50:60]  # the same box
+    expected = nms.box_iou(a[:, None], b[:, None])[:, 0, 0]
+    pairs = [nms.box_pair_iou(box_a, box_b) for box_a, box_b in zip(a, b)]
+    assert np.count_nonzero(expected) > 200  # the sample has overlaps
+    assert np.array_equal(np.array(pairs), expected)
+
+
 def test_drop_overlapping_keeps_the_more_present_of_each_overlapping_group():
     # (name, box, presence): a and b overlap by IoU 0.6, c overlaps b alone by 1/3, d is apart.
     items = [("a", (0, 0, 10, 10), 0.7), ("b", (2.5, 0, 12.5, 10), 0.9), ("c", (7.5, 0, 17.5, 10), 0.8),

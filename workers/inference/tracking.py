@@ -18,11 +18,11 @@ from blocks the supervisor grants (`TrackIdSource`, one per worker, shared by it
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
 from facecast.models.nms import box_pair_iou
 from facecast.shared.transport.messages import TRACK_ID_LIMIT
@@ -33,7 +33,7 @@ Box = tuple[float, float, float, float]
 @dataclass
 class _Known:
     track_id: int
-    box_px: np.ndarray
+    box_px: Box
     last_seen_ts_lsl: float
     seen_in_last_frame: bool = True
 
@@ -100,7 +100,10 @@ class TrackIds:
         """The id of each box of this frame, in order. None for a new face when the source is
         dry: the face has no name (yet) and must not be published; the next frame tries again."""
         self._known = [k for k in self._known if capture_ts_lsl - k.last_seen_ts_lsl <= self.hold_s]
-        boxes = [np.asarray(box, dtype=np.float64) for box in boxes_px]
+        # Plain floats: a frame has a handful of faces, and this runs for every frame of every
+        # camera; per pair, array calls cost ten times the arithmetic (bench/pipeline.py's
+        # profile of roi_landmark at 64 cameras: 28 % of its samples were here).
+        boxes = [tuple(map(float, box)) for box in boxes_px]
         candidates = []  # (overlapping?, similarity, face index, known index): overlaps first
         for i, box in enumerate(boxes):
             for j, known in enumerate(self._known):
@@ -130,10 +133,10 @@ class TrackIds:
                 known.seen_in_last_frame = True
         return [None if track_id is None else int(track_id) for track_id in ids]
 
-    def _closeness(self, box: np.ndarray, old_box: np.ndarray) -> float:
+    def _closeness(self, box: Box, old_box: Box) -> float:
         """In (0, 1] for a face whose centre is near where an occluded one was, else 0."""
         size = max(old_box[2] - old_box[0], old_box[3] - old_box[1], 1.0)
-        shift = np.hypot((box[0] + box[2] - old_box[0] - old_box[2]) / 2,
+        shift = math.hypot((box[0] + box[2] - old_box[0] - old_box[2]) / 2,
                          (box[1] + box[3] - old_box[1] - old_box[3]) / 2)
         return max(0.0, 1.0 - shift / (self.max_shift_fraction * size))
 
