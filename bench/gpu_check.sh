@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's checklist in one background run, for a device whose commands stop after
 # 10 minutes: `bench/gpu_check.sh start [STEP...]` launches it (setsid) and returns;
-# `bench/gpu_check.sh wait S` waits up to S seconds for it and copies what it has so far to $OUT.
+# `bench/gpu_check.sh wait S` waits up to S seconds for it and copies what it has so far to
+# $OUT/gpu_check/results.tar.gz (with steps.txt beside it).
 # Call `wait` again at once (the machine goes back when idle) until it prints "gpu_check: done".
 #
-# Steps (each one's log in $OUT/gpu_check/; minutes on the H200, 2026-11-26):
+# Steps (each one's log in the archive; minutes on the H200, 2026-11-26):
 #   boot_stop     boot and stop of 32 and 64 replayed cameras on cuda_ipc (2)
 #   gpu_tests     the `gpu` tests, with $FACECAST_REAL_FOOTAGE set to the videos in .footage/ for
 #                 tests/test_real_footage_gpu.py, and tests/test_nvdec_gpu.py where PyAV and
@@ -28,7 +29,8 @@
 # Run from the repository root, with .whl/, .models/, .mp/ and .footage/ (copies of
 # ../shared/footage/*.mp4) carried (bench/gpu_host_env.sh; they fit one call's 64 MiB). The
 # machine goes back 30 s after a call ends, taking the background run with it: call `wait` again
-# at once, every time.
+# at once, every time. Even so it went back once between two calls made at once (2026-11-26, the
+# run lost mid-way): put the step that matters most first.
 set -u
 STATE=/tmp/gpu_check
 DEFAULT_STEPS="boot_stop gpu_tests real_footage pipeline models"
@@ -108,11 +110,12 @@ wait)
     while [ $SECONDS -lt $deadline ] && ! grep -q "gpu_check: done" "$STATE/steps.txt" 2>/dev/null; do
         sleep 5
     done
+    # What is there so far, as two files ($OUT brings back at most 8, two folders down): every
+    # step's log, JSON and daemon/profile log in one archive, and the step list.
     mkdir -p "$OUT/gpu_check"
-    for part in "$STATE"/*; do  # not the tree's copy
-        [ "$(basename "$part")" = tree ] || cp -r "$part" "$OUT/gpu_check/" 2>/dev/null
-    done
-    cat "$STATE/steps.txt" 2>/dev/null
+    cp "$STATE/steps.txt" "$OUT/gpu_check/"
+    tar -czf "$OUT/gpu_check/results.tar.gz" -C "$STATE" --exclude=./tree . 2>/dev/null
+    cat "$STATE/steps.txt"
     ;;
 *)
     echo "usage: $0 start [STEP...] | wait [SECONDS]" >&2
