@@ -420,3 +420,48 @@ def test_a_shm_slot_changed_by_a_third_process_is_caught_on_the_gpu_copy(runtime
     outcome = tamper_after_publish(runtime_dir, "shm", "cuda", change, position)
     assert not outcome["accepted"] and outcome["checksum_mismatch"] == 1, outcome
     assert outcome["clean_frame_accepted"], outcome
+
+
+def test_a_receive_does_not_wait_for_the_consumers_queued_work(runtime_dir):
+    """Note [Reads on their own stream]: the roi_landmark worker reads the next frames while its
+    batch is measured; the read (copy, checksum, its one sync) must not wait behind the kernels
+    the consumer queued before it, and the frame it hands over is ordered after its copy on the
+    consumer's stream."""
+    from facecast.shared.transport.publisher import FramePublisher
+    from facecast.shared.transport.subscriber import FrameSubscriber
+
+    shape = (1080, 1920, 3)
+    frame = np.random.default_rng(11).integers(0, 256, shape, dtype=np.uint8)
+    with zmq.Context() as context:
+        publisher = FramePublisher(context, runtime_dir, "cam0", transport="cuda_ipc")
+        subscriber = FrameSubscriber(context, runtime_dir, ["cam0"], device="cuda",
+                                     checksum_every=1)
+        try:
+            deadline = time.monotonic() + 20
+            while not subscriber.readers and time.monotonic() < deadline:
+                publisher.publish(np.zeros(shape, np.uint8), 0.0)
+                publisher.serve_control()
+                subscriber.receive(timeout_ms=50)
+            assert subscriber.readers, subscriber.status
+            subscriber.receive(timeout_ms=200)  # whatever is left of the attach
+            # The GPU's sleep is measured, not assumed: clock rates differ.
+            start = time.monotonic()
+            torch.cuda._sleep(100_000_000)
+            torch.cuda.synchronize()
+            cycles_per_s = 100_000_000 / (time.monotonic() - start)
+            publisher.publish(frame, 1.0)
+            torch.cuda._sleep(int(3.0 * cycles_per_s))  # the consumer's batch: 3 s of kernels
+            start = time.monotonic()
+            received = []
+            while not received and time.monotonic() - start < 2.0:
+                received = subscriber.receive(timeout_ms=100)
+            read_s = time.monotonic() - start
+            still_measuring = not torch.cuda.current_stream().query()
+            assert received and read_s < 2.0, (received, read_s)
+            assert still_measuring  # the read came back while the consumer's work ran
+            [got] = received
+            assert got.message.capture_ts_lsl == 1.0 and got.read.ok
+            assert torch.equal(got.tensor, torch.from_numpy(frame).to("cuda"))
+        finally:
+            subscriber.close()
+            publisher.close()

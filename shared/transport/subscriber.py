@@ -11,10 +11,25 @@ What each consumer takes from it:
 - `FrameSubscriber(device=None)`: host only, numpy frames from shm rings and torch never imported
   (the console and the recorder, tests/test_import_weight.py);
 - `FrameBus`: the frame buses' messages alone, no ring (the frame index: it never reads pixels).
+
+Note [Reads on their own stream]
+    On a GPU, a subscriber reads (the event wait, its own copy of the slot, the checksum and the
+    batch's one sync: Note [One sync per batch]) on a CUDA stream of its own, not on the
+    consumer's current stream. On the consumer's stream the read's sync would wait for whatever
+    the consumer had queued before it: the roi_landmark worker reads the next frames while its
+    previous batch is measured (Note [Reading while the device measures]), and there the sync
+    waited for the whole batch, so that the frames were read only after it and the overlap was
+    on the host alone. On a stream of their own the copies and checksums run beside the batch's
+    kernels and the sync waits for them alone. The frames are then handed to the consumer's
+    current stream: it waits for the read stream on the device (`wait_stream`: no host wait),
+    and each frame's memory is marked as used on it (`record_stream`), so that the caching
+    allocator does not give that memory to a later read while the consumer's kernels may still
+    read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -184,6 +199,9 @@ class FrameSubscriber:
 
             self.device = torch.device(device)
             warm_up_checksums(self.device)
+        # Note [Reads on their own stream]
+        self._read_stream = (torch.cuda.Stream(self.device)
+                             if self.device is not None and self.device.type == "cuda" else None)
         self.checksum_every = checksum_every
         self._reader_options = reader_options
         self.readers: dict[str, rings.RingReader] = {}
@@ -264,7 +282,9 @@ class FrameSubscriber:
         mismatch is acted on and reported here (Note [Mismatches are events]); its ring must be
         `attached`."""
         reader = self.readers[message.camera_id]
-        read = reader.read(message)
+        with self._reading():
+            read = reader.read(message)
+        self._hand_over([read])
         self._judge(reader, message, read)
         return read
 
@@ -285,11 +305,38 @@ class FrameSubscriber:
             reader = self._attached_reader(message)  # also keeps the ring attached while unwanted
             if reader is not None and (wanted is None or wanted(message.camera_id)):
                 requests.append((reader, message))
+        with self._reading():
+            reads = rings.read_batch(requests)
+        self._hand_over(reads)
         frames: list[ReceivedFrame] = []
-        for (reader, message), read in zip(requests, rings.read_batch(requests)):
+        for (reader, message), read in zip(requests, reads):
             if self._judge(reader, message, read):
                 frames.append(ReceivedFrame(message, read))
         return frames
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """Reads on this subscriber's own stream, on a GPU (Note [Reads on their own stream])."""
+        if self._read_stream is None:
+            yield
+            return
+        import torch
+
+        with torch.cuda.stream(self._read_stream):
+            yield
+
+    def _hand_over(self, reads: list[rings.SlotRead]) -> None:
+        """The frames read, ready for the consumer's current stream (Note [Reads on their own
+        stream])."""
+        if self._read_stream is None:
+            return
+        import torch
+
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_stream(self._read_stream)
+        for read in reads:
+            if isinstance(read.tensor, torch.Tensor) and read.tensor.is_cuda:
+                read.tensor.record_stream(consumer)
 
     def _handle(self, message, newest: dict[str, FrameReady]) -> None:
         if isinstance(message, RingDescription):

@@ -70,7 +70,9 @@ log = logging.getLogger(__name__)
 #     (track_finish), publishes it, and queues the frames it read. The next batch's ROIs come
 #     from this batch's landmarks, so one batch at most is on its way; a frame read while its
 #     camera's previous frame is measured waits for that one (its "read -> measured" hop says
-#     so). On the CPU the models run inside track_start, and nothing changes but the order.
+#     so). On a GPU the reads run on the subscriber's own stream, beside the batch's kernels
+#     (Note [Reads on their own stream]). On the CPU the models run inside track_start, and
+#     nothing changes but the order.
 
 # A detection is used on a later frame of its camera (the detector runs beside us, not before
 # us); after this much capture time the face may have moved out of the ROI it would give.
