@@ -48,3 +48,21 @@ def test_a_frame_with_a_missing_stamp_is_left_out_whole():
 def test_stamps_of_another_length_are_refused():
     with pytest.raises(ValueError, match="8 stamps"):
         FrameHops().add((1.0, 2.0, 3.0))
+
+
+def test_latency_windows_report_their_last_values_alone_and_many_windows_at_once():
+    """A window keeps its last `size` values (an older one leaves it); window_timings gives each
+    window's own figures however many values each holds, None for an empty one."""
+    from facecast.shared.stats import LatencyWindow, window_timings
+    from facecast.shared.transport.messages import StageTiming
+
+    windows = [LatencyWindow(4), LatencyWindow(4), LatencyWindow(4)]
+    for value in (100.0, 1.0, 2.0, 3.0, 4.0):  # 100 has left the window
+        windows[0].add_ms(value)
+    for value in (5.0, 7.0):
+        windows[1].add_ms(value)
+    timings = window_timings(windows)
+    assert timings[0] == StageTiming(p50_ms=2.5, p99_ms=3.97, count=5, mean_ms=2.5)
+    assert timings[1] == StageTiming(p50_ms=6.0, p99_ms=6.98, count=2, mean_ms=6.0)
+    assert timings[2] is None
+    assert [window.timing() for window in windows] == timings

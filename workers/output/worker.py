@@ -43,7 +43,7 @@ from facecast.shared.transport.messages import (
     MessageGate,
     RecordingState,
 )
-from facecast.shared.stats import FrameHops, LatencyWindow, RateMeter
+from facecast.shared.stats import FrameHops, LatencyWindow, RateMeter, window_timings
 from facecast.workers.base import Worker, results_subscriber
 from facecast.workers.output.frame_index import FrameIndexFeed
 from facecast.workers.output.outlets import (
@@ -210,13 +210,14 @@ class OutputWorker(Worker):
         return self.hops.timings()
 
     def camera_reports(self) -> list[CameraReport]:
+        windows = [self.latency.get(camera_id) or LatencyWindow(1) for camera_id in self.camera_ids]
         reports = []
-        for camera_id in self.camera_ids:
-            rate, latency = self.rates.get(camera_id), self.latency.get(camera_id)
+        for camera_id, latency in zip(self.camera_ids, window_timings(windows)):
+            rate = self.rates.get(camera_id)
             reports.append(CameraReport(
                 camera_id=camera_id, frames=rate.total if rate else 0,
                 fps=round(rate.rate(), 2) if rate else 0.0, faces=self.faces.get(camera_id, 0),
-                latency_ms=latency.timing() if latency else None,
+                latency_ms=latency,
             ))
         return reports
 
