@@ -21,6 +21,8 @@
 #                 decoding (needs .whl2a/.whl2b; never run yet: ~6?)
 #   newcomers     issue 24 item 5: how late a person who walks in is published, 8 and 32 staged
 #                 replayed cameras (bench/pipeline.py --newcomers; never run yet: ~3?)
+#   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
+#                 and on this tree, the same machine, one after the other (4)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
 #                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
@@ -72,6 +74,22 @@ run)
             --baseline-measure-s 10 --small-face-s 2 \
             --profile-roles capture roi_landmark detection output \
             --out "$STATE/benchmarks-pipeline.json" --log-dir "$STATE/logs" ;;
+        ab) # The same daemon runs on the baseline in .base/ (`git archive BASE | tar -x -C .base`
+            # here, carried) and on this tree, one after the other on this machine: the ratio of
+            # the changes since BASE, without MediaPipe.
+            if [ ! -d .base ]; then
+                echo "$(date -u +%H:%M:%S) ab: no .base/ carried" >> "$STATE/steps.txt"
+            else
+                ln -sfn "$PWD/.models" .base/.models
+                for side in base head; do
+                    root=$PWD; [ $side = base ] && root=$PWD/.base
+                    step "ab-$side" bash -c "cd '$root' && . bench/gpu_host_env.sh && \
+                        python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
+                        --source synthetic-replay --warmup-s 5 --measure-s 15 \
+                        --out '$STATE/benchmarks-ab-$side.json' --log-dir '$STATE/logs-$side'"
+                done
+                . bench/gpu_host_env.sh  # facecast.* back to this tree
+            fi ;;
         models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
             --budget-s 200 --face-landmarker-task .models/face_landmarker.task \
             --out "$STATE/benchmarks-models.json" ;;
