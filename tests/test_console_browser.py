@@ -158,7 +158,8 @@ return {frame_seq: Number(img.dataset.frameSeq), capture_ts_lsl: Number(img.data
 
 def _preview_on_page(driver, camera_id: str) -> dict | None:
     """The preview the page shows now, its pixels read back from the <img> (BGR) and the frame
-    it says it is (data-* attributes set from the preview's headers once the pixels are in)."""
+    it says it is (data-* attributes set from the preview's headers with its src: once the
+    <img> is complete, they name the frame its pixels are)."""
     shown = driver.execute_script(_READ_PREVIEW, camera_id)
     if shown is None:
         return None

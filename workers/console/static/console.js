@@ -42,7 +42,11 @@ function buildCards(cameras) {
 
 // A preview is fetched, not put straight into img.src: its headers say which frame it shows
 // (X-Frame-Seq, X-Capture-Ts-Lsl, X-Paired, X-Faces), and the <img> carries them as data-*
-// attributes once its pixels are that frame's, for the title and for tests reading the page.
+// attributes, for the title and for tests reading the page. They are set in the same task as the
+// new src: while the new picture loads, img.complete is false (the old one is still shown), and
+// once it is true the pixels and the data-* are the same frame's. Set after the load event
+// instead, they lagged the pixels: the picture is complete before its load event runs, and a
+// reader in between saw the new pixels under the old frame's number.
 function pollPreview(img, cameraId) {
   const size = singleCamera ? "large" : "small";
   const intervalMs = 1000 / consoleInfo.preview_fps;
@@ -56,13 +60,17 @@ function pollPreview(img, cameraId) {
       const response = await fetch(`/api/cameras/${encodeURIComponent(cameraId)}/preview.jpg?size=${size}&mesh=${mesh}&seq=${seq++}`);
       if (response.ok) {
         const url = URL.createObjectURL(await response.blob());
-        await new Promise((resolve, reject) => { img.onload = resolve; img.onerror = reject; img.src = url; });
+        await new Promise((resolve, reject) => {
+          img.onload = resolve;
+          img.onerror = reject;
+          for (const [key, header] of [["frameSeq", "X-Frame-Seq"], ["captureTsLsl", "X-Capture-Ts-Lsl"], ["paired", "X-Paired"], ["faces", "X-Faces"]]) {
+            img.dataset[key] = response.headers.get(header) ?? "";
+          }
+          img.title = `frame ${img.dataset.frameSeq}, captured at ${img.dataset.captureTsLsl} (LSL clock)`;
+          img.src = url;
+        });
         if (shownUrl !== null) URL.revokeObjectURL(shownUrl);
         shownUrl = url;
-        for (const [key, header] of [["frameSeq", "X-Frame-Seq"], ["captureTsLsl", "X-Capture-Ts-Lsl"], ["paired", "X-Paired"], ["faces", "X-Faces"]]) {
-          img.dataset[key] = response.headers.get(header) ?? "";
-        }
-        img.title = `frame ${img.dataset.frameSeq}, captured at ${img.dataset.captureTsLsl} (LSL clock)`;
       } else {
         retryMs = 1000;  // 503 before the first frame (it says so in its body)
       }
