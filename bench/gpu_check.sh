@@ -23,6 +23,8 @@
 #                 replayed cameras (bench/pipeline.py --newcomers; never run yet: ~3?)
 #   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
 #                 and on this tree, the same machine, one after the other (4)
+#   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
+#                 run side by side instead of taking time slices; compare with `ab`'s head) (4)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
 #                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
@@ -89,6 +91,21 @@ run)
                         --out '$STATE/benchmarks-ab-$side.json' --log-dir '$STATE/logs-$side'"
                 done
                 . bench/gpu_host_env.sh  # facecast.* back to this tree
+            fi ;;
+        mps) # The same daemon with NVIDIA MPS: the workers' kernels share the GPU at once
+            # instead of taking turns by time slice (never tried yet; needs
+            # nvidia-cuda-mps-control on the machine).
+            if ! command -v nvidia-cuda-mps-control > /dev/null; then
+                echo "$(date -u +%H:%M:%S) mps: no nvidia-cuda-mps-control" >> "$STATE/steps.txt"
+            else
+                export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+                mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+                nvidia-cuda-mps-control -d
+                step mps python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
+                    --source synthetic-replay --warmup-s 5 --measure-s 15 \
+                    --out "$STATE/benchmarks-mps.json" --log-dir "$STATE/logs-mps"
+                echo quit | nvidia-cuda-mps-control
+                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             fi ;;
         models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
             --budget-s 200 --face-landmarker-task .models/face_landmarker.task \
