@@ -40,6 +40,32 @@ def test_a_detection_pass_that_found_no_face_is_usable():
     assert boxes.shape == (1, 4) and keypoints.shape == (1, 6, 2) and scores.shape == (1,)
 
 
+def test_a_slow_cameras_detection_of_its_previous_frame_is_used():
+    """A detection reaches the worker after the frame it was made on, so it starts faces on a
+    later frame of its camera. The previous frame's is used whatever its age (at 3 fps it is
+    333 ms old, and with an age limit alone such a camera never got a face); older ones only
+    while recent (MAX_DETECTION_AGE_S); never another ring epoch's or a later frame's."""
+    def frame(seq: int, fps: float, epoch: int = 1) -> messages.FrameReady:
+        return messages.FrameReady(
+            camera_id="cam", transport="shm", ring_epoch=epoch, slot=0, slot_generation=2,
+            frame_seq=seq, capture_ts_lsl=100.0 + seq / fps, shape=(4, 4, 3), dtype="uint8",
+            strides_bytes=(12, 3, 1), pixel_format="bgr24", checksum=0)
+
+    def detections_of(message: messages.FrameReady) -> Detections:
+        return Detections(camera_id="cam", ring_epoch=message.ring_epoch,
+                          frame_seq=message.frame_seq, capture_ts_lsl=message.capture_ts_lsl,
+                          boxes_px=[], keypoints_px=[], scores=[])
+
+    usable = RoiLandmarkWorker._usable
+    assert usable(detections_of(frame(10, 3.0)), frame(11, 3.0))  # 333 ms old: the newest there is
+    assert usable(detections_of(frame(10, 3.0)), frame(10, 3.0))
+    assert not usable(detections_of(frame(10, 3.0)), frame(12, 3.0))  # 667 ms old
+    assert usable(detections_of(frame(10, 30.0)), frame(18, 30.0))  # 267 ms: recent enough
+    assert not usable(detections_of(frame(10, 30.0)), frame(20, 30.0))  # 333 ms
+    assert not usable(detections_of(frame(10, 3.0, epoch=1)), frame(11, 3.0, epoch=2))
+    assert not usable(detections_of(frame(12, 3.0)), frame(11, 3.0))  # of a later frame
+
+
 # --- track ids from the supervisor (Note [Track id blocks]) ----------
 # The worker's side of the protocol against a ROUTER playing the supervisor, answering with the
 # supervisor's own allocator (no models: the track id half of the worker needs none).

@@ -75,7 +75,10 @@ log = logging.getLogger(__name__)
 #     nothing changes but the order.
 
 # A detection is used on a later frame of its camera (the detector runs beside us, not before
-# us); after this much capture time the face may have moved out of the ROI it would give.
+# us); after this much capture time the face may have moved out of the ROI it would give. One
+# of the camera's previous frame is used whatever its age: it is the newest there can be, and
+# with the age alone a camera slower than 1 / MAX_DETECTION_AGE_S never got a face (at 3 fps
+# every detection was 333 ms old by the next frame, and no face was ever published).
 MAX_DETECTION_AGE_S = 0.3
 # Faces are held in their track id (and their LSL slot) this long while unseen.
 TRACK_HOLD_S = 1.0
@@ -256,8 +259,12 @@ class RoiLandmarkWorker(Worker):
 
     @staticmethod
     def _usable(found: Detections, frame: messages.FrameReady) -> bool:
+        """Whether a detection may start faces on `frame`: of the same ring epoch, not of a
+        later frame, and of this frame or the one before it, or recent enough."""
         age_s = frame.capture_ts_lsl - found.capture_ts_lsl
-        return found.ring_epoch == frame.ring_epoch and -0.05 <= age_s <= MAX_DETECTION_AGE_S
+        if found.ring_epoch != frame.ring_epoch or age_s < -0.05:
+            return False
+        return frame.frame_seq - found.frame_seq <= 1 or age_s <= MAX_DETECTION_AGE_S
 
     def _reset(self, camera_id: str) -> None:
         """Forget what was tracked on this camera."""
