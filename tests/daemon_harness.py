@@ -195,7 +195,7 @@ def box_close(truth_box, boxes, tolerance: float = BOX_TOLERANCE) -> bool:
     return False
 
 
-SPARE_TEST_FPS = 5  # Note [Spares only where a test needs them]
+SPARE_TEST_FPS = 3  # Note [Spares only where a test needs them]
 
 
 def default_config_at(fps: int) -> str:
@@ -294,8 +294,10 @@ class Daemon:
     #     of config/default.toml, test_daemon_e2e.py, with its 2 s restart promise) run that
     #     config's cameras at SPARE_TEST_FPS (`default_config_at`): the pipeline then takes
     #     half a core instead of one, and the spares boot 7.5 s after READY instead of 23 s
-    #     beside one busy process (measured); what they check (which process takes over, its
-    #     priority, its track ids, that a fresh spare follows) does not depend on the rate.
+    #     beside one busy process (measured, at 5 fps); what they check (which process takes
+    #     over, its priority, its track ids, that a fresh spare follows) does not depend on the
+    #     rate. 3 fps since a camera that slow publishes faces at all (MAX_DETECTION_AGE_S in
+    #     workers/inference/roi_landmark.py): those three files 45-47 s -> 43.3-43.7 s.
     def wait_for_spares(self, timeout_s: float = 90.0) -> None:
         """The warm spares start at READY (Note [Warm standby]); the daemon's steady state, with
         its 2 s restart promise, begins once each has booted (Note [Spares only where a test
