@@ -313,14 +313,18 @@ class Daemon:
             time.sleep(0.1)
 
     def wait_for_faces(self, cameras, timeout_s: float = 90.0) -> None:
-        """Until status reports a face in the newest frame of each camera: the pipeline's
-        warm-up (its first passes, the first detection) is over. A test that scores every frame
-        it records against the truth resolves its streams after this, so that its recording
-        starts in the steady state (Note [Spares only where a test needs them])."""
+        """Until the output worker has published a face in the newest frame of each camera: the
+        pipeline's warm-up (its first passes, the first detection) is over. A test that scores
+        every frame it records against the truth resolves its streams after this, so that its
+        recording starts in the steady state (Note [Spares only where a test needs them]).
+        The output worker's report is the one with a latency (CameraReport.latency_ms); the
+        detection worker's face count alone said faces where none was published yet (a camera
+        at 3 fps never published one and passed)."""
         deadline = time.monotonic() + timeout_s
         while True:
             reports = self.status().cameras
-            if all(any(report.faces > 0 for report in reports.get(camera, ()))
+            if all(any(report.faces > 0 and report.latency_ms is not None
+                       for report in reports.get(camera, ()))
                    for camera in cameras):
                 return
             if time.monotonic() > deadline:
