@@ -38,13 +38,13 @@ class LatencyWindow:
         return window_timings([self])[0]
 
 
-def window_timings(windows: list[LatencyWindow]) -> list[StageTiming | None]:
-    """Each window's timing (None for an empty one), the windows holding as many values taken
-    together: one percentile call for a group rather than one per window."""
+def window_timings(windows: list[LatencyWindow | None]) -> list[StageTiming | None]:
+    """Each window's timing (None for an empty or absent one), the windows holding as many
+    values taken together: one percentile call for a group rather than one per window."""
     out: list[StageTiming | None] = [None] * len(windows)
     by_length: dict[int, list[int]] = collections.defaultdict(list)
     for index, window in enumerate(windows):
-        if window.count:
+        if window is not None and window.count:
             by_length[window.values_ms().shape[0]].append(index)
     for indices in by_length.values():
         values = np.stack([windows[i].values_ms() for i in indices])

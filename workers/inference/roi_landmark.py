@@ -207,11 +207,12 @@ class RoiLandmarkWorker(Worker):
         start = time.monotonic()
         pending = self.pipeline.track_start(
             [frame.tensor for frame in received], camera_ids, detections=detections)
-        return _Measuring(received, camera_ids, pending, (time.monotonic() - start) * 1e3)
+        return _Measuring(received, pending, (time.monotonic() - start) * 1e3)
 
     def _finish(self, measuring: _Measuring) -> None:
         """The batch's faces, named and published, and the detections its cameras need."""
-        received, camera_ids = measuring.received, measuring.camera_ids
+        received = measuring.received
+        camera_ids = [frame.message.camera_id for frame in received]
         start = time.monotonic()
         faces_per_frame = self.pipeline.track_finish(measuring.pending)
         # The host's own time on the batch (queueing it, then waiting for it and making its
@@ -416,7 +417,6 @@ class _Measuring:
     """A batch whose device work is queued (Note [Reading while the device measures])."""
 
     received: list  # the subscriber's ReceivedFrames
-    camera_ids: list[str]
     pending: PendingTrack
     start_ms: float  # the host's time queueing it
 

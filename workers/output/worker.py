@@ -210,9 +210,9 @@ class OutputWorker(Worker):
         return self.hops.timings()
 
     def camera_reports(self) -> list[CameraReport]:
-        windows = [self.latency.get(camera_id) or LatencyWindow(1) for camera_id in self.camera_ids]
+        latencies = window_timings([self.latency.get(camera_id) for camera_id in self.camera_ids])
         reports = []
-        for camera_id, latency in zip(self.camera_ids, window_timings(windows)):
+        for camera_id, latency in zip(self.camera_ids, latencies):
             rate = self.rates.get(camera_id)
             reports.append(CameraReport(
                 camera_id=camera_id, frames=rate.total if rate else 0,
