@@ -25,6 +25,8 @@
 #                 and on this tree, the same machine, one after the other (4)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (4)
+#   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
+#                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (~3?)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
 #                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
@@ -127,6 +129,12 @@ run)
         newcomers) step newcomers python3 bench/pipeline.py --newcomers --cameras 8 32 \
             --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 12 \
             --out "$STATE/benchmarks-newcomers.json" --log-dir "$STATE/logs" ;;
+        kernels) if [ -f .footage/kernel_probe.py ]; then
+                COMPILE_MODELS=attention step kernels python3 .footage/kernel_probe.py \
+                    "$STATE/kernels.jsonl"
+            else
+                echo "$(date -u +%H:%M:%S) kernels: no .footage/kernel_probe.py" >> "$STATE/steps.txt"
+            fi ;;
         analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
             --files-at-once 8 --repeats 2 --frames 240 --skip-inline --litert-threads 1 8 \
             --work "$STATE/analyze" --out "$STATE/benchmarks-analyze-gpu.json" --docs '' ;;

@@ -60,7 +60,8 @@ LATENCY_CHECKSUM_EVERY = 30  # config/default.toml's daemon.checksum_every
 PRODUCER_STAGES = {  # method on the ring producer -> stage name (Note [Stage methods])
     "_claim": "claim slot",
     "_fill": "copy frame in",
-    "_upload": "H2D issue + event record",
+    "_upload": "H2D issue (own device copy)",
+    "_to_slot": "checksum + copy to slot + sync (GPU)",
     "_checksum": "checksum (host)",
 }
 HEADER_STAGES = {"begin_write": "generation odd", "end_write": "generation even"}
@@ -72,7 +73,8 @@ CONSUMER_STAGES = {
     "generation_unchanged": "generation after",
 }
 STAGE_ORDER = ["publish (total)", "claim slot", "copy frame in", "generation odd",
-               "H2D issue + event record", "checksum (host)", "generation even", "encode + send",
+               "H2D issue (own device copy)", "checksum + copy to slot + sync (GPU)",
+               "checksum (host)", "generation even", "encode + send",
                "receive + decode", "verdict (generation before)",
                "event wait", "tensor (view or copy)", "checksum (queue on GPU / host)",
                "settle (one host sync per batch)", "generation after", "read batch"]

@@ -269,6 +269,25 @@ def test_staged_writes_round_trip_byte_exact_across_processes(peers):
     assert seen["received"] >= 200, seen  # every one compared byte for byte
 
 
+@pytest.mark.parametrize("kind", ["full", "sampled"])
+def test_a_host_frame_carries_the_checksum_of_its_own_bytes(kind):
+    """Note [Producer checksum]: computed on the GPU from the producer's own device copy, the
+    value is the host form's of the camera's bytes, and the slot holds those bytes."""
+    from facecast.shared.transport.cuda_ring import CudaRingProducer
+
+    producer = CudaRingProducer("rules", (64, 96, 3), slot_count=4, checksum_kind=kind)
+    try:
+        rng = np.random.default_rng(7)
+        for seq in range(6):  # round the ring and past it: the private buffer is reused
+            frame = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+            message = producer.write(frame, seq, 0.0)
+            assert message.checksum == frames.checksum(frame, kind)
+            slot = producer.slots[message.slot, : frame.size].cpu().numpy()
+            assert np.array_equal(slot, frame.reshape(-1))
+    finally:
+        producer.close()
+
+
 def test_staging_view_is_handed_out_only_after_its_slots_upload_finished():
     from facecast.shared.transport.cuda_ring import CudaRingReader
 

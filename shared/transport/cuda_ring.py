@@ -11,65 +11,58 @@ Note [CUDA IPC rules]
     2. Export once, open once, cache. The producer exports the handles when it creates the ring;
        a consumer opens them once per epoch (`CudaRingReader`) and closes them when the epoch
        changes. A new epoch is always a new reader: mappings are never reused across producers.
-    3. Memory IPC orders nothing: see Note [Events order slots].
-    4. Slots get overwritten: Note [Slot generations]; a consumer reads its own
-       device copy of the slot, checked (Note [The consumer's own copy]).
-    5. One context: Note [One context].
-    6. No same-process open: a reader in the producer's own process uses the producer's pointer
-       and events directly (`_IN_PROCESS`), since cuIpcOpenMemHandle of one's own handle fails.
-    7. Same device, same driver: the description names the GPU's UUID and the driver version; a
-       reader on another GPU or driver refuses to map.
-
-Note [Events order slots]
-    The producer copies each frame from a pinned staging buffer to its slot with an async copy on
-    its own stream, records the slot's interprocess event (disable-timing) on that stream, and only
-    then publishes the FrameReady. The consumer makes its current stream wait on that event before
-    it copies the slot, so its copy is of the finished upload. PyTorch's own CUDA tensor sharing
-    waits on an event only when a storage is first shared, which is not enough for a ring that is
-    re-read every frame. The frame gets into the staging buffer by a copy, or is made there
-    (Note [Staged writes]); either way a slot's staging buffer is handed out again only
+    3. Memory IPC orders nothing: see Note [Events order slots]
+    The producer copies each frame into its slot with an async device-to-device copy on its own
+    stream, from its own device copy of the frame (Note [Producer checksum]), records the slot's
+    interprocess event (disable-timing) on that stream, and only then publishes the FrameReady.
+    The consumer makes its current stream wait on that event before it copies the slot, so its
+    copy is of the finished write. Today the producer also waits for its stream before it
+    publishes (the checksum's value), so the event's order is the consumer's guarantee and not
+    the producer's habit: the rule-3 fault (`CudaFaults.delay_copy_cycles`) publishes before the
+    copy and shows that the event alone keeps the consumer right. PyTorch's own CUDA tensor
+    sharing waits on an event only when a storage is first shared, which is not enough for a
+    ring that is re-read every frame. A host frame gets into its slot's pinned staging buffer by
+    a copy, or is made there (Note [Staged writes]); the staging buffer is handed out again only
     once that slot's event has completed.
 
 Note [Producer checksum]
-    The producer computes a frame's checksum (Note [Frame checksum]) on the host,
-    from the pinned staging bytes, after the upload to the slot was issued, so that the host
-    work overlaps the DMA. It could instead compute it on the GPU from the slot once the upload
-    is done. The host is chosen for what the value means: it must say what the camera handed
-    over. A value computed from the slot certifies whatever the slot holds, a bad upload or a
-    third process's write that landed first included, and consumers would then accept exactly
-    the frames this check exists to refuse; a value from the staged bytes is independent of
-    everything on the GPU path, which is what the consumers check. The slot form would also
-    put a host sync per frame into the capture thread (the value must be in the FrameReady
-    before it is sent): the whole upload's latency, 184 us at 1080p and 522 us at 4K on the H200
-    host (upload + sync, bench/checksum.py). Its price is CPU: on the H200 host 399 us per 1080p
-    frame for bytes the source has just written, 781 us when the frames cycle through memory
-    while the DMA reads them (the bench's worst case), i.e. 1.2-2.3% of a core per 1080p30
-    camera. The slot form's own GPU cost was not measured validly in that run (the bench fetched
-    its value on another stream; fixed since, not re-run). A frame decoded on the GPU has no
-    host bytes: its checksum is the GPU form's, of the producer's own tensor, never of the
-    slot (Note [Frames born on the GPU]), which keeps the meaning above.
+    On a CUDA ring the producer computes each frame's checksum (Note [Frame checksum]) on the
+    GPU, from a device copy that is its own, never from the slot:
+    1. a host frame's staged bytes (pinned) go to the producer's own device buffer (`_upload`,
+       async on the producer's stream); a frame decoded on the GPU is the caller's own tensor
+       already (Note [Frames born on the GPU]);
+    2. the slot's generation goes odd; the checksum of that private copy is queued, then its
+       device-to-device copy into the slot, then the slot's event (`_to_slot`);
+    3. the checksum's value is fetched on the same stream: one host sync per frame, which waits
+       for the upload, the checksum and the copy (the FrameReady must carry the value before it
+       is sent). With blocking waits (Note [Blocking waits]) the camera's capture thread sleeps
+       meanwhile; every camera has a thread of its own.
+    The value says what the camera handed over: the private buffer is written by this producer
+    only, from its own staged bytes, so a third process's write into the slot, a bad copy into
+    it or a stale slot is refused by every consumer (Note [Checksum of what the camera gave];
+    tests/test_foreign_writer.py). What it trusts that the host form did not: the upload's DMA
+    (PCIe checks and replays its own packets). The slot itself is never the source: a value
+    computed from the slot would certify whatever landed there.
+    Until 2026-11-26 it was computed on the host from the staged bytes while the upload ran.
+    That is one pass of the CPU over every frame: 399 us per 1080p frame on the H200 host (781
+    when frames cycle through memory, bench/checksum.py), and 27-44 % of the capture workers'
+    6.0 cores at 64 replayed 1080p30 cameras on the H100 (py-spy, docs/benchmarks.md). On the
+    GPU it is ~14 us of GPU time and ~36 us of CPU to queue per 1080p frame, 6 MB of device
+    memory per camera (the private copy), and a publish that waits for its own upload (upload +
+    sync, 174 us at 1080p on the H200) and for its turn on a GPU that other processes share.
+    The shm ring keeps the host form: its producer has no GPU.
 
 Note [Frames born on the GPU]
     A camera decoded by NVDEC (facecast.workers.capture.nvdec) hands the producer a finished BGR
     frame in device memory: a tensor of its own, converted from the decoder's NV12 output, ready
-    on the capture thread's current stream. `write_device` takes it without a host copy:
-    1. the producer's stream waits for the caller's current stream (the frame is complete);
-    2. the slot's generation goes odd; the frame's checksum (Note [Frame checksum], the GPU
-       form) is queued on the producer's stream *from the caller's tensor*, then the
-       device-to-device copy into the slot, then the slot's interprocess event is recorded
-       (Note [Events order slots]);
-    3. the checksum's value is fetched, on the producer's stream: the FrameReady must carry it
-       before it is sent, so this is one host sync per frame. It waits for the copy and the
-       checksum (a 6 MB copy and ~14 us of checksum kernels per 1080p frame on the H200, by
-       Note [Frame checksum]'s numbers for the checksum; the sync's own cost here is not
-       measured), and with blocking waits (Note [Blocking waits]) the thread sleeps meanwhile.
-       After it the caller's tensor is no longer read, so its memory may go back to the caching
-       allocator without record_stream.
-    The value therefore says what the decoder produced, independent of the slot: a bad copy or
-    a third process's write into the slot is caught by every consumer, as with host frames
-    (Note [Checksum of what the camera gave]). Nothing is staged: the decoder's frame is its
-    own private buffer. On an shm ring (after a transport fallback) the frame is copied to the
-    host first and written as a host frame (rings.RingProducer.write_device).
+    on the capture thread's current stream. `write_device` takes it without a host copy: the
+    producer's stream waits for the caller's current stream (the frame is complete), and the
+    frame goes through Note [Producer checksum]'s steps 2 and 3 from the caller's tensor (the
+    checksum is the decoder's frame's, never the slot's). After the sync the caller's tensor is
+    no longer read, so its memory may go back to the caching allocator without record_stream.
+    Nothing is staged: the decoder's frame is its own private buffer. On an shm ring (after a
+    transport fallback) the frame is copied to the host first and written as a host frame
+    (rings.RingProducer.write_device).
 """
 
 from __future__ import annotations
@@ -105,7 +98,7 @@ class CudaFaults:
 
     ring_inside_torch_tensor: bool = False  # rule 1: ring is a view 2 MiB into a torch tensor
     omit_offset: bool = False  # rule 1: ... and the description says offset 0
-    delay_copy_cycles: int = 0  # rule 3: GPU sleep before each copy, so publish races the copy
+    delay_copy_cycles: int = 0  # rule 3: the slot's copy after publish, behind a GPU sleep
     corrupt_after_publish: bool = False  # overwrite the next published slot after publishing
 
 
@@ -147,8 +140,13 @@ class CudaRingProducer(RingProducer):
                 buffer.numpy().reshape(self.frame_shape) for buffer in self._staging
             ]
             self._slot_targets = [self.slots[slot, : self.frame_bytes] for slot in range(slot_count)]
+            # The producer's own device copy of each host frame (Note [Producer checksum]).
+            self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8,
+                                         device=self.device_index)
             pattern = torch.from_numpy(frames.test_pattern(self.slot_bytes, self.ring_epoch))
             self.slots[slot_count].copy_(pattern)
+            # Load the checksum's kernels and weights now, not on the first frame.
+            frames.checksum_start(self._uploaded, self.checksum_kind)
             torch.cuda.synchronize(device_index)
         except TransportUnavailable:
             self.header.close()
@@ -166,6 +164,7 @@ class CudaRingProducer(RingProducer):
             driver_version=self.driver_version,
         )
         self._corrupt_next = faults.corrupt_after_publish  # after RingProducer.__init__
+        self._late_stream = None  # rule 3's fault only
         _IN_PROCESS[self.ring_epoch] = self
 
     def _allocate(self, cuda, ring_bytes: int) -> None:
@@ -188,25 +187,21 @@ class CudaRingProducer(RingProducer):
         )
 
     def _claim(self, slot: int) -> np.ndarray:
-        # The staging buffer of this slot is free once its previous upload finished; that upload
-        # was issued slot_count frames ago, so this practically never waits.
+        # The staging buffer of this slot is free once its previous upload finished: `_to_slot`
+        # waited for it, so this waits only under the rule-3 fault (the event comes later).
         self.events[slot].synchronize()
         return self._staging_views[slot]
 
     def _commit(self, slot: int, pixels: np.ndarray) -> int:
-        self.header.begin_write(slot)
         self._upload(slot)
-        # Host work from here on overlaps the DMA: the consumer waits for the copy anyway
-        # (Note [Producer checksum]).
-        return self._checksum(pixels)
+        self.header.begin_write(slot)
+        return self._to_slot(slot, self._uploaded)  # Note [Producer checksum]
 
     def _upload(self, slot: int) -> None:
-        """Stage "upload": the async copy to the slot and its event (Note [Events order slots])."""
+        """Stage "upload": the slot's staging bytes to the producer's own device buffer, async on
+        the producer's stream (Note [Producer checksum])."""
         with torch.cuda.stream(self.stream):
-            if self.faults.delay_copy_cycles:
-                torch.cuda._sleep(self.faults.delay_copy_cycles)
-            self._slot_targets[slot].copy_(self._staging[slot], non_blocking=True)
-            self.events[slot].record(self.stream)
+            self._uploaded.copy_(self._staging[slot], non_blocking=True)
 
     def write_device(self, frame: torch.Tensor, frame_seq: int,
                      capture_ts_lsl: float) -> FrameReady:
@@ -224,16 +219,40 @@ class CudaRingProducer(RingProducer):
         return self._committed(slot, checksum, frame_seq, capture_ts_lsl)
 
     def _commit_device(self, slot: int, frame: torch.Tensor) -> int:
-        """Stage "device copy": Note [Frames born on the GPU], steps 1-3; the checksum is the
-        caller's tensor's (Note [Checksum of what the camera gave])."""
+        """Note [Frames born on the GPU], step 1, then `_to_slot` from the caller's tensor."""
         self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
         self.header.begin_write(slot)
+        return self._to_slot(slot, frame.view(-1))
+
+    def _to_slot(self, slot: int, private: torch.Tensor) -> int:
+        """Stage "to slot": the checksum of the producer's own device bytes, their copy into the
+        slot, the slot's event, and the checksum's value (one host sync): Note [Producer
+        checksum], steps 2-4."""
         with torch.cuda.stream(self.stream):
-            pending = frames.checksum_start(frame, self.checksum_kind)
-            self._slot_targets[slot].copy_(frame.view(-1), non_blocking=True)
+            pending = frames.checksum_start(private, self.checksum_kind)
+            if self.faults.delay_copy_cycles:
+                return self._to_slot_late(slot, private, pending)
+            self._slot_targets[slot].copy_(private, non_blocking=True)
             self.events[slot].record(self.stream)
             # On this stream: the fetch waits for the checksum and the copy queued before it.
             return frames.settle_checksums([pending])[0]
+
+    def _to_slot_late(self, slot: int, private: torch.Tensor,
+                      pending: frames.PendingChecksum) -> int:
+        """Broken on purpose (rule 3, `CudaFaults.delay_copy_cycles`): the copy into the slot
+        runs on a second stream behind a GPU sleep, after the checksum's value came back, so the
+        frame is published while its slot is still being written; only the event orders it."""
+        checksum = frames.settle_checksums([pending])[0]
+        late_copy = private.clone()  # the private buffer takes the next frame meanwhile
+        if self._late_stream is None:
+            self._late_stream = torch.cuda.Stream(device=self.device_index)
+        self._late_stream.wait_stream(self.stream)
+        with torch.cuda.stream(self._late_stream):
+            torch.cuda._sleep(self.faults.delay_copy_cycles)
+            self._slot_targets[slot].copy_(late_copy, non_blocking=True)
+            self.events[slot].record(self._late_stream)
+        late_copy.record_stream(self._late_stream)
+        return checksum
 
     def _corrupt_slot(self, slot: int) -> None:
         # The published slot changes under the consumer, generation intact.
@@ -248,9 +267,11 @@ class CudaRingProducer(RingProducer):
         _IN_PROCESS.pop(self.ring_epoch, None)
         try:
             self.stream.synchronize()
+            if self._late_stream is not None:
+                self._late_stream.synchronize()
         except Exception:
             pass
-        self.slots = self._slot_targets = None
+        self.slots = self._slot_targets = self._uploaded = None
         self._staging = self._staging_views = self._staged_view = None
         self.events = None
         if self.allocation is not None:
