@@ -67,8 +67,11 @@ run)
         boot_stop) step boot_stop python3 bench/pipeline.py --boot-stop-only --cameras 32 64 \
             --transports cuda_ipc --source synthetic-replay --hold-s 5 \
             --out "$STATE/boot-stop.json" --log-dir "$STATE/logs" ;;
-        gpu_tests) step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
-            --durations=30 tests ;;
+        gpu_tests) # The files whose code changes most often first, should the machine go back.
+            step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider --durations=30 \
+                tests/test_cuda_rules.py tests/test_foreign_writer.py tests/test_daemon_gpu.py \
+                tests/test_real_footage_gpu.py tests/test_nvdec_gpu.py tests/test_nvjpeg_gpu.py \
+                tests/test_analyze_nvdec_gpu.py tests ;;
         real_footage) step real_footage bash -c "cd bench && python3 real_footage.py \
             ${FACECAST_REAL_FOOTAGE//:/ } --out '$STATE/benchmarks-real-footage.json' \
             --log-dir '$STATE/logs'" ;;
