@@ -209,6 +209,27 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 # Convolutions and pooling
 
 
+# Note [Convolutions on the GPU]
+#     F.conv2d on CUDA runs cuDNN and then adds the bias in a pass of its own over the output
+#     (a broadcast, so PyTorch's slower non-vectorised elementwise kernel), and the activation in
+#     another. At the daemon's batches on the H100 (fp16, channels_last, each convolution 20
+#     times in a CUDA graph, bench/conv_kernels.py, 2026-11-26) those passes were most of the time:
+#     the full-range detector's convolutions at 288 inputs took 6.9 ms, 3.2 of them without
+#     their biases. So, on a GPU:
+#       - a 1x1 convolution (`is_pointwise`) is the matrix product of the NHWC rows
+#         (`pointwise_rows`): cuBLASLt adds the bias, and a ReLU, in the product's epilogue.
+#         Full-range detector 3.6 -> 1.5 ms for its 48 such convolutions, the attention mesh
+#         0.54 -> 0.29, the v2 landmarker 1.14 -> 0.64;
+#       - a depthwise convolution's bias moves into the 1x1 convolution that reads it
+#         (tflite_convert.fold_depthwise_bias, FacePipeline._prepare): the detector's
+#         depthwise convolutions 2.8 -> 1.3 ms without their biases (40 of its 42 qualify);
+#       - any other convolution with a ReLU and a bias is cuDNN's fused convolution, bias and
+#         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms.
+#     cuDNN's fused convolution + add + ReLU (for a residual add) was slower than all three
+#     passes (25 ms for the same depthwise convolutions), and PyTorch's own depthwise kernel
+#     slower than cuDNN's at these batches: neither is used. The sums are the same up to float
+#     rounding (fp16: the outputs of a 1x1 convolution within 1 unit in the last place).
+
 # Note [Convolutions on the CPU]
 #     On a GPU every convolution is F.conv2d (cuDNN). On the CPU, F.conv2d picks its kernel by a
 #     heuristic made for NCHW and several threads: with one thread (facecast's CPU stack) and a
@@ -274,7 +295,9 @@ class Conv2d(torch.nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.cpu_kernel if x.device.type == "cpu" else "conv2d"
+        if x.device.type != "cpu":
+            return self._forward_gpu(x)
+        kernel = self.cpu_kernel
         if kernel != "conv2d" and x.dtype != torch.float32:  # chosen for float32 weights
             kernel = "conv2d"
         if kernel == "linear":
@@ -291,6 +314,25 @@ class Conv2d(torch.nn.Module):
             y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
                          self.groups)
         return _apply_activation(y, self.activation)
+
+    def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
+        """Note [Convolutions on the GPU]."""
+        if self.is_pointwise():
+            return pointwise_rows(x, self.weight, self.bias, self.activation)
+        if self.explicit_padding is not None:
+            x = F.pad(x, self.explicit_padding)
+        if self.activation == 1 and self.bias is not None:
+            return torch.cudnn_convolution_relu(x, self.weight, self.bias, self.stride,
+                                                self.conv_padding, self.dilation, self.groups)
+        y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
+                     self.groups)
+        return _apply_activation(y, self.activation)
+
+    def is_pointwise(self) -> bool:
+        """A 1x1, stride-1, unpadded, ungrouped convolution: a matrix product of the NHWC rows."""
+        return (self.groups == 1 and tuple(self.weight.shape[2:]) == (1, 1)
+                and tuple(self.stride) == (1, 1) and tuple(self.dilation) == (1, 1)
+                and self.explicit_padding is None and tuple(self.conv_padding) == (0, 0))
 
     def covers_whole_input(self) -> bool:
         """True when the kernel spans the whole unpadded input (one output pixel: a fully
@@ -328,6 +370,21 @@ class Conv2d(torch.nn.Module):
             return self.cpu_kernel
         self.cpu_kernel = "onednn"
         return self.cpu_kernel
+
+
+def pointwise_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   activation: int) -> torch.Tensor:
+    """A 1x1 convolution (`Conv2d.is_pointwise`) of an NCHW tensor as the matrix product of its
+    NHWC rows, with the bias (and a ReLU) in the product's epilogue (Note [Convolutions on the
+    GPU]). Returns NCHW with channels_last strides, as cuDNN does for channels_last input."""
+    batch, channels, height, width = x.shape
+    rows = x.permute(0, 2, 3, 1).reshape(-1, channels)  # a view when x is channels_last
+    matrix = weight[:, :, 0, 0]
+    if activation == 1 and bias is not None:
+        y = torch._addmm_activation(bias, rows, matrix.t())
+    else:
+        y = _apply_activation(F.linear(rows, matrix, bias), activation)
+    return y.view(batch, height, width, -1).permute(0, 3, 1, 2)
 
 
 def _conv_bias(op: OpSpec) -> np.ndarray | None:

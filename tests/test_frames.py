@@ -77,6 +77,19 @@ def test_host_and_torch_agree_on_random_frames_of_odd_shapes():
             [frames.checksum_start(torch.from_numpy(unaligned))]) == [value]
 
 
+@pytest.mark.parametrize("nbytes", [7, 8200, 61 * 67 * 3])
+def test_a_checksum_in_scratch_memory_is_the_same_value(nbytes):
+    """The CUDA producer computes its private copy's checksum in place (Note [Producer
+    checksum]): the same value, and only a `scratch` frame's memory is written."""
+    flat = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    kept, scratch = torch.from_numpy(flat.copy()), torch.from_numpy(flat.copy())
+    assert frames.settle_checksums([frames.checksum_start(kept)]) == [defined_checksum(flat)]
+    assert frames.settle_checksums([frames.checksum_start(scratch, scratch=True)]) == [
+        defined_checksum(flat)]
+    assert np.array_equal(kept.numpy(), flat)
+    assert nbytes < 8 or not np.array_equal(scratch.numpy(), flat)  # written: it was scratch
+
+
 def test_the_weights_are_odd_so_every_word_and_tail_byte_has_an_invertible_weight():
     plan = frames.checksum_plan(FRAME_1080P[0] * FRAME_1080P[1] * 3 + 5)
     for weights in (plan.row_weights, plan.column_weights, plan.tail_weights):

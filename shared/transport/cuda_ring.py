@@ -31,8 +31,9 @@ Note [Producer checksum]
     1. a host frame's staged bytes (pinned) go to the producer's own device buffer (`_upload`,
        async on the producer's stream); a frame decoded on the GPU is the caller's own tensor
        already (Note [Frames born on the GPU]);
-    2. the slot's generation goes odd; the checksum of that private copy is queued, then its
-       device-to-device copy into the slot, then the slot's event (`_to_slot`);
+    2. the slot's generation goes odd; the private copy's device-to-device copy into the slot
+       is queued, then the slot's event, then the checksum of the private copy (`_to_slot`; of
+       a host frame's private copy in place, sparing a temporary of the frame's size);
     3. the checksum's value is fetched on the same stream: one host sync per frame, which waits
        for the upload, the checksum and the copy (the FrameReady must carry the value before it
        is sent). With blocking waits (Note [Blocking waits]) the camera's capture thread sleeps
@@ -146,7 +147,7 @@ class CudaRingProducer(RingProducer):
             pattern = torch.from_numpy(frames.test_pattern(self.slot_bytes, self.ring_epoch))
             self.slots[slot_count].copy_(pattern)
             # Load the checksum's kernels and weights now, not on the first frame.
-            frames.checksum_start(self._uploaded, self.checksum_kind)
+            frames.checksum_start(self._uploaded, self.checksum_kind, scratch=True)
             torch.cuda.synchronize(device_index)
         except TransportUnavailable:
             self.header.close()
@@ -195,7 +196,8 @@ class CudaRingProducer(RingProducer):
     def _commit(self, slot: int, pixels: np.ndarray) -> int:
         self._upload(slot)
         self.header.begin_write(slot)
-        return self._to_slot(slot, self._uploaded)  # Note [Producer checksum]
+        # Note [Producer checksum]; the private copy is scratch once it is in the slot.
+        return self._to_slot(slot, self._uploaded, scratch=True)
 
     def _upload(self, slot: int) -> None:
         """Stage "upload": the slot's staging bytes to the producer's own device buffer, async on
@@ -222,28 +224,28 @@ class CudaRingProducer(RingProducer):
         """Note [Frames born on the GPU], step 1, then `_to_slot` from the caller's tensor."""
         self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
         self.header.begin_write(slot)
-        return self._to_slot(slot, frame.view(-1))
+        return self._to_slot(slot, frame.view(-1), scratch=False)
 
-    def _to_slot(self, slot: int, private: torch.Tensor) -> int:
-        """Stage "to slot": the checksum of the producer's own device bytes, their copy into the
-        slot, the slot's event, and the checksum's value (one host sync): Note [Producer
-        checksum], steps 2-4."""
+    def _to_slot(self, slot: int, private: torch.Tensor, scratch: bool) -> int:
+        """Stage "to slot": the producer's own device bytes copied into the slot, the slot's
+        event, their checksum (in place when `scratch`: the copy into the slot is queued before
+        it) and its value (one host sync): Note [Producer checksum], steps 2-3."""
         with torch.cuda.stream(self.stream):
-            pending = frames.checksum_start(private, self.checksum_kind)
             if self.faults.delay_copy_cycles:
-                return self._to_slot_late(slot, private, pending)
+                return self._to_slot_late(slot, private, scratch)
             self._slot_targets[slot].copy_(private, non_blocking=True)
             self.events[slot].record(self.stream)
-            # On this stream: the fetch waits for the checksum and the copy queued before it.
+            pending = frames.checksum_start(private, self.checksum_kind, scratch=scratch)
+            # On this stream: the fetch waits for the copy and the checksum queued before it.
             return frames.settle_checksums([pending])[0]
 
-    def _to_slot_late(self, slot: int, private: torch.Tensor,
-                      pending: frames.PendingChecksum) -> int:
+    def _to_slot_late(self, slot: int, private: torch.Tensor, scratch: bool) -> int:
         """Broken on purpose (rule 3, `CudaFaults.delay_copy_cycles`): the copy into the slot
         runs on a second stream behind a GPU sleep, after the checksum's value came back, so the
         frame is published while its slot is still being written; only the event orders it."""
-        checksum = frames.settle_checksums([pending])[0]
         late_copy = private.clone()  # the private buffer takes the next frame meanwhile
+        pending = frames.checksum_start(private, self.checksum_kind, scratch=scratch)
+        checksum = frames.settle_checksums([pending])[0]
         if self._late_stream is None:
             self._late_stream = torch.cuda.Stream(device=self.device_index)
         self._late_stream.wait_stream(self.stream)

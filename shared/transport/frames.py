@@ -186,17 +186,20 @@ def _word_weights_on(nbytes: int, device: torch.device) -> tuple[torch.Tensor, t
             torch.from_numpy(plan.tail_weights.view(np.int64).copy()).to(device))
 
 
-def full_checksum_start(frame: torch.Tensor) -> PendingChecksum:
-    """Queue Note [Frame checksum] on the tensor's device (current stream); no host sync."""
+def full_checksum_start(frame: torch.Tensor, scratch: bool = False) -> PendingChecksum:
+    """Queue Note [Frame checksum] on the tensor's device (current stream); no host sync.
+    `scratch`: the frame's memory may be overwritten (the weighted words are computed in place,
+    sparing a temporary of the frame's size in int64 per call)."""
     import torch
 
     flat = frame.reshape(-1).view(torch.uint8)
     if flat.storage_offset() % WORD_BYTES:  # an int64 view needs word-aligned storage
-        flat = flat.clone()
+        flat, scratch = flat.clone(), True
     nbytes = flat.numel()
     word_weights, tail_weights = _word_weights_on(nbytes, flat.device)
     words_end = word_weights.numel() * WORD_BYTES
-    value = (flat[:words_end].view(torch.int64) * word_weights).sum()
+    words = flat[:words_end].view(torch.int64)
+    value = (words.mul_(word_weights) if scratch else words * word_weights).sum()
     if tail_weights.numel():
         value = value + (flat[words_end:].to(torch.int64) * tail_weights).sum()
     return PendingChecksum(value, 0)
@@ -264,10 +267,12 @@ def checksum(frame: np.ndarray, kind: ChecksumKind = "full") -> int:
     return full_checksum(frame) if check_kind(kind) == "full" else sparse_checksum(frame)
 
 
-def checksum_start(frame: torch.Tensor, kind: ChecksumKind = "full") -> PendingChecksum:
-    """Queue a tensor's checksum of this kind on its device (torch ops, on a CPU tensor too)."""
+def checksum_start(frame: torch.Tensor, kind: ChecksumKind = "full",
+                   scratch: bool = False) -> PendingChecksum:
+    """Queue a tensor's checksum of this kind on its device (torch ops, on a CPU tensor too);
+    `scratch`: the frame's memory may be overwritten (full_checksum_start)."""
     if check_kind(kind) == "full":
-        return full_checksum_start(frame)
+        return full_checksum_start(frame, scratch)
     return sparse_checksum_start(frame)
 
 

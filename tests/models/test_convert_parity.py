@@ -16,6 +16,7 @@ import torch
 from facecast.models.tflite_convert import (
     UnsupportedOp,
     convert,
+    fold_depthwise_bias,
     fuse_zero_padding,
     read_graph,
     use_cpu_kernels,
@@ -76,10 +77,12 @@ def _inputs(name: str, shape, photos) -> list[np.ndarray]:
 
 def convert_as_prepared(path, name: str, cpu_kernels: bool):
     """The converted module; with ``cpu_kernels`` as FacePipeline prepares it on the CPU (zero
-    PADs folded, Note [Convolutions on the CPU]: oneDNN with packed weights, F.linear)."""
+    PADs folded, depthwise biases moved (Note [Convolutions on the GPU]), Note [Convolutions on
+    the CPU]: oneDNN with packed weights, F.linear)."""
     module = convert(path, name=name).eval()
     if cpu_kernels:
         fuse_zero_padding(module)
+        fold_depthwise_bias(module)
         assert use_cpu_kernels(module).get("conv2d", 0) < sum(
             1 for step in module.steps if step.op_type in ("CONV_2D", "DEPTHWISE_CONV_2D"))
     return module

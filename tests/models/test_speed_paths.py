@@ -230,6 +230,81 @@ def test_folding_zero_pads_into_convolutions_changes_no_output(installed_models,
             assert (expected - got).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+@pytest.mark.parametrize("name, moved", [("face_detection_full_range", 40),
+                                         ("face_landmark_with_attention", 66)])
+def test_moving_depthwise_biases_into_their_readers_changes_no_output(installed_models, photos,
+                                                                      name, moved):
+    """Note [Convolutions on the GPU]: W (x + b) + c = W x + (W b + c), on real photos."""
+    _require_models(installed_models)
+    path = installed_models[name]
+    plain, folded = tflite_convert.convert(path).eval(), tflite_convert.convert(path).eval()
+    # Biases made large, so that a bias moved wrongly (or dropped) cannot pass unseen.
+    generator = torch.Generator().manual_seed(3)
+    for a, b in zip(plain.modules(), folded.modules()):
+        if isinstance(a, tflite_ops.Conv2d) and a.bias is not None:
+            a.bias = b.bias = torch.randn(a.bias.shape, generator=generator)
+    tflite_convert.fuse_zero_padding(plain)
+    tflite_convert.fuse_zero_padding(folded)
+    assert tflite_convert.fold_depthwise_bias(folded) == moved
+    assert tflite_convert.fold_depthwise_bias(folded) == 0
+    depthwise = [c for c in folded.modules() if isinstance(c, tflite_ops.Conv2d) and c.groups > 1]
+    assert sum(c.bias is None for c in depthwise) == moved
+    size = plain.input_shapes[0][1]
+    inputs = torch.from_numpy(np.stack([
+        cv2.resize(photo, (size, size), interpolation=cv2.INTER_AREA).astype(np.float32) / 127.5 - 1
+        for photo in photos.values()]))
+    with torch.no_grad():
+        for expected, got in zip(plain(inputs), folded(inputs)):
+            assert (expected - got).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("activation", [0, 1, 3])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_a_pointwise_convolution_as_rows_is_the_convolution(activation, layout):
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 16, 5, 7, generator=generator)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.randn(24, 16, 1, 1, generator=generator), torch.randn(24, generator=generator)
+    for b in (bias, None):
+        expected = tflite_ops._apply_activation(F.conv2d(x, weight, b), activation)
+        got = tflite_ops.pointwise_rows(x, weight, b, activation)
+        assert got.shape == expected.shape and got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_each_gpu_convolution_kernel_is_the_convolution(dtype):
+    """Note [Convolutions on the GPU]: rows with a bias epilogue (plain and ReLU), cuDNN's fused
+    ReLU, and F.conv2d otherwise, each against F.conv2d and the activation."""
+    generator = torch.Generator().manual_seed(11)
+    cases = [  # weight OIHW, stride, groups, padding_ltrb, activation
+        ((32, 16, 1, 1), (1, 1), 1, (0, 0, 0, 0), 0),
+        ((32, 16, 1, 1), (1, 1), 1, (0, 0, 0, 0), 1),
+        ((32, 16, 1, 1), (1, 1), 1, (0, 0, 0, 0), 3),
+        ((32, 16, 3, 3), (2, 2), 1, (0, 1, 0, 1), 1),
+        ((16, 1, 3, 3), (1, 1), 16, (1, 1, 1, 1), 0),
+        ((16, 1, 5, 5), (2, 2), 16, (1, 2, 1, 2), 1),
+    ]
+    x = torch.randn(8, 16, 24, 20, generator=generator)
+    for weight_shape, stride, groups, padding, activation in cases:
+        weight = torch.randn(weight_shape, generator=generator) * 0.2
+        bias = torch.randn(weight_shape[0], generator=generator)
+        conv = tflite_ops.Conv2d(weight.numpy(), bias.numpy(), stride, (1, 1), groups, padding,
+                                 activation)
+        expected = tflite_ops._apply_activation(F.conv2d(
+            F.pad(x, padding), weight, bias, stride, groups=groups), activation)
+        conv = conv.to("cuda", dtype=dtype)
+        conv.weight = conv.weight.contiguous(memory_format=torch.channels_last)
+        got = conv(x.to("cuda", dtype=dtype).contiguous(memory_format=torch.channels_last))
+        tolerance = 2e-2 if dtype == torch.float16 else 2e-3  # TF32 in cuDNN's float32
+        assert got.shape == expected.shape
+        assert torch.allclose(got.float().cpu(), expected, atol=tolerance, rtol=tolerance), \
+            (weight_shape, stride, groups, activation)
+
+
 def test_channel_prelu_is_the_tflite_formula(installed_models):
     _require_models(installed_models)
     alpha = torch.tensor([0.25, -0.5, 2.0]).reshape(1, 3, 1, 1)
