@@ -25,6 +25,7 @@
 #                 and on this tree, the same machine, one after the other (4)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (4)
+#   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32 (~1?)
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (~3?)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
@@ -132,6 +133,7 @@ run)
         newcomers) step newcomers python3 bench/pipeline.py --newcomers --cameras 8 32 \
             --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 12 \
             --out "$STATE/benchmarks-newcomers.json" --log-dir "$STATE/logs" ;;
+        conv) step conv python3 bench/conv_kernels.py --out "$STATE/conv-kernels.json" ;;
         kernels) if [ -f .footage/kernel_probe.py ]; then
                 COMPILE_MODELS=attention step kernels python3 .footage/kernel_probe.py \
                     "$STATE/kernels.jsonl"
@@ -148,7 +150,7 @@ run)
     ;;
 wait)
     # A machine given back between calls comes back bare: say so at once rather than wait.
-    if [ ! -f "$STATE/steps.txt" ]; then
+    if [ ! -f "$STATE/run.log" ]; then
         echo "gpu_check: no run on this machine (a fresh one: the last was given back)" >&2
         exit 3
     fi
