@@ -10,8 +10,9 @@ Variants, per convolution, with the model's own weights and the input it gets on
   PyTorch dw       F.conv2d with cuDNN disabled (depthwise convolutions)
   rows             a 1x1 convolution as the NHWC rows' matrix product, bias (and ReLU) in the
                    epilogue (tflite_ops.pointwise_rows)
-  facecast         the convolution as FacePipeline prepares it now (depthwise biases moved into
-                   their 1x1 readers, then Conv2d.forward's choice)
+  facecast         the convolution as FacePipeline prepares it now (in float32, depthwise
+                   biases moved into their 1x1 readers; then Conv2d.forward's choice)
+Every variant pads as the model needs (an explicit F.pad for TF's asymmetric SAME padding).
 The table sums each variant over the convolutions it applies to, by kind; "F.conv2d" and
 "facecast" apply to all, so their totals compare the models' whole convolution time.
 
@@ -84,24 +85,26 @@ def kind_of(conv: tflite_ops.Conv2d) -> str:
 
 
 def variants(before: tflite_ops.Conv2d, now: tflite_ops.Conv2d, x: torch.Tensor) -> dict:
-    padded = F.pad(x, before.explicit_padding) if before.explicit_padding is not None else x
+    def padded():  # TF's asymmetric SAME padding, a pass of its own in every variant
+        return F.pad(x, before.explicit_padding) if before.explicit_padding is not None else x
+
     w, b, act = before.weight, before.bias, before.activation
     geometry = (before.stride, before.conv_padding, before.dilation, before.groups)
     out = {
-        "F.conv2d": lambda: tflite_ops._apply_activation(F.conv2d(padded, w, b, *geometry), act),
-        "no bias": lambda: tflite_ops._apply_activation(F.conv2d(padded, w, None, *geometry), act),
+        "F.conv2d": lambda: tflite_ops._apply_activation(F.conv2d(padded(), w, b, *geometry), act),
+        "no bias": lambda: tflite_ops._apply_activation(F.conv2d(padded(), w, None, *geometry), act),
         "facecast": lambda: now(x),
     }
     if b is not None and act == 1:
-        out["fused ReLU"] = lambda: torch.cudnn_convolution_relu(padded, w, b, *geometry)
+        out["fused ReLU"] = lambda: torch.cudnn_convolution_relu(padded(), w, b, *geometry)
     if b is not None and act == 0:
-        zero = torch.zeros_like(F.conv2d(padded, w, None, *geometry))
+        zero = torch.zeros_like(F.conv2d(padded(), w, None, *geometry))
         out["fused add+ReLU"] = lambda: torch.cudnn_convolution_add_relu(
-            padded, w, zero, 1.0, b, *geometry)
+            padded(), w, zero, 1.0, b, *geometry)
     if before.groups > 1:
         def pytorch_depthwise():
             with torch.backends.cudnn.flags(enabled=False):
-                return tflite_ops._apply_activation(F.conv2d(padded, w, b, *geometry), act)
+                return tflite_ops._apply_activation(F.conv2d(padded(), w, b, *geometry), act)
         out["PyTorch dw"] = pytorch_depthwise
     if before.is_pointwise():
         out["rows"] = lambda: tflite_ops.pointwise_rows(x, w, b, act)

@@ -174,14 +174,15 @@ class FacePipeline:
 
     def _prepare(self, module: torch.nn.Module) -> torch.nn.Module:
         """A loaded model, ready to run here: zero PADs folded into their convolutions, depthwise
-        biases into the 1x1 convolutions that read them, on the
+        biases into the 1x1 convolutions that read them (float32), on the
         device, in the model dtype, eval mode; on CUDA with channels_last convolution weights (the
         activations already are: Note [Batch and layout]), which spares
         cuDNN a weight reorder per call; on the CPU each convolution with the kernel of Note
         [Convolutions on the CPU] (oneDNN with weights packed once, F.linear, or F.conv2d)."""
         if isinstance(module, tflite_convert.TFLiteModule):
             tflite_convert.fuse_zero_padding(module)
-            tflite_convert.fold_depthwise_bias(module)  # Note [Convolutions on the GPU]
+            if not self.half:  # Note [Convolutions on the GPU]: float32 only
+                tflite_convert.fold_depthwise_bias(module)
         module = module.to(self.device, dtype=self.model_dtype).eval()
         if self.device.type == "cuda":
             for conv in module.modules():

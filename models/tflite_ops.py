@@ -214,15 +214,18 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 #     (a broadcast, so PyTorch's slower non-vectorised elementwise kernel), and the activation in
 #     another. At the daemon's batches on the H100 (fp16, channels_last, each convolution 20
 #     times in a CUDA graph, bench/conv_kernels.py, 2026-11-26) those passes were most of the time:
-#     the full-range detector's convolutions at 288 inputs took 6.9 ms, 3.2 of them without
-#     their biases. So, on a GPU:
+#     the full-range detector's convolutions at 288 inputs took 6.9 ms in float16 (9.8 in
+#     float32), 3.2 (5.4) of them without their biases. So, on a GPU:
 #       - a 1x1 convolution (`is_pointwise`) is the matrix product of the NHWC rows
 #         (`pointwise_rows`): cuBLASLt adds the bias, and a ReLU, in the product's epilogue.
 #         Full-range detector 3.6 -> 1.5 ms for its 48 such convolutions, the attention mesh
 #         0.54 -> 0.29, the v2 landmarker 1.14 -> 0.64;
-#       - a depthwise convolution's bias moves into the 1x1 convolution that reads it
-#         (tflite_convert.fold_depthwise_bias, FacePipeline._prepare): the detector's
-#         depthwise convolutions 2.8 -> 1.3 ms without their biases (40 of its 42 qualify);
+#       - in float32, a depthwise convolution's bias moves into the 1x1 convolution that reads
+#         it (tflite_convert.fold_depthwise_bias, FacePipeline._prepare): the detector's
+#         depthwise convolutions 3.8 -> 2.0 ms without their biases (40 of its 42 qualify).
+#         Not in float16: there the moved bias, rounded to float16 as the 1x1 convolution's,
+#         moved one box of tests/models/test_speed_paths.py's 32-camera scene (min IoU against
+#         float32 without TF32: 0.9988 without the fold, 0.933 with it; H100);
 #       - any other convolution with a ReLU and a bias is cuDNN's fused convolution, bias and
 #         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms.
 #     cuDNN's fused convolution + add + ReLU (for a residual add) was slower than all three
