@@ -212,14 +212,17 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 # Note [Convolutions on the GPU]
 #     F.conv2d on CUDA runs cuDNN and then adds the bias in a pass of its own over the output
 #     (a broadcast, so PyTorch's slower non-vectorised elementwise kernel), and the activation in
-#     another. At the daemon's batches on the H100 (fp16, channels_last, each convolution 20
+#     another. At the daemon's batches on the H100 (channels_last, each convolution 20
 #     times in a CUDA graph, bench/conv_kernels.py, 2026-11-26) those passes were most of the time:
 #     the full-range detector's convolutions at 288 inputs took 6.9 ms in float16 (9.8 in
 #     float32), 3.2 (5.4) of them without their biases. So, on a GPU:
 #       - a 1x1 convolution (`is_pointwise`) is the matrix product of the NHWC rows
 #         (`pointwise_rows`): cuBLASLt adds the bias, and a ReLU, in the product's epilogue.
-#         Full-range detector 3.6 -> 1.5 ms for its 48 such convolutions, the attention mesh
-#         0.54 -> 0.29, the v2 landmarker 1.14 -> 0.64;
+#         Float16: full-range detector 3.5 -> 1.5 ms for its 48 such convolutions, the
+#         attention mesh 0.53 -> 0.38, the v2 landmarker 1.13 -> 0.63. In float32, cuDNN's
+#         fused convolution, bias and ReLU (below) is faster for those with a ReLU (the
+#         detector's 30: 2.8 ms as before, 2.0 as rows, 1.2 fused), rows for the rest (its 18:
+#         2.4 -> 1.3);
 #       - in float32, a depthwise convolution's bias moves into the 1x1 convolution that reads
 #         it (tflite_convert.fold_depthwise_bias, FacePipeline._prepare): the detector's
 #         depthwise convolutions 3.8 -> 2.0 ms without their biases (40 of its 42 qualify).
@@ -227,14 +230,14 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 #         moved one box of tests/models/test_speed_paths.py's 32-camera scene (min IoU against
 #         float32 without TF32: 0.9988 without the fold, 0.933 with it; H100);
 #       - any other convolution with a ReLU and a bias is cuDNN's fused convolution, bias and
-#         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms.
+#         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms (float16).
 #     cuDNN's fused convolution + add + ReLU (for a residual add) was slower than all three
 #     passes (25 ms for the same depthwise convolutions), and PyTorch's own depthwise kernel
 #     slower than cuDNN's at these batches: neither is used. The sums are the same up to float
 #     rounding (fp16: the outputs of a 1x1 convolution within 1 unit in the last place).
 
 # Note [Convolutions on the CPU]
-#     On a GPU every convolution is F.conv2d (cuDNN). On the CPU, F.conv2d picks its kernel by a
+#     On a GPU: Note [Convolutions on the GPU]. On the CPU, F.conv2d picks its kernel by a
 #     heuristic made for NCHW and several threads: with one thread (facecast's CPU stack) and a
 #     batch under 16 it sends every 1x1 convolution to its im2col+GEMM kernel ("thnn") and the
 #     rest to oneDNN with the weights reordered on every call. Measured on the 2-core AMD EPYC
@@ -320,11 +323,12 @@ class Conv2d(torch.nn.Module):
 
     def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         """Note [Convolutions on the GPU]."""
-        if self.is_pointwise():
+        fused_relu = self.activation == 1 and self.bias is not None
+        if self.is_pointwise() and not (fused_relu and x.dtype == torch.float32):
             return pointwise_rows(x, self.weight, self.bias, self.activation)
         if self.explicit_padding is not None:
             x = F.pad(x, self.explicit_padding)
-        if self.activation == 1 and self.bias is not None:
+        if fused_relu:
             return torch.cudnn_convolution_relu(x, self.weight, self.bias, self.stride,
                                                 self.conv_padding, self.dilation, self.groups)
         y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
