@@ -4,7 +4,8 @@ a CUDA graph (20 calls per replay, 3 replays) under every kernel that could serv
 
 Variants, per convolution, with the model's own weights and the input it gets on a real forward:
   F.conv2d         what facecast ran before: cuDNN, then the bias and the activation as passes
-  no bias          F.conv2d without the bias (a floor, not a result: the outputs are wrong)
+  no bias          F.conv2d without the bias (a reference for the bias passes' cost, not a result:
+                   the outputs are wrong)
   fused ReLU       torch.cudnn_convolution_relu (convolutions with a ReLU)
   fused add+ReLU   torch.cudnn_convolution_add_relu with a zero residual (convolutions without)
   PyTorch dw       F.conv2d with cuDNN disabled (depthwise convolutions)
