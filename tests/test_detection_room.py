@@ -1,0 +1,198 @@
+"""Note [Detection while the device has room], the detection worker's own loop: with room, every
+camera's frames are searched about every other frame, also where the cameras publish their frames
+a millisecond apart, as a daemon's cameras do (issue 24 item 5: at 8 cameras on the H100 a
+newcomer was published p50 4 frames, at most 14, after their first frame).
+
+No daemon: `DetectionWorker.step` runs against a frame bus, a detector and a clock played by the
+test. The bus behaves as FrameSubscriber.receive does: a poll until the first frame comes, then
+the newest frame of each camera that has arrived, taken off the bus, read only where `wanted`
+says so (the others are passed over)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from facecast.shared.stats import StageTimer
+from facecast.shared.transport.messages import MessageGate
+from facecast.workers.inference import detection
+from facecast.workers.inference.detection import MAX_BUS_WAIT_S, DetectionWorker
+
+FRAME_PERIOD_S = 1 / 30
+PASS_S = 0.008  # a pass over any number of cameras, on the played clock
+CAMERAS = ("cam00", "cam01", "cam02", "cam03")
+PUBLISH_OFFSET_S = 0.001  # camera k publishes its frame k ms into each tick
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+
+@dataclass
+class _Message:
+    camera_id: str
+    frame_seq: int
+    ring_epoch: int = 1
+
+    @property
+    def capture_ts_lsl(self) -> float:
+        return self.frame_seq * FRAME_PERIOD_S
+
+
+@dataclass
+class _Frame:
+    message: _Message
+    tensor: torch.Tensor
+
+
+class Bus:
+    """The cameras' frames as FrameSubscriber.receive hands them out (module docstring)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.taken_up_to: dict[str, int] = {camera_id: -1 for camera_id in CAMERAS}
+        self.reads_s: list[float] = []  # when frames were taken off the bus
+
+    @staticmethod
+    def published_s(camera_index: int, frame_seq: int) -> float:
+        return frame_seq * FRAME_PERIOD_S + camera_index * PUBLISH_OFFSET_S
+
+    def _arrived(self) -> dict[str, int]:
+        """Per camera, the newest frame on the bus that was not taken yet."""
+        arrived = {}
+        for index, camera_id in enumerate(CAMERAS):
+            newest = math.floor((self.clock.now_s - index * PUBLISH_OFFSET_S) / FRAME_PERIOD_S
+                                + 1e-9)
+            if newest > self.taken_up_to[camera_id]:
+                arrived[camera_id] = newest
+        return arrived
+
+    def receive(self, timeout_ms: int = 100, wanted=None) -> list[_Frame]:
+        self.reads_s.append(self.clock.now_s)
+        arrived = self._arrived()
+        if not arrived:  # the poll: until the next frame is published, or the timeout
+            next_s = min(self.published_s(index, self.taken_up_to[camera_id] + 1)
+                         for index, camera_id in enumerate(CAMERAS))
+            self.clock.now_s = min(next_s, self.clock.now_s + timeout_ms / 1e3)
+            arrived = self._arrived()
+        frames = []
+        for camera_id, frame_seq in arrived.items():
+            self.taken_up_to[camera_id] = frame_seq
+            if wanted is None or wanted(camera_id):
+                frames.append(_Frame(_Message(camera_id, frame_seq), torch.zeros(4, 4, 3)))
+        return frames
+
+
+class Requests:
+    """The DetectionWanted socket, with nobody asking: a poll only lets the clock run."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        self.clock.now_s += timeout_ms / 1e3
+        return 0
+
+
+class Detector:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def detect(self, frames):
+        self.clock.now_s += PASS_S
+        return [(torch.zeros(0, 4), torch.zeros(0, 6, 2), torch.zeros(0)) for _ in frames]
+
+
+class Published:
+    def __init__(self) -> None:
+        self.frames: dict[str, set[int]] = {camera_id: set() for camera_id in CAMERAS}
+
+    def send_multipart(self, parts) -> None:
+        found = detection.messages.decode(parts[1])
+        self.frames[found.camera_id].add(found.frame_seq)
+
+
+def _worker(clock: Clock, share: float, interval_s: float = 0.5
+            ) -> tuple[DetectionWorker, Published]:
+    """A booted DetectionWorker's state, with the test's bus, detector and sockets."""
+    worker = DetectionWorker.__new__(DetectionWorker)
+    worker.config = SimpleNamespace(daemon=SimpleNamespace(detect_interval_s=interval_s))
+    worker.camera_ids = list(CAMERAS)
+    worker.torch_device = torch.device("cpu")
+    worker.pipeline = Detector(clock)
+    worker.timer = StageTimer()
+    worker.rates, worker.faces = {}, {}
+    worker._last_pass_monotonic = {}
+    worker._wanted = set()
+    worker.detection_share = share
+    worker._room_from_monotonic = float("-inf")
+    worker._bus_read_monotonic = float("-inf")
+    worker._requests_gate = MessageGate("detection requests")
+    worker.requests = Requests(clock)
+    worker.subscriber = Bus(clock)
+    worker.detections = Published()
+    return worker, worker.detections
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25])
+def test_with_room_every_camera_is_searched_about_every_other_frame(monkeypatch, share):
+    """Passes of 8 ms in 33 ms frames have room at share 0.5 and 0.25 for a pass over every
+    camera every frame or two. Before, the frames that came while the device had no room were
+    taken off the bus and passed over: a pass over the first camera of a tick left the three
+    others, a millisecond behind it, to the `detect_interval_s` passes (2 of 30 frames)."""
+    clock = Clock()
+    monkeypatch.setattr(detection, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(detection, "FrameBatch", lambda frames, device: frames)
+    worker, published = _worker(clock, share)
+    while clock.now_s < 1.0:
+        worker.step()
+    frames = int(1.0 / FRAME_PERIOD_S)
+    for camera_id, searched in published.frames.items():
+        longest_gap = max(b - a for a, b in zip(sorted(searched), sorted(searched)[1:]))
+        assert len(searched) >= frames / 2 and longest_gap <= 2, (camera_id, sorted(searched))
+
+
+def _slow_passes(worker: DetectionWorker, clock: Clock, pass_s: float) -> None:
+    def detect(frames):
+        clock.now_s += pass_s
+        return [(torch.zeros(0, 4), torch.zeros(0, 6, 2), torch.zeros(0)) for _ in frames]
+    worker.pipeline.detect = detect
+
+
+def test_without_room_a_camera_is_still_searched_every_interval(monkeypatch):
+    """At the CPU's share (0.1) a pass may start 9 passes' time after the last one ended: the
+    interval's passes (`detect_interval_s`) go on regardless, for every camera."""
+    clock = Clock()
+    monkeypatch.setattr(detection, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(detection, "FrameBatch", lambda frames, device: frames)
+    worker, published = _worker(clock, 0.1)
+    _slow_passes(worker, clock, 0.1)  # room 0.9 s after each pass
+    while clock.now_s < 3.0:
+        worker.step()
+    for camera_id, searched in published.frames.items():
+        times = sorted(frame_seq * FRAME_PERIOD_S for frame_seq in searched)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert len(times) >= 5 and max(gaps) <= 0.5 + 0.1 + 2 * FRAME_PERIOD_S, (camera_id, times)
+
+
+def test_frames_wait_on_the_bus_for_room_at_most_max_bus_wait_s(monkeypatch):
+    """Room 0.9 s after each pass and no interval to end the wait: the frames are still taken
+    off the bus every MAX_BUS_WAIT_S (and passed over), since a full queue drops the newest."""
+    clock = Clock()
+    monkeypatch.setattr(detection, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(detection, "FrameBatch", lambda frames, device: frames)
+    worker, _ = _worker(clock, 0.1, interval_s=60.0)
+    _slow_passes(worker, clock, 0.1)
+    while clock.now_s < 3.0:
+        worker.step()
+    reads_s = worker.subscriber.reads_s
+    # A pass (100 ms) and one poll of the wait (50 ms) beyond the limit at most.
+    assert max(b - a for a, b in zip(reads_s, reads_s[1:])) <= MAX_BUS_WAIT_S + 0.1 + 0.05 + 1e-9
