@@ -35,8 +35,8 @@ Note [Staged writes]
     staging buffer, handed out only once the slot's previous upload from it has finished (its
     event); on shm one private buffer, copied into the slot at commit (there staging saves no
     copy; it is offered so that sources need not know the transport). The generation goes odd
-    when the slot's content starts to change (the shm copy, the CUDA upload). Note [Checksum of
-    what the camera gave] says why the memory is private.
+    when the slot's content starts to change (the shm copy, the CUDA copy into the slot).
+    Note [Checksum of what the camera gave] says why the memory is private.
 
 Note [Checksum of what the camera gave]
     A frame's checksum says what the camera handed over, so it is computed from the producer's
@@ -50,45 +50,6 @@ Note [Checksum of what the camera gave]
     computed on the GPU from the decoder's converted frame, a tensor of the producer's own,
     never from the slot it is copied into; on an shm ring it comes to a private host copy
     first, and the checksum is that copy's.
-
-Note [The consumer's own copy]). Any
-    difference means the frame was overwritten while it was copied: it is dropped and counted,
-    never handed on. DESIGN.md §2 rule 4; guarded by tests/test_shm_ring.py and
-    tests/test_cuda_rules.py::test_rule4_*.
-
-Note [Probe slot]
-    Slot `slot_count` (one past the last frame slot) never carries frames. The producer fills it
-    with `frames.test_pattern(slot_bytes, epoch)` when it creates the ring; a consumer compares it
-    byte for byte, through its own mapping, before it accepts any frame of that epoch. A mapping at
-    the wrong address, of the wrong allocation or of an earlier epoch cannot pass.
-
-Note [Staged writes]
-    `write(frame)` copies a finished frame into the ring: into the shm slot, or into the CUDA
-    ring's pinned staging buffer for the slot, from which it goes to the GPU. At 1080p that is
-    6 MB, about a millisecond of one core: the largest host cost of a frame (see the stage table
-    of bench/transport.py). A source that can decode or render into memory it is given takes
-    `staging_view()` instead, writes the frame there and calls `publish_staged()`: the capture
-    worker does so for the sources OpenCV decodes (V4L2, streams, files and the encoded
-    synthetic loops on the CPU: `FrameSource.decodes_into`), whose retrieve writes into the view
-    in place of a new array that `write` would copy again. The view is
-    always producer-private memory, never the slot that consumers map: on CUDA the slot's pinned
-    staging buffer, handed out only once the slot's previous upload from it has finished (its
-    event); on shm one private buffer, copied into the slot at commit (there staging saves no
-    copy; it is offered so that sources need not know the transport). The generation goes odd
-    when the slot's content starts to change (the shm copy, the CUDA upload). Note [Checksum of
-    what the camera gave] says why the memory is private.
-
-Note [Checksum of what the camera gave]
-    A frame's checksum says what the camera handed over, so it is computed from the producer's
-    private bytes (the caller's frame, or the staging buffer), on the host, before or while they
-    go to the slot; never from the slot itself. A checksum taken from shared memory certifies
-    whatever is there: a third process that writes into a slot while the producer fills it (a
-    writer looping over every slot, the one being filled included, did so on shm) would have its
-    bytes certified and accepted by every consumer. On CUDA the upload's host work overlaps the
-    DMA (Note [Producer checksum]). A frame decoded on the GPU (Note [Frames born on the GPU])
-    is the same rule on the device: its checksum is computed on the GPU from the decoder's
-    converted frame, a tensor of the producer's own, never from the slot it is copied into; on
-    an shm ring it comes to a private host copy first, and the checksum is that copy's.
 
 Note [The consumer's own copy]
     Every reader hands out its own copy of the slot, never the slot itself: a host copy, a DMA
