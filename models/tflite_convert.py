@@ -428,6 +428,15 @@ def use_cpu_kernels(module: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
+def _readers(module: TFLiteModule) -> dict[int, list]:
+    """Tensor slot -> the steps that read it."""
+    readers: dict[int, list] = {}
+    for step in module.steps:
+        for slot in step.input_slots:
+            readers.setdefault(slot, []).append(step)
+    return readers
+
+
 def fold_depthwise_bias(module: TFLiteModule) -> int:
     """Move the bias of each depthwise convolution without activation into the 1x1 convolution
     that is its only reader: W (x + b) + c = W x + (W b + c), so the depthwise convolution runs
@@ -435,15 +444,13 @@ def fold_depthwise_bias(module: TFLiteModule) -> int:
 
     On a GPU a convolution's bias is a separate pass over its output (PyTorch adds it after
     cuDNN), and the depthwise convolutions' outputs are the detectors' largest activations: at
-    the daemon's batches (H100, fp16, in a CUDA graph) the full-range detector's 42 depthwise
-    biases took 1.6 of its 6.9 ms of convolutions (Note [Convolutions on the GPU]). Only 1x1,
+    the daemon's batches (H100, float32, in a CUDA graph) the full-range detector's depthwise
+    convolutions took 3.8 ms with their biases, 2.0 without (Note [Convolutions on the GPU],
+    which also says why FacePipeline does this in float32 only). Only 1x1,
     unpadded, stride-1 readers qualify (a padded reader would add W b at the border too), and
     only when the depthwise output is not a model output. The sums are the same up to float
     rounding (float64 here). Returns how many biases moved; applying it twice moves nothing."""
-    readers: dict[int, list] = {}
-    for step in module.steps:
-        for slot in step.input_slots:
-            readers.setdefault(slot, []).append(step)
+    readers = _readers(module)
     folded = 0
     for step in module.steps:
         depthwise = step.compute
@@ -477,10 +484,7 @@ def fuse_zero_padding(module: TFLiteModule) -> int:
     folded PAD's output no longer exists for :meth:`TFLiteModule.trace`. Returns how many PADs
     were folded; applying it twice folds nothing more.
     """
-    readers: dict[int, list] = {}
-    for step in module.steps:
-        for slot in step.input_slots:
-            readers.setdefault(slot, []).append(step)
+    readers = _readers(module)
     kept, folded = [], 0
     for step in module.steps:
         pad = step.compute
