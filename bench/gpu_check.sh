@@ -15,7 +15,9 @@
 #                 definitions on both sides, bench/accounting.py) (5-6)
 #   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle (2)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
-#                 (needs .whl2a/.whl2b installed) (about 12)
+#                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU)
+#   decode_profile  where the capture, roi_landmark and detection workers' CPU goes at 64
+#                 NVDEC-decoded synthetic-h264 cameras (py-spy, --profile-roles) (2.5)
 #   two_gpus      issue 22 item 4, on the nvidia-h100-x2 kind: 64 synthetic-h264 cameras on one
 #                 GPU (CUDA_VISIBLE_DEVICES=0, Note [Visible GPUs]) against 128 on both, NVDEC
 #                 decoding (needs .whl2a/.whl2b; never run yet: ~6?)
@@ -28,6 +30,8 @@
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32 (1)
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
+#   stages        where the face stacks' and the detection pass's GPU time goes, step by step
+#                 (.footage/stage_probe.py when carried: kernel time under each step, eager) (2?)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
 #                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
@@ -129,8 +133,12 @@ run)
                 step "decode-$decode" python3 bench/pipeline.py --cameras 8 16 32 48 64 \
                     --transports cuda_ipc --source synthetic-h264 --decode "$decode" \
                     --warmup-s 4 --measure-s 10 \
-                    --out "$STATE/benchmarks-decode-$decode.json" --log-dir "$STATE/logs"
+                    --out "$STATE/benchmarks-decode-$decode.json" --log-dir "$STATE/logs-decode-$decode"
             done ;;
+        decode_profile) step decode_profile python3 bench/pipeline.py --cameras 64 \
+            --transports cuda_ipc --source synthetic-h264 --decode gpu --warmup-s 4 \
+            --measure-s 10 --profile-roles capture roi_landmark detection \
+            --out "$STATE/benchmarks-decode-profile.json" --log-dir "$STATE/logs-decode-profile" ;;
         two_gpus)
             CUDA_VISIBLE_DEVICES=0 step two_gpus-one python3 bench/pipeline.py --cameras 64 \
                 --transports cuda_ipc --source synthetic-h264 --decode gpu --warmup-s 4 \
@@ -148,6 +156,11 @@ run)
                     "$STATE/kernels.jsonl"
             else
                 echo "$(date -u +%H:%M:%S) kernels: no .footage/kernel_probe.py" >> "$STATE/steps.txt"
+            fi ;;
+        stages) if [ -f .footage/stage_probe.py ]; then
+                step stages python3 .footage/stage_probe.py "$STATE/stages.jsonl"
+            else
+                echo "$(date -u +%H:%M:%S) stages: no .footage/stage_probe.py" >> "$STATE/steps.txt"
             fi ;;
         analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
             --files-at-once 8 --repeats 2 --frames 240 --skip-inline --litert-threads 1 8 \

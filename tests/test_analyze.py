@@ -143,6 +143,7 @@ def test_every_frame_is_a_row_with_its_faces_on_the_truth_and_stable_ids(analyse
         assert all(row["problem"] == "" for row in mine)
         truth = scene.faces_at(capture_ts_lsl)
         assert len(mine) == len(truth) == 2, (index, mine)
+        assert int(mine[0]["track_id"]) < int(mine[1]["track_id"])  # a frame's faces by id
         for face in truth:
             near = [row for row in mine if box_close(face.box_px, [tuple(
                 float(row[k]) for k in ("box_x1", "box_y1", "box_x2", "box_y2"))], BOX_TOLERANCE)]
@@ -316,7 +317,9 @@ def test_offline_results_equal_the_live_workers_on_the_same_frames(pipeline, rec
         ids = track_ids.assign([face.box for face in faces], capture_ts_lsl)
         mine = [row for row in table if int(row["frame"]) == index]
         assert len(mine) == len(faces) == 2
-        for track_id, face, row in zip(ids, faces, mine):
+        by_id = {int(row["track_id"]): row for row in mine}  # a frame's rows: by track id
+        for track_id, face in zip(ids, faces):
+            row = by_id[track_id]
             result = FaceResult(
                 track_id=track_id, presence=face.presence, score=face.score, box_px=face.box,
                 head_pose_deg=face.head_pose, head_translation_cm=face.head_translation_cm,

@@ -795,7 +795,11 @@ class Analyzer:
             return
         item.counts.frames_with_faces += 1
         names = self._participants(item, frame, ids, faces)
-        for track_id, face, name in zip(ids, faces, names):
+        # A frame's rows by track id, not by the faces' rank: two faces of nearly the same
+        # presence swap ranks on a grey level (NVDEC's frames against PyAV's did, 2026-11-26),
+        # and a table read row by row should not change with it.
+        rows = sorted(zip(ids, faces, names), key=lambda row: (row[0] is None, row[0] or 0))
+        for track_id, face, name in rows:
             item.counts.faces += 1
             sample = self.layout.sample(FaceSample(
                 track_id=track_id, presence=face.presence, box_px=face.box,
