@@ -32,6 +32,7 @@ from facecast.shared.transport.rings import ShmRingProducer, ShmRingReader, Verd
 from facecast.workers.capture import decoding, nvdec
 from facecast.workers.capture import worker as capture_worker
 from facecast.workers.capture.decoding import DecodeChoice, DecodeRequest, GpuDecodeFailed
+from facecast.workers.capture.gpu_decoded import PacketReader
 from facecast.workers.capture.nvdec import YuvToBgr, nv12_to_bgr
 from facecast.workers.capture.sources import (
     EncodedSyntheticLoop,
@@ -428,6 +429,29 @@ def test_the_gpu_paths_synthetic_camera_shows_its_truth(cpu_nvdec):
         # round the whole loop for the frame just shown (sources.capture_in_a_new_tick).
         sent = (time.monotonic() - opened_monotonic) * camera.fps
         assert opened.frames_decoded <= sent + opened.encoded.frame_count + 3
+
+
+@pytest.mark.parametrize("codec", ["h264", "mjpeg"])
+def test_a_rewound_encoded_loop_gives_the_packets_of_a_fresh_open(codec):
+    """The encoded synthetic loop starts again by a seek, not a new open (PacketReader.rewind):
+    round after round, the same bytes, keyframe flags included, as the first open gave."""
+    camera = CameraConfig(id="loop", source=f"synthetic-{codec}", width=320, height=240)
+    loop = EncodedSyntheticLoop(SyntheticReplay.for_camera(camera), codec, name="loop")
+    try:
+        fresh = PacketReader(str(loop.path))
+        first_round = [fresh.read()[:2] for _ in range(loop.frame_count)]
+        fresh.close()
+        assert first_round[0][1], "the loop starts with a keyframe"
+        reader = PacketReader(str(loop.path))
+        for _ in range(loop.frame_count):
+            reader.read()
+        for _ in range(2):
+            assert reader.read() is None
+            reader.rewind()
+            assert [reader.read()[:2] for _ in range(loop.frame_count)] == first_round
+        reader.close()
+    finally:
+        loop.close()
 
 
 @pytest.mark.parametrize("name, codec, pix_fmt, reason", [
