@@ -42,8 +42,13 @@ NVDEC_SETTINGS = va.Settings(resume_every_frames=RESUME_EVERY, decode="gpu")
 # blendshapes below 0.05; but the gaze blendshapes follow the irises, a pixel or two in a crop,
 # and after a fallback mid-file (which changes the frames the tracker follows from) one of them
 # moved by 0.139 (eyeLookOutLeft). So blendshapes are held by their mean over a face (the
-# expression) and each one only against a gross error.
+# expression) and each one only against a gross error. Boxes follow the landmarks, which the
+# mesh gives at its crop's resolution (a 192-256 px crop of about 1.5 face widths): what a grey
+# level moves grows with the face, so a box is held to PIXELS_ATOL or BOX_WIDTH_RTOL of its
+# width, whichever is more (on the H100, 2026-11-26: 1.66 px at frame 14 of the 1080p file,
+# whose faces are ~300 px wide, under a crop pixel there).
 PIXELS_ATOL = 1.5
+BOX_WIDTH_RTOL = 0.01
 SCORES_ATOL = 0.1
 DEGREES_ATOL = 2.0
 BLENDSHAPES_MEAN_ATOL = 0.02
@@ -84,8 +89,9 @@ def _assert_same_rows(rows: list[dict], reference: list[dict]) -> None:
                 blendshape_differences.append(difference)
                 tolerance = BLENDSHAPE_ATOL
             else:
-                tolerance = (PIXELS_ATOL if name.startswith("box_") else DEGREES_ATOL
-                             if name.startswith("head_") else SCORES_ATOL)
+                width_px = float(expected["box_x2"]) - float(expected["box_x1"])
+                tolerance = (max(PIXELS_ATOL, BOX_WIDTH_RTOL * width_px) if name.startswith("box_")
+                             else DEGREES_ATOL if name.startswith("head_") else SCORES_ATOL)
             assert difference <= tolerance, (row["frame"], name, text, expected[name])
         if blendshape_differences:
             assert np.mean(blendshape_differences) <= BLENDSHAPES_MEAN_ATOL, (
