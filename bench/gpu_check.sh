@@ -31,7 +31,7 @@
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
 #   stages        where the face stacks' and the detection pass's GPU time goes, step by step
-#                 (.footage/stage_probe.py when carried: kernel time under each step, eager) (2?)
+#                 (bench/model_stages.py: kernel time under each step, and the graphed wall) (2)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
 #                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
@@ -157,11 +157,7 @@ run)
             else
                 echo "$(date -u +%H:%M:%S) kernels: no .footage/kernel_probe.py" >> "$STATE/steps.txt"
             fi ;;
-        stages) if [ -f .footage/stage_probe.py ]; then
-                step stages python3 .footage/stage_probe.py "$STATE/stages.jsonl"
-            else
-                echo "$(date -u +%H:%M:%S) stages: no .footage/stage_probe.py" >> "$STATE/steps.txt"
-            fi ;;
+        stages) step stages python3 bench/model_stages.py --out "$STATE/benchmarks-model-stages.json" ;;
         analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
             --files-at-once 8 --repeats 2 --frames 240 --skip-inline --litert-threads 1 8 \
             --work "$STATE/analyze" --out "$STATE/benchmarks-analyze-gpu.json" --docs '' ;;

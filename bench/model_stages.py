@@ -1,0 +1,264 @@
+"""Where each model stack's device time goes, step by step: the face stacks (attention mesh, MediaPipe
+FaceLandmarker) at one batch of faces and the detection pass over C 1080p frames.
+
+    python bench/model_stages.py                     # on a GPU: fp16 and fp32, batch 64, 32 cameras
+    python bench/model_stages.py --quick             # CPU check: batch 4, 2 cameras, fp32
+
+On the offline GPU host: `bash bench/gpu_check.sh start stages` (bench/gpu_host_env.sh first).
+
+What is measured
+----------------
+Each stack runs eagerly under torch.profiler with a ``record_function`` scope around each of its
+steps (the crops, the landmark model, the blendshape model, the duplicate filter, the facial
+transformation matrix, head pose, decoding, projection, weighted NMS, the merge: see STEPS). Every
+operator's own kernel time (its ``self_device_time_total``) is given to the innermost step around
+it, so a step's figure is the device's busy time for it, without the launch gaps an eager run has
+between kernels; "kernels" is how many it launched. The same stack is then timed replayed from its
+CUDA graphs (``cuda_graphs=True``), wall milliseconds with the device synchronised, as the daemon
+runs it (`stack`: results on the device; `results`: Face objects on the host). On the CPU the
+figures are each operator's own CPU time instead (a check that the script runs, not a figure to
+report). The inputs are bench/models.py's: faces of real photos pasted into 1080p frames, the
+ROIs from the float32 pipeline's detections, repeated up to the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import models as models_bench  # bench/models.py (this folder is on sys.path)
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (module, attribute, step name): the functions whose calls are scoped. The landmark model's own
+# forward is scoped per pipeline (`_scope_mesh`).
+STEPS = (
+    ("roi", "crop_rois", "crops"),
+    ("roi", "project_points", "projection"),
+    ("roi", "project_boxes", "projection"),
+    ("face_mesh", "refine_attention_mesh", "mesh decoding"),
+    ("face_landmarker", "decode", "mesh decoding"),
+    ("blendshapes", "blendshapes", "blendshape model"),
+    ("face_mesh", "boxes_from_landmarks", "boxes"),
+    ("face_mesh", "landmark_bounds", "duplicate filter"),
+    ("face_mesh", "drop_overlapping_batched", "duplicate filter"),
+    ("face_geometry.FaceGeometry", "matrices", "transformation matrix"),
+    ("face_mesh", "head_pose_from_matrices", "head pose"),
+    ("face_mesh", "head_pose_deg", "head pose"),
+    ("face_detection.anchors_mod", "decode", "anchor decoding"),
+    ("face_detection", "weighted_nms", "weighted NMS"),
+    ("face_detection.FaceDetector", "merge", "merge"),
+)
+SCOPE = "step:"
+
+
+def install_scopes() -> None:
+    """Wrap every STEPS function in a record_function scope named after its step."""
+    import importlib
+
+    from torch.profiler import record_function
+
+    for where, attribute, step in STEPS:
+        module_name, _, class_name = where.partition(".")
+        owner = importlib.import_module(f"facecast.models.{module_name}")
+        for part in filter(None, class_name.split(".")):
+            owner = getattr(owner, part)
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def scoped(*args, _original=original, _name=SCOPE + step, **kwargs):
+            with record_function(_name):
+                return _original(*args, **kwargs)
+
+        setattr(owner, attribute, scoped)
+    # The detector's two forwards, told apart by their argument.
+    from facecast.models.face_detection import FaceDetector
+
+    outputs = FaceDetector.outputs
+
+    def scoped_outputs(self, full_range, crops):
+        with record_function(SCOPE + ("full-range detector" if full_range else "short-range detector")):
+            return outputs(self, full_range, crops)
+
+    FaceDetector.outputs = scoped_outputs
+
+
+def _scope_mesh(pipeline, name: str) -> None:
+    from torch.profiler import record_function
+
+    mesh = pipeline.measurer.mesh
+    forward = mesh.forward
+
+    def scoped(*args, **kwargs):
+        with record_function(SCOPE + name):
+            return forward(*args, **kwargs)
+
+    mesh.forward = scoped
+
+
+def steps_of(run, device) -> dict:
+    """{step: [kernels, µs]} of one eager call of ``run`` (see the module's docstring)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    for _ in range(2):  # cuDNN's choices and the caches made before the profiled call
+        run()
+    if cuda:
+        torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    found: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type.name != "CPU" or event.name.startswith(SCOPE):
+            continue
+        spent_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if spent_us <= 0:
+            continue
+        parent, step = event.cpu_parent, "other"
+        while parent is not None:
+            if parent.name.startswith(SCOPE):
+                step = parent.name[len(SCOPE):]
+                break
+            parent = parent.cpu_parent
+        row = found.setdefault(step, [0, 0.0])
+        row[0] += 1
+        row[1] += spent_us
+    return {step: [count, round(us, 1)] for step, (count, us) in
+            sorted(found.items(), key=lambda item: -item[1][1])}
+
+
+def wall_ms(run, device, iters: int) -> float:
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        run()
+    sync()
+    started = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return (time.perf_counter() - started) / iters * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    parser.add_argument("--quick", action="store_true", help="batch 4, 2 cameras, fp32: a check on the CPU")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--cameras", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--face-landmarker-task", default=str(REPO / ".models" / "face_landmarker.task"))
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-model-stages.json")
+    args = parser.parse_args()
+
+    import torch
+
+    from facecast.models import roi
+    from facecast.models.pipeline import FacePipeline
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    if args.quick:
+        args.batch, args.cameras, args.iters = 4, 2, 1
+    task = args.face_landmarker_task if Path(args.face_landmarker_task).exists() else None
+    install_scopes()
+    photos = models_bench.load_photos(None)
+    scenes = [models_bench.make_scene(photos, 37 * k) for k in range(max(args.cameras, 8))]
+    data = {"machine": models_bench.machine_info(device), "command": " ".join(["python3"] + sys.argv),
+            "batch": args.batch, "cameras": args.cameras, "figures": "device µs" if cuda else "CPU µs",
+            "rows": []}
+    with torch.inference_mode():
+        batch8 = roi.FrameBatch(torch.from_numpy(np.stack(scenes[:8])).to(device), device)
+        owners_all, boxes_all, keypoints_all, scores_all = models_bench.face_pool(
+            FacePipeline(device, max_faces=4), batch8)
+        pick = [k % len(owners_all) for k in range(args.batch)]
+        index = torch.tensor(pick, device=device)
+        owners = [owners_all[k] for k in pick]
+        boxes, scores = boxes_all[index], scores_all[index]
+        rects = roi.rects_from_detections(boxes, keypoints_all[index])
+        frames = torch.from_numpy(np.stack(scenes[:args.cameras])).to(device)
+        tracked = [False] * args.batch
+        for half in ((True, False) if cuda else (False,)):
+            precision = "fp16" if half else "fp32"
+            stacks = [("attention mesh", None)] + ([("FaceLandmarker", task)] if task else [])
+            for name, bundle in stacks:
+                row = {"what": f"{name}, batch {args.batch}", "precision": precision}
+                for graphs in ((False, True) if cuda else (False,)):
+                    pipe = FacePipeline(device, max_faces=4, face_landmarker_task=bundle, half=half,
+                                        cuda_graphs=graphs)
+                    _scope_mesh(pipe, "landmark model")
+                    pipe.warm_up([], max_faces=args.batch)
+
+                    def stack(pipe=pipe):
+                        return pipe.measurer.measure_on_device(batch8, owners, rects, boxes, scores, tracked)
+
+                    def results(pipe=pipe):
+                        return pipe.measurer.measure(batch8, owners, rects, boxes, scores, tracked)
+
+                    if graphs:
+                        row["graphs_stack_ms"] = wall_ms(stack, device, args.iters)
+                        row["graphs_results_ms"] = wall_ms(results, device, args.iters)
+                    else:
+                        row["steps"] = steps_of(stack, device)
+                        row["eager_stack_ms"] = wall_ms(stack, device, args.iters)
+                    del pipe
+                data["rows"].append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+            row = {"what": f"detection, {args.cameras} x 1080p", "precision": precision}
+            for graphs in ((False, True) if cuda else (False,)):
+                pipe = FacePipeline(device, max_faces=4, half=half, cuda_graphs=graphs)
+
+                def detect(pipe=pipe):
+                    return pipe.detect(roi.FrameBatch(frames, device))
+
+                if graphs:
+                    row["graphs_ms"] = wall_ms(detect, device, args.iters)
+                else:
+                    row["steps"] = steps_of(detect, device)
+                    row["eager_ms"] = wall_ms(detect, device, args.iters)
+                del pipe
+            data["rows"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=1))
+    print(report(data))
+    return 0
+
+
+def report(data: dict) -> str:
+    """One table per row of the run: each step's share of the kernel time."""
+    unit = data["figures"]
+    launched = "kernels" if unit.startswith("device") else "operators"
+    lines = [f"{data['machine'].get('gpu', 'cpu')}, {data['machine']['date']}; {unit} per call, "
+             "each operator's own, under the innermost step (bench/model_stages.py)", ""]
+    for row in data["rows"]:
+        total = sum(us for _, us in row["steps"].values())
+        lines += [f"{row['what']}, {row['precision']}: {total:,.0f} {unit} in "
+                  f"{sum(count for count, _ in row['steps'].values())} {launched}", "",
+                  f"| step | {launched} | {unit} | share |", "|---|---|---|---|"]
+        lines += [f"| {step} | {count} | {us:,.1f} | {100 * us / total:.0f} % |"
+                  for step, (count, us) in row["steps"].items()]
+        timed = {key: value for key, value in row.items() if key.endswith("_ms")}
+        lines += ["", "wall: " + ", ".join(f"{key[:-3].replace('_', ' ')} {value:.2f} ms"
+                                           for key, value in timed.items()), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
