@@ -154,6 +154,18 @@ def wall_ms(run, device, iters: int) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
+def measure(row: dict, graphs: bool, device, iters: int, runs: dict) -> None:
+    """Into ``row``: eager, the steps of the first of ``runs`` and its wall time; with graphs, the
+    wall time of each of them."""
+    if graphs:
+        for name, run in runs.items():
+            row[f"graphs_{name}_ms"] = wall_ms(run, device, iters)
+    else:
+        name, run = next(iter(runs.items()))
+        row["steps"] = steps_of(run, device)
+        row[f"eager_{name}_ms"] = wall_ms(run, device, iters)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
@@ -209,12 +221,7 @@ def main() -> int:
                     def results(pipe=pipe):
                         return pipe.measurer.measure(batch8, owners, rects, boxes, scores, tracked)
 
-                    if graphs:
-                        row["graphs_stack_ms"] = wall_ms(stack, device, args.iters)
-                        row["graphs_results_ms"] = wall_ms(results, device, args.iters)
-                    else:
-                        row["steps"] = steps_of(stack, device)
-                        row["eager_stack_ms"] = wall_ms(stack, device, args.iters)
+                    measure(row, graphs, device, args.iters, {"stack": stack, "results": results})
                     del pipe
                 data["rows"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -225,11 +232,7 @@ def main() -> int:
                 def detect(pipe=pipe):
                     return pipe.detect(roi.FrameBatch(frames, device))
 
-                if graphs:
-                    row["graphs_ms"] = wall_ms(detect, device, args.iters)
-                else:
-                    row["steps"] = steps_of(detect, device)
-                    row["eager_ms"] = wall_ms(detect, device, args.iters)
+                measure(row, graphs, device, args.iters, {"pass": detect})
                 del pipe
             data["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
