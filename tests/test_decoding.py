@@ -276,6 +276,27 @@ def test_nv12_to_bgr_matches_the_cpu_decoder(what, tmp_path):
             encoded.close()
 
 
+@pytest.mark.parametrize("matrix", ["bt601", "bt709"])
+@pytest.mark.parametrize("full_range", [False, True])
+def test_nv12_to_bgr_is_the_colour_formula_rounded(matrix, full_range):
+    """Every value is the BT.601/709 formula (Note [NV12 to BGR]), evaluated in float64,
+    rounded: within half a grey level of it everywhere, and its round-half-up but for float32's
+    ties."""
+    colour = YuvToBgr(matrix, full_range)
+    height, width = 120, 160
+    nv12 = torch.randint(0, 256, (height * 3 // 2, width), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(7))
+    y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
+    planes = nv12.numpy().astype(np.float64)
+    luma = (planes[:height] - y_offset) * y_scale
+    chroma = (planes[height:].reshape(height // 2, width // 2, 2) - 128.0) * chroma_scale
+    u, v = (chroma[..., k].repeat(2, axis=0).repeat(2, axis=1) for k in (0, 1))
+    exact = np.clip(np.stack((luma + b_u * u, luma + g_u * u + g_v * v, luma + r_v * v), -1), 0, 255)
+    bgr = nv12_to_bgr(nv12, height, width, colour).numpy().astype(np.float64)
+    assert np.abs(bgr - exact).max() <= 0.5 + 1e-4
+    assert np.mean(bgr == np.floor(exact + 0.5)) >= 0.9999
+
+
 def test_nv12_needs_an_even_size():
     with pytest.raises(ValueError, match="even width and height, got 3x2"):
         nv12_to_bgr(torch.zeros(3, 3, dtype=torch.uint8), 2, 3, YuvToBgr("bt601", False))

@@ -57,9 +57,17 @@ Note [NV12 to BGR]
     H.264 bit-exactly as NVDEC must): the synthetic H.264 loop 45.5 dB PSNR (max difference 3
     grey levels), a BT.709-flagged stream 46.1 dB with the 709 matrix (42.9 with 601), the MJPEG
     loop (full range) 49.3 dB; bilinear chroma was worse (44.0 dB, max difference 27).
-    It is a dozen elementwise torch kernels over float32 planes (a 1080p frame's luma is 8 MB in
-    float32); their GPU time and the CPU time to queue them are not measured yet (bench
-    pending on the GPU machine): a fused kernel is the next step if they show.
+    The work at full resolution is three torch kernels: the luma scaled and added to its
+    block's chroma terms (one broadcast add, written as the three BGR channels), the clamp, and
+    the cast to uint8; the chroma terms (a quarter of the pixels) take a few small ones. The
+    constants are folded into the terms, among them the 0.5 that makes the truncating cast a
+    rounding (half up). py-spy of a capture worker at 64 NVDEC cameras on the H100
+    (2026-11-26) found 19 % of its samples queueing the form before this one (ten full-size
+    kernels and eight small ones, which rounded half to even); this one gives the same bytes
+    but for one grey level at float32's ties (11 to 1,124 of 6.2 million values of a random
+    1080p NV12 frame, by matrix and range), within half a grey level of the formula in float64
+    everywhere (tests/test_decoding.py). Its effect on the capture workers' CPU is not measured
+    yet.
 """
 
 from __future__ import annotations
@@ -150,16 +158,16 @@ def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -
         raise ValueError(f"NV12 needs an even width and height, got {width}x{height}")
     y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
     half_h, half_w = height // 2, width // 2
-    luma = nv12[:height].reshape(half_h, 2, half_w, 2).float()
-    if y_offset:
-        luma = (luma - y_offset) * y_scale
-    chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2).float()
-    chroma = (chroma - 128.0) * chroma_scale
-    u = chroma[..., 0][:, None, :, None]  # one value per 2x2 block of luma
-    v = chroma[..., 1][:, None, :, None]
-    bgr = torch.stack((luma + b_u * u, luma + (g_u * u + g_v * v), luma + r_v * v), dim=-1)
-    # (half_h, 2, half_w, 2, 3) is (height, width, 3) in memory: row 2i+a, column 2j+b.
-    return bgr.view(height, width, 3).round_().clamp_(0.0, 255.0).to(torch.uint8)
+    chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2).float().sub_(128.0).mul_(chroma_scale)
+    u, v = chroma[..., 0], chroma[..., 1]
+    # Per 2x2 block of luma: what its chroma adds to B, G and R, the luma's offset and the
+    # rounding's 0.5 folded in.
+    terms = torch.stack((b_u * u, g_u * u + g_v * v, r_v * v), dim=-1).add_(0.5 - y_offset * y_scale)
+    luma = nv12[:height].reshape(half_h, 2, half_w, 2, 1)
+    bgr = torch.add(terms[:, None, :, None, :], luma, alpha=y_scale)
+    # (half_h, 2, half_w, 2, 3) is (height, width, 3) in memory: row 2i+a, column 2j+b. The cast
+    # truncates: after the 0.5, a rounding; the clamp keeps it to 0..255.
+    return bgr.view(height, width, 3).clamp_(0.0, 255.99).to(torch.uint8)
 
 
 # --- NVDEC through PyNvVideoCodec -----------------------------------------------------------------
