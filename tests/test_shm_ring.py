@@ -35,20 +35,27 @@ from facecast.shared.transport.rings import (
 
 # The frame runs' rate where what a test checks does not depend on it: 200 fps, so that each run
 # of hundreds of frames takes half the real time of 100 fps (the suite's 8 minutes, issue 20).
-# Not the round trip to four consumers: its liveness bound (a quarter of the frames received by
-# each) is a share of what four readers keep up with on a busy 2-core machine, which at 200 fps
-# was 251 of 1000 for one of them (measured beside a busy process): it stays at 100 fps.
 RING_TEST_FPS = 200
+# The rate of the runs whose liveness bound is a share of the frames a consumer received (the
+# round trip to four consumers, the producer restart, the staged frames): what a reader keeps up
+# with depends on the rate and on what else runs. Beside a busy process, one of four readers got
+# 251 of 1000 at 200 fps against a bound of 250; beside a busy process and a test daemon of the
+# other pytest-xdist worker (Note [Tests side by side]), the restarted ring's reader got 88 of 300
+# at 200 fps against a bound of 100. These bounds were set at 100 fps, and run at it, in the
+# daemon tests' lane (marker `timing`, Note [Tests side by side]), never beside a daemon.
+SHARE_BOUND_FPS = 100
 
 
 def own_segments(pid: int) -> list[str]:
     return [name for name in shm.list_segments() if name.startswith(f"facecast-{pid}-")]
 
 
+@pytest.mark.timing  # Note [Tests side by side]
 def test_round_trip_1000_random_frames_to_4_consumer_processes(peers):
     shape = "240,320,3"
     consumers = peers.start_many(4, "consumer", shape=shape, until_seq=999)
-    producer = peers.start("producer", shape=shape, frames=1000, fps=100, transport="shm")
+    producer = peers.start("producer", shape=shape, frames=1000, fps=SHARE_BOUND_FPS,
+                           transport="shm")
     assert Peers.result(producer)["published"] == 1000
     for consumer in consumers:
         seen = Peers.result(consumer)
@@ -128,18 +135,19 @@ def test_concurrent_writes_never_yield_a_torn_frame():
     assert ok + overwritten == sum(reader.counts.values())
 
 
+@pytest.mark.timing  # Note [Tests side by side]
 def test_producer_restart_gives_new_epoch_and_consumer_reattaches(peers):
     shape = "96,128,3"
     consumer = peers.start("consumer", shape=shape, timeout_s=20, until_seq=10**9,
                            say_first_frame=True)
     first = peers.start("producer", shape=shape, frames=100000,
-                        fps=RING_TEST_FPS, transport="shm")
+                        fps=SHARE_BOUND_FPS, transport="shm")
     assert "first_frame" in Peers.next_line(consumer)  # it reads the first ring
     first.send_signal(signal.SIGKILL)
     first.wait()
     removed = shm.sweep_dead_owners(owner_pid=first.pid)  # not other runs' segments
     assert removed and own_segments(first.pid) == []
-    second = peers.start("producer", shape=shape, frames=300, fps=RING_TEST_FPS, transport="shm")
+    second = peers.start("producer", shape=shape, frames=300, fps=SHARE_BOUND_FPS, transport="shm")
     Peers.result(second)
     consumer.send_signal(signal.SIGTERM) if consumer.poll() is None else None
     seen = Peers.result(consumer)
@@ -379,8 +387,9 @@ def staged_round_trip(peers, transport: str, shape, frames_total: int, fps: floa
     return results.get(timeout=5), seen
 
 
+@pytest.mark.timing  # Note [Tests side by side]
 def test_staged_frames_cross_processes_byte_exact(peers):
-    used, seen = staged_round_trip(peers, "shm", (120, 160, 3), 400, RING_TEST_FPS)
+    used, seen = staged_round_trip(peers, "shm", (120, 160, 3), 400, SHARE_BOUND_FPS)
     assert used == "shm"
     assert seen["mismatched"] == 0 and seen["last_seq"] == 399, seen
     assert seen["counts"].get("checksum_mismatch", 0) == 0, seen
