@@ -9,11 +9,13 @@
 #   boot_stop     boot and stop of 32 and 64 replayed cameras on cuda_ipc (2)
 #   gpu_tests     the `gpu` tests, with $FACECAST_REAL_FOOTAGE set to the videos in .footage/ for
 #                 tests/test_real_footage_gpu.py, and tests/test_nvdec_gpu.py where PyAV and
-#                 PyNvVideoCodec are installed (.whl2a/, .whl2b/: bench/gpu_host_env.sh) (10-11)
+#                 PyNvVideoCodec are installed (.whl2a/, .whl2b/: bench/gpu_host_env.sh) (10-11;
+#                 12.5 with every wheel, 123 tests, H100 2026-11-26)
 #   real_footage  real footage through the stack and the daemon (bench/real_footage.py) (4.5)
 #   pipeline      the whole daemon against MediaPipe at 8, 32 and 64 replayed cameras (same
 #                 definitions on both sides, bench/accounting.py) (5-6)
-#   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle (2)
+#   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle
+#                 (1.5-2)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
 #                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU)
 #   decode_profile  where the capture, roi_landmark and detection workers' CPU goes at 64
