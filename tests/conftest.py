@@ -233,11 +233,26 @@ def pytest_cmdline_main(config):
     """`-n 2 --dist loadgroup` unless told otherwise (Note [Tests side by side]): set here, not in
     pyproject's addopts, so that pytest still runs, in one process, where pytest-xdist is not
     installed (the GPU machine's carried wheels). `-n 0` or `-p no:xdist`: one process."""
-    if (config.pluginmanager.hasplugin("xdist") and not os.environ.get("PYTEST_XDIST_WORKER")
-            and config.option.numprocesses is None):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: it parsed the command line again
+        if config.workerinput.get(_GROUPED):
+            config.option.loadgroup = True  # what xdist's own hook reads to name the groups
+    elif config.option.numprocesses is None:
         config.option.numprocesses = WORKERS
         if config.option.dist == "no":
             config.option.dist = "loadgroup"
+
+
+_GROUPED = "facecast_loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook
+def pytest_configure_node(node):
+    """The controller's `--dist loadgroup`, set above and not on the command line, passed on to
+    each worker, which parses the command line again rather than take the controller's options
+    (without it a worker names no groups, and xdist hands the tests out one by one)."""
+    node.workerinput[_GROUPED] = node.config.option.dist == "loadgroup"
 
 
 _SHARED_SCOPES = ("module", "class", "package")
