@@ -75,6 +75,8 @@ run)
             --transports cuda_ipc --source synthetic-replay --hold-s 5 \
             --out "$STATE/boot-stop.json" --log-dir "$STATE/logs" ;;
         gpu_tests) # The files whose code changes most often first, should the machine go back.
+            # One process (no pytest-xdist, which tests/conftest.py would otherwise use where it
+            # is installed): the gpu tests were measured one at a time, on one GPU.
             # Without PyAV (.whl2a/ not carried yet) the decoding tests' modules cannot even be
             # collected (facecast's decoders import it): leave them out, and say so.
             without_av=""
@@ -85,7 +87,7 @@ run)
                 done
                 echo "$(date -u +%H:%M:%S) gpu_tests: no PyAV, decoding tests left out" >> "$STATE/steps.txt"
             fi
-            step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider --durations=30 $without_av \
+            step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider -p no:xdist --durations=30 $without_av \
                 tests/models tests/test_cuda_rules.py tests/test_foreign_writer.py \
                 tests/test_daemon_gpu.py tests/test_real_footage_gpu.py tests ;;
         real_footage) step real_footage bash -c "cd bench && python3 real_footage.py \
