@@ -195,13 +195,8 @@ def main() -> int:
             "rows": []}
     with torch.inference_mode():
         batch8 = roi.FrameBatch(torch.from_numpy(np.stack(scenes[:8])).to(device), device)
-        owners_all, boxes_all, keypoints_all, scores_all = models_bench.face_pool(
-            FacePipeline(device, max_faces=4), batch8)
-        pick = [k % len(owners_all) for k in range(args.batch)]
-        index = torch.tensor(pick, device=device)
-        owners = [owners_all[k] for k in pick]
-        boxes, scores = boxes_all[index], scores_all[index]
-        rects = roi.rects_from_detections(boxes, keypoints_all[index])
+        pool = models_bench.face_pool(FacePipeline(device, max_faces=4), batch8)
+        owners, rects, boxes, scores, _ = models_bench.face_batch(pool, args.batch)
         frames = torch.from_numpy(np.stack(scenes[:args.cameras])).to(device)
         tracked = [False] * args.batch
         for half in ((True, False) if cuda else (False,)):

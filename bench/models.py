@@ -279,22 +279,30 @@ def face_pool(reference, batch):
     return owners, boxes, keypoints, scores
 
 
-def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]:
+def face_batch(pool, size: int):
+    """A batch of ``size`` ROIs from the pool, its faces repeated in order: (owners, rects,
+    boxes, scores, box widths on the host)."""
     import torch
 
     from facecast.models import roi
 
-    device = batch.device
     owners_all, boxes_all, keypoints_all, scores_all = pool
+    pick = [k % len(owners_all) for k in range(size)]
+    index = torch.tensor(pick, device=boxes_all.device)
+    boxes, scores = boxes_all[index], scores_all[index]
+    rects = roi.rects_from_detections(boxes, keypoints_all[index])
+    widths = (boxes[:, 2] - boxes[:, 0]).cpu().numpy()
+    return [owners_all[k] for k in pick], rects, boxes, scores, widths
+
+
+def bench_faces(pipelines, batch, pool, batch_sizes, args, budget) -> list[dict]:
+    import torch
+
+    device = batch.device
     rows = []
     reference_landmarks = {}
     for size in batch_sizes:
-        pick = [k % len(owners_all) for k in range(size)]
-        index = torch.tensor(pick, device=device)
-        owners = [owners_all[k] for k in pick]
-        boxes, scores = boxes_all[index], scores_all[index]
-        rects = roi.rects_from_detections(boxes, keypoints_all[index])
-        widths = (boxes[:, 2] - boxes[:, 0]).cpu().numpy()
+        owners, rects, boxes, scores, widths = face_batch(pool, size)
         for name, pipe in pipelines.items():
             row = {"batch": size, "variant": name}
             rows.append(row)
@@ -346,15 +354,7 @@ def bench_face_landmarker(device, variants, task, batch, pool, size, args, budge
     median (% of face width) and max |blendshape difference|."""
     import torch
 
-    from facecast.models import roi
-
-    owners_all, boxes_all, keypoints_all, scores_all = pool
-    pick = [k % len(owners_all) for k in range(size)]
-    index = torch.tensor(pick, device=device)
-    owners = [owners_all[k] for k in pick]
-    boxes, scores = boxes_all[index], scores_all[index]
-    rects = roi.rects_from_detections(boxes, keypoints_all[index])
-    widths = (boxes[:, 2] - boxes[:, 0]).cpu().numpy()
+    owners, rects, boxes, scores, widths = face_batch(pool, size)
     rows, reference = [], None
     for name in variants:
         row = {"batch": size, "variant": name}

@@ -158,7 +158,8 @@ def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -
         raise ValueError(f"NV12 needs an even width and height, got {width}x{height}")
     y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
     half_h, half_w = height // 2, width // 2
-    chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2).float().sub_(128.0).mul_(chroma_scale)
+    chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2).float()
+    chroma.sub_(128.0).mul_(chroma_scale)
     u, v = chroma[..., 0], chroma[..., 1]
     # Per 2x2 block of luma: what its chroma adds to B, G and R, the luma's offset and the
     # rounding's 0.5 folded in.
