@@ -226,6 +226,7 @@ def _close_shared_daemon(name: str) -> None:
 #     xdist sends the groups with the most tests first: the lane, the longest, starts at once.
 DAEMON_LANE = "daemons"
 WORKERS = 2
+_GROUPED = "facecast_loadgroup"  # the worker's `workerinput` key: the run is grouped
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the options
@@ -242,9 +243,6 @@ def pytest_cmdline_main(config):
         config.option.numprocesses = WORKERS
         if config.option.dist == "no":
             config.option.dist = "loadgroup"
-
-
-_GROUPED = "facecast_loadgroup"
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook
