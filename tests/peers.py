@@ -143,13 +143,25 @@ def run_producer(args) -> None:
 
 
 def run_consumer(args) -> None:
-    import torch
-
+    """Every frame it is handed checked byte for byte against the deck. On `--device host` (the
+    default) a host-only subscriber reads numpy copies and torch is never imported, as in the
+    recorder and the console: a CPU consumer's checks are those of a CPU inference worker (Note
+    [The consumer's own copy]), and four of them start in a fraction of the time (importing
+    torch costs ~1.5 s of CPU each, the suite's 2 minutes, issue 20). `--device cpu` or `cuda`:
+    torch tensors on that device."""
     from facecast.shared.transport.subscriber import FrameSubscriber
 
     deck = make_deck(args.seed, args.shape)
-    device = torch.device(args.device)
-    deck_on_device = [torch.from_numpy(frame).to(device) for frame in deck]
+    if args.device == "host":
+        device = None
+        deck_on_device = deck
+        equal_frames = np.array_equal
+    else:
+        import torch
+
+        device = torch.device(args.device)
+        deck_on_device = [torch.from_numpy(frame).to(device) for frame in deck]
+        equal_frames = torch.equal
     received = mismatched = 0
     epochs: list[int] = []
     transports: list[str] = []
@@ -173,8 +185,8 @@ def run_consumer(args) -> None:
                     first_seq = seq if first_seq < 0 else first_seq
                     if args.slow_s:
                         time.sleep(args.slow_s)
-                    equal = torch.equal(frame.tensor, deck_on_device[seq % DECK_SIZE])
-                    if device.type == "cuda":
+                    equal = equal_frames(frame.tensor, deck_on_device[seq % DECK_SIZE])
+                    if device is not None and device.type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                     received += 1
                     mismatched += not equal
@@ -213,7 +225,7 @@ def run_attach(args) -> None:
 
     description = messages.decode(open(args.description, "rb").read())
     try:
-        reader = open_reader(description, device=args.device)
+        reader = open_reader(description, device=None if args.device == "host" else args.device)
     except TransportUnavailable as exc:
         cause = exc.__cause__ or exc.__context__
         detail = "".join(traceback.format_exception(cause)) if cause else ""
@@ -357,7 +369,9 @@ def main(argv=None) -> None:
     parser.add_argument("--linger-s", type=float, default=0.5)
     parser.add_argument("--delay-copy-cycles", type=int, default=0)
     parser.add_argument("--corrupt-at", type=int, default=-1)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="host",
+                        help="consumer: host (numpy, no torch), cpu or cuda (torch tensors); "
+                        "attach: cpu or cuda")
     parser.add_argument("--checksum-every", type=int, default=1)
     parser.add_argument("--checksum-kind", choices=["full", "sampled"], default="full")
     parser.add_argument("--until-seq", type=int, default=10**9)

@@ -51,7 +51,7 @@ def _run(runtime_dir: str, transport: str, device: str, change: str) -> tuple[di
 
 @pytest.mark.parametrize("change", TAMPER_CHANGES)
 def test_a_writer_looping_over_every_shm_slot_gets_no_wrong_frame_accepted(runtime_dir, change):
-    seen, tampered = _run(runtime_dir, "shm", "cpu", change)
+    seen, tampered = _run(runtime_dir, "shm", "host", change)
     assert tampered["changes"] > 0, tampered
     assert seen["counts"].get("checksum_mismatch", 0) > 0, seen  # the writes landed ...
     assert seen["mismatched"] == 0, seen  # ... and not one wrong frame was handed on

@@ -373,7 +373,7 @@ def run_staged_producer(runtime_dir: str, transport: str, shape, frames_total: i
 
 
 def staged_round_trip(peers, transport: str, shape, frames_total: int, fps: float,
-                      device: str = "cpu") -> tuple[str, dict]:
+                      device: str = "host") -> tuple[str, dict]:
     spawn = multiprocessing.get_context("spawn")  # never fork (DESIGN §1)
     results = spawn.Queue()
     consumer = peers.start("consumer", shape=",".join(map(str, shape)), device=device,
