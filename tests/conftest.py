@@ -227,13 +227,23 @@ def _close_shared_daemon(name: str) -> None:
 DAEMON_LANE = "daemons"
 WORKERS = 2
 _GROUPED = "facecast_loadgroup"  # the worker's `workerinput` key: the run is grouped
+# Plugins that come with packages the machine has and the tests do not use, left out of the
+# session: hypothesis's (`hypothesispytest`, there wherever hypothesis is installed, as on the
+# 2-core machines the suite's times were measured on) imports the whole of hypothesis in its
+# terminal summary, ~1 s of CPU in each worker and then in the controller at the end of every run,
+# ~2 s of the `-m 'not daemon'` suite's wall time (issue 20). facecast's tests use no
+# hypothesis: the first test that does takes it off this list.
+UNUSED_PLUGINS = ("hypothesispytest",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the options
 def pytest_cmdline_main(config):
     """`-n 2 --dist loadgroup` unless told otherwise (Note [Tests side by side]): set here, not in
     pyproject's addopts, so that pytest still runs, in one process, where pytest-xdist is not
-    installed (the GPU machine's carried wheels). `-n 0` or `-p no:xdist`: one process."""
+    installed (the GPU machine's carried wheels). `-n 0` or `-p no:xdist`: one process. And
+    UNUSED_PLUGINS left out, in every process."""
+    for name in UNUSED_PLUGINS:
+        config.pluginmanager.set_blocked(name)  # unregistered where it was loaded
     if not config.pluginmanager.hasplugin("xdist"):
         return
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: it parsed the command line again
