@@ -211,7 +211,8 @@ def _close_shared_daemon(name: str) -> None:
 #     What they share is kept apart or taken in turns: every daemon has its own runtime
 #     directory, host name and notify socket, its web console a free port (tests/daemon_harness.
 #     py); each worker its own LSL SessionID (the loopback configuration above); the model
-#     directory is installed by one session at a time (`_one_installer_at_a_time`).
+#     directory is installed by one session at a time (`_one_installer_at_a_time`); the cores
+#     are shared out: torch's threads in each worker one core's worth (`pytest_sessionstart`).
 #     Tests go to the workers one by one, except for two kinds, which a worker is sent whole:
 #     - The lane (DAEMON_LANE): every test that boots a daemon (marker `daemon`) or holds a rate
 #       or a latency to a bound that a daemon beside it would spoil (marker `timing`), one after
@@ -253,6 +254,19 @@ def pytest_cmdline_main(config):
         config.option.numprocesses = WORKERS
         if config.option.dist == "no":
             config.option.dist = "loadgroup"
+
+
+def pytest_sessionstart(session):
+    """In a pytest-xdist worker, torch's intra-op threads share the cores out among the workers
+    (one each on 2 cores, Note [Tests side by side]): torch's default, a thread per core, put two
+    threads of each worker's model tests on cores the other worker's tests kept busy, and every
+    parallel operator waited for its slower thread. Subprocesses (daemons, workers, peers) keep
+    their own settings."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 0:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook
