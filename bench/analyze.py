@@ -396,7 +396,7 @@ def _cpu_ms(call, repeats: int = 15) -> float:
 def components(analyzer, bundle, footages: list[Footage], litert_threads: int) -> dict:
     """CPU ms of the parts of a frame's work, each alone (CPU device only): the models per face
     in torch (facecast's) and in LiteRT, a detection pass per frame size (facecast's: short
-    range, full range letterbox and tiles; MediaPipe's: one short-range invoke)."""
+    range, full range over the whole frame; MediaPipe's: one short-range invoke)."""
     import torch
 
     from facecast.models.roi import FrameBatch

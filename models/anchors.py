@@ -96,9 +96,14 @@ def _anchors_per_cell(spec: SsdAnchorSpec, layer_index: int) -> int:
     return len(spec.aspect_ratios) + (1 if spec.interpolated_scale_aspect_ratio > 0 else 0)
 
 
-def generate_anchors(spec: SsdAnchorSpec) -> torch.Tensor:
+def generate_anchors(spec: SsdAnchorSpec, input_hw: tuple[int, int] | None = None) -> torch.Tensor:
     """Anchor centres, ``(A, 2)`` float32, (x, y) normalized to the model input, in the order
     of the model's outputs.
+
+    ``input_hw``: the anchors of a fully convolutional detector run on an input of that size
+    instead of its square one (Note [The full-range detector over the whole frame]): the same
+    cells, more of them, their centres in units of the square input's side, as the raw outputs
+    are (so :func:`decode` gives coordinates in those units, > 1 beyond the square).
 
     Consecutive layers with the same stride share one feature map, their anchors interleaved
     per cell (MediaPipe merges them the same way, which is why the 3 stride-16 layers of the
@@ -113,9 +118,13 @@ def generate_anchors(spec: SsdAnchorSpec) -> torch.Tensor:
         while last < len(spec.strides) and spec.strides[last] == stride:
             anchors_per_cell += _anchors_per_cell(spec, last)
             last += 1
-        cells = math.ceil(spec.input_size_px / stride)
-        coords = (torch.arange(cells, dtype=torch.float64) + spec.anchor_offset) / cells
-        y, x = torch.meshgrid(coords, coords, indexing="ij")
+        if input_hw is None:
+            cells = math.ceil(spec.input_size_px / stride)
+            coords_x = coords_y = (torch.arange(cells, dtype=torch.float64) + spec.anchor_offset) / cells
+        else:
+            coords_y, coords_x = ((torch.arange(math.ceil(length / stride), dtype=torch.float64)
+                                   + spec.anchor_offset) * stride / spec.input_size_px for length in input_hw)
+        y, x = torch.meshgrid(coords_y, coords_x, indexing="ij")
         grid = torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)  # row-major cells
         centres.append(grid.repeat_interleave(anchors_per_cell, dim=0))
         layer = last
@@ -142,16 +151,16 @@ def decode(
     raw_boxes: ``(B, A, 4 + 2K)``; raw_scores: ``(B, A, 1)`` or ``(B, A)`` logits;
     anchors: ``(A, 2)`` from :func:`generate_anchors`.
     """
-    if raw_boxes.dim() != 3 or raw_boxes.shape[1] != spec.num_anchors:
+    if raw_boxes.dim() != 3 or raw_boxes.shape[1] != anchors.shape[0]:
         raise ValueError(
-            f"{spec.name}: raw boxes must be (batch, {spec.num_anchors}, coords), "
+            f"{spec.name}: raw boxes must be (batch, {anchors.shape[0]} anchors, coords), "
             f"got {tuple(raw_boxes.shape)}"
         )
     expected_coords = 4 + 2 * spec.num_keypoints
     if raw_boxes.shape[2] != expected_coords:
         raise ValueError(f"{spec.name}: expected {expected_coords} values per anchor, got {raw_boxes.shape[2]}")
-    if anchors.shape != (spec.num_anchors, 2):
-        raise ValueError(f"{spec.name}: anchors must be ({spec.num_anchors}, 2), got {tuple(anchors.shape)}")
+    if anchors.dim() != 2 or anchors.shape[1] != 2:
+        raise ValueError(f"{spec.name}: anchors must be (A, 2), got {tuple(anchors.shape)}")
     raw_boxes = raw_boxes.float()
     anchors = anchors.to(raw_boxes.device, raw_boxes.dtype)
     scale = spec.coord_scale_px
@@ -160,6 +169,6 @@ def decode(
     boxes = torch.cat([centre - half_size, centre + half_size], dim=-1)
     keypoints = raw_boxes[..., 4:].reshape(*raw_boxes.shape[:2], spec.num_keypoints, 2) / scale
     keypoints = keypoints + anchors[:, None, :]
-    logits = raw_scores.float().reshape(raw_boxes.shape[0], spec.num_anchors)
+    logits = raw_scores.float().reshape(raw_boxes.shape[:2])
     scores = torch.sigmoid(logits.clamp(-100.0, 100.0))  # score_clipping_thresh: 100
     return RawDetections(boxes=boxes, keypoints=keypoints, scores=scores)

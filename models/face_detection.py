@@ -1,21 +1,19 @@
 """The face pipeline's detection stage: MediaPipe's short-range and full-range face detectors over
-whole frames and their tiles, batched over every frame of a call (DESIGN §3).
+whole frames, batched over every frame of a call (DESIGN §3).
 
 The short-range detector sees each whole frame, letterboxed to 128x128, exactly as MediaPipe's
-FaceMesh/FaceDetection run it; the full-range detector (192x192) sees each whole frame and the
-overlapping square tiles of frames larger than a tile, which finds the small faces (down to
-~70 px in 1080p) the short-range detector misses. Weighted NMS per source; a full-range
-detection is kept only where no short-range detection overlaps it, so that wherever MediaPipe
-finds a face, facecast's box is MediaPipe's box.
+FaceMesh/FaceDetection run it; the full-range detector sees each whole frame in one input (a 1080p
+frame: 512x288, 3.75 frame pixels to an input pixel; Note [The full-range detector over the
+whole frame]), which finds the small faces (from ~60 px in 1080p) the short-range detector misses.
+Weighted NMS per detector; a full-range detection is kept only where no short-range detection
+overlaps it, so that wherever MediaPipe finds a face, facecast's box is MediaPipe's box.
 
 Which detector inputs a list of frame sizes needs is planned once (:class:`DetectorPlan`,
 Note [Detection without per-frame work]); with ``cuda_graphs`` the pass is replayed from a graph
 (Note [CUDA graphs of the pipeline]).
 """
-
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -24,6 +22,7 @@ import torch
 
 from facecast.models import anchors as anchors_mod
 from facecast.models import roi as roi_mod
+from facecast.models import tflite_convert
 from facecast.models.cuda_graphs import (
     GraphCache,
     bucket,
@@ -34,32 +33,47 @@ from facecast.models.cuda_graphs import (
 from facecast.models.nms import Detections, box_iou, weighted_nms
 
 # Note [Detection without per-frame work]
-#     Which inputs a detector gets (each frame's letterbox, and for the full-range detector the
-#     frame's tiles), which frame each input belongs to, where its tile's borders lie inside the
-#     frame, and how the inputs of one frame pool into one NMS row: all of it depends only on the
-#     frames' sizes. It is worked out once per list of sizes, on the host, and kept on the device
+#     Which input each detector gets for a frame (the short-range one its letterbox, the
+#     full-range one the whole frame at its scale), which frame each input belongs to, and the
+#     anchors of the full-range input's size: all of it depends only on the frames' sizes. It is
+#     worked out once per list of sizes, on the host, and kept on the device
 #     (:class:`DetectorPlan`, cached). A detection pass is then a fixed sequence of batched
-#     tensor operations (crops, forward, decode, the tile-border test, pooling, weighted NMS, the
-#     merge of the two detectors, top-k) with no Python loop over frames, tiles or faces and no
-#     wait for the device, until one transfer of every frame's results at the end. Measuring is the
+#     tensor operations (crops, forward, decode, weighted NMS, the merge of the two detectors,
+#     top-k) with no Python loop over frames or faces and no wait for the device, until one
+#     transfer of every frame's results at the end. Measuring is the
 #     same (models/face_mesh.py): one crop, one mesh pass, one transfer of everything the Face
 #     objects need. This is also what lets a CUDA graph replay the stages (Note [CUDA graphs of
 #     the pipeline]).
 MAX_GRAPH_FRAMES = 32
 PLAN_CACHE_SIZE = 32
-NO_CUT = (-math.inf, -math.inf, math.inf, math.inf)
-TILE_BORDER_MARGIN_PX = 4.0
-# The frame size whose detector inputs `FaceDetector.warm_up` prepares even where no camera is
-# configured at it: a camera's configured size is a request, and a file or stream delivers its
-# own (up to 1080p is what lab cameras send; larger sizes are warmed where they are configured).
-WARM_FRAME_HW = (1080, 1920)
-# The detectors' smallest batch bucket (Note [Warm shapes]).
-SMALLEST_DETECTOR_BATCH = 16
+
+# Note [The full-range detector over the whole frame]
+#     The full-range detector (BlazeFace's "back" model) is fully convolutional: convolutions,
+#     fixed paddings, three 2x upsamplings and a head that lays its grid of anchors out in rows.
+#     Given a larger input than its square 192x192 (tflite_convert.allow_any_input_size) it
+#     answers for every 4x4 cell of it, as for the square. So a frame goes in whole: a landscape
+#     frame larger than 720 px into a 512x288 input (portrait 288x512), scaled to fit and padded
+#     black below or to the right (a 1080p frame at 3.75 frame pixels an input pixel, 720p at
+#     2.5, 4K at 7.5), a smaller frame into the square 192x192, as its letterbox went in before.
+#     Fixed input shapes, not one per frame size, because each new shape costs seconds of cuDNN's
+#     preparations (Note [Warm shapes]): a camera whose frames turn out to have another size
+#     than configured must not stall detection.
+#     Until 2026-11-26 a 1080p frame went in as a 192 letterbox and 8 overlapping 720 px tiles at
+#     the same 3.75 scale: 9 inputs and 332 k input pixels against 147 k, a rule that dropped
+#     boxes cut by a tile's border (another tile or the letterbox had to see the face whole), and
+#     9 x 2304 candidates a frame into NMS against 9216. The outputs are not a tile's at the same
+#     place: the network's receptive field is wider than a tile, so more of a face's
+#     surroundings enter its score. Measured on the CPU with the bench's small-face scene (two
+#     faces of one width, 30 frames, 2026-11-26): found at 60 px 56 of 60 (tiles 60), at 70 to 400
+#     px all (tiles all), boxes matching no face 0 (tiles 1-6 per 60 at 60-120 px); faces under
+#     FULL_RANGE_ONLY_MIN_WIDTH_PX are not reported either way (tests/models/test_face_free.py).
+WHOLE_FRAME_INPUT_HW = (288, 512)  # landscape; a portrait frame's is (512, 288)
+WHOLE_FRAME_ABOVE_PX = 720  # a frame whose long side is at most this goes into the square input
 
 
 # Note [Faces only the full-range detector sees]
 #     MediaPipe's FaceLandmarker runs the short-range detector only; facecast adds the
-#     full-range one, with tiles, for faces too small for it (100 px faces in 1080p: facecast
+#     full-range one, over the whole frame, for faces too small for it (100 px faces in 1080p: facecast
 #     finds all, MediaPipe none; docs/benchmarks.md). A face that only the full-range detector
 #     sees must be at least FULL_RANGE_ONLY_MIN_WIDTH_PX wide. Measured on the CPU (2026-11-26):
 #     in the rocket photo of tests/models/test_face_free.py it found a 32-35 px "face" at scores
@@ -68,7 +82,7 @@ SMALLEST_DETECTOR_BATCH = 16
 #     faces of test_speed_paths.py's 1080p scene scored 0.93-0.97 at 160-170 px, 0.87-0.93 at
 #     ~100 px, but 0.78-0.84 at ~77 px. A width floor can: 40 px is below every real face the
 #     tests and benchmarks place (70 px and up) and above that false one; a face narrower
-#     than that is a few pixels in the detector's own input even in a tile, and its mesh (a
+#     than that is a few pixels in the detector's own input (~11 at its 3.75 scale), and its mesh (a
 #     192-256 px input) an upsampled guess. A face the short-range detector also sees is
 #     judged by that one.
 FULL_RANGE_ONLY_MIN_WIDTH_PX = 40.0
@@ -76,48 +90,60 @@ FULL_RANGE_ONLY_MIN_WIDTH_PX = 40.0
 
 @dataclass
 class DetectorPlan:
-    """Where one detector looks in frames of known sizes (Note [Detection without per-frame work])."""
+    """What one detector gets from frames of known sizes (Note [Detection without per-frame work]):
+    one input per frame."""
 
-    rects: roi_mod.RotatedRects  # (R,) model inputs: per frame its letterbox, then its tiles
-    owner: torch.Tensor  # (R,) long: position of the input's frame among the planned frames
-    cut_edges_px: torch.Tensor  # (R, 4): see cut_by_tile_border
-    pool_rows: torch.Tensor  # (F, W) long: each frame's inputs, then padding (input 0)
-    pool_used: torch.Tensor  # (F, W) bool: False on padding
-
-
-def tile_cut_edges(tile, frame_h: int, frame_w: int, margin_px: float = TILE_BORDER_MARGIN_PX):
-    """A tile's inner borders as thresholds (x1, y1, x2, y2) for :func:`cut_by_tile_border`;
-    an edge that is the frame's own border never cuts (±inf)."""
-    cx, cy, side = tile
-    x1, y1, x2, y2 = cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2
-    return (x1 + margin_px if x1 > 0 else -math.inf, y1 + margin_px if y1 > 0 else -math.inf,
-            x2 - margin_px if x2 < frame_w else math.inf, y2 - margin_px if y2 < frame_h else math.inf)
+    rects: roi_mod.RotatedRects  # (F,) where each frame's input samples it (axis-aligned)
+    input_hw: tuple[int, int]  # the inputs' height and width
+    anchors: torch.Tensor  # (A, 2) for inputs of that size (anchors_mod.generate_anchors)
 
 
-def cut_by_tile_border(boxes_px: torch.Tensor, edges_px: torch.Tensor) -> torch.Tensor:
-    """(R, A) True for boxes (R, A, 4) that reach a tile edge lying inside the frame: the face
-    is cut there, and a neighbouring tile (or the whole-frame pass) sees it whole."""
-    edges = edges_px[:, None, :]
-    return ((boxes_px[..., 0] <= edges[..., 0]) | (boxes_px[..., 1] <= edges[..., 1])
-            | (boxes_px[..., 2] >= edges[..., 2]) | (boxes_px[..., 3] >= edges[..., 3]))
+@dataclass
+class WholeFramePlan:
+    """The full-range detector's inputs for frames of known sizes: frames whose inputs have one
+    size go through it together (a frame's faces never depend on the sizes of the others)."""
+
+    groups: list[tuple[torch.Tensor, DetectorPlan]]  # (positions of the group's frames, its plan)
+    order: torch.Tensor | None  # frames' rows in the groups' concatenation; None: in order already
+
+
+def full_range_input(height: int, width: int) -> tuple[float, tuple[int, int]]:
+    """The full-range detector's input for a frame (Note [The full-range detector over the whole
+    frame]): (frame pixels per input pixel, (input height, input width))."""
+    if max(height, width) <= WHOLE_FRAME_ABOVE_PX:
+        side = anchors_mod.FACE_FULL_RANGE.anchors.input_size_px
+        return max(height, width) / side, (side, side)
+    input_h, input_w = WHOLE_FRAME_INPUT_HW if width >= height else WHOLE_FRAME_INPUT_HW[::-1]
+    return max(height / input_h, width / input_w), (input_h, input_w)
+
+
+def in_frame_order(found: list[Detections], order: torch.Tensor | None) -> Detections:
+    """The groups' detections as one, each frame's row back at its position."""
+    if len(found) == 1:
+        return found[0]
+    joined = (torch.cat(fields) for fields in zip(*((d.boxes, d.keypoints, d.scores, d.valid) for d in found)))
+    return Detections(*(joined if order is None else (field[order] for field in joined)))
 
 
 class FaceDetector:
     """Both face detectors over batches of frames, merged; ``full_range=None`` runs the
-    short-range detector alone (no tiles)."""
+    short-range detector alone."""
 
     def __init__(self, short_range: torch.nn.Module, full_range: torch.nn.Module | None, *,
-                 device: torch.device, model_dtype: torch.dtype, max_faces: int, tile_px: int,
-                 tile_overlap_px: int, graphs: GraphCache):
+                 device: torch.device, model_dtype: torch.dtype, max_faces: int, graphs: GraphCache):
         self.short_range, self.full_range = short_range, full_range
         self.device, self.model_dtype, self.graphs = device, model_dtype, graphs
         self.max_faces = max_faces
-        self.tile_px, self.tile_overlap_px = tile_px, tile_overlap_px
-        self.anchors = {
-            spec.name: anchors_mod.generate_anchors(spec.anchors).to(self.device)
-            for spec in (anchors_mod.FACE_SHORT_RANGE, anchors_mod.FACE_FULL_RANGE)
-        }
-        self._plans: OrderedDict[tuple, tuple[DetectorPlan, DetectorPlan | None]] = OrderedDict()
+        if full_range is not None:
+            if not isinstance(full_range, tflite_convert.TFLiteModule):
+                raise TypeError(f"the full-range detector must be a converted model (TFLiteModule) that "
+                                f"takes whole frames, got {type(full_range).__name__}")
+            multiple = full_range.any_size_multiple or tflite_convert.allow_any_input_size(full_range)
+            if any(side % multiple for side in WHOLE_FRAME_INPUT_HW):
+                raise ValueError(f"{full_range.name} takes inputs in multiples of {multiple} px, "
+                                 f"not {WHOLE_FRAME_INPUT_HW}")
+        self.short_anchors = anchors_mod.generate_anchors(anchors_mod.FACE_SHORT_RANGE.anchors).to(self.device)
+        self._plans: OrderedDict[tuple, tuple[DetectorPlan, WholeFramePlan | None]] = OrderedDict()
 
     def detect(self, batch: roi_mod.FrameBatch, frame_indices: Sequence[int] | None = None):
         """Faces of the given frames (all by default): per frame, (boxes (M, 4) px,
@@ -138,14 +164,9 @@ class FaceDetector:
         scores, counts = host[..., -2], host[..., -1].sum(dim=1).int().tolist()  # valid slots come first
         return [(boxes[f, :c], keypoints[f, :c], scores[f, :c]) for f, c in enumerate(counts)]
 
-    def inputs_per_frame(self, height: int, width: int) -> tuple[int, int]:
-        """How many inputs a frame of this size gives (short-range, full-range)."""
-        tiles = len(roi_mod.tile_rects(height, width, self.tile_px, self.tile_overlap_px))
-        return 1, (1 + tiles) if self.full_range is not None else 0
-
     def warm_up(self, frame_sizes_hw: Sequence[tuple[int, int]], max_frames: int) -> None:
-        """On a GPU, run each detector once per batch bucket of as many inputs as ``max_frames``
-        frames can give, of the sizes named or of 1080p, whichever has more; then, with graphs,
+        """On a GPU, run each detector once per batch bucket of up to ``max_frames`` inputs, of
+        the sizes the frames named and 1080p give; then, with graphs,
         every graph bucket of up to ``max_frames`` frames of each named size (Note [Warm
         shapes]). A camera whose frames turn out to have another size
         (a file or stream whose size the config did not know) then costs one graph capture,
@@ -163,16 +184,15 @@ class FaceDetector:
                 self.detect(roi_mod.FrameBatch(frames[:frames_in_bucket], self.device))
 
     def _warm_models(self, frame_sizes_hw: Sequence[tuple[int, int]], frames: int) -> None:
-        """Each detector once per batch bucket of the inputs that ``frames`` frames can give."""
-        per_frame = [self.inputs_per_frame(h, w) for h, w in [*frame_sizes_hw, WARM_FRAME_HW]]
-        for spec, model, inputs in (
-                (anchors_mod.FACE_SHORT_RANGE, self.short_range, max(s for s, _ in per_frame)),
-                (anchors_mod.FACE_FULL_RANGE, self.full_range, max(f for _, f in per_frame))):
-            if model is None:
-                continue
-            size = spec.anchors.input_size_px
-            for batch in shapes_up_to(bucket(frames) * inputs, SMALLEST_DETECTOR_BATCH):
-                model(torch.zeros(batch, size, size, 3, dtype=self.model_dtype, device=self.device))
+        """Each detector once per batch bucket of up to ``frames`` inputs, of each input size."""
+        short_size = anchors_mod.FACE_SHORT_RANGE.anchors.input_size_px
+        inputs = [(self.short_range, (short_size, short_size))]
+        if self.full_range is not None:
+            inputs += [(self.full_range, hw) for hw in dict.fromkeys(
+                full_range_input(h, w)[1] for h, w in [*frame_sizes_hw, WARM_FRAME_HW])]
+        for model, (height, width) in inputs:
+            for batch in shapes_up_to(bucket(frames), SMALLEST_DETECTOR_BATCH):
+                model(torch.zeros(batch, height, width, 3, dtype=self.model_dtype, device=self.device))
 
     def detect_batched(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> Detections:
         """Both detectors over the frames, merged: (F, K) slots per frame, valid ones first."""
@@ -197,26 +217,30 @@ class FaceDetector:
         preprocess (crops), forward and decode_nms stages (the benchmark's stage clock)."""
         short_plan, full_plan = plans
         short_spec, full_spec = anchors_mod.FACE_SHORT_RANGE, anchors_mod.FACE_FULL_RANGE
-        short_crops = self.crops(batch, frame_index, short_plan, short_spec)
-        full_crops = self.crops(batch, frame_index, full_plan, full_spec) if full_plan else None
+        full_groups = full_plan.groups if full_plan is not None else []
+        short_crops = self.crops(batch, frame_index, short_plan)
+        full_crops = [self.crops(batch, frame_index[positions], plan) for positions, plan in full_groups]
         if on_stage:
             on_stage("preprocess")
         short_raw = self.outputs(False, short_crops)
-        full_raw = self.outputs(True, full_crops) if full_plan else None
+        full_raw = [self.outputs(True, crops) for crops in full_crops]
         if on_stage:
             on_stage("forward")
         short = self.decode(short_raw, short_plan, short_spec)
-        full = self.decode(full_raw, full_plan, full_spec) if full_plan else None
+        full = None
+        if full_plan is not None:
+            full = in_frame_order([self.decode(raw, plan, full_spec) for raw, (_, plan) in zip(full_raw, full_groups)],
+                                  full_plan.order)
         merged = self.merge(short, full)
         if on_stage:
             on_stage("decode_nms")
         return merged
 
-    def plans_for(self, sizes_hw: tuple[tuple[int, int], ...]) -> tuple[DetectorPlan, DetectorPlan | None]:
+    def plans_for(self, sizes_hw: tuple[tuple[int, int], ...]) -> tuple[DetectorPlan, WholeFramePlan | None]:
         plans = self._plans.get(sizes_hw)
         if plans is None:
-            plans = (self.make_plan(sizes_hw, tiles=False),
-                     self.make_plan(sizes_hw, tiles=True) if self.full_range is not None else None)
+            plans = (self.short_range_plan(sizes_hw),
+                     self.full_range_plan(sizes_hw) if self.full_range is not None else None)
             self._plans[sizes_hw] = plans
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
@@ -224,34 +248,37 @@ class FaceDetector:
             self._plans.move_to_end(sizes_hw)
         return plans
 
-    def make_plan(self, sizes_hw, tiles: bool) -> DetectorPlan:
-        rows, owner, edges, per_frame = [], [], [], []
-        for position, (height, width) in enumerate(sizes_hw):
-            inputs = [(roi_mod.letterbox_rect(height, width), NO_CUT)]
-            if tiles:
-                inputs += [(rect, tile_cut_edges(rect, height, width))
-                           for rect in roi_mod.tile_rects(height, width, self.tile_px, self.tile_overlap_px)]
-            per_frame.append(list(range(len(rows), len(rows) + len(inputs))))
-            for rect, edge in inputs:
-                rows.append(rect)
-                owner.append(position)
-                edges.append(edge)
-        width = max(len(frame_rows) for frame_rows in per_frame)
-        table = torch.tensor(rows, dtype=torch.float32)
-        return DetectorPlan(
-            rects=roi_mod.RotatedRects(table[:, :2], table[:, 2:3].expand(-1, 2).contiguous(),
-                                       torch.zeros(len(rows))).to(self.device),
-            owner=torch.tensor(owner).to(self.device),
-            cut_edges_px=torch.tensor(edges, dtype=torch.float32).to(self.device),
-            pool_rows=torch.tensor([r + [0] * (width - len(r)) for r in per_frame]).to(self.device),
-            pool_used=torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in per_frame]).to(self.device),
-        )
+    def short_range_plan(self, sizes_hw) -> DetectorPlan:
+        """Each frame letterboxed into the short-range detector's square."""
+        size = anchors_mod.FACE_SHORT_RANGE.anchors.input_size_px
+        table = torch.tensor([roi_mod.letterbox_rect(height, width) for height, width in sizes_hw],
+                             dtype=torch.float32)
+        rects = roi_mod.RotatedRects(table[:, :2], table[:, 2:3].expand(-1, 2).contiguous(), torch.zeros(len(table)))
+        return DetectorPlan(rects.to(self.device), (size, size), self.short_anchors)
 
-    def crops(self, batch, frame_index: torch.Tensor, plan: DetectorPlan,
-              spec: anchors_mod.DetectorSpec) -> torch.Tensor:
-        size = spec.anchors.input_size_px
-        # Letterbox and tiles are unrotated: coordinates per row and column (axis_aligned).
-        return roi_mod.crop_rois(batch, frame_index[plan.owner], plan.rects, size, border="zero",
+    def full_range_plan(self, sizes_hw) -> WholeFramePlan:
+        """Each frame whole (Note [The full-range detector over the whole frame]); frames grouped
+        by their input's shape."""
+        inputs = [full_range_input(height, width) for height, width in sizes_hw]
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for position, (_, input_hw) in enumerate(inputs):
+            by_size.setdefault(input_hw, []).append(position)
+        groups = []
+        for input_hw, positions in by_size.items():
+            # The rect a frame's input samples: input pixel (u, v) at frame pixel (u, v) x scale.
+            sizes = torch.tensor([[input_hw[1] * inputs[p][0], input_hw[0] * inputs[p][0]] for p in positions])
+            rects = roi_mod.RotatedRects(sizes / 2, sizes, torch.zeros(len(positions)))
+            anchors = anchors_mod.generate_anchors(anchors_mod.FACE_FULL_RANGE.anchors, input_hw)
+            groups.append((torch.tensor(positions).to(self.device),
+                           DetectorPlan(rects.to(self.device), input_hw, anchors.to(self.device))))
+        concatenated = [p for positions in by_size.values() for p in positions]
+        order = None if concatenated == sorted(concatenated) else \
+            torch.tensor(concatenated).argsort().to(self.device)
+        return WholeFramePlan(groups, order)
+
+    def crops(self, batch, frame_index: torch.Tensor, plan: DetectorPlan) -> torch.Tensor:
+        # Letterbox and whole frames are unrotated: coordinates per row and column (axis_aligned).
+        return roi_mod.crop_rois(batch, frame_index, plan.rects, plan.input_hw, border="zero",
                                  dtype=self.model_dtype, value_range=(-1.0, 1.0), axis_aligned=True)
 
     def outputs(self, full_range: bool, crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,29 +291,18 @@ class FaceDetector:
         return boxes, scores
 
     def decode(self, raw, plan: DetectorPlan, spec: anchors_mod.DetectorSpec) -> Detections:
-        """Decode, project to frame pixels, drop boxes cut by a tile border, pool each frame's
-        inputs into one row, weighted NMS."""
+        """Decode, project to frame pixels, weighted NMS: (F, K) slots per frame."""
         raw_boxes, raw_scores = raw
+        # Decoded coordinates are in units of the detector's square side (anchors_mod.generate_anchors).
         size = spec.anchors.input_size_px
-        decoded = anchors_mod.decode(raw_boxes, raw_scores, self.anchors[spec.name], spec)
-        inputs = len(plan.rects)
-        boxes = roi_mod.project_boxes(decoded.boxes * size, plan.rects, size)
+        decoded = anchors_mod.decode(raw_boxes, raw_scores, plan.anchors, spec)
+        frames = len(plan.rects)
+        boxes = roi_mod.project_boxes(decoded.boxes * size, plan.rects, plan.input_hw)
         keypoints = roi_mod.project_points(
-            (decoded.keypoints * size).reshape(inputs, -1, 2), plan.rects, size
+            (decoded.keypoints * size).reshape(frames, -1, 2), plan.rects, plan.input_hw
         ).reshape(decoded.keypoints.shape)
-        valid = (decoded.scores >= spec.min_score) & ~cut_by_tile_border(boxes, plan.cut_edges_px)
-        # (F, W inputs, A anchors) → (F, W·A): a frame's inputs in order, then zero padding.
-        frames = plan.pool_rows.shape[0]
-        used = plan.pool_used[:, :, None]
-        rows = plan.pool_rows
-        return weighted_nms(
-            torch.where(used[..., None], boxes[rows], 0.0).reshape(frames, -1, 4),
-            torch.where(used, decoded.scores[rows], 0.0).reshape(frames, -1),
-            torch.where(used[..., None, None], keypoints[rows], 0.0).reshape(frames, -1, spec.num_keypoints, 2),
-            (valid[rows] & used).reshape(frames, -1),
-            iou_threshold=spec.min_suppression_iou,
-            max_detections=self.max_faces * 2,
-        )
+        return weighted_nms(boxes, decoded.scores, keypoints, decoded.scores >= spec.min_score,
+                            iou_threshold=spec.min_suppression_iou, max_detections=self.max_faces * 2)
 
     def merge(self, short: Detections, full: Detections | None) -> Detections:
         """A full-range detection is kept only where no short-range one overlaps it, and then

@@ -3,22 +3,24 @@ transformation matrix, batched over frames and faces, with landmark-driven track
 (DESIGN §3).
 
 FacePipeline loads the models and composes the stages, each in its own module and each batched
-over every frame (and tile, and face) of a call:
+over every frame (and face) of a call:
 
 1. **Detection** (:mod:`facecast.models.face_detection`): MediaPipe's short-range detector on each
-   whole frame, and the full-range detector on each whole frame and its tiles, merged.
+   whole frame (letterboxed), and the full-range detector on each whole frame at a finer scale
+   (small faces), merged.
 2. **ROI** (:mod:`facecast.models.roi`): square, 1.5x the box, rotated by the eye line.
 3. **Measuring** (:mod:`facecast.models.face_mesh`): every ROI of every frame warped in one
    gather from the frames' uint8 pixels to the landmark model's input. With
    ``face_landmarker.task`` it is MediaPipe FaceLandmarker's stack, model for model: its v2
    landmarker (256x256), its blendshape model, its facial transformation matrix (head rotation
    and translation in cm); without it, the attention mesh (192x192) and head pose from the
-   landmarks. Detection (with the tiles for small faces, which MediaPipe lacks) is the same.
+   landmarks. Detection (with the full-range detector for small faces, which MediaPipe lacks) is
+   the same.
 4. **Tracking** (:mod:`facecast.models.face_tracking`): per camera, the next frame's ROIs come
    from this frame's landmarks (MediaPipe's face_landmarks_to_roi); the detector runs only when a
    camera has no face, lost one, or every ``detect_interval_frames`` frames to pick up newcomers.
 
-No stage loops over frames, tiles or faces in Python or waits for the device before its end
+No stage loops over frames or faces in Python or waits for the device before its end
 (Note [Detection without per-frame work]); with
 ``cuda_graphs=True`` detection and the mesh stage are replayed from CUDA graphs (Note [CUDA
 graphs of the pipeline]), with ``half=True`` the models
@@ -91,6 +93,9 @@ class FacePipeline:
       of the pipeline]); CUDA devices only. ``graph_fallbacks`` names the stages that could not
       be captured, and why.
 
+    ``full_range=False`` leaves out the full-range detector (MediaPipe's own detection: the
+    short-range detector alone, faces from about a tenth of the frame's width).
+
     The stages: ``detector`` (:class:`~facecast.models.face_detection.FaceDetector`),
     ``measurer`` (:class:`~facecast.models.face_mesh.FaceMeasurer`), ``tracks``
     (:class:`~facecast.models.face_tracking.FaceTracks`), sharing ``graphs``.
@@ -101,9 +106,7 @@ class FacePipeline:
         device: str | torch.device = "cuda",
         max_faces: int = 4,
         *,
-        use_tiles: bool = True,
-        tile_px: int = 720,
-        tile_overlap_px: int = 200,
+        full_range: bool = True,
         min_presence: float = 0.5,
         detect_interval_frames: int = 15,
         face_landmarker_task: str | Path | assets.LandmarkerBundle | None = None,
@@ -129,7 +132,7 @@ class FacePipeline:
         self.model_dtype = torch.float16 if half else torch.float32
 
         short_range = self._prepare(load_model(anchors_mod.FACE_SHORT_RANGE.name))
-        full_range = self._prepare(load_model(anchors_mod.FACE_FULL_RANGE.name)) if use_tiles else None
+        full_range_model = self._prepare(load_model(anchors_mod.FACE_FULL_RANGE.name)) if full_range else None
         landmarker = None
         self.blendshapes_unavailable_reason = "no face_landmarker.task given"
         if face_landmarker_task is not None:
@@ -141,9 +144,8 @@ class FacePipeline:
             mesh, blendshapes, geometry = self._prepare(load_model("face_landmark_with_attention")), None, None
             self.landmarker = "attention_mesh"
         self.graphs = GraphCache(self.device, cuda_graphs)
-        self.detector = FaceDetector(short_range, full_range, device=self.device, model_dtype=self.model_dtype,
-                                     max_faces=max_faces, tile_px=tile_px, tile_overlap_px=tile_overlap_px,
-                                     graphs=self.graphs)
+        self.detector = FaceDetector(short_range, full_range_model, device=self.device,
+                                     model_dtype=self.model_dtype, max_faces=max_faces, graphs=self.graphs)
         self.measurer = FaceMeasurer(mesh, blendshapes, device=self.device, model_dtype=self.model_dtype,
                                      max_faces=max_faces, min_presence=min_presence, graphs=self.graphs,
                                      landmarker=self.landmarker, geometry=geometry)
@@ -288,7 +290,7 @@ class FacePipeline:
     def detect(self, batch: roi_mod.FrameBatch, frame_indices: Sequence[int] | None = None):
         """Faces of the given frames (all by default): per frame, (boxes (M, 4) px,
         keypoints (M, 6, 2) px, scores (M,)), on the host (one copy for all frames), best
-        first, at most ``max_faces`` (at most twice that with ``use_tiles=False``, as NMS leaves
+        first, at most ``max_faces`` (at most twice that with ``full_range=False``, as NMS leaves
         them)."""
         return self.detector.detect(batch, frame_indices)
 

@@ -22,7 +22,7 @@ Note [Sampling the frames where they lie]
     in float32. Sample coordinates are clamped to their own frame first, which is both
     MediaPipe's ``BORDER_REPLICATE`` and what keeps the taps from reaching a neighbouring frame.
     Only the pixels a crop reads are ever touched: a 1080p frame's detector inputs (letterbox
-    and 8 tiles) read about 350 k samples, where converting the frame to a float tensor first
+    and whole frame) read about 164 k samples, where converting the frame to a float tensor first
     (what a ``grid_sample`` over the frames needs) writes 6.2 M values per frame. The arithmetic
     is ``grid_sample``'s (bilinear, ``align_corners=True``, border padding) without its
     normalize/unnormalize round trip; the two agree to float rounding (< 1e-4 of 255).
@@ -137,32 +137,6 @@ def letterbox_rect(height_px: int, width_px: int) -> tuple[float, float, float]:
     return width_px / 2.0, height_px / 2.0, float(max(height_px, width_px))
 
 
-def tile_origins_px(length_px: int, tile_px: int, min_overlap_px: int) -> list[int]:
-    """Start offsets of tiles covering [0, length) with at least ``min_overlap_px`` of overlap,
-    evenly spread, the first at 0 and the last flush with the end. Empty when one tile is not
-    smaller than the length (no tiling needed along that axis)."""
-    if tile_px >= length_px:
-        return []
-    if min_overlap_px >= tile_px:
-        raise ValueError(f"tile overlap {min_overlap_px} px must be smaller than the tile ({tile_px} px)")
-    count = math.ceil((length_px - min_overlap_px) / (tile_px - min_overlap_px))
-    count = max(count, 2)
-    step = (length_px - tile_px) / (count - 1)
-    return [int(round(i * step)) for i in range(count)]
-
-
-def tile_rects(height_px: int, width_px: int, tile_px: int, min_overlap_px: int) -> list[tuple[float, float, float]]:
-    """Square tiles (centre x, centre y, side px) over a frame; none for a frame that fits in one
-    tile. Along an axis shorter than a tile the tile is centred (and letterboxed)."""
-    xs = tile_origins_px(width_px, tile_px, min_overlap_px)
-    ys = tile_origins_px(height_px, tile_px, min_overlap_px)
-    if not xs and not ys:
-        return []
-    centers_x = [x + tile_px / 2 for x in xs] or [width_px / 2]
-    centers_y = [y + tile_px / 2 for y in ys] or [height_px / 2]
-    return [(cx, cy, float(tile_px)) for cy in centers_y for cx in centers_x]
-
-
 def from_host(values, device: torch.device) -> torch.Tensor:
     """A small table from the host on the device, copied without waiting for the device's
     queued work (pinned, non-blocking; the caching host allocator keeps the pinned buffer
@@ -269,7 +243,7 @@ def crop_rois(
     frames: FrameBatch,
     frame_index: torch.Tensor,
     rects: RotatedRects,
-    out_size_px: int,
+    out_size_px: int | tuple[int, int],
     border: str = "replicate",
     dtype: torch.dtype = torch.float32,
     *,
@@ -278,11 +252,12 @@ def crop_rois(
 ) -> torch.Tensor:
     """Crop N rotated rects out of a frame batch in one bilinear gather.
 
-    Returns (N, S, S, 3) ``dtype`` (NHWC, RGB, the models' layout), pixel values 0..255 mapped
+    Returns (N, S, S, 3) ``dtype`` (NHWC, RGB, the models' layout), or (N, H, W, 3) for an
+    ``out_size_px`` of (H, W) (each rect's width onto W columns, its height onto H rows), pixel values 0..255 mapped
     linearly onto ``value_range`` (0..1 by default; the detectors take -1..1). ``border`` is
     "replicate" (MediaPipe's default) or "zero" (black, the detectors' letterbox padding: the
     low end of ``value_range``). ``axis_aligned=True`` promises that every rect's rotation is
-    0 (letterbox and tiles), which lets the sample coordinates be computed per row and per
+    0 (letterbox and whole frames), which lets the sample coordinates be computed per row and per
     column instead of per pixel, with the same values. See Note [ROI crop convention] and Note
     [Sampling the frames where they lie]. Shapes depend only on N and S, and nothing waits for
     the device: the call can be captured in a CUDA graph.
@@ -291,16 +266,18 @@ def crop_rois(
         raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
     n = len(rects)
     device = frames.device
+    out_h, out_w = (out_size_px, out_size_px) if isinstance(out_size_px, int) else out_size_px
     if n == 0:
-        return torch.zeros(0, out_size_px, out_size_px, 3, device=device, dtype=dtype)
+        return torch.zeros(0, out_h, out_w, 3, device=device, dtype=dtype)
     # Blending in float16 is as exact as the float16 result (0..255 keeps 3 significant digits).
     compute = torch.float16 if dtype == torch.float16 else torch.float32
     frame_index = frame_index.to(device=device, dtype=torch.long)
     rects = rects.to(device)
-    steps = torch.arange(out_size_px, dtype=torch.float32, device=device) / out_size_px - 0.5
+    steps_u = torch.arange(out_w, dtype=torch.float32, device=device) / out_w - 0.5
+    steps_v = torch.arange(out_h, dtype=torch.float32, device=device) / out_h - 0.5
     size = rects.size_wh_px.float()
-    along_u = (steps[None, :] * size[:, 0:1])[:, None, :]  # (N, 1, S): offsets along the rect's x
-    along_v = (steps[None, :] * size[:, 1:2])[:, :, None]  # (N, S, 1): ... along its y
+    along_u = (steps_u[None, :] * size[:, 0:1])[:, None, :]  # (N, 1, W): offsets along the rect's x
+    along_v = (steps_v[None, :] * size[:, 1:2])[:, :, None]  # (N, H, 1): ... along its y
     centre_x = rects.center_xy_px[:, 0, None, None]
     centre_y = rects.center_xy_px[:, 1, None, None]
     if axis_aligned:
@@ -344,7 +321,7 @@ def crop_rois(
     row_down = row_up + (y0 < max_y).to(index_dtype) * width
 
     def tap(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        return flat.index_select(0, (row + col).reshape(-1)).reshape(n, out_size_px, out_size_px, 3)
+        return flat.index_select(0, (row + col).reshape(-1)).reshape(n, out_h, out_w, 3)
 
     def blend(row: torch.Tensor) -> torch.Tensor:
         out = tap(row, col_left) * weight_left[..., None].to(compute)
@@ -359,14 +336,22 @@ def crop_rois(
     return out.to(dtype)
 
 
-def project_points(points_model_px: torch.Tensor, rects: RotatedRects, input_size_px: int) -> torch.Tensor:
-    """Map points predicted in a model's input (pixels of the S x S crop) back to the image.
+def project_points(points_model_px: torch.Tensor, rects: RotatedRects,
+                   input_size_px: int | tuple[int, int]) -> torch.Tensor:
+    """Map points predicted in a model's input (pixels of the S x S crop, or of an (H, W) one)
+    back to the image.
 
     points (N, P, 2 or 3); z, if present, is scaled like x (by rect width / S), giving a depth
     in image pixels. See Note [ROI crop convention].
     """
     rects = rects.to(points_model_px.device)
-    xy = points_model_px[..., :2] / input_size_px - 0.5
+    if isinstance(input_size_px, int):
+        xy = points_model_px[..., :2] / input_size_px - 0.5
+    else:
+        input_h, input_w = input_size_px
+        input_size_px = input_w  # z goes with x
+        # Scalars, not a tensor made from host values: this runs inside CUDA graph captures.
+        xy = torch.stack([points_model_px[..., 0] / input_w, points_model_px[..., 1] / input_h], dim=-1) - 0.5
     image_xy = rects.to_image(xy * rects.size_wh_px[:, None, :])
     if points_model_px.shape[-1] == 2:
         return image_xy
@@ -374,8 +359,9 @@ def project_points(points_model_px: torch.Tensor, rects: RotatedRects, input_siz
     return torch.cat([image_xy, z], dim=-1)
 
 
-def project_boxes(boxes_model_px: torch.Tensor, rects: RotatedRects, input_size_px: int) -> torch.Tensor:
-    """Map axis-aligned boxes from unrotated crops (letterbox, tiles) back to image pixels."""
+def project_boxes(boxes_model_px: torch.Tensor, rects: RotatedRects,
+                  input_size_px: int | tuple[int, int]) -> torch.Tensor:
+    """Map axis-aligned boxes from unrotated crops (letterbox, whole frames) back to image pixels."""
     corners = torch.stack([boxes_model_px[..., 0:2], boxes_model_px[..., 2:4]], dim=-2)  # (N, M, 2, 2)
     n, m = corners.shape[:2]
     projected = project_points(corners.reshape(n, m * 2, 2), rects, input_size_px).reshape(n, m, 2, 2)

@@ -299,6 +299,7 @@ class TFLiteModule(torch.nn.Module):
         self.output_names = [graph.tensors[i].name for i in graph.outputs]
         self._free_after = free_after
         self._plan = None  # see _run_plan
+        self.any_size_multiple = 0  # allow_any_input_size: inputs of any size, multiples of this
         self._tensor_names = {t.index: t.name for t in graph.tensors}
         self._tensor_shapes = {t.index: t.shape for t in graph.tensors}
         # Outputs that are constants of the graph (rare) are returned as buffers.
@@ -336,6 +337,15 @@ class TFLiteModule(torch.nn.Module):
         values: dict[int, torch.Tensor] = {}
         for slot, shape, x in zip(self.input_slots, self.input_shapes, inputs):
             per_sample = tuple(shape[1:]) if shape and shape[0] == 1 else tuple(shape)
+            if self.any_size_multiple and x.dim() == 4:  # allow_any_input_size
+                multiple = self.any_size_multiple
+                height, width, channels = x.shape[1:]
+                if height % multiple == 0 and width % multiple == 0 and channels == per_sample[2]:
+                    per_sample = (height, width, channels)
+                else:
+                    raise ValueError(f"{self.name}: input {self.input_names[self.input_slots.index(slot)]!r} "
+                                     f"must be (N, H, W, {per_sample[2]}) with H and W multiples of {multiple}, "
+                                     f"got {tuple(x.shape)}")
             if tuple(x.shape[1:]) != per_sample:
                 raise ValueError(f"{self.name}: input {self.input_names[self.input_slots.index(slot)]!r}"
                                  f" must be (N, {', '.join(map(str, per_sample))}), got "
@@ -473,6 +483,44 @@ def fold_depthwise_bias(module: TFLiteModule) -> int:
     if folded:
         module._plan = None
     return folded
+
+
+def allow_any_input_size(module: TFLiteModule) -> int:
+    """Let a fully convolutional image model take inputs of any height and width that are
+    multiples of its deepest stride, which it returns: outputs per anchor grow with the input
+    (Note [The full-range detector over the whole frame]).
+
+    A convolution, a padding of fixed amounts or an elementwise operator is the same at any
+    size; what a converted model fixes at its built size is each RESIZE_BILINEAR's output
+    (replaced by :class:`~facecast.models.tflite_ops.Upsample2x` where it doubles) and each RESHAPE of an image into rows (replaced by
+    :class:`~facecast.models.tflite_ops.FlattenImage`). Any other operator that depends on the
+    size raises :class:`~facecast.models.tflite_ops.UnsupportedOp`, naming it. At the built size
+    the outputs are the model's own."""
+    if len(module.input_shapes) != 1 or not tflite_ops.is_image(module.input_shapes[0]):
+        raise tflite_ops.UnsupportedOp(f"{module.name}: only a model of one image input can take any size")
+    size_free = (tflite_ops.Conv2d, tflite_ops.Pad, tflite_ops.Binary, tflite_ops.DepthToSpace,
+                 tflite_ops.Upsample2x, tflite_ops.FlattenImage)
+    smallest = min(module._tensor_shapes[slot][1] for step in module.steps for slot in step.output_slots
+                   if tflite_ops.is_image(module._tensor_shapes[slot]))  # activations, not weights
+    for step in module.steps:
+        compute = step.compute
+        in_shape = module._tensor_shapes[step.input_slots[0]] if step.input_slots else ()
+        out_shape = module._tensor_shapes[step.output_slots[0]]
+        if isinstance(compute, tflite_ops.ResizeBilinear) and \
+                tuple(compute.out_hw) == (2 * in_shape[1], 2 * in_shape[2]):
+            step.compute = tflite_ops.Upsample2x(compute.align_corners, compute.legacy)
+        elif isinstance(compute, tflite_ops.Reshape) and tflite_ops.is_image(in_shape) and \
+                tuple(out_shape) == (in_shape[0], in_shape[1] * in_shape[2], in_shape[3]):
+            step.compute = tflite_ops.FlattenImage()
+        elif isinstance(compute, tflite_ops.Conv2d) and compute.covers_whole_input() or \
+                isinstance(compute, tflite_ops.Pad) and compute.full or \
+                isinstance(compute, tflite_ops.Binary) and not compute.direct or \
+                not isinstance(compute, size_free):
+            raise tflite_ops.UnsupportedOp(
+                f"{module.name}: operator {step.op_type} ({type(compute).__name__}) depends on the input size")
+    module.any_size_multiple = module.input_shapes[0][1] // smallest
+    module._plan = None
+    return module.any_size_multiple
 
 
 def fuse_zero_padding(module: TFLiteModule) -> int:

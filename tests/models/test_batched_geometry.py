@@ -193,7 +193,7 @@ def face_stack(landmarker_bundle):
 def attention_stack(installed_models):
     """The attention mesh on the CPU (head pose measured from the landmarks)."""
     torch.set_num_threads(1)
-    return FacePipeline("cpu", max_faces=4, use_tiles=False)
+    return FacePipeline("cpu", max_faces=4, full_range=False)
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,10 @@ def test_no_face_is_reported_in_footage_without_one(device, clips, installed_mod
         not torch.cuda.is_available(), reason="torch sees no CUDA device on this machine")]),
 ])
 def test_small_faces_only_the_full_range_detector_sees_are_still_found(device, installed_models):
-    """The other side of Note [Faces only the full-range detector sees]: the real 100 px faces
-    (of photos) in a 1080p frame, which the short-range detector misses, are still found, and
-    the 250 px ones too. (test_speed_paths.py's scene has a ~70 px one.)"""
+    """The other side of Note [Faces only the full-range detector sees]: the real 70 and 100 px
+    faces (of photos) in a 1080p frame, which the short-range detector misses, are still found by
+    the full-range detector over the whole frame (Note [The full-range detector over the whole
+    frame]), and the 160 and 250 px ones too; nothing else is."""
     import sys
     from pathlib import Path
 
@@ -64,12 +65,14 @@ def test_small_faces_only_the_full_range_detector_sees_are_still_found(device, i
     pipeline = FacePipeline(device=device, max_faces=2, detect_interval_frames=1,
                             face_landmarker_task=installed_models[assets.LANDMARKER_TASK_NAME],
                             cuda_graphs=on_gpu)
-    scene = FixedSizeScene(1920, 1080, "cam00", [100.0, 250.0])
     tally = FaceTally()
-    for k in range(6):
-        t_s = k / 30
-        found = pipeline.track([scene.render(t_s)], ["cam00"])[0]
-        tally.add(scene.faces_at(t_s), [face.box for face in found])
+    for widths_px in ([100.0, 250.0], [70.0, 160.0]):
+        scene = FixedSizeScene(1920, 1080, "cam00", widths_px)
+        for k in range(6):
+            t_s = k / 30
+            found = pipeline.track([scene.render(t_s)], ["cam00"])[0]
+            tally.add(scene.faces_at(t_s), [face.box for face in found])
+        pipeline.reset()
     summary = tally.summary()
     assert summary["found_pct_by_width"] == {"<150 px": 100.0, "150-300 px": 100.0}, summary
     assert summary["extra"] == 0, summary

@@ -102,52 +102,48 @@ def test_forward_in_buckets_gives_each_input_its_own_output(count):
     assert torch.equal(product, batch @ weight.T) and torch.equal(total, batch.sum(dim=1))
 
 
-def _touches_inner_border(box, tile, frame_h, frame_w, margin_px=4.0) -> bool:
-    """The rule as written per tile and per box (the pipeline's before it was batched)."""
-    cx, cy, side = tile
-    x1, y1, x2, y2 = cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2
-    return ((x1 > 0 and box[0] <= x1 + margin_px) or (y1 > 0 and box[1] <= y1 + margin_px)
-            or (x2 < frame_w and box[2] >= x2 - margin_px) or (y2 < frame_h and box[3] >= y2 - margin_px))
+def test_detector_plans_give_each_frame_one_input_per_detector(cpu_pipeline):
+    sizes = ((1080, 1920), (360, 640), (720, 1280), (1080, 1920))
+    short, full = cpu_pipeline.detector.plans_for(sizes)
+    # The short-range detector: each frame's letterbox, as MediaPipe crops it.
+    assert short.input_hw == (128, 128) and len(short.rects) == 4
+    assert short.rects.center_xy_px[1].tolist() == [320.0, 180.0] and short.rects.size_wh_px[1].tolist() == [640, 640]
+    # The full-range detector: each frame whole, a landscape frame above 720 px in a 512x288
+    # input (1080p at 3.75 frame pixels an input pixel, 720p at 2.5), a smaller one in the 192
+    # square; frames of one input shape together, their detections put back in frame order.
+    by_shape = {plan.input_hw: positions.tolist() for positions, plan in full.groups}
+    assert by_shape == {(288, 512): [0, 2, 3], (192, 192): [1]}
+    assert full.order.tolist() == [0, 3, 1, 2]  # rows [0, 2, 3, 1] of the concatenation, in frame order
+    sides = {plan.input_hw: plan.rects.size_wh_px.tolist() for _, plan in full.groups}
+    assert sides == {(288, 512): [[1920.0, 1080.0], [1280.0, 720.0], [1920.0, 1080.0]], (192, 192): [[640.0, 640.0]]}
+    for positions, plan in full.groups:
+        assert plan.anchors.shape == (plan.input_hw[0] // 4 * plan.input_hw[1] // 4, 2)
+        assert torch.equal(plan.rects.center_xy_px, plan.rects.size_wh_px / 2)  # from the frame's top-left
+    assert face_detection.full_range_input(1920, 1080) == (3.75, (512, 288))  # portrait
 
 
-@pytest.mark.parametrize("frame_hw", [(1080, 1920), (720, 1280), (600, 800), (2160, 3840)])
-def test_tile_border_test_matches_the_per_tile_rule(frame_hw):
-    height, width = frame_hw
-    tiles = roi.tile_rects(height, width, 720, 200)
-    gen = torch.Generator().manual_seed(5)
-    centres = torch.rand(len(tiles) + 1, 500, 2, generator=gen) * torch.tensor([width, height])
-    sizes = 10 + torch.rand(len(tiles) + 1, 500, 1, generator=gen) * 200
-    boxes = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)
-    edges = torch.tensor([face_detection.NO_CUT] + [face_detection.tile_cut_edges(t, height, width) for t in tiles])
-    cut = face_detection.cut_by_tile_border(boxes, edges)
-    assert not cut[0].any()  # the letterbox row: no inner border
-    for row, tile in enumerate(tiles, start=1):
-        expected = [_touches_inner_border(b.tolist(), tile, height, width) for b in boxes[row]]
-        assert cut[row].tolist() == expected
-
-
-def test_detector_plan_lists_each_frames_inputs_in_order(cpu_pipeline):
-    sizes = ((1080, 1920), (360, 640), (720, 1280))
-    plan = cpu_pipeline.detector.make_plan(sizes, tiles=True)
-    per_frame = [1 + len(roi.tile_rects(h, w, 720, 200)) for h, w in sizes]
-    assert per_frame == [9, 1, 4]
-    assert plan.owner.tolist() == [0] * 9 + [1] + [2] * 4
-    assert plan.pool_rows.shape == (3, 9)
-    assert plan.pool_rows[0].tolist() == list(range(9)) and plan.pool_used[0].all()
-    assert plan.pool_rows[1, 0] == 9 and plan.pool_used[1].tolist() == [True] + [False] * 8
-    assert plan.pool_rows[2, :4].tolist() == [10, 11, 12, 13] and plan.pool_used[2].sum() == 4
-    # Each frame's first input is its letterbox; the rest are its tiles, in tile_rects' order.
-    assert plan.rects.center_xy_px[9].tolist() == [320.0, 180.0] and plan.rects.size_wh_px[9, 0] == 640
-    assert plan.rects.center_xy_px[10].tolist() == [640.0, 360.0]
-    assert plan.rects.center_xy_px[11:14].tolist() == [[t[0], t[1]] for t in roi.tile_rects(720, 1280, 720, 200)]
-    short = cpu_pipeline.detector.make_plan(sizes, tiles=False)
-    assert short.owner.tolist() == [0, 1, 2] and short.pool_rows.shape == (3, 1)
+def test_full_range_detector_takes_any_multiple_of_32_and_is_itself_at_192(installed_models):
+    original = tflite_convert.convert(installed_models["face_detection_full_range"])
+    any_size = tflite_convert.convert(installed_models["face_detection_full_range"])
+    assert tflite_convert.allow_any_input_size(any_size) == 32
+    x = torch.rand(2, 192, 192, 3, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    with torch.inference_mode():
+        assert all(torch.equal(a, b) for a, b in zip(original(x), any_size(x)))
+        boxes, scores = any_size(torch.zeros(1, 288, 512, 3))
+    assert boxes.shape == (1, 72 * 128, 16) and scores.shape == (1, 72 * 128, 1)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        any_size(torch.zeros(1, 200, 512, 3))
+    mesh = tflite_convert.convert(installed_models["face_landmark_with_attention"])
+    with pytest.raises(tflite_ops.UnsupportedOp, match="depends on the input size"):
+        tflite_convert.allow_any_input_size(mesh)
 
 
 def _grid_sample_crops(batch: roi.FrameBatch, frame_index, rects, size, border):
-    """Crops as roi.crop_rois computed them with F.grid_sample over the float frames."""
-    steps = torch.arange(size, dtype=torch.float32) / size - 0.5
-    v, u = torch.meshgrid(steps, steps, indexing="ij")
+    """Crops as roi.crop_rois computed them with F.grid_sample over the float frames; ``size``
+    S or (H, W)."""
+    out_h, out_w = (size, size) if isinstance(size, int) else size
+    v, u = torch.meshgrid(torch.arange(out_h, dtype=torch.float32) / out_h - 0.5,
+                          torch.arange(out_w, dtype=torch.float32) / out_w - 0.5, indexing="ij")
     unit = torch.stack([u, v], dim=-1).reshape(1, -1, 2)
     points = rects.to_image(unit * rects.size_wh_px[:, None, :])
     hw = batch.frame_hw[frame_index]
@@ -158,10 +154,10 @@ def _grid_sample_crops(batch: roi.FrameBatch, frame_index, rects, size, border):
     y = torch.minimum(y.clamp(min=0), max_y) + batch.row_offset[frame_index][:, None]
     tall = batch.tall
     grid = torch.stack([x / (tall.shape[3] - 1) * 2 - 1, y / (tall.shape[2] - 1) * 2 - 1], dim=-1)
-    sampled = F.grid_sample(tall, grid.reshape(1, -1, size, 2), mode="bilinear", padding_mode="border",
+    sampled = F.grid_sample(tall, grid.reshape(1, -1, out_w, 2), mode="bilinear", padding_mode="border",
                             align_corners=True)
-    out = sampled[0].reshape(3, len(rects), size, size).permute(1, 2, 3, 0) / 255.0
-    return out * inside.reshape(-1, size, size, 1) if border == "zero" else out
+    out = sampled[0].reshape(3, len(rects), out_h, out_w).permute(1, 2, 3, 0) / 255.0
+    return out * inside.reshape(-1, out_h, out_w, 1) if border == "zero" else out
 
 
 @pytest.mark.parametrize("bgr", [True, False])
@@ -180,6 +176,26 @@ def test_crops_agree_with_grid_sample_over_the_float_frames(photos, bgr, border)
     assert (got - expected).abs().max() < 1e-3  # of 1.0: float rounding only
     rgb = frames[0] if not bgr else frames[0][..., ::-1]
     assert torch.equal(batch.tall[0, :, :512, :512], torch.from_numpy(rgb.copy()).permute(2, 0, 1).float())
+
+
+@pytest.mark.parametrize("axis_aligned", [False, True])
+def test_rectangular_crops_map_the_rects_width_onto_columns_and_height_onto_rows(photos, axis_aligned):
+    # The full-range detector's whole-frame inputs: (H, W) crops of unsquare rects.
+    batch = roi.FrameBatch([photos["astronaut"], np.ascontiguousarray(photos["grace_hopper"][:300])], "cpu")
+    sizes = torch.tensor([[640.0, 384.0], [640.0, 384.0]])
+    rects = roi.RotatedRects(sizes / 2, sizes, torch.zeros(2))
+    index = torch.tensor([0, 1])
+    got = roi.crop_rois(batch, index, rects, (96, 160), border="zero", axis_aligned=axis_aligned)
+    assert got.shape == (2, 96, 160, 3)
+    assert (got - _grid_sample_crops(batch, index, rects, (96, 160), "zero")).abs().max() < 1e-3
+    # Input pixel (u, v) samples frame pixel (u, v) x 4 (640 / 160, 384 / 96): on a pixel itself.
+    assert torch.allclose(got[0, 10, 20] * 255, torch.from_numpy(photos["astronaut"][40, 80, ::-1].copy()).float(),
+                          atol=1e-3)
+    assert (got[1, 76:] == 0).all() and (got[1, :, 129:] == 0).all()  # beyond the 300x512 frame: black
+    assert (got[1, :75, :128] > 0).any(dim=-1).float().mean() > 0.9
+    corners = torch.tensor([[[0.0, 0.0], [160.0, 96.0]]] * 2)
+    assert torch.allclose(roi.project_points(corners, rects, (96, 160)),
+                          torch.stack([torch.zeros(2, 2), sizes], dim=1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -318,37 +334,43 @@ def test_channel_prelu_is_the_tflite_formula(installed_models):
 
 
 def _reference_detect(pipeline: FacePipeline, frame_bgr: np.ndarray):
-    """One frame at a time, per tile, as written before batching: letterbox (+ tiles), decode,
-    border rule per tile, NMS over the frame's inputs, then the merge of the two detectors."""
+    """One frame at a time, as written before batching: the short-range detector on its
+    letterbox, the full-range one on the whole frame at its scale, each decoded and suppressed,
+    then the merge of the two detectors."""
     height, width = frame_bgr.shape[:2]
     batch = roi.FrameBatch([frame_bgr], "cpu")
     found = []
-    for spec, tiles in ((anchors.FACE_SHORT_RANGE, False), (anchors.FACE_FULL_RANGE, True)):
-        inputs = [roi.letterbox_rect(height, width)] + (roi.tile_rects(height, width, 720, 200) if tiles else [])
-        table = torch.tensor(inputs, dtype=torch.float32)
-        rects = roi.RotatedRects(table[:, :2], table[:, 2:3].expand(-1, 2).contiguous(), torch.zeros(len(inputs)))
+    for spec, full_range in ((anchors.FACE_SHORT_RANGE, False), (anchors.FACE_FULL_RANGE, True)):
         size = spec.anchors.input_size_px
-        crops = roi.crop_rois(batch, torch.zeros(len(inputs)), rects, size, border="zero") * 2 - 1
-        raw_boxes, raw_scores = pipeline.detector.outputs(tiles, crops)
-        decoded = anchors.decode(raw_boxes, raw_scores, pipeline.detector.anchors[spec.name], spec)
-        boxes = roi.project_boxes(decoded.boxes * size, rects, size)
-        keypoints = roi.project_points((decoded.keypoints * size).reshape(len(inputs), -1, 2), rects,
-                                       size).reshape(decoded.keypoints.shape)
+        if full_range:
+            scale, input_hw = face_detection.full_range_input(height, width)
+            side_wh = torch.tensor([[input_hw[1] * scale, input_hw[0] * scale]])
+            rects = roi.RotatedRects(side_wh / 2, side_wh, torch.zeros(1))
+            anchor_centres = anchors.generate_anchors(spec.anchors, input_hw)
+        else:
+            input_hw = (size, size)
+            cx, cy, side = roi.letterbox_rect(height, width)
+            rects = roi.RotatedRects(torch.tensor([[cx, cy]]), torch.tensor([[side, side]]), torch.zeros(1))
+            anchor_centres = anchors.generate_anchors(spec.anchors)
+        crops = roi.crop_rois(batch, torch.zeros(1), rects, input_hw, border="zero") * 2 - 1
+        raw_boxes, raw_scores = pipeline.detector.outputs(full_range, crops)
+        decoded = anchors.decode(raw_boxes, raw_scores, anchor_centres, spec)
+        boxes = roi.project_boxes(decoded.boxes * size, rects, input_hw)
+        keypoints = roi.project_points((decoded.keypoints * size).reshape(1, -1, 2), rects,
+                                       input_hw).reshape(decoded.keypoints.shape)
         valid = decoded.scores >= spec.min_score
-        for row in range(1, len(inputs)):
-            valid[row] &= torch.tensor([not _touches_inner_border(b.tolist(), inputs[row], height, width)
-                                        for b in boxes[row]])
-        result = weighted_nms(boxes.reshape(1, -1, 4), decoded.scores.reshape(1, -1),
-                              keypoints.reshape(1, -1, 6, 2), valid.reshape(1, -1), spec.min_suppression_iou,
+        result = weighted_nms(boxes, decoded.scores, keypoints, valid, spec.min_suppression_iou,
                               pipeline.max_faces * 2).select(0)
         found.append((result.boxes[0], result.keypoints[0], result.scores[0]))
     (boxes, keypoints, scores), (full_boxes, full_keypoints, full_scores) = found
     if full_boxes.shape[0]:
         overlaps = (box_iou(full_boxes, boxes).max(dim=1).values > 0.1 if boxes.shape[0]
                     else torch.zeros(full_boxes.shape[0], dtype=torch.bool))
-        boxes = torch.cat([boxes, full_boxes[~overlaps]])
-        keypoints = torch.cat([keypoints, full_keypoints[~overlaps]])
-        scores = torch.cat([scores, full_scores[~overlaps]])
+        wide_enough = full_boxes[:, 2] - full_boxes[:, 0] >= face_detection.FULL_RANGE_ONLY_MIN_WIDTH_PX
+        keep = ~overlaps & wide_enough
+        boxes = torch.cat([boxes, full_boxes[keep]])
+        keypoints = torch.cat([keypoints, full_keypoints[keep]])
+        scores = torch.cat([scores, full_scores[keep]])
     order = scores.argsort(descending=True)[: pipeline.max_faces]
     return boxes[order], keypoints[order], scores[order]
 

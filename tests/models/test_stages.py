@@ -304,16 +304,6 @@ def test_project_points_inverts_the_crop_mapping():
     assert torch.allclose(out[0, 1, :2], rects.corners_px()[0, 0], atol=1e-4)
 
 
-def test_tiles_cover_a_1080p_frame_with_overlap():
-    tiles = roi.tile_rects(1080, 1920, 720, 200)
-    assert len(tiles) == 4 * 2  # ceil((1920 - 200) / 520) columns, ceil((1080 - 200) / 520) rows
-    xs = sorted({cx - side / 2 for cx, _, side in tiles})
-    ys = sorted({cy - side / 2 for _, cy, side in tiles})
-    assert xs[0] == 0 and xs[-1] + 720 == 1920 and ys[0] == 0 and ys[-1] + 720 == 1080
-    assert all(b - a <= 720 - 200 for a, b in zip(xs, xs[1:]))
-    assert roi.tile_rects(512, 512, 720, 200) == []
-
-
 def test_frame_batch_rejects_bad_frames():
     with pytest.raises(ValueError, match="frame 1 must be an HxWx3 uint8"):
         roi.FrameBatch([np.zeros((4, 4, 3), np.uint8), np.zeros((4, 4), np.uint8)], "cpu")
