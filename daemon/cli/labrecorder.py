@@ -13,6 +13,19 @@ Note [LabRecorderCLI alongside]
     once the `record_stop` markers went out (the supervisor has them and the recorders are
     gone) plus MARKER_TRANSIT_S for LSL to carry them. State (pid, XDF, FIFO) is in
     `labrecorder.json` in the runtime directory.
+
+Note [LabRecorderCLI's log is read by phrase]
+    Whether LabRecorderCLI records every stream it found is read from its log: a `Found ...`
+    line per stream (printed by its main thread, before recording starts), and a `Started data
+    collection for stream NAME.` per stream. The latter are printed by the streams' own threads,
+    all at once when the last stream header is in, each in three pieces (phrase, name, end of
+    line) that other threads' pieces land between: `Started data collection for stream Started
+    data collection for stream facecast rec0 face0.` then `facecast rec1 frames.` on a line of
+    its own. Counted as lines that start with the phrase, such a log showed fewer streams started
+    than found until START_TIMEOUT_S ran out, and `record start` killed a LabRecorderCLI that was
+    recording every stream (seen on 2 busy cores, tests/test_recording.py). So the phrase is
+    counted wherever it is in the log: each piece is one write under the C library's stdout
+    lock, so the phrase itself stays whole (tests/test_labrecorder.py plays such a log).
 """
 
 from __future__ import annotations
@@ -28,6 +41,10 @@ from pathlib import Path
 from facecast.shared import private_files
 
 STATE_FILE = "labrecorder.json"
+FOUND_LINE_START = "Found "  # a stream that matches the predicate, one line each (main thread)
+# A stream it records, once each (the streams' threads): Note [LabRecorderCLI's log is read by
+# phrase].
+STARTED_PHRASE = "Started data collection for stream "
 FIFO_NAME = "labrecorder.stdin"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
@@ -104,9 +121,10 @@ def start(cli: Path, runtime_dir: Path, xdf: Path, host: str) -> dict:
     os.close(stdin_fd)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        lines = log_path.read_text().splitlines()
-        found = sum(line.startswith("Found ") for line in lines)
-        started = sum(line.startswith("Started data collection") for line in lines)
+        text = log_path.read_text()
+        lines = text.splitlines()
+        found = sum(line.startswith(FOUND_LINE_START) for line in lines)
+        started = text.count(STARTED_PHRASE)  # Note [LabRecorderCLI's log is read by phrase]
         if found and started >= found:
             break
         if process.poll() is not None or time.monotonic() > deadline:
