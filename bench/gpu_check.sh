@@ -115,6 +115,10 @@ run)
                 done
                 . bench/gpu_host_env.sh  # facecast.* back to this tree
             fi ;;
+        ab_head) # ab's second half alone, where its base ran on this machine before (a rerun).
+            step ab-head python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
+                --source synthetic-replay --warmup-s 5 --measure-s 15 \
+                --out "$STATE/benchmarks-ab-head.json" --log-dir "$STATE/logs-head" ;;
         mps) # The same daemon with NVIDIA MPS: the workers' kernels share the GPU at once
             # instead of taking turns by time slice (never tried yet; needs
             # nvidia-cuda-mps-control on the machine).

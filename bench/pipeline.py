@@ -1075,6 +1075,11 @@ def main() -> int:
                           help="seconds of frames of the small-face scene (30 per second); 0: "
                                "do not run it")
     args = parser.parse_args()
+    # SIGTERM (a killed benchmark, gpu_check's machine given back) must stop the daemon under
+    # test, not leave it running on the GPU beside the next measurement (seen 2026-11-26: a
+    # 64-camera daemon outlived its killed bench and ran beside the next run): raise SystemExit,
+    # so that every `finally` stops its daemon.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         args.cameras = camera_counts(args.cameras)
     except argparse.ArgumentTypeError as exc:

@@ -52,12 +52,13 @@ PLAN_CACHE_SIZE = 32
 #     fixed paddings, three 2x upsamplings and a head that lays its grid of anchors out in rows.
 #     Given a larger input than its square 192x192 (tflite_convert.allow_any_input_size) it
 #     answers for every 4x4 cell of it, as for the square. So a frame goes in whole: a landscape
-#     frame larger than 720 px into a 512x288 input (portrait 288x512), scaled to fit and padded
-#     black below or to the right (a 1080p frame at 3.75 frame pixels an input pixel, 720p at
-#     2.5, 4K at 7.5), a smaller frame into the square 192x192, as its letterbox went in before.
-#     Fixed input shapes, not one per frame size, because each new shape costs seconds of cuDNN's
-#     preparations (Note [Warm shapes]): a camera whose frames turn out to have another size
-#     than configured must not stall detection.
+#     frame into a 512x288 input (a portrait one 288x512), scaled to fit and padded black below or
+#     to the right (a 1080p frame at 3.75 frame pixels an input pixel, 720p at 2.5, 640x360 at
+#     1.25, 4K at 7.5). One input shape, not one per frame size, because each new shape costs
+#     seconds of cuDNN's preparations (Note [Warm shapes]): a file camera whose 640x360 frames
+#     were first given a 192 square stalled detection for seconds on the H100 (2026-11-26,
+#     tests/test_real_footage_gpu.py), as a camera whose frames turn out to have another size than
+#     configured must never do.
 #     Until 2026-11-26 a 1080p frame went in as a 192 letterbox and 8 overlapping 720 px tiles at
 #     the same 3.75 scale: 9 inputs and 332 k input pixels against 147 k, a rule that dropped
 #     boxes cut by a tile's border (another tile or the letterbox had to see the face whole), and
@@ -68,7 +69,12 @@ PLAN_CACHE_SIZE = 32
 #     px all (tiles all), boxes matching no face 0 (tiles 1-6 per 60 at 60-120 px); faces under
 #     FULL_RANGE_ONLY_MIN_WIDTH_PX are not reported either way (tests/models/test_face_free.py).
 WHOLE_FRAME_INPUT_HW = (288, 512)  # landscape; a portrait frame's is (512, 288)
-WHOLE_FRAME_ABOVE_PX = 720  # a frame whose long side is at most this goes into the square input
+# The frame size whose detector inputs `FaceDetector.warm_up` prepares even where no camera is
+# configured at it: a camera's configured size is a request, and a file or stream delivers its
+# own (up to 1080p is what lab cameras send; larger sizes are warmed where they are configured).
+WARM_FRAME_HW = (1080, 1920)
+# The detectors' smallest batch bucket (Note [Warm shapes]).
+SMALLEST_DETECTOR_BATCH = 16
 
 
 # Note [Faces only the full-range detector sees]
@@ -110,9 +116,6 @@ class WholeFramePlan:
 def full_range_input(height: int, width: int) -> tuple[float, tuple[int, int]]:
     """The full-range detector's input for a frame (Note [The full-range detector over the whole
     frame]): (frame pixels per input pixel, (input height, input width))."""
-    if max(height, width) <= WHOLE_FRAME_ABOVE_PX:
-        side = anchors_mod.FACE_FULL_RANGE.anchors.input_size_px
-        return max(height, width) / side, (side, side)
     input_h, input_w = WHOLE_FRAME_INPUT_HW if width >= height else WHOLE_FRAME_INPUT_HW[::-1]
     return max(height / input_h, width / input_w), (input_h, input_w)
 

@@ -108,17 +108,18 @@ def test_detector_plans_give_each_frame_one_input_per_detector(cpu_pipeline):
     # The short-range detector: each frame's letterbox, as MediaPipe crops it.
     assert short.input_hw == (128, 128) and len(short.rects) == 4
     assert short.rects.center_xy_px[1].tolist() == [320.0, 180.0] and short.rects.size_wh_px[1].tolist() == [640, 640]
-    # The full-range detector: each frame whole, a landscape frame above 720 px in a 512x288
-    # input (1080p at 3.75 frame pixels an input pixel, 720p at 2.5), a smaller one in the 192
-    # square; frames of one input shape together, their detections put back in frame order.
-    by_shape = {plan.input_hw: positions.tolist() for positions, plan in full.groups}
-    assert by_shape == {(288, 512): [0, 2, 3], (192, 192): [1]}
-    assert full.order.tolist() == [0, 3, 1, 2]  # rows [0, 2, 3, 1] of the concatenation, in frame order
-    sides = {plan.input_hw: plan.rects.size_wh_px.tolist() for _, plan in full.groups}
-    assert sides == {(288, 512): [[1920.0, 1080.0], [1280.0, 720.0], [1920.0, 1080.0]], (192, 192): [[640.0, 640.0]]}
-    for positions, plan in full.groups:
-        assert plan.anchors.shape == (plan.input_hw[0] // 4 * plan.input_hw[1] // 4, 2)
-        assert torch.equal(plan.rects.center_xy_px, plan.rects.size_wh_px / 2)  # from the frame's top-left
+    # The full-range detector: each frame whole in one 512x288 input, scaled to fit (1080p at
+    # 3.75 frame pixels an input pixel, 720p at 2.5, 640x360 at 1.25), from its top-left corner.
+    (positions, plan), = full.groups
+    assert plan.input_hw == (288, 512) and positions.tolist() == [0, 1, 2, 3] and full.order is None
+    assert plan.rects.size_wh_px.tolist() == [[1920.0, 1080.0], [640.0, 360.0], [1280.0, 720.0], [1920.0, 1080.0]]
+    assert torch.equal(plan.rects.center_xy_px, plan.rects.size_wh_px / 2)
+    assert plan.anchors.shape == (72 * 128, 2)
+    # A portrait frame has an input of its own shape; frames are grouped by it, and their
+    # detections put back in frame order.
+    _, mixed = cpu_pipeline.detector.plans_for(((1080, 1920), (1920, 1080), (720, 1280)))
+    assert {plan.input_hw: p.tolist() for p, plan in mixed.groups} == {(288, 512): [0, 2], (512, 288): [1]}
+    assert mixed.order.tolist() == [0, 2, 1]  # rows [0, 2, 1] of the concatenation, in frame order
     assert face_detection.full_range_input(1920, 1080) == (3.75, (512, 288))  # portrait
 
 
