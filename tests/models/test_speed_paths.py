@@ -123,7 +123,7 @@ def test_detector_plans_give_each_frame_one_input_per_detector(cpu_pipeline):
     assert face_detection.full_range_input(1920, 1080) == (3.75, (512, 288))  # portrait
 
 
-def test_full_range_detector_takes_any_multiple_of_32_and_is_itself_at_192(installed_models):
+def test_full_range_detector_takes_any_multiple_of_32_and_is_itself_at_192(installed_models, cpu_pipeline):
     original = tflite_convert.convert(installed_models["face_detection_full_range"])
     any_size = tflite_convert.convert(installed_models["face_detection_full_range"])
     assert tflite_convert.allow_any_input_size(any_size) == 32
@@ -134,6 +134,12 @@ def test_full_range_detector_takes_any_multiple_of_32_and_is_itself_at_192(insta
     assert boxes.shape == (1, 72 * 128, 16) and scores.shape == (1, 72 * 128, 1)
     with pytest.raises(ValueError, match="multiples of 32"):
         any_size(torch.zeros(1, 200, 512, 3))
+    # As the pipeline runs it on the CPU (PADs folded, each convolution's CPU kernel chosen and
+    # its weights packed for the built size: Note [Convolutions on the CPU]), at the whole-frame size.
+    whole = torch.rand(2, 288, 512, 3, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    with torch.inference_mode():
+        for prepared, plain in zip(cpu_pipeline.detector.full_range(whole), any_size(whole)):
+            assert torch.allclose(prepared, plain, atol=1e-3, rtol=1e-5)
     mesh = tflite_convert.convert(installed_models["face_landmark_with_attention"])
     with pytest.raises(tflite_ops.UnsupportedOp, match="depends on the input size"):
         tflite_convert.allow_any_input_size(mesh)
