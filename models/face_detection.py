@@ -58,7 +58,8 @@ PLAN_CACHE_SIZE = 32
 #     seconds of cuDNN's preparations (Note [Warm shapes]): a file camera whose 640x360 frames
 #     were first given a 192 square stalled detection for seconds on the H100 (2026-11-26,
 #     tests/test_real_footage_gpu.py), as a camera whose frames turn out to have another size than
-#     configured must never do.
+#     configured must never do. (The portrait shape is prepared where a portrait size is
+#     configured: preparing it everywhere would cost every boot three more shapes.)
 #     Until 2026-11-26 a 1080p frame went in as a 192 letterbox and 8 overlapping 720 px tiles at
 #     the same 3.75 scale: 9 inputs and 332 k input pixels against 147 k, a rule that dropped
 #     boxes cut by a tile's border (another tile or the letterbox had to see the face whole), and
