@@ -383,7 +383,11 @@ def _reference_detect(pipeline: FacePipeline, frame_bgr: np.ndarray):
 
 
 def test_batched_detection_equals_frame_by_frame(cpu_pipeline, photos):
-    frames = [scene_1080p(photos), _bgr(photos["astronaut"]),
+    # Frames of every kind of input: 1080p, a square, a portrait photo (its own 288x512 input,
+    # in the middle of the batch: put back in frame order), 720p and a face-free 640x480.
+    portrait = _bgr(photos["grace_hopper"])
+    assert portrait.shape[0] > portrait.shape[1]
+    frames = [scene_1080p(photos), _bgr(photos["astronaut"]), portrait,
               np.ascontiguousarray(scene_1080p(photos, 40)[:720, :1280]), np.full((480, 640, 3), 90, np.uint8)]
     with torch.inference_mode():
         batched = cpu_pipeline.detect(roi.FrameBatch(frames, "cpu"))
@@ -392,7 +396,7 @@ def test_batched_detection_equals_frame_by_frame(cpu_pipeline, photos):
             assert boxes.shape[0] == ref_boxes.shape[0]
             assert torch.allclose(boxes, ref_boxes, atol=1e-2) and torch.allclose(scores, ref_scores, atol=1e-4)
             assert torch.allclose(keypoints, ref_keypoints, atol=1e-2)
-    assert [b.shape[0] for b, _, _ in batched] == [3, 1, 2, 0]
+    assert [b.shape[0] for b, _, _ in batched] == [3, 1, 1, 2, 0]
 
 
 def test_tracking_with_detections_from_elsewhere_including_an_empty_frame(cpu_pipeline, photos):
