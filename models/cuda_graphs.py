@@ -58,7 +58,11 @@ log = logging.getLogger(__name__)
 #     bucket costs its preparation at boot (about 3 s a detector batch shape on the H100: cuDNN
 #     prepares every layer's kernels anew), so the detectors' smallest bucket is 16 inputs:
 #     up to 16 frames' letterboxes, or 1 to 16 inputs of whatever frame size, are one shape,
-#     and running 16 small inputs where 1 would do costs the GPU next to nothing.
+#     and running 16 small inputs where 1 would do costs the GPU next to nothing. Since the
+#     full-range detector takes each frame whole (Note [The full-range detector over the whole
+#     frame]), a frame is one input of it, of one shape whatever the frame's size (512x288; a
+#     portrait frame 288x512): 16 to 64 frames are three shapes to prepare where 9 inputs a
+#     1080p frame had made five, and READY at 64 cameras came 10 s sooner (docs/benchmarks.md).
 #
 #     A large batch is not padded to the next power of two but run in power-of-two pieces
 #     (``batch_pieces``): 32 1080p frames give the full-range detector 288 inputs, which ran as
@@ -113,7 +117,7 @@ def shapes_up_to(count: int, smallest: int = 1) -> list[int]:
 def forward_in_buckets(model: torch.nn.Module, batch: torch.Tensor, smallest: int = 1):
     """``model(batch)`` run as ``batch_pieces``, each padded with zeros, and the outputs cut
     back: a GPU then meets a handful of batch shapes, each prepared once (Note [Warm shapes]),
-    instead of a new one, and a stall of seconds, per new count of frames, tiles or faces."""
+    instead of a new one, and a stall of seconds, per new count of frames or faces."""
     count = batch.shape[0]
     parts = []
     start = 0

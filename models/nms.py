@@ -10,8 +10,7 @@ keeping the leader's box, is what makes BlazeFace's boxes steady from frame to f
 Here every image of the batch runs the same greedy loop at once: step t picks, per image, the
 best detection not yet in a cluster (Note [Weighted NMS in few steps]). There are at most
 ``max_detections`` steps, each a handful of ``(B, N)`` tensor ops, and no host synchronisation,
-so the whole thing can run on the GPU (and be captured in a CUDA graph) for any number of frames
-or tiles.
+so the whole thing can run on the GPU (and be captured in a CUDA graph) for any number of frames.
 
 IoU is invariant under scaling each axis, so boxes may be in pixels or in normalized units.
 :func:`box_iou` is facecast's one IoU (the detectors, the trackers, the duplicate filters of
