@@ -662,8 +662,14 @@ def main() -> int:
         data["components"] = components(analyzer, bundle, footages, min(args.litert_threads))
         print(f"components (CPU ms): {data['components']}", file=sys.stderr, flush=True)
         save()
-    if device.type == "cuda":  # the first batches of each shape prepare cuDNN: not the file's
-        run_facecast(analyzer, footages[0], args.work / "warmup", args.files_at_once)
+    if device.type == "cuda":
+        # The first batches of each shape prepare cuDNN and capture CUDA graphs (per frame size
+        # and per count of faces): a cost of the run's start, not of the file's frames. Every
+        # footage once: warming with the first alone left the 1080p files' first run with
+        # their own captures (H100, 2026-11-26: 1080p one face 188 frames/s in its first run,
+        # 486 in its second).
+        for footage in footages:
+            run_facecast(analyzer, footage, args.work / "warmup", args.files_at_once)
     for footage in footages:
         row = {"footage": footage.name, "width": footage.width, "height": footage.height,
                "faces": footage.faces, "file": footage.path.name,
