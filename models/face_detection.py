@@ -12,6 +12,7 @@ Which detector inputs a list of frame sizes needs is planned once (:class:`Detec
 Note [Detection without per-frame work]); with ``cuda_graphs`` the pass is replayed from a graph
 (Note [CUDA graphs of the pipeline]).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -492,7 +492,8 @@ def allow_any_input_size(module: TFLiteModule) -> int:
 
     A convolution, a padding of fixed amounts or an elementwise operator is the same at any
     size; what a converted model fixes at its built size is each RESIZE_BILINEAR's output
-    (replaced by :class:`~facecast.models.tflite_ops.Upsample2x` where it doubles) and each RESHAPE of an image into rows (replaced by
+    (replaced by :class:`~facecast.models.tflite_ops.Upsample2x` where it doubles, in the
+    half-pixel or align-corners convention) and each RESHAPE of an image into rows (replaced by
     :class:`~facecast.models.tflite_ops.FlattenImage`). Any other operator that depends on the
     size raises :class:`~facecast.models.tflite_ops.UnsupportedOp`, naming it. At the built size
     the outputs are the model's own."""
@@ -506,9 +507,9 @@ def allow_any_input_size(module: TFLiteModule) -> int:
         compute = step.compute
         in_shape = module._tensor_shapes[step.input_slots[0]] if step.input_slots else ()
         out_shape = module._tensor_shapes[step.output_slots[0]]
-        if isinstance(compute, tflite_ops.ResizeBilinear) and \
+        if isinstance(compute, tflite_ops.ResizeBilinear) and not compute.legacy and \
                 tuple(compute.out_hw) == (2 * in_shape[1], 2 * in_shape[2]):
-            step.compute = tflite_ops.Upsample2x(compute.align_corners, compute.legacy)
+            step.compute = tflite_ops.Upsample2x(compute.align_corners)
         elif isinstance(compute, tflite_ops.Reshape) and tflite_ops.is_image(in_shape) and \
                 tuple(out_shape) == (in_shape[0], in_shape[1] * in_shape[2], in_shape[3]):
             step.compute = tflite_ops.FlattenImage()

@@ -955,38 +955,18 @@ class ResizeBilinear(torch.nn.Module):
 
 class Upsample2x(torch.nn.Module):
     """RESIZE_BILINEAR to twice the input's height and width, for an input of any size
-    (:func:`~facecast.models.tflite_convert.allow_any_input_size`): the values
-    :class:`ResizeBilinear` gives at its one built size.
+    (:func:`~facecast.models.tflite_convert.allow_any_input_size`): torch's interpolation to the
+    doubled size, the values :class:`ResizeBilinear` gives at its one built size. Half-pixel and
+    align-corners conventions only: the legacy one has no torch equivalent (ResizeBilinear
+    gathers by a table made for its size)."""
 
-    In the half-pixel and align-corners conventions that is torch's interpolation to the doubled
-    size. In the legacy one (source = destination / 2) every even output row lies on an input row
-    and every odd one halfway to the next (the last row's neighbour is itself): the input
-    interleaved with the mean of each row and the next, whatever the size, computed on the NHWC
-    view the activations are held in (Note [Batch and layout]) with no index table per size.
-    """
-
-    def __init__(self, align_corners: bool, legacy: bool):
+    def __init__(self, align_corners: bool):
         super().__init__()
-        self.align_corners, self.legacy = align_corners, legacy
+        self.align_corners = align_corners
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         height, width = x.shape[2:]
-        if not self.legacy:
-            return F.interpolate(x, size=(2 * height, 2 * width), mode="bilinear",
-                                 align_corners=self.align_corners)
-        y = x.permute(0, 2, 3, 1)  # (N, H, W, C)
-        y = _interleave_next_mean(y, dim=1)
-        y = _interleave_next_mean(y, dim=2)
-        return y.permute(0, 3, 1, 2)
-
-
-def _interleave_next_mean(y: torch.Tensor, dim: int) -> torch.Tensor:
-    """y's slices along ``dim``, each followed by its mean with the next one (the last: itself)."""
-    after = torch.cat([y.narrow(dim, 1, y.shape[dim] - 1), y.narrow(dim, y.shape[dim] - 1, 1)], dim=dim)
-    between = y * 0.5 + after * 0.5  # as ResizeBilinear blends: low * (1 - 0.5) + high * 0.5
-    shape = list(y.shape)
-    shape[dim] *= 2
-    return torch.stack([y, between], dim=dim + 1).reshape(shape)
+        return F.interpolate(x, size=(2 * height, 2 * width), mode="bilinear", align_corners=self.align_corners)
 
 
 class FlattenImage(torch.nn.Module):
