@@ -253,7 +253,8 @@ def crop_rois(
     """Crop N rotated rects out of a frame batch in one bilinear gather.
 
     Returns (N, S, S, 3) ``dtype`` (NHWC, RGB, the models' layout), or (N, H, W, 3) for an
-    ``out_size_px`` of (H, W) (each rect's width onto W columns, its height onto H rows), pixel values 0..255 mapped
+    ``out_size_px`` of (H, W) (each rect's width onto W columns, its height onto H rows), pixel
+    values 0..255 mapped
     linearly onto ``value_range`` (0..1 by default; the detectors take -1..1). ``border`` is
     "replicate" (MediaPipe's default) or "zero" (black, the detectors' letterbox padding: the
     low end of ``value_range``). ``axis_aligned=True`` promises that every rect's rotation is
@@ -281,8 +282,8 @@ def crop_rois(
     centre_x = rects.center_xy_px[:, 0, None, None]
     centre_y = rects.center_xy_px[:, 1, None, None]
     if axis_aligned:
-        x, y = along_u + centre_x, along_v + centre_y  # (N, 1, S) and (N, S, 1)
-    else:  # RotatedRects.to_image, written with broadcasting: (N, S, S) each
+        x, y = along_u + centre_x, along_v + centre_y  # (N, 1, W) and (N, H, 1)
+    else:  # RotatedRects.to_image, written with broadcasting: (N, H, W) each
         cos = torch.cos(rects.rotation_rad)[:, None, None]
         sin = torch.sin(rects.rotation_rad)[:, None, None]
         x = cos * along_u - sin * along_v + centre_x
@@ -345,17 +346,15 @@ def project_points(points_model_px: torch.Tensor, rects: RotatedRects,
     in image pixels. See Note [ROI crop convention].
     """
     rects = rects.to(points_model_px.device)
-    if isinstance(input_size_px, int):
-        xy = points_model_px[..., :2] / input_size_px - 0.5
-    else:
-        input_h, input_w = input_size_px
-        input_size_px = input_w  # z goes with x
-        # Scalars, not a tensor made from host values: this runs inside CUDA graph captures.
+    input_h, input_w = (input_size_px, input_size_px) if isinstance(input_size_px, int) else input_size_px
+    if input_h == input_w:
+        xy = points_model_px[..., :2] / input_w - 0.5
+    else:  # by scalars, not a tensor made from host values: this runs inside CUDA graph captures
         xy = torch.stack([points_model_px[..., 0] / input_w, points_model_px[..., 1] / input_h], dim=-1) - 0.5
     image_xy = rects.to_image(xy * rects.size_wh_px[:, None, :])
     if points_model_px.shape[-1] == 2:
         return image_xy
-    z = points_model_px[..., 2:3] * (rects.size_wh_px[:, None, 0:1] / input_size_px)
+    z = points_model_px[..., 2:3] * (rects.size_wh_px[:, None, 0:1] / input_w)  # z goes with x
     return torch.cat([image_xy, z], dim=-1)
 
 
