@@ -52,7 +52,7 @@ STEPS = (
     ("face_mesh", "head_pose_from_matrices", "head pose"),
     ("face_mesh", "head_pose_deg", "head pose"),
     ("face_detection.anchors_mod", "decode", "anchor decoding"),
-    ("face_detection", "weighted_nms", "weighted NMS"),
+    ("face_detection", "weighted_nms_of_parts", "weighted NMS"),
     ("face_detection.FaceDetector", "merge", "merge"),
 )
 SCOPE = "step:"

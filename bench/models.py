@@ -830,11 +830,10 @@ def main() -> int:
         owners, boxes, keypoints, _ = pool
         rects = roi.rects_from_detections(boxes, keypoints)
         crops = roi.crop_rois(batch8, torch.tensor(owners, device=device), rects, 192).cpu().numpy()
-        short_plan, full_plan = reference.detector.plans_for((FRAME_HW,) * 2)
-        index2 = torch.arange(2, device=device)
-        short_inputs = reference.detector.crops(batch8, index2, short_plan).float().cpu().numpy()
-        (_, whole_plan), = full_plan.groups
-        whole = reference.detector.crops(batch8, index2, whole_plan).float().cpu().numpy()
+        plans = reference.detector.plans_for((FRAME_HW,) * 2)
+        short_taps, whole_taps = reference.detector.crop_taps(batch8, torch.arange(2, device=device), plans)
+        short_inputs = short_taps.crop(batch8).float().cpu().numpy()
+        whole = whole_taps.crop(batch8).float().cpu().numpy()
         side = _spec("full").anchors.input_size_px
         # LiteRT's full-range model takes 192x192: pieces of the whole-frame input, and as many
         # invokes a frame as cover its pixels (full_range_inputs_per_frame below).

@@ -31,7 +31,7 @@ from facecast.models.cuda_graphs import (
     forward_in_buckets,
     shapes_up_to,
 )
-from facecast.models.nms import Detections, box_iou, weighted_nms
+from facecast.models.nms import Detections, box_iou, weighted_nms_of_parts
 
 # Note [Detection without per-frame work]
 #     Which input each detector gets for a frame (the short-range one its letterbox, the
@@ -130,6 +130,18 @@ def in_frame_order(found: list[Detections], order: torch.Tensor | None) -> Detec
     return Detections(*(joined if order is None else (field[order] for field in joined)))
 
 
+# Note [Candidates per NMS slot]
+#     Weighted NMS compares every pair of a frame's candidates: at its default of 512 candidates
+#     a frame, that pairwise IoU over 64 rows (32 frames, both detectors) was ~0.9 of a 6.9 ms
+#     detection pass over 32 1080p frames (H100, fp16 + graphs, 2026-11-26: 5.99 ms with 128).
+#     A face's cluster is a handful of anchors above the detectors' thresholds: at most 8 on the
+#     test photos and the shared real clip, letterboxed, whole and upscaled to 1080p (measured
+#     on the CPU, 2026-11-26). So each output slot gets CANDIDATES_PER_SLOT candidates, twice
+#     the largest cluster seen: the best clusters' leaders and members are all among them, and
+#     the results on the bench's 32 scenes were bit-identical to 512 candidates.
+CANDIDATES_PER_SLOT = 16
+
+
 class FaceDetector:
     """Both face detectors over batches of frames, merged; ``full_range=None`` runs the
     short-range detector alone."""
@@ -216,26 +228,31 @@ class FaceDetector:
         return self.core(batch, index, self.plans_for(sizes))
 
     def core(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plans,
-             on_stage: Callable[[str], None] | None = None) -> Detections:
+             on_stage: Callable[[str], None] | None = None,
+             taps: list[roi_mod.CropTaps] | None = None) -> Detections:
         """The detection pass proper, a fixed sequence of tensor operations for the planned
         frames (Note [Detection without per-frame work]). ``on_stage`` is called after the
-        preprocess (crops), forward and decode_nms stages (the benchmark's stage clock)."""
+        preprocess (crops), forward and decode_nms stages (the benchmark's stage clock).
+        ``taps``: :meth:`crop_taps` of these frames, made once for a CUDA graph's batch."""
         short_plan, full_plan = plans
         short_spec, full_spec = anchors_mod.FACE_SHORT_RANGE, anchors_mod.FACE_FULL_RANGE
         full_groups = full_plan.groups if full_plan is not None else []
-        short_crops = self.crops(batch, frame_index, short_plan)
-        full_crops = [self.crops(batch, frame_index[positions], plan) for positions, plan in full_groups]
+        short_taps, *full_taps = taps if taps is not None else self.crop_taps(batch, frame_index, plans)
+        short_crops = short_taps.crop(batch)
+        full_crops = [group_taps.crop(batch) for group_taps in full_taps]
         if on_stage:
             on_stage("preprocess")
         short_raw = self.outputs(False, short_crops)
         full_raw = [self.outputs(True, crops) for crops in full_crops]
         if on_stage:
             on_stage("forward")
-        short = self.decode(short_raw, short_plan, short_spec)
-        full = None
-        if full_plan is not None:
-            full = in_frame_order([self.decode(raw, plan, full_spec) for raw, (_, plan) in zip(full_raw, full_groups)],
-                                  full_plan.order)
+        # Note [One NMS for both detectors]
+        short, *fulls = weighted_nms_of_parts(
+            [self.decode(short_raw, short_plan, short_spec)]
+            + [self.decode(raw, plan, full_spec) for raw, (_, plan) in zip(full_raw, full_groups)],
+            iou_threshold=short_spec.min_suppression_iou, max_detections=self.max_faces * 2,
+            max_candidates=CANDIDATES_PER_SLOT * self.max_faces * 2)
+        full = in_frame_order(fulls, full_plan.order) if full_plan is not None else None
         merged = self.merge(short, full)
         if on_stage:
             on_stage("decode_nms")
@@ -281,9 +298,17 @@ class FaceDetector:
             torch.tensor(concatenated).argsort().to(self.device)
         return WholeFramePlan(groups, order)
 
-    def crops(self, batch, frame_index: torch.Tensor, plan: DetectorPlan) -> torch.Tensor:
+    def crop_taps(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plans) -> list[roi_mod.CropTaps]:
+        """Where the detectors' inputs sample the frames: the short-range letterbox's taps, then
+        each full-range input shape's (Note [Crop taps made once])."""
+        short_plan, full_plan = plans
+        full_groups = full_plan.groups if full_plan is not None else []
+        return [self._taps(batch, frame_index, short_plan)] + [
+            self._taps(batch, frame_index[positions], plan) for positions, plan in full_groups]
+
+    def _taps(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plan: DetectorPlan) -> roi_mod.CropTaps:
         # Letterbox and whole frames are unrotated: coordinates per row and column (axis_aligned).
-        return roi_mod.crop_rois(batch, frame_index, plan.rects, plan.input_hw, border="zero",
+        return roi_mod.crop_taps(batch, frame_index, plan.rects, plan.input_hw, border="zero",
                                  dtype=self.model_dtype, value_range=(-1.0, 1.0), axis_aligned=True)
 
     def outputs(self, full_range: bool, crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,8 +320,10 @@ class FaceDetector:
         scores = next(o for o in outputs if o.dim() == 3 and o.shape[-1] == 1)
         return boxes, scores
 
-    def decode(self, raw, plan: DetectorPlan, spec: anchors_mod.DetectorSpec) -> Detections:
-        """Decode, project to frame pixels, weighted NMS: (F, K) slots per frame."""
+    def decode(self, raw, plan: DetectorPlan, spec: anchors_mod.DetectorSpec
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode and project to frame pixels: (boxes, scores, keypoints, valid) per anchor, as
+        weighted NMS takes them."""
         raw_boxes, raw_scores = raw
         # Decoded coordinates are in units of the detector's square side (anchors_mod.generate_anchors).
         size = spec.anchors.input_size_px
@@ -306,8 +333,7 @@ class FaceDetector:
         keypoints = roi_mod.project_points(
             (decoded.keypoints * size).reshape(frames, -1, 2), plan.rects, plan.input_hw
         ).reshape(decoded.keypoints.shape)
-        return weighted_nms(boxes, decoded.scores, keypoints, decoded.scores >= spec.min_score,
-                            iou_threshold=spec.min_suppression_iou, max_detections=self.max_faces * 2)
+        return boxes, decoded.scores, keypoints, decoded.scores >= spec.min_score
 
     def merge(self, short: Detections, full: Detections | None) -> Detections:
         """A full-range detection is kept only where no short-range one overlaps it, and then
@@ -341,7 +367,8 @@ class FaceDetector:
             static = roi_mod.FrameBatch.from_pixels(pixels, [(height, width)] * padded, bgr=batch.bgr)
             index = torch.arange(padded, device=self.device)
             plans = self.plans_for(((height, width),) * padded)
-            return (lambda: self.core(static, index, plans)), {"pixels": pixels}
+            taps = self.crop_taps(static, index, plans)  # outside the graph: they never change
+            return (lambda: self.core(static, index, plans, taps=taps)), {"pixels": pixels}
 
         captured = self.graphs.get("detect", (height, width, padded, batch.bgr), build)
         if captured is None:

@@ -158,6 +158,44 @@ def test_weighted_nms_batch_matches_the_reference_per_image():
             assert torch.allclose(got.keypoints[0, k], torch.tensor(kps), atol=1e-4)
 
 
+def random_detections(gen, batch, count, keypoints=6):
+    centres = torch.rand(batch, count, 2, generator=gen) * 100
+    sizes = 5 + torch.rand(batch, count, 2, generator=gen) * 30
+    boxes = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)
+    scores = torch.rand(batch, count, generator=gen)
+    return boxes, scores, torch.rand(batch, count, keypoints, 2, generator=gen) * 100, scores > 0.3
+
+
+def test_weighted_nms_of_parts_equals_one_call_per_part():
+    # Parts of other batch and anchor counts, one below max_candidates (padded) and two above
+    # it (cut), as the detection pass hands them: the short-range detector and the full-range
+    # one per input shape.
+    gen = torch.Generator().manual_seed(11)
+    parts = [random_detections(gen, 3, 40), random_detections(gen, 2, 90), random_detections(gen, 1, 70)]
+    joint = nms.weighted_nms_of_parts(parts, 0.3, max_detections=8, max_candidates=64)
+    assert len(joint) == 3
+    for part, got in zip(parts, joint):
+        alone = nms.weighted_nms(*part, 0.3, max_detections=8, max_candidates=64)
+        assert got.valid.shape == (len(part[0]), 8)
+        assert torch.equal(got.valid, alone.valid)
+        for field in ("boxes", "keypoints", "scores"):
+            assert torch.allclose(getattr(got, field), getattr(alone, field), atol=1e-5), field
+        assert got.valid.any()
+
+
+def test_weighted_nms_of_parts_refuses_parts_of_other_keypoint_counts():
+    gen = torch.Generator().manual_seed(3)
+    with pytest.raises(ValueError, match="one keypoint count"):
+        nms.weighted_nms_of_parts([random_detections(gen, 1, 10, 6), random_detections(gen, 1, 10, 4)],
+                                  0.3, max_detections=2)
+
+
+def test_both_face_detectors_share_one_nms_threshold():
+    # The detection pass clusters both detectors' candidates in one call (Note [One NMS for
+    # both detectors]) with the short-range detector's threshold.
+    assert anchors.FACE_SHORT_RANGE.min_suppression_iou == anchors.FACE_FULL_RANGE.min_suppression_iou
+
+
 def test_weighted_nms_caps_the_number_of_detections():
     boxes = torch.tensor([[[i * 20.0, 0.0, i * 20.0 + 10, 10.0] for i in range(5)]])
     scores = torch.tensor([[0.1, 0.5, 0.9, 0.3, 0.7]])
