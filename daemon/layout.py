@@ -27,7 +27,17 @@ from facecast.shared.config import Config
 
 # The console goes first: a viewer that outlived the cameras would only show them vanish.
 # A recorder stops before capture: its files end cleanly on frames that were still coming.
-ROLES_IN_STOP_ORDER = ("console", "recorder", "capture", "detection", "roi_landmark", "output")
+# Capture and inference stop together (Note [Capture and inference stop together]); output last.
+STOP_STAGES = (("console",), ("recorder",), ("capture", "detection", "roi_landmark"), ("output",))
+# Note [Capture and inference stop together]
+#     Nothing at a stop needs the inference workers to outlive capture or the other way round:
+#     frames still in a ring are not measured anyway, and a ring's GPU memory lives on while any
+#     process holds it. Stopping them one role after another made the stop the sum of their
+#     exits, and a capture process's exit is slow at scale (each camera's decoder and ring freed
+#     on its own thread, then the CUDA context): with 128 NVDEC cameras on two GPUs (16 a capture
+#     process, H100 x2, 2026-11-26) capture alone used up its share of daemon.stop_timeout_s,
+#     and detection, roi_landmark and output were SIGKILLed behind it. Together, their exits
+#     overlap and share the time until output's turn.
 # Note [Console after READY]
 #     The web console (`web.enabled`) measures nothing: READY=1 means the streams carry
 #     measurements, and the console's boot (Python, torch for the ring readers, aiohttp: about

@@ -2,8 +2,8 @@
 daemon.stop_timeout_s (DESIGN §5; STYLE §7, gunicorn's `Arbiter.stop`).
 
 A shutdown is a state the supervisor's loop advances tick by tick (Note [Supervisor loop]):
-`Shutdown.advance` looks at the clock and the workers, begins the next role's stops when the
-previous role's are done, and returns; it never waits. Only after an unexpected error in the
+`Shutdown.advance` looks at the clock and the workers, begins the next stage's stops when the
+previous stage's are done, and returns; it never waits. Only after an unexpected error in the
 loop is it ticked here, to its end (`Shutdown.run_to_the_end`).
 
 Runs in the supervisor only.
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from facecast.daemon.layout import ROLES_IN_STOP_ORDER
+from facecast.daemon.layout import STOP_STAGES
 from facecast.daemon.process import WorkerProcess
 from facecast.daemon.worker_table import WorkerTable
 from facecast.shared.transport import shm
@@ -24,23 +24,23 @@ from facecast.shared.transport import shm
 log = logging.getLogger(__name__)
 
 OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker before its TERM
-# Of daemon.stop_timeout_s, each role still to stop after the current one keeps this much, so
-# that a slow role (many CUDA processes exiting at once) does not leave the others nothing.
-STOP_RESERVE_PER_ROLE_S = 0.5
+# Of daemon.stop_timeout_s, each stage still to stop after the current one keeps this much, so
+# that a slow stage (many CUDA processes exiting at once) does not leave the others nothing.
+STOP_RESERVE_PER_STAGE_S = 0.5
 
 
 @dataclass
 class Shutdown:
-    """The ordered shutdown in progress, role by role in ROLES_IN_STOP_ORDER: the console
-    first, a recorder before capture, output last (DESIGN §5). `flush_events` hands the
+    """The ordered shutdown in progress, stage by stage in STOP_STAGES: the console first, a
+    recorder before capture, capture and inference together, output last (DESIGN §5). `flush_events` hands the
     Markers events still waiting to the output worker, before its TERM."""
 
     workers: WorkerTable
     flush_events: Callable[[], None]
     deadline_monotonic: float
     started_monotonic: float = field(default_factory=time.monotonic)
-    next_role: int = 0
-    group: list[WorkerProcess] = field(default_factory=list)  # the role being stopped
+    next_stage: int = 0
+    group: list[WorkerProcess] = field(default_factory=list)  # the stage being stopped
     group_deadline_monotonic: float = 0.0  # its SIGKILL time
     terminate_at_monotonic: float = 0.0  # the output worker gets OUTPUT_FLUSH_S first
     done: bool = False
@@ -60,17 +60,17 @@ class Shutdown:
             workers.begin_stop(self.group, self.group_deadline_monotonic)
             if self.group and not workers.all_stopped(self.group):
                 return
-            if self.next_role == len(ROLES_IN_STOP_ORDER):
+            if self.next_stage == len(STOP_STAGES):
                 self._finish()
                 self.done = True
                 return
-            role = ROLES_IN_STOP_ORDER[self.next_role]
-            self.next_role += 1
-            self.group = [w for w in workers if w.spec.role == role]
-            roles_after = len(ROLES_IN_STOP_ORDER) - self.next_role
+            roles = STOP_STAGES[self.next_stage]
+            self.next_stage += 1
+            self.group = [w for w in workers if w.spec.role in roles]
+            stages_after = len(STOP_STAGES) - self.next_stage
             self.group_deadline_monotonic = min(self.deadline_monotonic, max(
-                now + 0.3, self.deadline_monotonic - STOP_RESERVE_PER_ROLE_S * roles_after))
-            if role == "output":
+                now + 0.3, self.deadline_monotonic - STOP_RESERVE_PER_STAGE_S * stages_after))
+            if roles == ("output",):
                 self.flush_events()
                 self.terminate_at_monotonic = now + OUTPUT_FLUSH_S
                 continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from facecast.daemon import control, shutdown
-from facecast.daemon.layout import ROLES_IN_STOP_ORDER
+from facecast.daemon.layout import STOP_STAGES
 from facecast.shared.transport import messages
 
 
@@ -59,32 +59,43 @@ class _Table:
         return all(w.stopped for w in group)
 
 
-def test_the_shutdown_stops_role_after_role_and_output_last_after_its_flush(monkeypatch):
+def test_the_shutdown_stops_stage_after_stage_and_output_last_after_its_flush(monkeypatch):
     monkeypatch.setattr(shutdown.shm, "sweep_all_dead", lambda: ([], []))
     clock = [100.0]
     monkeypatch.setattr(shutdown.time, "monotonic", lambda: clock[0])
-    table = _Table([_Worker(role, _Spec(role)) for role in reversed(ROLES_IN_STOP_ORDER)])
+    roles = [role for stage in STOP_STAGES for role in stage]
+    assert roles[0] == "console" and roles[-1] == "output" and STOP_STAGES[-1] == ("output",)
+    assert {"capture", "detection", "roi_landmark"} in [set(stage) for stage in STOP_STAGES]
+    table = _Table([_Worker(role, _Spec(role)) for role in reversed(roles)])
     flushed = []
     state = shutdown.Shutdown(table, lambda: flushed.append(clock[0]),
                               deadline_monotonic=clock[0] + 10.0)
-    for role in ROLES_IN_STOP_ORDER[:-1]:
-        state.advance()  # never waits: one role asked to stop, the next not yet
-        assert table.terms[-1] == role and not state.done
+    asked = 0
+    for stage in STOP_STAGES[:-1]:
+        state.advance()  # never waits: one stage asked to stop, the next not yet
+        assert set(table.terms[asked:]) == set(stage) and not state.done
+        asked = len(table.terms)
         state.advance()
-        assert table.terms[-1] == role  # still stopping
-        next(w for w in table if w.name == role).stopped = True
+        assert len(table.terms) == asked  # still stopping: the next stage waits
+        for role in stage[:-1]:  # one worker of the stage still stopping holds the next back
+            next(w for w in table if w.name == role).stopped = True
+            state.advance()
+            assert len(table.terms) == asked
+        next(w for w in table if w.name == stage[-1]).stopped = True
     state.advance()
     assert flushed == [100.0] and table.terms[-1] != "output"  # its events go out first
     clock[0] += shutdown.OUTPUT_FLUSH_S
     state.advance()
-    assert table.terms == list(ROLES_IN_STOP_ORDER)
+    assert table.terms[-1] == "output" and sorted(table.terms) == sorted(roles)
     output = next(w for w in table if w.name == "output")
-    assert output.deadline_monotonic == 110.0  # the last role gets what is left of the deadline
+    assert output.deadline_monotonic == 110.0  # the last stage gets what is left of the deadline
     assert not state.done
     output.stopped = True
     state.advance()
     assert state.done
-    # Every role but the last kept STOP_RESERVE_PER_ROLE_S for each role after it.
-    console = next(w for w in table if w.name == "console")
-    assert console.deadline_monotonic == 110.0 - shutdown.STOP_RESERVE_PER_ROLE_S * (
-        len(ROLES_IN_STOP_ORDER) - 1)
+    # Every stage but the last kept STOP_RESERVE_PER_STAGE_S for each stage after it.
+    for k, stage in enumerate(STOP_STAGES[:-1]):
+        for role in stage:
+            worker = next(w for w in table if w.name == role)
+            assert worker.deadline_monotonic == 110.0 - shutdown.STOP_RESERVE_PER_STAGE_S * (
+                len(STOP_STAGES) - 1 - k), role

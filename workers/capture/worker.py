@@ -65,7 +65,10 @@ REOPEN_MAX_DELAY_S = 30.0
 OPEN_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 5.0
 FIRST_OPEN_WAIT_S = OPEN_TIMEOUT_S + 30.0  # boot waits this long for every camera's first open
-STOP_JOIN_S = 1.0  # at stop, how long the camera threads get to finish their step
+# At stop, how long the camera threads get to finish their step and close their decoder and
+# ring: 16 NVDEC cameras of one process took over 1 s (H100, 2026-11-26); within the share of
+# daemon.stop_timeout_s that capture gets (Note [Capture and inference stop together]).
+STOP_JOIN_S = 2.0
 # What status adds to a camera given up on (Note [Sources that can never work]).
 NOT_RETRIED = ("not retried: it can never work as configured (correct the source and `facecast "
                "reload`, or put the file or device in place and restart facecast)")
@@ -129,8 +132,14 @@ class CameraCapture:
         except BootError as exc:
             self.boot_error = str(exc)
         except BaseException as exc:  # noqa: BLE001 - the main thread ends the worker with it
-            log.exception("camera %s: its capture thread failed", self.camera.id)
-            self.error = exc
+            if self.worker.stopping:
+                # Left in a step past STOP_JOIN_S, its sockets closed under it: the stop, not a
+                # failure of the camera.
+                log.info("camera %s: its capture thread ended by the stop (%s: %s)",
+                         self.camera.id, type(exc).__name__, exc)
+            else:
+                log.exception("camera %s: its capture thread failed", self.camera.id)
+                self.error = exc
         finally:
             self.first_open_done.set()
             self._close_in_thread()
@@ -442,7 +451,7 @@ class CaptureWorker(Worker):
             if capture.thread.is_alive():
                 # Its ring goes with the process (the supervisor sweeps what is left in
                 # /dev/shm once it has reaped it); closing it under the thread could crash.
-                log.warning("camera %s: its capture thread is still in a read; leaving it",
-                            capture.camera.id)
+                log.warning("camera %s: its capture thread is still in a step or closing its "
+                            "source after %.1f s; leaving it", capture.camera.id, STOP_JOIN_S)
         if hasattr(self, "_events"):
             self._forward_events()
