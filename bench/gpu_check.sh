@@ -22,7 +22,7 @@
 #                 NVDEC-decoded synthetic-h264 cameras (py-spy, --profile-roles) (2.5)
 #   two_gpus      issue 22 item 4, on the nvidia-h100-x2 kind: 64 synthetic-h264 cameras on one
 #                 GPU (CUDA_VISIBLE_DEVICES=0, Note [Visible GPUs]) against 128 on both, NVDEC
-#                 decoding (needs .whl2a/.whl2b; never run yet: ~6?)
+#                 decoding (needs .whl2a/.whl2b) (3.5, H100 x2 2026-11-26)
 #   newcomers     issue 24 item 5: how late a person who walks in is published, 8 and 32 staged
 #                 replayed cameras (bench/pipeline.py --newcomers) (2.5, H100)
 #   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
@@ -36,7 +36,9 @@
 #                 (bench/model_stages.py: kernel time under each step, and the graphed wall) (2)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
-#                 once, against LiteRT on 1 and 8 threads in the same run (never run yet: ~5?)
+#                 once, against LiteRT on 1 and 8 threads in the same run; files of 600 frames
+#                 (20 s), not 240: a file's decoder creation and its last odd batch weighed on
+#                 the rate of 240-frame files (4, H100 2026-11-26)
 # Default: boot_stop gpu_tests real_footage pipeline models (23 minutes). A machine is held at
 # most 30 minutes: start on a fresh machine, and put `decode` in a run of its own.
 # Run from the repository root, with .whl/, .models/, .mp/ and .footage/ (copies of
@@ -167,7 +169,7 @@ run)
             fi ;;
         stages) step stages python3 bench/model_stages.py --out "$STATE/benchmarks-model-stages.json" ;;
         analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
-            --files-at-once 8 --repeats 2 --frames 240 --skip-inline --litert-threads 1 8 \
+            --files-at-once 8 --repeats 2 --frames 600 --skip-inline --litert-threads 1 8 \
             --work "$STATE/analyze" --out "$STATE/benchmarks-analyze-gpu.json" --docs '' ;;
         *) echo "$(date -u +%H:%M:%S) unknown step $name" >> "$STATE/steps.txt" ;;
         esac
