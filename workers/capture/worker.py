@@ -69,6 +69,7 @@ FIRST_OPEN_WAIT_S = OPEN_TIMEOUT_S + 30.0  # boot waits this long for every came
 # ring: 16 NVDEC cameras of one process took over 1 s (H100, 2026-11-26); within the share of
 # daemon.stop_timeout_s that capture gets (Note [Capture and inference stop together]).
 STOP_JOIN_S = 2.0
+SLOW_CLOSE_S = 0.5  # a camera's close longer than this says where its time went
 # What status adds to a camera given up on (Note [Sources that can never work]).
 NOT_RETRIED = ("not retried: it can never work as configured (correct the source and `facecast "
                "reload`, or put the file or device in place and restart facecast)")
@@ -147,12 +148,21 @@ class CameraCapture:
     def _close_in_thread(self) -> None:
         """The thread's last act: its camera's source and ring are closed where their CUDA work
         ran, then the thread lets go of the primary context (cuda_driver.release_thread)."""
+        started = time.monotonic()
+        source_s = 0.0
         try:
             if self.source is not None:
                 self.source.close()
                 self.source = None
+            source_s = time.monotonic() - started
             if self.publisher is not None:
                 self.publisher.close()
+            closing_s = time.monotonic() - started
+            if closing_s > SLOW_CLOSE_S:
+                # Where a slow stop goes (docs/benchmarks.md, "Two GPUs": 16 NVDEC cameras a
+                # process were still closing 2 s after SIGTERM).
+                log.warning("camera %s: closing took %.2f s (source %.2f s, ring %.2f s)",
+                            self.camera.id, closing_s, source_s, closing_s - source_s)
         except Exception:  # noqa: BLE001 - closing on the way out: say so, go on
             log.exception("camera %s: closing its source or ring failed", self.camera.id)
         finally:
