@@ -32,8 +32,9 @@ STOP_RESERVE_PER_STAGE_S = 0.5
 @dataclass
 class Shutdown:
     """The ordered shutdown in progress, stage by stage in STOP_STAGES: the console first, a
-    recorder before capture, capture and inference together, output last (DESIGN §5). `flush_events` hands the
-    Markers events still waiting to the output worker, before its TERM."""
+    recorder before capture, capture and inference together, output last (DESIGN §5).
+    `flush_events` hands the Markers events still waiting to the output worker, before its
+    TERM."""
 
     workers: WorkerTable
     flush_events: Callable[[], None]

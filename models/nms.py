@@ -199,8 +199,6 @@ def weighted_nms_of_parts(
         torch.cat([_pad_candidates(c[field], num_kept) for c in candidates])
         for field in range(4))
     found = _clusters(cand_boxes, cand_scores, cand_keypoints, cand_valid, iou_threshold, max_detections)
-    if len(parts) == 1:
-        return [found]
     return [Detections(*fields) for fields in zip(*(torch.split(field, rows) for field in (
         found.boxes, found.keypoints, found.scores, found.valid)))]
 

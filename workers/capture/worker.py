@@ -149,7 +149,6 @@ class CameraCapture:
         """The thread's last act: its camera's source and ring are closed where their CUDA work
         ran, then the thread lets go of the primary context (cuda_driver.release_thread)."""
         started = time.monotonic()
-        source_s = 0.0
         try:
             if self.source is not None:
                 self.source.close()
