@@ -14,8 +14,8 @@
 #   real_footage  real footage through the stack and the daemon (bench/real_footage.py) (4.5)
 #   pipeline      the whole daemon against MediaPipe at 8, 32 and 64 replayed cameras (same
 #                 definitions on both sides, bench/accounting.py) (5-6)
-#   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle
-#                 (1.5-2)
+#   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle,
+#                 the "+compile" variants included (Note [Compiled models]) (3-5)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
 #                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU)
 #   decode_profile  where the capture, roi_landmark and detection workers' CPU goes at 64
@@ -137,7 +137,7 @@ run)
                 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             fi ;;
         models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
-            --budget-s 200 --face-landmarker-task .models/face_landmarker.task \
+            --budget-s 420 --face-landmarker-task .models/face_landmarker.task \
             --out "$STATE/benchmarks-models.json" ;;
         decode) for decode in gpu cpu; do
                 step "decode-$decode" python3 bench/pipeline.py --cameras 8 16 32 48 64 \

@@ -72,8 +72,9 @@ Changes (results unchanged to float rounding: < 3e-3 px on the photos):
   channels_last like the activations (no per-call weight reorder);
 - ``FacePipeline(half=True)`` (float16 models) and ``FacePipeline(cuda_graphs=True)`` (detection
   and mesh stages replayed from CUDA graphs with bucketed batch sizes, Note [CUDA graphs of the
-  pipeline]). torch.compile is not used: its compile time for these op-by-op graphs does not
-  fit a run of minutes, and CUDA graphs already take the launch cost away.
+  pipeline]). torch.compile was not used then (its compile time for these op-by-op graphs);
+  since 2026-11-26 the "+compile" variants compile the measuring stage's models (Note [Compiled
+  models]: faster stacks, half a minute or more of compiling per pipeline).
 CPU time on the 2-core development machine (1 thread, process time, same frames, old → new):
 detect over 1 / 4 / 8 1080p frames 99 / 652 / 1,444 ms → 65 / 281 / 611 ms, with host waits per
 call 11 / 44 / 88 → 1 (aten operations 1,445 / 1,990 / 2,738 → 1,407 / 1,415 / 1,447); a tracked
@@ -261,7 +262,9 @@ def stage_times(run, device, warmup: int, iters: int, stages: tuple[str, ...]) -
 
 
 VARIANTS = {"fp32": {}, "fp16": {"half": True}, "fp32+graphs": {"cuda_graphs": True},
-            "fp16+graphs": {"half": True, "cuda_graphs": True}}
+            "fp16+graphs": {"half": True, "cuda_graphs": True},
+            "fp32+graphs+compile": {"cuda_graphs": True, "compile_models": True},
+            "fp16+graphs+compile": {"half": True, "cuda_graphs": True, "compile_models": True}}
 
 
 def build_pipelines(device, names, task):

@@ -76,6 +76,25 @@ class PendingTrack:
     measuring: PendingMeasure
 
 
+# Note [Compiled models]
+#     With compile_models=True the measuring stage's models (the landmark model, the blendshape
+#     model) run inductor's code (torch.compile, dynamic batch: one compilation serves every
+#     bucket but the batch of 1), inside the stage's CUDA graph as before. Under compilation a
+#     convolution is the plain F.conv2d with its bias and activation (Note [Convolutions on
+#     the GPU]'s fused cuDNN call has no kernel for the tracer's fake tensors), which inductor
+#     fuses with the elementwise operators around it. Measured on an H100 (bench/models.py,
+#     batch 64, 2026-11-26, one run): the attention-mesh stack 8,415 -> 11,238 faces/s (fp16 +
+#     graphs, results on the host), the FaceLandmarker stack 8,103 -> 10,486 (fp16) and 10,783
+#     (fp32 compiled), with the same parity against fp32 eager (landmark median 0.028 % of the
+#     face width in fp16, 0.005 % in fp32; blendshapes within 0.014). The detectors compiled
+#     were slower (32 1080p frames 6.15 -> 6.99 ms in fp16), so they are not. The price is the
+#     compilation at warm-up, in every process: the FaceLandmarker buckets up to 64 faces took
+#     33-57 s with an empty inductor cache and 22-27 s with a warm one (dynamo traces again in
+#     each process) where the daemon's READY at 64 cameras comes after 22.5 s in all, so the
+#     daemon does not compile; models compiled ahead of time once per machine (AOTInductor)
+#     would drop that price.
+
+
 class FacePipeline:
     """Faces of a batch of frames.
 
@@ -92,6 +111,9 @@ class FacePipeline:
     - ``cuda_graphs=True`` replays detection and the mesh stage as CUDA graphs (Note [CUDA graphs
       of the pipeline]); CUDA devices only. ``graph_fallbacks`` names the stages that could not
       be captured, and why.
+    - ``compile_models=True`` compiles the landmark and blendshape models with inductor (Note
+      [Compiled models]): about a third more faces a second at batch 64, for half a minute
+      or more of compiling at warm-up; CUDA devices only, and not used by the daemon.
 
     ``full_range=False`` leaves out the full-range detector (MediaPipe's own detection: the
     short-range detector alone, faces from about a tenth of the frame's width).
@@ -114,12 +136,15 @@ class FacePipeline:
         load_model: ModelLoader = _default_loader,
         half: bool = False,
         cuda_graphs: bool = False,
+        compile_models: bool = False,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("FacePipeline(device='cuda'): torch sees no CUDA device; use device='cpu'")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, not {self.device}")
+        if compile_models and self.device.type != "cuda":
+            raise ValueError(f"compile_models=True is for CUDA devices, not {self.device} (Note [Compiled models])")
         if half and self.device.type != "cuda":
             # Seen with torch 2.13's CPU kernels: float16 is several times slower than float32,
             # and grid_sample (the attention mesh's TransformTensorBilinear) sometimes returns NaN.
@@ -150,6 +175,9 @@ class FacePipeline:
                                      max_faces=max_faces, min_presence=min_presence, graphs=self.graphs,
                                      landmarker=self.landmarker, geometry=geometry)
         self.tracks = FaceTracks(self.device, max_faces, detect_interval_frames)
+        self.compiled = compile_models
+        if compile_models:
+            self._compile_models()
 
     @property
     def max_faces(self) -> int:
@@ -193,6 +221,21 @@ class FacePipeline:
         elif self.device.type == "cpu":
             tflite_convert.use_cpu_kernels(module)
         return module
+
+    def _compile_models(self) -> None:
+        """The landmark and blendshape models compiled by inductor (Note [Compiled models]);
+        the compilation happens at each model's first call."""
+        # Every converted model runs TFLiteModule.forward: dynamo keeps its compiled code per
+        # code object, an entry per model and input kind, and a process may hold several
+        # pipelines (bench/models.py builds one per variant).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+        def compiled(module):
+            return torch.compile(module, dynamic=True, fullgraph=True)
+
+        self.measurer.mesh = compiled(self.measurer.mesh)
+        if self.measurer.blendshapes is not None:
+            self.measurer.blendshapes = compiled(self.measurer.blendshapes)
 
     def _load_landmarker(self, task):
         """face_landmarker.task's v2 landmarker, blendshape model and face geometry, or None

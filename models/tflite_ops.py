@@ -322,7 +322,14 @@ class Conv2d(torch.nn.Module):
         return _apply_activation(y, self.activation)
 
     def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
-        """Note [Convolutions on the GPU]."""
+        """Note [Convolutions on the GPU]; compiled, the plain convolution, whose bias and
+        activation inductor fuses itself (Note [Compiled models])."""
+        if torch.compiler.is_compiling():
+            if self.explicit_padding is not None:
+                x = F.pad(x, self.explicit_padding)
+            y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
+                         self.groups)
+            return _apply_activation(y, self.activation)
         fused_relu = self.activation == 1 and self.bias is not None
         if self.is_pointwise() and not (fused_relu and x.dtype == torch.float32):
             return pointwise_rows(x, self.weight, self.bias, self.activation)

@@ -33,7 +33,7 @@ from test_analyze import (  # noqa: F401 - pipeline, recording, analysed are fix
     pipeline,
     recording,
 )
-from test_decoding import CpuNvdec, _NoStream, _write_video
+from test_decoding import CpuNvdec, _cpu_output_at, _NoStream, _write_video
 
 NVDEC_SETTINGS = va.Settings(resume_every_frames=RESUME_EVERY, decode="gpu")
 # The numbers of a frame decoded by the two decoders (Note [NV12 to BGR]: 45.5 dB, at most 3
@@ -62,9 +62,7 @@ def cpu_nvdec(monkeypatch):
     CpuNvdec.made.clear()
     monkeypatch.setattr(nvdec, "NvdecDecoder", CpuNvdec)
     monkeypatch.setattr(ad.NvdecFileDecoder, "_new_streams", lambda self: (_NoStream(), None))
-    monkeypatch.setattr(ad.NvdecFileDecoder, "_nv12_at",
-                        lambda self, pointer, width, height: torch.from_numpy(
-                            CpuNvdec.buffers.pop(pointer)))
+    monkeypatch.setattr(ad.NvdecFileDecoder, "_output_at", _cpu_output_at)
     monkeypatch.setattr(ad.NvdecFileDecoder, "_hand_over", lambda self, frame: None)
     monkeypatch.setattr(ad.NvdecFileDecoder, "_release_thread", staticmethod(lambda: None))
     monkeypatch.setattr(ad, "gpu_decode_problem", lambda requested, device: None)

@@ -309,16 +309,19 @@ class CpuNvdec:
     """A stand-in for nvdec.NvdecDecoder: FFmpeg (PyAV) decodes the Annex B packets the source
     feeds it, and its NV12 frames are kept by a made-up pointer. What it proves about the real
     path: the packets (filtered, parameter sets in front of keyframes) decode on their own, and
-    the source's priming, pacing, positions, looping and stamping hold."""
+    the source's priming, pacing, positions, looping and stamping hold. With `rgb` its output
+    is RGB, as NVDEC's converter gives it for studio-range streams (FFmpeg's conversion here).
+    """
 
     buffers: dict[int, np.ndarray] = {}
     _pointers = itertools.count(1)
     made: list[CpuNvdec] = []
 
-    def __init__(self, codec, device_index, stream, low_latency) -> None:
+    def __init__(self, codec, device_index, stream, low_latency, rgb=False) -> None:
         self.context = av.CodecContext.create(codec, "r")
         self.context.thread_count = 1  # no frame threading: a packet's frame comes out at once
         self.low_latency = low_latency
+        self.rgb = rgb
         self.size = (0, 0)
         self.packets: list[tuple[int, int]] = []
         self.ended = False
@@ -331,7 +334,8 @@ class CpuNvdec:
         pointers = []
         for frame in self.context.decode(av.Packet(data) if data else None):
             pointer = next(self._pointers)
-            CpuNvdec.buffers[pointer] = _nv12_of(frame).numpy()
+            CpuNvdec.buffers[pointer] = (frame.to_ndarray(format="rgb24") if self.rgb
+                                         else _nv12_of(frame).numpy())
             self.size = (frame.width, frame.height)
             pointers.append(pointer)
         return pointers
@@ -351,15 +355,20 @@ class _NoStream:
         pass
 
 
+def _cpu_output_at(self, pointer: int, size_bytes: int) -> torch.Tensor:
+    """`CpuNvdec`'s buffer where the sources read NVDEC's, as flat as theirs."""
+    output = torch.from_numpy(CpuNvdec.buffers.pop(pointer)).reshape(-1)
+    assert output.numel() == size_bytes, (output.numel(), size_bytes)
+    return output
+
+
 @pytest.fixture
 def cpu_nvdec(monkeypatch):
     """The GPU path as it is, with `CpuNvdec` for NVDEC and host memory for the device's."""
     CpuNvdec.made.clear()
     monkeypatch.setattr(nvdec, "NvdecDecoder", CpuNvdec)
     monkeypatch.setattr(nvdec.NvdecSource, "_new_stream", lambda self: _NoStream())
-    monkeypatch.setattr(nvdec.NvdecSource, "_nv12_at",
-                        lambda self, pointer, width, height: torch.from_numpy(
-                            CpuNvdec.buffers.pop(pointer)))
+    monkeypatch.setattr(nvdec.NvdecSource, "_output_at", _cpu_output_at)
     monkeypatch.setattr(nvdec.NvdecSource, "_hand_over", lambda self: None)
     monkeypatch.setattr(decoding, "nvdec_unavailable_reason", lambda: None)
     yield CpuNvdec
@@ -429,6 +438,21 @@ def test_the_gpu_paths_file_frames_match_the_cpu_decoder(cpu_nvdec, tmp_path, na
             assert len(cpu_nvdec.made) == 2 and cpu_nvdec.made[0].ended
         else:
             assert len(cpu_nvdec.made) == 1 and not cpu_nvdec.made[0].ended
+
+
+@pytest.mark.parametrize("pix_fmt, nvdec_rgb", [("yuv420p", True), ("yuvj420p", False)])
+def test_nvdec_converts_studio_range_and_facecast_full_range(cpu_nvdec, tmp_path, pix_fmt,
+                                                             nvdec_rgb):
+    """Note [NV12 to BGR]: NVDEC's RGB where its converter is right (studio range), the NV12
+    conversion here for full range; the frames match the CPU decoder's either way."""
+    path = _write_video(tmp_path / f"{pix_fmt}.mp4", pix_fmt=pix_fmt, frames=6)
+    references = _opencv_frames(path)
+    with open_source(_camera(path), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert isinstance(opened, nvdec.NvdecFileSource)
+        assert cpu_nvdec.made[-1].rgb is nvdec_rgb and opened.nvdec_rgb is nvdec_rgb
+        for reference in references:
+            frame, _ = opened.read()
+            assert _psnr_db(frame.numpy(), reference) >= MIN_PSNR_DB, pix_fmt
 
 
 def test_the_gpu_paths_synthetic_camera_shows_its_truth(cpu_nvdec):

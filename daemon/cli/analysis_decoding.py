@@ -24,8 +24,9 @@ Note [Analysis on NVDEC]
     Frames: each packet (Annex B, gpu_decoded.PacketReader) goes to one NVDEC decoder of the file's
     own (nvdec.NvdecDecoder: 0-frame latency where the stream has no B-frames, the native
     latency and an end-of-stream flush otherwise), made on the thread that iterates the
-    frames and used only there; each frame NVDEC gives is converted to BGR on the file's CUDA
-    stream (nvdec.nv12_to_bgr, a new tensor: NVDEC reuses its buffer at the next decode), the
+    frames and used only there; each frame NVDEC gives is made BGR on the file's CUDA stream
+    (nvdec.bgr_of, a new tensor: NVDEC reuses its buffer at the next decode; NVDEC's own RGB
+    conversion for studio-range files, Note [NV12 to BGR]), the
     consumer's stream waits for it and the tensor is recorded on that stream (the caching
     allocator then does not reuse its memory while the stack still reads it). Frames come out
     in presentation order; each takes the smallest presentation time of the packets given so
@@ -174,6 +175,7 @@ class NvdecFileDecoder:
             reader.close()
             raise GpuDecodeUnavailable(problem)
         self.colour = nvdec.colour_of(reader)
+        self.nvdec_rgb = nvdec.nvdec_converts(self.colour)
         self.low_latency = not reader.has_b_frames
         self.stream, self.consumer_stream = self._new_streams()
 
@@ -187,7 +189,7 @@ class NvdecFileDecoder:
         try:
             try:
                 decoder = nvdec.NvdecDecoder(reader.codec, self.device_index, self.stream,
-                                             self.low_latency)
+                                             self.low_latency, self.nvdec_rgb)
             except Exception as exc:  # noqa: BLE001 - PyNvVCException, RuntimeError: the reason
                 raise GpuDecodeUnavailable(f"NVDEC could not make a decoder ({error_text(exc)})") \
                     from exc
@@ -250,9 +252,9 @@ class NvdecFileDecoder:
     def _convert(self, decoder, pointer: int) -> torch.Tensor:
         width, height = decoder.frame_size()
         try:
-            nv12 = self._nv12_at(pointer, width, height)
+            output = self._output_at(pointer, nvdec.output_bytes(width, height, self.nvdec_rgb))
             with torch.cuda.stream(self.stream):
-                frame = nvdec.nv12_to_bgr(nv12, height, width, self.colour)
+                frame = nvdec.bgr_of(output, height, width, self.colour, self.nvdec_rgb)
             self._hand_over(frame)
         except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
             raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
@@ -265,12 +267,11 @@ class NvdecFileDecoder:
         which reads the frames)."""
         return torch.cuda.Stream(device=self.device), torch.cuda.current_stream(self.device)
 
-    def _nv12_at(self, pointer: int, width: int, height: int) -> torch.Tensor:
-        """NVDEC's output buffer as a (height * 3 / 2) x width uint8 tensor (no copy)."""
+    def _output_at(self, pointer: int, size_bytes: int) -> torch.Tensor:
+        """NVDEC's output buffer as a flat uint8 tensor (no copy)."""
         from facecast.shared.transport import cuda_driver
 
-        return cuda_driver.tensor_at(pointer, width * height * 3 // 2,
-                                     self.device_index).view(height * 3 // 2, width)
+        return cuda_driver.tensor_at(pointer, size_bytes, self.device_index)
 
     def _hand_over(self, frame: torch.Tensor) -> None:
         """The frame is the face stack's on its stream (Note [Analysis on NVDEC])."""

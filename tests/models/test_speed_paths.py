@@ -530,6 +530,8 @@ def test_options_that_need_a_gpu_are_refused_on_the_cpu(installed_models):
         FacePipeline("cpu", cuda_graphs=True)
     with pytest.raises(ValueError, match="half"):
         FacePipeline("cpu", half=True)
+    with pytest.raises(ValueError, match="compile_models=True is for CUDA devices"):
+        FacePipeline("cpu", compile_models=True)
 
 
 # -- what a CUDA graph can capture -----------------------------------------------------------------
@@ -643,6 +645,9 @@ FAST_VARIANTS = {  # name: (FacePipeline options, median, 99th percentile, min b
     "fp32+graphs": ({"cuda_graphs": True}, 0.001, 0.01, 0.99),
     "fp16": ({"half": True}, 0.005, 0.05, 0.95),
     "fp16+graphs": ({"half": True, "cuda_graphs": True}, 0.005, 0.05, 0.95),
+    # Note [Compiled models]: inductor's landmark model inside the graphs.
+    "fp16+graphs+compile": ({"half": True, "cuda_graphs": True, "compile_models": True},
+                            0.005, 0.05, 0.95),
 }
 
 

@@ -1,5 +1,5 @@
 """Frames born on the GPU: H.264/H.265 demuxed on the CPU (PyAV), decoded by NVDEC (PyNvVideoCodec),
-converted NV12 → BGR with torch on the camera's GPU, and handed to the ring as device tensors
+made BGR on the camera's GPU (Note [NV12 to BGR]), and handed to the ring as device tensors
 (`FramePublisher.publish_device`; Note [Frames born on the GPU]).
 
 Runs in the capture worker, on the camera's thread (Note [Camera threads]), and is imported only
@@ -35,8 +35,8 @@ Note [NVDEC path]
     again at its end: without B-frames into the same decoder (its first keyframe
     is one more keyframe of the stream); with them the end of the stream gets the frames the
     decoder holds out first, and a new decoder takes the next round.
-    The decoder's output is NV12 in a buffer it reuses at its next decode; `nv12_to_bgr`
-    reads it on the same stream right away (stream order keeps the next decode from writing it
+    The decoder's output (RGB, or NV12: Note [NV12 to BGR]) is in a buffer it reuses at its
+    next decode; `bgr_of` reads it on the same stream right away (stream order keeps the next decode from writing it
     first) into a new tensor, the producer-private frame whose checksum the ring computes
     before copying it into the slot. Before the frame is handed on, the capture thread's
     current stream waits for the camera's stream.
@@ -66,8 +66,18 @@ Note [NV12 to BGR]
     kernels and eight small ones, which rounded half to even); this one gives the same bytes
     but for one grey level at float32's ties (11 to 1,124 of 6.2 million values of a random
     1080p NV12 frame, by matrix and range), within half a grey level of the formula in float64
-    everywhere (tests/test_decoding.py). Its effect on the capture workers' CPU is not measured
-    yet.
+    everywhere (tests/test_decoding.py).
+    Studio-range streams (cameras' H.264/H.265) skip it: NVDEC's decoder is asked for
+    interleaved RGB (PyNvVideoCodec's OutputColorType.RGB, its own kernel on the camera's
+    stream, with the stream's matrix, BT.601 where the stream names none) and `bgr_of` swaps
+    the channels into the new tensor, one copy. Measured on the H100 (2026-11-26, a probe kept
+    out of the repository, the analyze bench's 1080p synthetic H.264 file): its first frame
+    45.77 dB PSNR against PyAV's CPU decode (this conversion: 45.56), at most 6 grey levels
+    from this conversion; eight files decoded side by side by eight threads, 1,888 frames/s at
+    0.87 ms of CPU a frame, against 949 frames/s at 2.13 ms with the conversion here (whose
+    kernels each thread queues from Python while holding the GIL), and 2,346 frames/s with
+    no conversion at all. Its conversion assumes studio range, so a full-range stream (MJPEG's
+    yuvj formats) keeps the conversion here (`nvdec_converts`).
 """
 
 from __future__ import annotations
@@ -171,6 +181,27 @@ def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -
     return bgr.view(height, width, 3).clamp_(0.0, 255.99).to(torch.uint8)
 
 
+def output_bytes(width: int, height: int, rgb: bool) -> int:
+    """The size of one NVDEC output buffer: NV12, or interleaved RGB."""
+    return width * height * 3 if rgb else width * height * 3 // 2
+
+
+def nvdec_converts(colour: YuvToBgr) -> bool:
+    """Whether NVDEC's own RGB output serves a stream of this colour (Note [NV12 to BGR]): its
+    conversion takes studio range only."""
+    return not colour.full_range
+
+
+def bgr_of(output: torch.Tensor, height: int, width: int, colour: YuvToBgr,
+           rgb: bool) -> torch.Tensor:
+    """A new height x width x 3 uint8 BGR tensor of NVDEC's output buffer (flat uint8 on the
+    device), on the current stream: its RGB (`rgb`, NvdecDecoder's) with the channels swapped,
+    one copy; else its NV12 converted here (Note [NV12 to BGR])."""
+    if rgb:
+        return output.view(height, width, 3).flip(-1)
+    return nv12_to_bgr(output.view(height * 3 // 2, width), height, width, colour)
+
+
 # --- NVDEC through PyNvVideoCodec -----------------------------------------------------------------
 
 
@@ -189,7 +220,7 @@ class NvdecDecoder:
     """
 
     def __init__(self, codec: str, device_index: int, stream: torch.cuda.Stream,
-                 low_latency: bool) -> None:
+                 low_latency: bool, rgb: bool = False) -> None:
         import PyNvVideoCodec as nvc  # needs the driver (decoding.nvdec_unavailable_reason)
 
         from facecast.shared.transport import cuda_driver
@@ -199,14 +230,18 @@ class NvdecDecoder:
         self._end_of_picture = int(nvc.VideoPacketFlag.ENDOFPICTURE) if low_latency else 0
         latency = (nvc.DisplayDecodeLatencyType.LOW if low_latency
                    else nvc.DisplayDecodeLatencyType.NATIVE)
+        # RGB: the library's own conversion kernel on `stream` (Note [NV12 to BGR]).
+        colour = nvc.OutputColorType.RGB if rgb else nvc.OutputColorType.NATIVE
         self._decoder = nvc.CreateDecoder(
             gpuid=device_index, codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[codec]),
             cudacontext=int(cuda.Context.get_current().handle),
-            cudastream=int(stream.cuda_stream), usedevicememory=True, latency=latency)
+            cudastream=int(stream.cuda_stream), usedevicememory=True, latency=latency,
+            outputColorType=colour)
 
     def decode(self, data: bytes, pts: int) -> list[int]:
-        """The NV12 buffers (device pointers) of the frames this packet completes, in display
-        order; each is valid until the next decode on the decoder's stream. An empty packet is
+        """The output buffers (device pointers: NV12, or interleaved RGB rows of width x 3
+        bytes with `rgb`) of the frames this packet completes, in display order; each is valid
+        until the next decode on the decoder's stream. An empty packet is
         the end of the stream (its NvDecoder then flags it ENDOFSTREAM): what the decoder holds
         comes out, and the decoder takes nothing more."""
         payload = np.frombuffer(data, np.uint8)  # alive for the call: the parser reads it there
@@ -274,10 +309,11 @@ class NvdecSource(GpuDecodedSource):
         if reason:  # (plan may have let NVDEC's own reason by for MJPEG)
             raise GpuDecodeUnavailable(reason)
         self.colour = colour_of(reader)
+        self.nvdec_rgb = nvdec_converts(self.colour)
         self.low_latency = self.low_latency_always or not reader.has_b_frames
         try:
             self.decoder = NvdecDecoder(reader.codec, self.device_index, self.stream,
-                                        self.low_latency)
+                                        self.low_latency, self.nvdec_rgb)
         except Exception as exc:  # noqa: BLE001 - PyNvVCException, RuntimeError: the reason
             raise GpuDecodeUnavailable(
                 f"NVDEC could not make a decoder ({error_text(exc)})") from exc
@@ -342,25 +378,24 @@ class NvdecSource(GpuDecodedSource):
             self._ready.append((self._convert(pointer), read_ts))
 
     def _convert(self, pointer: int) -> torch.Tensor:
-        """The NV12 frame at `pointer` as a new BGR tensor, on the camera's stream."""
+        """NVDEC's frame at `pointer` as a new BGR tensor, on the camera's stream."""
         width, height = self.decoder.frame_size()
         if self._primed and (width, height) != (self.granted.width, self.granted.height):
             raise self._lost(f"frame size changed from {self.granted.width}x"
                              f"{self.granted.height} to {width}x{height}; reopen to renegotiate")
         try:
-            nv12 = self._nv12_at(pointer, width, height)
+            output = self._output_at(pointer, output_bytes(width, height, self.nvdec_rgb))
             with torch.cuda.stream(self.stream):
-                return nv12_to_bgr(nv12, height, width, self.colour)
+                return bgr_of(output, height, width, self.colour, self.nvdec_rgb)
         except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
             raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
 
-    def _nv12_at(self, pointer: int, width: int, height: int) -> torch.Tensor:
-        """NVDEC's output buffer as a (height * 3 / 2) x width uint8 tensor (no copy); a seam
-        of tests/test_decoding.py, as GpuDecodedSource's device seams."""
+    def _output_at(self, pointer: int, size_bytes: int) -> torch.Tensor:
+        """NVDEC's output buffer as a flat uint8 tensor (no copy); a seam of
+        tests/test_decoding.py, as GpuDecodedSource's device seams."""
         from facecast.shared.transport import cuda_driver
 
-        return cuda_driver.tensor_at(pointer, width * height * 3 // 2,
-                                     self.device_index).view(height * 3 // 2, width)
+        return cuda_driver.tensor_at(pointer, size_bytes, self.device_index)
 
     def close(self) -> None:
         self._ready.clear()
@@ -408,7 +443,7 @@ class NvdecFileSource(FilePlayback, NvdecSource):
             self.decoder = None
             try:
                 self.decoder = NvdecDecoder(self.reader.codec, self.device_index, self.stream,
-                                            self.low_latency)
+                                            self.low_latency, self.nvdec_rgb)
             except Exception as exc:  # noqa: BLE001 - no decoder for the file's next round
                 raise GpuDecodeFailed(f"NVDEC could not make a decoder again at the file's end "
                                       f"({error_text(exc)})") from exc
