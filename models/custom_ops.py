@@ -113,8 +113,13 @@ class TransformTensorBilinear(torch.nn.Module):
         x, y = source[..., 0], source[..., 1]
         inside = (x >= 0) & (x <= width - 1) & (y >= 0) & (y <= height - 1)
         grid = torch.stack([x * (2.0 / (width - 1)) - 1.0, y * (2.0 / (height - 1)) - 1.0], dim=-1)
-        sampled = F.grid_sample(features, grid.to(features.dtype), mode="bilinear",
-                                padding_mode="zeros", align_corners=True)
+        if torch.compiler.is_compiling():
+            # F.grid_sample may pick cuDNN's sampler (the same bilinear, zero-padded sums),
+            # which has no kernel for the tracer's fake tensors (Note [Compiled models]).
+            sampled = torch.grid_sampler_2d(features, grid.to(features.dtype), 0, 0, True)
+        else:
+            sampled = F.grid_sample(features, grid.to(features.dtype), mode="bilinear",
+                                    padding_mode="zeros", align_corners=True)
         return sampled * inside[:, None].to(features.dtype)
 
 
