@@ -103,6 +103,7 @@ def _summary(item: va.FileAnalysis) -> dict:
 def test_nvdec_gives_the_rows_of_pyav(cpu_nvdec, pipeline, recording, analysed, tmp_path):
     item = _analyze(pipeline, [recording[0]], tmp_path, NVDEC_SETTINGS)[0]
     assert len(cpu_nvdec.made) == 1 and cpu_nvdec.made[0].low_latency  # the recorder: no B-frames
+    assert cpu_nvdec.made[0].rgb  # studio range: NVDEC's own RGB (Note [NV12 to BGR])
     assert item.decoder.events[0].decoder == "NVDEC (GPU 0)", item.decoder.events
     assert len(item.decoder.events) == 1
     _assert_same_rows(_rows(item.table_path), _rows(analysed.table_path))

@@ -4,9 +4,9 @@ stack on the GPU fed by NVDEC equal those fed by PyAV on the CPU within float to
 recording (H.264 in Matroska, its sidecar), an MP4 with B-frames, a 1080p file (1088 coded rows).
 
 Needs an NVIDIA GPU with its driver (libnvcuvid.so.1), PyCUDA and pynvvideocodec (the `gpu`
-extra) and the models; elsewhere every test skips with the reason. Written on a machine without a
-GPU and not run yet: the same paths with NVDEC played by FFmpeg on the CPU are
-tests/test_analyze_decoding.py, which pass there."""
+extra) and the models; elsewhere every test skips with the reason. Passed on an H100
+(2026-11-26, with NVDEC's RGB output; the bt709 and yuvj420p cases came after that run); the same
+paths with NVDEC played by FFmpeg on the CPU are tests/test_analyze_decoding.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from facecast.workers.capture import decoding
 from facecast.workers.inference.pipelines import build_pipeline
 from test_analyze import FRAMES, RESUME_EVERY, _analyze, _rows, recording  # noqa: F401
 from test_analyze_decoding import _assert_same_rows
-from test_decoding import MIN_PSNR_DB, _psnr_db, _write_video
+from test_decoding import MIN_PSNR_DB, _psnr_db, _write_bt709_file, _write_video
 
 _REASON = decoding.nvdec_unavailable_reason()
 pytestmark = [pytest.mark.gpu,
@@ -39,12 +39,19 @@ def gpu_pipeline(installed_models):
     return face
 
 
-def test_nvdecs_frames_are_on_the_gpu_and_match_pyavs(tmp_path):
-    video = Path(_write_video(tmp_path / "h264.mp4", frames=30))
+@pytest.mark.parametrize("what, nvdec_rgb", [("h264", True), ("bt709", True),
+                                              ("yuvj420p", False)])
+def test_nvdecs_frames_are_on_the_gpu_and_match_pyavs(tmp_path, what, nvdec_rgb):
+    """NVDEC's own RGB for studio range (BT.601 or a BT.709-flagged stream), facecast's
+    conversion for full range (Note [NV12 to BGR])."""
+    video = Path(_write_bt709_file(tmp_path / "bt709.mp4", frames=30) if what == "bt709"
+                 else _write_video(tmp_path / f"{what}.mp4", frames=30,
+                                   pix_fmt="yuvj420p" if what == "yuvj420p" else "yuv420p"))
     decoder = ad.open_decoder(video, "gpu", None, CUDA)
     reference = va.PyAvDecoder(video)
     try:
         assert decoder.describe() == "NVDEC (GPU 0)", decoder.events
+        assert decoder.gpu.nvdec_rgb is nvdec_rgb
         frames = list(decoder.frames())
         expected = list(reference.frames())
         assert [(f.index, f.pts) for f in frames] == [(f.index, f.pts) for f in expected]

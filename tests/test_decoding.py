@@ -440,16 +440,15 @@ def test_the_gpu_paths_file_frames_match_the_cpu_decoder(cpu_nvdec, tmp_path, na
             assert len(cpu_nvdec.made) == 1 and not cpu_nvdec.made[0].ended
 
 
-@pytest.mark.parametrize("pix_fmt, nvdec_rgb", [("yuv420p", True), ("yuvj420p", False)])
-def test_nvdec_converts_studio_range_and_facecast_full_range(cpu_nvdec, tmp_path, pix_fmt,
-                                                             nvdec_rgb):
-    """Note [NV12 to BGR]: NVDEC's RGB where its converter is right (studio range), the NV12
-    conversion here for full range; the frames match the CPU decoder's either way."""
+@pytest.mark.parametrize("pix_fmt", ["yuv420p", "yuvj420p"])
+def test_a_cameras_nvdec_frames_are_converted_by_facecast(cpu_nvdec, tmp_path, pix_fmt):
+    """Note [NV12 to BGR]: cameras get NV12 from NVDEC and facecast's conversion whatever their
+    range (NVDEC's own RGB starved the capture threads at 64 cameras)."""
     path = _write_video(tmp_path / f"{pix_fmt}.mp4", pix_fmt=pix_fmt, frames=6)
     references = _opencv_frames(path)
     with open_source(_camera(path), decode=DecodeRequest("gpu", "cuda:0")) as opened:
         assert isinstance(opened, nvdec.NvdecFileSource)
-        assert cpu_nvdec.made[-1].rgb is nvdec_rgb and opened.nvdec_rgb is nvdec_rgb
+        assert cpu_nvdec.made[-1].rgb is False and opened.nvdec_rgb is False
         for reference in references:
             frame, _ = opened.read()
             assert _psnr_db(frame.numpy(), reference) >= MIN_PSNR_DB, pix_fmt

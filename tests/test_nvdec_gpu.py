@@ -1,6 +1,5 @@
 """Frames born on the GPU, against the real NVDEC (marker gpu; issue 22 item 1): PyNvVideoCodec's
-frames, made BGR on the GPU (NVDEC's RGB for studio range, facecast's conversion for full range),
-against OpenCV's CPU decode of the same files (PSNR >= 40 dB), the synthetic H.264 camera's frames against its truth, device frames into a CUDA ring and
+frames, converted to BGR on the GPU, against OpenCV's CPU decode of the same files (PSNR >= 40 dB), the synthetic H.264 camera's frames against its truth, device frames into a CUDA ring and
 an shm ring checked by consumers, an H.264 RTSP camera, and the daemon on GPU-decoded cameras in
 one capture group, one of whose decoders fails mid-stream (injected) and goes on on the CPU
 decoder while the other keeps publishing.
@@ -77,15 +76,15 @@ def test_nvdec_frames_match_the_cpu_decoders(tmp_path, name, codec, container, b
         assert opened.loops == 1
 
 
-@pytest.mark.parametrize("what, nvdec_rgb", [("bt709", True), ("yuvj420p", False)])
-def test_nvdec_colour_of_other_streams_matches_the_cpu_decoder(tmp_path, what, nvdec_rgb):
-    """Note [NV12 to BGR]: NVDEC's own RGB honours a BT.709-flagged stream; a full-range one is
-    converted by facecast."""
+@pytest.mark.parametrize("what", ["bt709", "yuvj420p"])
+def test_nvdec_colour_of_other_streams_matches_the_cpu_decoder(tmp_path, what):
+    """Note [NV12 to BGR]: a camera's NV12 converted by facecast, BT.709-flagged or full
+    range."""
     path = (_write_bt709_file(tmp_path / "bt709.mp4", frames=8) if what == "bt709"
             else _write_video(tmp_path / "yuvj420p.mp4", pix_fmt="yuvj420p", frames=8))
     references = _opencv_frames(path)
     with open_source(_camera(path), decode=GPU) as opened:
-        assert isinstance(opened, nvdec.NvdecFileSource) and opened.nvdec_rgb is nvdec_rgb
+        assert isinstance(opened, nvdec.NvdecFileSource) and opened.nvdec_rgb is False
         for index, reference in enumerate(references):
             frame, _ = opened.read()
             psnr_db = _psnr_db(frame.cpu().numpy(), reference)

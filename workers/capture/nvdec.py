@@ -67,7 +67,7 @@ Note [NV12 to BGR]
     but for one grey level at float32's ties (11 to 1,124 of 6.2 million values of a random
     1080p NV12 frame, by matrix and range), within half a grey level of the formula in float64
     everywhere (tests/test_decoding.py).
-    Studio-range streams (cameras' H.264/H.265) skip it: NVDEC's decoder is asked for
+    `facecast analyze` skips it for studio-range files: NVDEC's decoder is asked for
     interleaved RGB (PyNvVideoCodec's OutputColorType.RGB, its own kernel on the camera's
     stream, with the stream's matrix, BT.601 where the stream names none) and `bgr_of` swaps
     the channels into the new tensor, one copy. Measured on the H100 (2026-11-26, a probe kept
@@ -77,7 +77,12 @@ Note [NV12 to BGR]
     0.87 ms of CPU a frame, against 949 frames/s at 2.13 ms with the conversion here (whose
     kernels each thread queues from Python while holding the GIL), and 2,346 frames/s with
     no conversion at all. Its conversion assumes studio range, so a full-range stream (MJPEG's
-    yuvj formats) keeps the conversion here (`nvdec_converts`).
+    yuvj formats) keeps the conversion here (`nvdec_converts`). Cameras keep it too: with
+    NVDEC's RGB the daemon at 64 synthetic-h264 cameras (H100, 20:28 UTC the same day,
+    `gpu_check.sh start decode_profile`) captured 76 of the 1,920 frames/s due (1,923 with
+    the conversion here, 13:52 UTC), py-spy finding the capture threads in PyNvVideoCodec's
+    `Decode` nearly all the time: with the inference workers keeping the GPU busy, its RGB
+    output seems to wait for the device on each call (not yet looked into further).
 """
 
 from __future__ import annotations
@@ -309,7 +314,7 @@ class NvdecSource(GpuDecodedSource):
         if reason:  # (plan may have let NVDEC's own reason by for MJPEG)
             raise GpuDecodeUnavailable(reason)
         self.colour = colour_of(reader)
-        self.nvdec_rgb = nvdec_converts(self.colour)
+        self.nvdec_rgb = False  # cameras: the conversion here (Note [NV12 to BGR])
         self.low_latency = self.low_latency_always or not reader.has_b_frames
         try:
             self.decoder = NvdecDecoder(reader.codec, self.device_index, self.stream,
