@@ -175,7 +175,6 @@ class FacePipeline:
                                      max_faces=max_faces, min_presence=min_presence, graphs=self.graphs,
                                      landmarker=self.landmarker, geometry=geometry)
         self.tracks = FaceTracks(self.device, max_faces, detect_interval_frames)
-        self.compiled = compile_models
         if compile_models:
             self._compile_models()
 
