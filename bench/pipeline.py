@@ -82,12 +82,13 @@ OUTPUT_LATENCY_FRAMES = _output_latency_frames()
 def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int | str,
                 cuda_graphs: bool, half: bool, host: str, source: str,
                 detection_share: float | None = None, decode: str = "auto",
-                newcomers: bool = False) -> str:
+                newcomers: bool = False, cameras_per_capture_worker: int | str = "auto") -> str:
     # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
         f'host_name = "{host}"', "checksum_every = 30",
         f"roi_landmark_workers = {json.dumps(roi_workers)}",  # TOML: 2 or "auto"
+        f"cameras_per_capture_worker = {json.dumps(cameras_per_capture_worker)}",
         'log_level = "info"',
         *([f"detection_share = {detection_share}"] if detection_share is not None else []),
         f'decode = "{decode}"',  # where the encoded sources' video is decoded (Note [Decoder choice])
@@ -486,6 +487,7 @@ def run_one(cameras: int, transport: str, args) -> dict:
               "source": args.source,
               "models": "fp16" if args.half else "fp32", "cuda_graphs": args.cuda_graphs,
               "roi_workers": args.roi_workers,
+              "cameras_per_capture_worker": args.cameras_per_capture_worker,
               "detection_share": args.detection_share or "auto",
               "decode": args.decode,
               "log": str(log_path)}
@@ -493,7 +495,7 @@ def run_one(cameras: int, transport: str, args) -> dict:
         tmp = Path(tmp)
         config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
                              args.half, host, args.source, args.detection_share, args.decode,
-                             args.newcomers)
+                             args.newcomers, args.cameras_per_capture_worker)
         daemon = DaemonUnderTest(tmp, config, log_path)
         try:
             if not daemon.wait_ready(args.boot_timeout_s):
@@ -1019,6 +1021,10 @@ def main() -> int:
                              "[Encoded synthetic loop])")
     parser.add_argument("--roi-workers", type=lambda text: text if text == "auto" else int(text),
                         default="auto", help="daemon.roi_landmark_workers (default: auto)")
+    parser.add_argument("--cameras-per-capture-worker",
+                        type=lambda text: text if text == "auto" else int(text), default="auto",
+                        help="daemon.cameras_per_capture_worker (default: auto, Note [Capture "
+                        "groups])")
     parser.add_argument("--decode", choices=("auto", "gpu", "cpu"), default="auto",
                         help="daemon.decode: where synthetic-h264/-mjpeg cameras' video is decoded "
                              "(gpu: NVDEC for H.264, nvJPEG for MJPEG; the camera's reason in "

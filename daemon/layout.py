@@ -57,11 +57,16 @@ ROLES_STARTED_AT_READY = ("console",)
 #     serves a group of cameras, one thread each (Note [Camera threads] in
 #     facecast.workers.capture.worker), sharing one context: `daemon.cameras_per_capture_worker`,
 #     "auto" keeping at most MAX_CAPTURE_WORKERS_PER_GPU capture processes per GPU (so a lab with
-#     up to 8 cameras keeps one process per camera) and one per camera on the CPU. A camera
+#     up to 4 cameras keeps one process per camera) and one per camera on the CPU. A camera
 #     whose source fails is retried by its thread while the others go on; a group's process that
 #     dies comes back with all its cameras through its warm spare. A group of one camera is
 #     named `capture:<camera>`, a larger one `capture:<device>:<k>`.
-MAX_CAPTURE_WORKERS_PER_GPU = 8
+#     Why 4 and not 8 (H100, 2026-11-26, 64 replayed 1080p cameras, cuda_ipc, one run each):
+#     each capture process holds ~0.7 GB of the GPU besides its rings (its context, torch's
+#     kernels); 8 processes of 8 cameras held 9.5 GB, 4 of 16 held 6.8 GB, with 2.4 % of frames
+#     dropped against 2.7 % and 5.9 capture cores against 6.2 (one run each: the same within
+#     the spread of runs). Issue 24's budget for the whole daemon at 64 cameras is 16 GiB.
+MAX_CAPTURE_WORKERS_PER_GPU = 4
 
 
 @dataclass(frozen=True)

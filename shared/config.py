@@ -97,8 +97,8 @@ class DaemonConfig(_Strict):
         Annotated[int, msgspec.Meta(ge=1, le=256)] | Literal["auto"],
         msgspec.Meta(
             description="cameras one capture process serves, a thread each (Note [Capture "
-            "groups]); auto: one per camera on the CPU and up to 8 "
-            "cameras per GPU, beyond that groups so that a GPU has at most 8 capture processes "
+            "groups]); auto: one per camera on the CPU and up to 4 "
+            "cameras per GPU, beyond that groups so that a GPU has at most 4 capture processes "
             "(CUDA contexts)"
         ),
     ] = "auto"

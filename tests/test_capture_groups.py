@@ -27,22 +27,22 @@ def _captures(config: config_mod.Config, gpus: int) -> list[layout.WorkerSpec]:
     return [s for s in layout.plan(config, gpus) if s.role == "capture"]
 
 
-def test_auto_keeps_a_process_per_camera_up_to_eight_per_gpu():
-    assert [s.name for s in _captures(_config(8), 1)] == [f"capture:c{k:02d}" for k in range(8)]
+def test_auto_keeps_a_process_per_camera_up_to_four_per_gpu():
+    assert [s.name for s in _captures(_config(4), 1)] == [f"capture:c{k:02d}" for k in range(4)]
     assert [s.name for s in _captures(_config(64), 0)][:2] == ["capture:c00", "capture:c01"]
     assert len(_captures(_config(64), 0)) == 64  # the CPU has no contexts to save
 
 
-def test_auto_groups_cameras_beyond_eight_per_gpu_into_eight_processes():
-    for count, per_group, processes in ((9, 2, 5), (32, 4, 8), (64, 8, 8)):
+def test_auto_groups_cameras_beyond_four_per_gpu_into_four_processes():
+    for count, per_group, processes in ((5, 2, 3), (8, 2, 4), (9, 3, 3), (32, 8, 4), (64, 16, 4)):
         specs = _captures(_config(count), 1)
         assert len(specs) == processes and all(s.device == "cuda:0" for s in specs)
         assert [len(s.camera_ids) for s in specs][0] == per_group
         assert specs[0].name == "capture:cuda:0:0"
         # Every camera in exactly one group, in config order.
         assert [c for s in specs for c in s.camera_ids] == [f"c{k:02d}" for k in range(count)]
-    two_gpus = _captures(_config(64), 2)  # round-robin: 32 a GPU, 8 groups of 4 each
-    assert len(two_gpus) == 16 and {len(s.camera_ids) for s in two_gpus} == {4}
+    two_gpus = _captures(_config(64), 2)  # round-robin: 32 a GPU, 4 groups of 8 each
+    assert len(two_gpus) == 8 and {len(s.camera_ids) for s in two_gpus} == {8}
     assert layout.capture_worker_of(two_gpus, "c01") == "capture:cuda:1:0"
 
 

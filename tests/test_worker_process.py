@@ -202,3 +202,16 @@ def test_sigterm_before_the_loop_ends_the_boot_at_once(supervisor, tmp_path):
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=base.ASSIGNMENT_TIMEOUT_S / 3) == 0, stderr_path.read_text()
     assert "stopped while booting" in stderr_path.read_text()
+
+
+def test_workers_start_with_expandable_segments_unless_the_allocator_is_set():
+    """Note [Expandable segments]: the default for a worker, never over a setting of the user's."""
+    from facecast.workers.__main__ import use_expandable_segments
+
+    plain = {"PATH": "/usr/bin"}
+    use_expandable_segments(plain)
+    assert plain["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        chosen = {name: "max_split_size_mb:128"}
+        use_expandable_segments(chosen)
+        assert chosen == {name: "max_split_size_mb:128"}

@@ -11,6 +11,16 @@ Note [Quick exit]
     and with 32 CUDA processes ending at once it took seconds, past the daemon's stop deadline,
     so that the supervisor had to SIGKILL them. So the process ends with `os._exit` after the
     logs and stdio are flushed.
+
+Note [Expandable segments]
+    torch's caching allocator keeps the blocks it carved for one batch's shapes and carves new
+    ones when the next batch is larger; a worker whose batches vary (faces per frame, cameras
+    per batch) ends up holding far more than it uses. With `expandable_segments` it grows and
+    reuses one mapped range instead. Measured (H100, 2026-11-26, 64 replayed 1080p cameras,
+    cuda_ipc, CUDA graphs, one run each): the daemon's GPU memory 27.5 -> 24.2 GB, of which the
+    two roi_landmark workers 8.2 -> 6.0 GB and the detection worker 3.6 -> 3.2 GB; dropped
+    frames and latencies within the spread of runs. So a worker starts with it, unless whoever
+    started the daemon chose the allocator's settings themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +29,15 @@ import argparse
 import logging
 import os
 import sys
+
+
+ALLOCATOR_SETTINGS_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def use_expandable_segments(environ=os.environ) -> None:
+    """Note [Expandable segments]; before torch's first CUDA allocation reads the setting."""
+    if not any(name in environ for name in ALLOCATOR_SETTINGS_ENV):
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def _worker_class(role: str):
@@ -56,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from facecast.shared import cpu_priority
 
     cpu_priority.lower_this_process(int(os.environ.pop(cpu_priority.SPARE_NICE_ENV, "0") or 0))
+    use_expandable_segments()
     from facecast.workers.base import (
         enable_stack_dumps,
         run,
