@@ -44,6 +44,15 @@ The table names the decoder facecast's runs got (`decoder`: a fallback to PyAV, 
 reason, shows there and in the JSON's `decoder_changes`). LiteRT's frames are PyAV's always
 (numpy arrays on the CPU).
 
+*The command, `--jobs N`* (`--jobs`): `facecast analyze --jobs N --json --format csv` run as a
+process over the same `--files-at-once` copies (Note [Jobs]: N processes, each with its own
+models and a share of the files). `frames_per_s` = all frames / the command's wall time, its
+start-up included (imports, models, the first batches' CUDA graphs and cuDNN choices, in every
+job); `steady_frames_per_s` = the frames the files advanced, by their JSON progress, between the
+moment every file had reported progress and the moment the first file was done, over that
+time: the rate once every job is working, the in-process row's definition (warm, no model
+loading). Each N is run once per repeat, with the same check of the faces against the truth.
+
 *Decode only*: facecast's decoder with nothing else, for reference (NVDEC's frames converted
 to BGR on the GPU, waited for at the end).
 
@@ -201,10 +210,7 @@ def copies(footage: Footage, count: int) -> list[Path]:
 
 def run_facecast(analyzer, footage: Footage, out_dir: Path, files_at_once: int = 1) -> dict:
     """The file (`files_at_once` copies of it, batched as the command batches files) through
-    `facecast analyze`'s Analyzer, from its start; the faces checked against the truth (a run
-    that measured nothing would be fast for nothing)."""
-    import csv
-
+    `facecast analyze`'s Analyzer, from its start; the faces checked against the truth."""
     paths = copies(footage, files_at_once)
     wall0, cpu0 = time.perf_counter(), cpu_s()
     files = analyzer.open(paths, out_dir, restart=True)
@@ -213,7 +219,7 @@ def run_facecast(analyzer, footage: Footage, out_dir: Path, files_at_once: int =
             raise RuntimeError(item.problem)
     analyzer.run(files)
     wall_s, cpu_used_s = time.perf_counter() - wall0, cpu_s() - cpu0
-    faces = found = 0
+    faces = 0
     decoders, changes = [], []
     for item in files:
         summary = analyzer.summary(item)
@@ -223,18 +229,74 @@ def run_facecast(analyzer, footage: Footage, out_dir: Path, files_at_once: int =
             raise RuntimeError(f"{item.video}: {summary['frames_measured']} frames measured of "
                                f"{footage.frames}: {summary['problems'][:3]}")
         faces += summary["faces"]
+    return {**_rates(footage.frames * len(files), wall_s, cpu_used_s), "files": len(files),
+            "faces": faces, "faces_on_truth": _faces_on_truth([f.table_path for f in files], footage),
+            "faces_true": sum(map(len, footage.truth)) * len(files),
+            "decoder": " / ".join(sorted(set(decoders))), "decoder_changes": changes}
+
+
+def _faces_on_truth(tables: list[Path], footage: Footage) -> int:
+    """Measured faces on the ground truth's, over every table (a run that measured nothing
+    would be fast for nothing)."""
+    import csv
+
+    found = 0
+    for table in tables:
         faces_by_frame: dict[int, list] = {}
-        with open(item.table_path, newline="") as handle:
+        with open(table, newline="") as handle:
             for row in csv.DictReader(handle):
                 if row["track_id"]:
                     faces_by_frame.setdefault(int(row["frame"]), []).append(
                         tuple(float(row[k]) for k in ("box_x1", "box_y1", "box_x2", "box_y2")))
         found += sum(_matched(faces_by_frame.get(i, []), truth)
                      for i, truth in enumerate(footage.truth))
-    return {**_rates(footage.frames * len(files), wall_s, cpu_used_s), "files": len(files),
-            "faces": faces, "faces_on_truth": found,
-            "faces_true": sum(map(len, footage.truth)) * len(files),
-            "decoder": " / ".join(sorted(set(decoders))), "decoder_changes": changes}
+    return found
+
+
+def run_command(args, footage: Footage, out_dir: Path, jobs: int) -> dict:
+    """`facecast analyze --jobs N` as a process over the `--files-at-once` copies: end to end
+    and steady rates (the module's docstring)."""
+    import subprocess
+
+    paths = copies(footage, args.files_at_once)
+    command = [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--format",
+               "csv", "--restart", "--jobs", str(jobs), "--device", args.device, "--decode",
+               args.decode, "--out", str(out_dir), *map(str, paths)]
+    wall0 = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    frame_of: dict[str, int] = {}
+    steady_from = steady_until = None
+    summaries = []
+    for line in process.stdout:
+        message = json.loads(line)
+        now = time.perf_counter()
+        if message["type"] == "progress":
+            frame_of[message["video"]] = message["frame"]
+            if steady_from is None and len(frame_of) == len(paths):
+                steady_from = (now, sum(frame_of.values()))
+            if message["done"] and steady_until is None and steady_from is not None:
+                steady_until = (now, sum(frame_of.values()))
+        elif message["type"] == "summary":
+            summaries.append(message)
+    process.wait()
+    wall_s = time.perf_counter() - wall0
+    if process.returncode != 0 or len(summaries) != len(paths):
+        raise RuntimeError(f"{shlex.join(command)}: exit {process.returncode}, "
+                           f"{len(summaries)} summaries of {len(paths)}")
+    for summary in summaries:
+        if summary["frames_measured"] != footage.frames:
+            raise RuntimeError(f"{summary['video']}: {summary['frames_measured']} frames "
+                               f"measured of {footage.frames}: {summary['problems'][:3]}")
+    steady = None
+    if steady_from and steady_until and steady_until[0] > steady_from[0]:
+        steady = round((steady_until[1] - steady_from[1]) / (steady_until[0] - steady_from[0]), 2)
+    frames = footage.frames * len(paths)
+    return {"jobs": jobs, "files": len(paths), "frames": frames, "wall_s": round(wall_s, 3),
+            "frames_per_s": round(frames / wall_s, 2), "steady_frames_per_s": steady,
+            "faces": sum(s["faces"] for s in summaries),
+            "faces_on_truth": _faces_on_truth([Path(s["table"]) for s in summaries], footage),
+            "faces_true": sum(map(len, footage.truth)) * len(paths),
+            "decoder": " / ".join(sorted({s["decoder"] for s in summaries}))}
 
 
 def _iou(a, b) -> float:
@@ -508,11 +570,34 @@ def report(data: dict) -> str:
                       f"{cpu_ms / face_cpu_ms:.2f}×"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", goal_text(data)]
+    if any(row.get("command") for row in data["rows"]):
+        lines += ["", command_text(data)]
     if data.get("components"):
         lines += ["", components_text(data)]
     for note in data.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def command_text(data: dict) -> str:
+    """The command's rows (`--jobs`): end to end and steady, per number of jobs."""
+    at_once = data["settings"].get("files_at_once", 1)
+    lines = [f"The command, `facecast analyze --jobs N` over the same {at_once} files (Note "
+             "[Jobs]); end to end = all frames / the command's wall time, start-up included; "
+             "steady = once every file had reported progress, until the first was done "
+             "(median of the repeats):", "",
+             "| footage | jobs | faces on truth | end to end frames/s | steady frames/s |",
+             "|---|---|---|---|---|"]
+    for row in data["rows"]:
+        for jobs, samples in row.get("command", {}).items():
+            if not samples:
+                continue
+            steady = [s["steady_frames_per_s"] for s in samples if s["steady_frames_per_s"]]
+            lines.append(f"| {row['footage']} | {jobs} | {samples[0]['faces_on_truth']}/"
+                         f"{samples[0]['faces_true']} | "
+                         f"{_median(samples, 'frames_per_s'):.1f} | "
+                         + (f"**{statistics.median(steady):.1f}**" if steady else "-") + " |")
+    return "\n".join(lines)
 
 
 def components_text(data: dict) -> str:
@@ -584,6 +669,9 @@ def main() -> int:
                         help="facecast analyses this many copies of each file in one run, "
                         "batched as the command batches files (for a GPU; default 1); "
                         "frames/s counts every copy's frames")
+    parser.add_argument("--jobs", type=int, nargs="*", default=[], metavar="N",
+                        help="also run the command, `facecast analyze --jobs N`, over the same "
+                        "copies, for each N (Note [Jobs])")
     parser.add_argument("--skip-inline", action="store_true",
                         help="leave out the per-frame baseline (decoding inline)")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -649,7 +737,7 @@ def main() -> int:
             "command": shlex.join(["python3", "bench/analyze.py", *sys.argv[1:]]),
             "settings": {"frames": args.frames, "repeats": args.repeats, "fps": FPS,
                          "decode": args.decode, "gpu_decode_problem": analyzer.gpu_decode_problem,
-                         "files_at_once": args.files_at_once,
+                         "files_at_once": args.files_at_once, "jobs": args.jobs,
                          "max_faces": MAX_FACES, "litert_threads": args.litert_threads,
                          "torch_threads": torch.get_num_threads()},
             "rows": [], "notes": args.note}
@@ -675,6 +763,7 @@ def main() -> int:
                "faces": footage.faces, "file": footage.path.name,
                "file_bytes": footage.path.stat().st_size,
                "decode": [], "facecast_inline": [], "facecast": [],
+               "command": {str(n): [] for n in args.jobs},
                "litert": {str(t): [] for t in args.litert_threads}}
         data["rows"].append(row)
         for repeat in range(args.repeats):
@@ -684,6 +773,12 @@ def main() -> int:
                                                            args.files_at_once))
             row["facecast"].append(run_facecast(analyzer, footage, args.work / "tables",
                                                 args.files_at_once))
+            for jobs in args.jobs:
+                row["command"][str(jobs)].append(run_command(args, footage, args.work / "command",
+                                                             jobs))
+                print(f"{footage.name} #{repeat + 1}: the command with --jobs {jobs}: "
+                      f"{row['command'][str(jobs)][-1]}", file=sys.stderr, flush=True)
+                save()
             for threads in args.litert_threads:
                 row["litert"][str(threads)].append(run_litert(bundle, threads, footage))
             inline_text = (f"inline {row['facecast_inline'][-1]['frames_per_s']:.1f}, "

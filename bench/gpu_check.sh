@@ -39,6 +39,9 @@
 #                 once, against LiteRT on 1 and 8 threads in the same run; files of 600 frames
 #                 (20 s), not 240: a file's decoder creation and its last odd batch weighed on
 #                 the rate of 240-frame files (4, H100 2026-11-26)
+#   analyze_jobs  issue 23's goal with `--jobs` (Note [Jobs]): 32 copies of the 1080p one-face
+#                 file in this process, then as the command with --jobs 1 and 4 (needs
+#                 .whl2a/.whl2b) (5)
 # Default: boot_stop gpu_tests real_footage pipeline models (23 minutes). A machine is held at
 # most 30 minutes: start on a fresh machine, and put `decode` in a run of its own.
 # Run from the repository root, with .whl/, .models/, .mp/ and .footage/ (copies of
@@ -171,6 +174,10 @@ run)
         analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
             --files-at-once 8 --repeats 2 --frames 600 --skip-inline --litert-threads 1 8 \
             --work "$STATE/analyze" --out "$STATE/benchmarks-analyze-gpu.json" --docs '' ;;
+        analyze_jobs) step analyze_jobs python3 bench/analyze.py --device cuda --decode gpu \
+            --files-at-once 32 --repeats 1 --frames 600 --skip-inline --litert-threads 8 \
+            --footage 1920x1080x1 --jobs 1 4 \
+            --work "$STATE/analyze" --out "$STATE/benchmarks-analyze-jobs.json" --docs '' ;;
         *) echo "$(date -u +%H:%M:%S) unknown step $name" >> "$STATE/steps.txt" ;;
         esac
     done

@@ -17,6 +17,7 @@ import os
 import stat
 import subprocess
 import shutil
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -615,3 +616,123 @@ def test_a_device_that_cannot_run_the_stack_is_refused(recording, monkeypatch, c
     args = parser.parse_args(["--device", device, "--format", "csv", str(recording[0])])
     assert analyze_command.main(args) == 2
     assert said in capsys.readouterr().err
+
+
+# --- jobs (Note [Jobs]) ---------------------------------------------------------------------------
+
+
+def test_jobs_are_counted_and_files_dealt_by_size_with_colliding_tables_together(tmp_path):
+    from facecast.daemon.cli import analysis_jobs as jobs
+
+    assert jobs.parse_jobs("auto") == "auto" and jobs.parse_jobs("3") == 3
+    for wrong in ("0", "-2", "many"):
+        with pytest.raises(ValueError, match=f"--jobs {wrong}: a number of processes"):
+            jobs.parse_jobs(wrong)
+    per_job = jobs.FILES_PER_GPU_JOB
+    assert [jobs.job_count("auto", on_gpu=True, files=n) for n in (1, per_job, per_job + 1, 100)] \
+        == [1, 1, 2, jobs.MAX_GPU_JOBS]
+    assert jobs.job_count("auto", on_gpu=False, files=100) == 1
+    assert jobs.job_count(3, on_gpu=False, files=2) == 2  # never a job without a file
+    sizes = {"big.mkv": 9000, "mid.mkv": 5000, "small1.mkv": 3000, "small2.mkv": 1000}
+    videos = []
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(b"\0" * size)
+        videos.append(tmp_path / name)
+    (tmp_path / "other").mkdir()
+    twin = tmp_path / "other" / "small2.mkv"  # the same table as small2.mkv's in one --out
+    twin.write_bytes(b"\0" * 10)
+    videos.append(twin)
+    shares = jobs.deal(videos, tmp_path / "out", 2)
+    assert sorted(map(len, shares)) == [1, 4]
+    assert shares[0] == [tmp_path / "big.mkv"]  # 9,000 bytes against 9,010
+    assert shares[1] == [tmp_path / n for n in ("mid.mkv", "small1.mkv", "small2.mkv")] + [twin]
+    # Without --out each table is next to its video: the twins no longer collide.
+    apart = jobs.deal(videos, None, 2)
+    assert sum(map(len, apart)) == 5 and all(apart)
+
+
+def test_jobs_analyse_each_file_as_one_run_would(recording, tmp_path):
+    """Two jobs, three files (one missing): the same JSON lines and exit status as one run,
+    summaries in the order given, and each table the one process's within float tolerance."""
+    video = recording[0]
+    copies = []
+    for name in ("a", "b"):
+        copy = tmp_path / f"{name}.mkv"
+        shutil.copyfile(video, copy)
+        shutil.copyfile(video.with_suffix(".csv"), copy.with_suffix(".csv"))
+        copies.append(copy)
+    missing = tmp_path / "missing.mkv"
+
+    def analyze(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json",
+                               "--format", "csv", *arguments], capture_output=True, text=True,
+                              timeout=240, env=os.environ.copy())
+
+    one = analyze("--jobs", "1", "--out", str(tmp_path / "one"), str(video))
+    assert one.returncode == 0, one.stderr
+    both = analyze("--jobs", "2", "--out", str(tmp_path / "jobs"), str(copies[1]), str(missing),
+                   str(copies[0]))
+    assert both.returncode == 1, both.stderr
+    assert both.stderr.count(f"facecast: {missing}: no such file") == 1
+    lines = [json.loads(line) for line in both.stdout.splitlines()]
+    assert sorted(line["video"] for line in lines if line["type"] == "start") == \
+        sorted(map(str, copies))
+    assert {line["video"] for line in lines if line["type"] == "progress" and line["done"]} == \
+        set(map(str, copies))
+    summaries = [line for line in lines if line["type"] == "summary"]
+    assert [s["video"] for s in summaries] == [str(copies[1]), str(missing), str(copies[0])]
+    assert [s["ok"] for s in summaries] == [True, False, True]
+    assert lines[-3:] == summaries  # at the end, as one run prints them
+    reference = _rows(tmp_path / "one" / f"{video.stem}.faces.csv")
+    for copy in copies:
+        rows = _rows(tmp_path / "jobs" / f"{copy.stem}.faces.csv")
+        assert len(rows) == len(reference) == 2 * FRAMES
+        for row, expected in zip(rows, reference):
+            assert row.keys() == expected.keys()
+            for column, value in row.items():
+                if value == expected[column]:
+                    continue
+                assert math.isclose(float(value), float(expected[column]), rel_tol=1e-4,
+                                    abs_tol=1e-3), (copy, column, value, expected[column])
+
+
+def test_an_interrupt_reaches_every_job_once(tmp_path):
+    """SIGINT to the command (a Ctrl-C reaches it alone: each job has a session of its own):
+    each job stops, the command says so once and exits 130, no job process is left."""
+    scene = SyntheticScene(WIDTH, HEIGHT, seed="jobs")
+    videos = []
+    for name in ("long_a", "long_b"):
+        path = tmp_path / f"{name}.mkv"
+        encoder = PyAvEncoder(path, WIDTH, HEIGHT, FPS, container="mkv")
+        for index in range(240):  # long enough to be interrupted on any machine
+            encoder.write(scene.render(index / FPS), FIRST_CAPTURE_TS_LSL + index / FPS)
+        encoder.close()
+        videos.append(path)
+    out = tmp_path / "interrupted"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--format", "csv",
+         "--jobs", "2", "--out", str(out), *map(str, videos)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        working = set()
+        for line in command.stdout:
+            message = json.loads(line)
+            if message["type"] == "progress":
+                working.add(message["video"])
+            if len(working) == 2:
+                break
+        assert working == set(map(str, videos))
+        jobs = subprocess.run(["pgrep", "-f", "--", f"--out {out} "], capture_output=True,
+                              text=True).stdout.split()
+        assert len(jobs) == 3  # the command and its two jobs
+        command.send_signal(signal.SIGINT)
+        rest, err = command.communicate(timeout=120)
+    finally:
+        if command.poll() is None:
+            command.kill()
+    assert command.returncode == 130, err
+    assert err.count("interrupted; run the same command again to resume") == 1
+    assert not any(json.loads(line)["type"] == "summary" for line in rest.splitlines())
+    for pid in jobs:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

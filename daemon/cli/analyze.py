@@ -59,6 +59,10 @@ def add_arguments(parser) -> None:
                         "NVDEC cannot (no GPU stack, pynvvideocodec missing, another codec, a "
                         "failure mid-file: the rest of that file), the reason said once; cpu: "
                         "PyAV always")
+    parser.add_argument("--jobs", default="auto", metavar="N",
+                        help="analysing processes, each with its own models and a share of the "
+                        "files (Note [Jobs]): auto (default) is one per 8 files, at most 4, with "
+                        "the stack on a GPU, and one on the CPU; a number to choose")
     parser.add_argument("--restart", action="store_true",
                         help="analyse every file from its start, even where an earlier run "
                         "finished or stopped part-way (default: resume it, or skip a finished one)")
@@ -66,7 +70,10 @@ def add_arguments(parser) -> None:
     shown.add_argument("--quiet", action="store_true",
                        help="no progress and no summary on the terminal (errors still show)")
     shown.add_argument("--json", action="store_true",
-                       help="progress and summaries as JSON, one object per line, on stdout")
+                       help="progress and summaries as JSON, one object per line, on stdout: "
+                       "{\"type\": \"start\"} per file as its work starts (frame: where, "
+                       "complete: nothing left to do), \"progress\" as it goes, \"summary\" "
+                       "at the end")
 
 
 def main(args) -> int:
@@ -114,6 +121,17 @@ def main(args) -> int:
               + ("torch sees no CUDA device" if device.type == "cuda" else "not cpu or cuda"),
               file=sys.stderr)
         return 2
+    from facecast.daemon.cli import analysis_jobs
+
+    videos = [Path(video) for video in args.videos]
+    try:
+        jobs = analysis_jobs.job_count(analysis_jobs.parse_jobs(args.jobs),
+                                       on_gpu=device.type == "cuda", files=len(videos))
+    except ValueError as exc:
+        print(f"facecast: {exc}", file=sys.stderr)
+        return 2
+    if jobs > 1:
+        return analysis_jobs.run(args, videos, jobs, parquet)
     try:
         analyzer = video_analysis.build_analyzer(config, device, settings)
     except BootError as exc:
@@ -123,10 +141,15 @@ def main(args) -> int:
         print(f"facecast: {exc}", file=sys.stderr)
         return 2
     out_dir = Path(args.out) if args.out else None
-    files = analyzer.open([Path(video) for video in args.videos], out_dir, restart=args.restart)
+    files = analyzer.open(videos, out_dir, restart=args.restart)
     for item in files:
         if item.problem:
             print(f"facecast: {item.problem}", file=sys.stderr)
+        elif args.json:
+            print(json.dumps({"type": "start", "video": str(item.video),
+                              "table": str(item.table_path), "frame": item.next_frame,
+                              "frames_total": item.total_frames or None,
+                              "complete": item.already_complete}), flush=True)
         elif item.already_complete and not args.quiet and not args.json:
             print(f"{item.video}: already analysed ({item.table_path}); --restart to do it again")
         elif item.resumed_from_frame and not args.quiet and not args.json:
@@ -240,32 +263,69 @@ class _DecoderNotices:
 
 
 class _Bars:
-    """tqdm bars: the whole job, then one per file (frames/s and time left in each)."""
+    """tqdm bars: the whole job, then one per file (frames/s and time left in each). Fed by
+    this process's files (`__call__`) or by the JSON progress of jobs (`start`, `report`: Note
+    [Jobs])."""
 
     def __init__(self, files) -> None:
         from tqdm import tqdm
 
-        self._done = {id(item): item.next_frame for item in files}
-        working = [item for item in files if not item.problem and not item.done]
-        total = sum(item.total_frames for item in working)
-        self.overall = tqdm(total=total or None, unit="frame", desc="all files", position=0,
-                            initial=sum(item.next_frame for item in working), dynamic_ncols=True)
-        self.bars = {id(item): tqdm(total=item.total_frames or None, unit="frame",
-                                    desc=item.video.name, position=index + 1, leave=True,
-                                    initial=item.next_frame, dynamic_ncols=True)
-                     for index, item in enumerate(working)}
+        self._tqdm = tqdm
+        self._done: dict = {}
+        self.bars: dict = {}
+        self.overall = None  # with the first file that has work left
+        for item in files:
+            if not item.problem and not item.done:
+                self.start(id(item), item.video.name, item.total_frames, item.next_frame)
+
+    def start(self, key, name: str, total_frames: int, from_frame: int) -> None:
+        """A file's bar, from where its work starts (a resume point)."""
+        if self.overall is None:
+            self.overall = self._tqdm(total=None, unit="frame", desc="all files", position=0,
+                                      dynamic_ncols=True)
+        self._done[key] = from_frame
+        self.bars[key] = self._tqdm(total=total_frames or None, unit="frame", desc=name,
+                                    position=len(self.bars) + 1, leave=True, initial=from_frame,
+                                    dynamic_ncols=True)
+        if total_frames:
+            self.overall.total = (self.overall.total or 0) + total_frames
+        # Frames done before this run: in the count, not in the rate.
+        self.overall.n += from_frame
+        self.overall.last_print_n += from_frame
+        self.overall.refresh()
 
     def __call__(self, item) -> None:
-        step = item.next_frame - self._done[id(item)]
-        self._done[id(item)] = item.next_frame
+        self._advance(id(item), item.next_frame)
+
+    def report(self, message: dict) -> None:
+        """A job's `{"type": "start" | "progress", ...}` line."""
+        if message["type"] == "start":
+            if message["complete"]:
+                self.write(f"{message['video']}: already analysed ({message['table']}); "
+                           "--restart to do it again")
+                return
+            if message["frame"]:
+                self.write(f"{message['video']}: resuming at frame {message['frame']}")
+            self.start(message["video"], Path(message["video"]).name,
+                       message["frames_total"] or 0, message["frame"])
+        elif message["type"] == "progress" and message["video"] in self.bars:
+            self._advance(message["video"], message["frame"])
+
+    def _advance(self, key, frame: int) -> None:
+        step = frame - self._done[key]
+        self._done[key] = frame
         if step:
-            self.bars[id(item)].update(step)
+            self.bars[key].update(step)
             self.overall.update(step)
+
+    def write(self, text: str) -> None:
+        self._tqdm.write(text)
 
     def close(self) -> None:
         for bar in self.bars.values():
             bar.close()
-        self.overall.close()
+        if self.overall is not None:
+            self.overall.close()
 
 
 class _JsonProgress:
