@@ -696,35 +696,53 @@ def test_jobs_analyse_each_file_as_one_run_would(recording, tmp_path):
                                     abs_tol=1e-3), (copy, column, value, expected[column])
 
 
-def test_an_interrupt_reaches_every_job_once(tmp_path):
-    """SIGINT to the command (a Ctrl-C reaches it alone: each job has a session of its own):
-    each job stops, the command says so once and exits 130, no job process is left."""
+@pytest.fixture(scope="module")
+def long_videos(tmp_path_factory) -> list[Path]:
+    """Two files of 240 frames: long enough for a job to be interrupted or killed mid-file on
+    any machine."""
+    folder = tmp_path_factory.mktemp("long")
     scene = SyntheticScene(WIDTH, HEIGHT, seed="jobs")
     videos = []
     for name in ("long_a", "long_b"):
-        path = tmp_path / f"{name}.mkv"
+        path = folder / f"{name}.mkv"
         encoder = PyAvEncoder(path, WIDTH, HEIGHT, FPS, container="mkv")
-        for index in range(240):  # long enough to be interrupted on any machine
+        for index in range(240):
             encoder.write(scene.render(index / FPS), FIRST_CAPTURE_TS_LSL + index / FPS)
         encoder.close()
         videos.append(path)
-    out = tmp_path / "interrupted"
+    return videos
+
+
+def _jobs_working(videos: list[Path], out: Path) -> tuple[subprocess.Popen, list[str]]:
+    """`facecast analyze --jobs 2` on the videos, once both report progress; the command and
+    the pids of its two jobs."""
     command = subprocess.Popen(
         [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--format", "csv",
          "--jobs", "2", "--out", str(out), *map(str, videos)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    working = set()
+    for line in command.stdout:
+        message = json.loads(line)
+        if message["type"] == "progress":
+            working.add(message["video"])
+        if len(working) == 2:
+            break
+    assert working == set(map(str, videos))
+    jobs = subprocess.run(["pgrep", "-f", "--", f"--out {out} --"], capture_output=True,
+                          text=True).stdout.split()
+    assert len(jobs) == 2, jobs
+    return command, jobs
+
+
+def _gone(pid: str) -> bool:
+    return not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_an_interrupt_reaches_every_job_once(long_videos, tmp_path):
+    """SIGINT to the command (a Ctrl-C reaches it alone: each job has a session of its own):
+    each job stops, the command says so once and exits 130, no job process is left."""
+    command, jobs = _jobs_working(long_videos, tmp_path / "interrupted")
     try:
-        working = set()
-        for line in command.stdout:
-            message = json.loads(line)
-            if message["type"] == "progress":
-                working.add(message["video"])
-            if len(working) == 2:
-                break
-        assert working == set(map(str, videos))
-        jobs = subprocess.run(["pgrep", "-f", "--", f"--out {out} "], capture_output=True,
-                              text=True).stdout.split()
-        assert len(jobs) == 3  # the command and its two jobs
         command.send_signal(signal.SIGINT)
         rest, err = command.communicate(timeout=120)
     finally:
@@ -733,6 +751,27 @@ def test_an_interrupt_reaches_every_job_once(tmp_path):
     assert command.returncode == 130, err
     assert err.count("interrupted; run the same command again to resume") == 1
     assert not any(json.loads(line)["type"] == "summary" for line in rest.splitlines())
-    for pid in jobs:
-        assert not Path(f"/proc/{pid}").exists() or \
-            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    assert all(_gone(pid) for pid in jobs)
+
+
+def test_a_job_that_dies_leaves_its_files_named_and_the_others_analysed(long_videos, tmp_path):
+    """One job SIGKILLed mid-file: the other file is finished; the dead job's file gets a
+    summary saying so, and the exit status is 1."""
+    out = tmp_path / "one_dies"
+    command, jobs = _jobs_working(long_videos, out)
+    try:
+        victim = next(pid for pid in jobs
+                      if str(long_videos[0]) in Path(f"/proc/{pid}/cmdline").read_text())
+        os.kill(int(victim), signal.SIGKILL)
+        rest, err = command.communicate(timeout=240)
+    finally:
+        if command.poll() is None:
+            command.kill()
+    assert command.returncode == 1, err
+    summaries = {line["video"]: line for line in map(json.loads, rest.splitlines())
+                 if line["type"] == "summary"}
+    dead, alive = summaries[str(long_videos[0])], summaries[str(long_videos[1])]
+    assert dead["ok"] is False and "its job ended with exit status -9" in dead["error"]
+    assert f"facecast: {long_videos[0]}: not analysed" in err
+    assert alive["ok"] is True and alive["frames_measured"] == 240
+    assert len(_rows(out / "long_b.faces.csv")) == 2 * 240

@@ -162,7 +162,7 @@ def run(args, videos: list[Path], jobs: int, parquet: bool) -> int:
     lines: queue.Queue = queue.Queue()
     said: set[str] = set()
     said_lock = threading.Lock()
-    summaries: dict[str, dict] = {}
+    summaries: dict[str, list[dict]] = {}  # a video given twice: two, in the order given
     bars = None if args.quiet or args.json else _Bars([])
     running: list[_Job] = []
     interrupted = False
@@ -183,7 +183,7 @@ def run(args, videos: list[Path], jobs: int, parquet: bool) -> int:
                 sys.stdout.write(line)
                 continue
             if message.get("type") == "summary":
-                summaries[message["video"]] = message
+                summaries.setdefault(message["video"], []).append(message)
             elif args.json:
                 print(json.dumps(message), flush=True)
             elif bars is not None and message.get("type") in ("start", "progress"):
@@ -194,7 +194,7 @@ def run(args, videos: list[Path], jobs: int, parquet: bool) -> int:
             job.interrupt()
     finally:
         signal.signal(signal.SIGTERM, previous_term)
-        codes = [job.wait() for job in running]
+        codes = _wait_for(running)
         if bars is not None:
             bars.close()
     if interrupted or 130 in codes:
@@ -202,11 +202,18 @@ def run(args, videos: list[Path], jobs: int, parquet: bool) -> int:
         if said_by_jobs not in said:
             sys.stderr.write(said_by_jobs)
         return 130
+    status_of = {video: code for share, code in zip(shares, codes) for video in share}
     bad = 0
     for video in videos:
-        summary = summaries.get(str(video))
-        if summary is None:
-            continue  # its job could not start (its error is on stderr)
+        told = summaries.get(str(video))
+        if told:
+            summary = told.pop(0)
+        else:  # its job ended without its summary: it could not start, or it died
+            summary = {"type": "summary", "video": str(video), "ok": False,
+                       "error": (f"{video}: not analysed: its job ended with exit status "
+                                 f"{status_of[video]} (its errors above); run the same command "
+                                 "again to resume")}
+            print(f"facecast: {summary['error']}", file=sys.stderr)
         bad += not summary["ok"]
         if args.json:
             print(json.dumps(summary), flush=True)
@@ -215,6 +222,18 @@ def run(args, videos: list[Path], jobs: int, parquet: bool) -> int:
     if 2 in codes:
         return 2
     return 1 if bad or any(code not in (0, 1) for code in codes) else 0
+
+
+def _wait_for(jobs: list[_Job]) -> list[int]:
+    """Their exit statuses; a second interrupt while they save their resume points stops them
+    at once (SIGKILL: each file then resumes from its resume point before)."""
+    try:
+        return [job.wait() for job in jobs]
+    except KeyboardInterrupt:
+        for job in jobs:
+            if job.process.poll() is None:
+                job.process.kill()
+        return [job.wait() for job in jobs]
 
 
 def _raise_interrupt(signum, frame) -> None:
