@@ -153,6 +153,24 @@ def gpu_memory_by_role(status) -> dict[str, float]:
     return by_role
 
 
+TORCH_MEMORY_FIGURES = ("allocated_mib", "reserved_mib", "peak_allocated_mib")
+
+
+def torch_memory_by_role(status) -> dict[str, dict[str, float]]:
+    """MiB that torch's caching allocator reports for each role's processes (warm spares apart,
+    as gpu_memory_by_role), summed: in live tensors, held from the driver, and the peak in live
+    tensors (`WorkerStatus.torch_memory`, from their heartbeats). NVML's figure minus the held
+    is the CUDA context, cuBLAS/cuDNN and what torch does not allocate (the rings)."""
+    by_role: dict[str, dict[str, float]] = {}
+    for worker in status.workers:
+        if worker.torch_memory is not None:
+            role = f"{worker.role} (spares)" if worker.standby else worker.role
+            sums = by_role.setdefault(role, dict.fromkeys(TORCH_MEMORY_FIGURES, 0.0))
+            for figure in TORCH_MEMORY_FIGURES:
+                sums[figure] = round(sums[figure] + getattr(worker.torch_memory, figure), 1)
+    return by_role
+
+
 def cores_by_role(first: dict, last: dict, window_s: float) -> dict[str, float]:
     """Cores busy per worker role over the window (processes alive at both ends)."""
     busy: dict[str, float] = {}
@@ -593,6 +611,8 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
                   "memory_used_mib": g.memory_used_mib} for g in last.gpus],
         # Where the GPU memory goes (NVML, per worker process, at the window's end).
         "gpu_memory_mib_by_role": gpu_memory_by_role(last),
+        # And torch's share of it (each worker's caching allocator, from its last heartbeat).
+        "torch_memory_mib_by_role": torch_memory_by_role(last),
         "transports_seen": transports, "fallback_reasons": reasons,
         "workers": [f"{w.name}:{w.state}:{w.restarts}" for w in drained.workers],
     })
@@ -806,6 +826,10 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
                            "includes rendering the synthetic frames):")
     lines += by_role_table(rows, "gpu_memory_mib_by_role", "GPU memory by process role, MiB "
                            "(NVML, each worker process's own, at the window's end):")
+    lines += by_role_table(rows, "torch_memory_mib_by_role", "torch's share of it by process "
+                           "role, MiB in live tensors / held by its allocator (CUDA graph pools "
+                           "included) / peak in live tensors; NVML's minus the held is the CUDA "
+                           "context, cuBLAS/cuDNN and the rings:", cell=_torch_memory_cell)
     if any(r.get("frame_hops") for r in rows):
         lines += ["", *hops_table(rows)]
     if small_faces:
@@ -825,8 +849,13 @@ def legend(definitions: dict[str, str]) -> list[str]:
         f"- {name}: {text}" for name, text in definitions.items()]
 
 
-def by_role_table(rows: list[dict], key: str, title: str) -> list[str]:
-    """A row per run of its `key` figures (a dict by process role), a column per role."""
+def _torch_memory_cell(figures: dict[str, float]) -> str:
+    return " / ".join(f"{figures[figure]:.0f}" for figure in TORCH_MEMORY_FIGURES)
+
+
+def by_role_table(rows: list[dict], key: str, title: str, cell=lambda value: value) -> list[str]:
+    """A row per run of its `key` figures (a dict by process role), a column per role, each
+    role's value written by `cell`."""
     roles = sorted({role for r in rows for role in r.get(key, {})})
     if not roles:
         return []
@@ -836,7 +865,8 @@ def by_role_table(rows: list[dict], key: str, title: str) -> list[str]:
         by_role = r.get(key, {})
         if by_role:
             lines.append(_row([r["cameras"], r["transport"],
-                               *(by_role.get(role, "-") for role in roles)]))
+                               *(cell(by_role[role]) if role in by_role else "-"
+                                 for role in roles)]))
     return lines
 
 

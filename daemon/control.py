@@ -242,6 +242,7 @@ def _on_heartbeat(supervisor: Supervisor, identity: bytes, worker: WorkerProcess
     worker.last_heartbeat_monotonic = time.monotonic()
     worker.reports, worker.stages = heartbeat.cameras, heartbeat.stages
     worker.rejected_messages = heartbeat.rejected_messages
+    worker.torch_memory = heartbeat.torch_memory
     if heartbeat.trouble != worker.trouble:
         log.log(logging.ERROR if heartbeat.trouble else logging.INFO, "worker %s: %s",
                 worker.name, heartbeat.trouble or "no trouble any more")

@@ -37,7 +37,12 @@ from dataclasses import dataclass, field
 
 from facecast.daemon.layout import WorkerSpec
 from facecast.shared.exit_codes import EXIT_BOOT_ERROR
-from facecast.shared.transport.messages import CameraReport, StageTiming, WorkerStatus
+from facecast.shared.transport.messages import (
+    CameraReport,
+    StageTiming,
+    TorchMemory,
+    WorkerStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +133,7 @@ class WorkerProcess:
     rejected_messages: int = 0  # from its heartbeats: malformed messages it refused
     reports: list[CameraReport] = field(default_factory=list)
     stages: dict[str, StageTiming] = field(default_factory=dict)
+    torch_memory: TorchMemory | None = None  # from its heartbeats: torch's view of its GPU memory
     _restart_times: collections.deque = field(default_factory=collections.deque)
 
     @property
@@ -189,6 +195,7 @@ class WorkerProcess:
         self.abort_sent_monotonic = self.kill_sent_monotonic = None
         self.reports, self.stages, self.boot_error, self.trouble = [], {}, "", ""
         self.rejected_messages = 0
+        self.torch_memory = None
 
     def signal(self, signum: int) -> None:
         if self.alive():
@@ -283,4 +290,6 @@ class WorkerProcess:
                             state=self.state.value, restarts=self.restarts,
                             uptime_s=round(uptime_s, 1), last_exit=self.last_exit,
                             detail=self.detail or self.trouble, rejected_messages=self.rejected_messages,
-                            standby=self.spec.standby)
+                            standby=self.spec.standby,
+                            # A process that is gone holds no memory, whatever it said last.
+                            torch_memory=self.torch_memory if self.alive() else None)

@@ -183,6 +183,21 @@ def test_a_heartbeat_reports_trouble_and_one_from_an_older_worker_has_none():
     assert messages.decode(msgspec.msgpack.encode(old)).trouble == ""
 
 
+def test_a_heartbeat_carries_torchs_memory_and_one_without_it_decodes_to_none():
+    memory = messages.TorchMemory(allocated_mib=812.4, reserved_mib=1024.0,
+                                  peak_allocated_mib=900.5)
+    sent = messages.Heartbeat(worker="roi_landmark:cuda:0:0", state="running",
+                              torch_memory=memory)
+    received = messages.decode(messages.encode(sent))
+    assert received == sent and received.torch_memory == memory
+    # A worker whose torch has no CUDA sends none; one that predates the field leaves it out.
+    without = messages.Heartbeat(worker="output", state="running")
+    assert messages.decode(messages.encode(without)).torch_memory is None
+    old = msgspec.msgpack.decode(messages.encode(sent))
+    del old["torch_memory"]
+    assert messages.decode(msgspec.msgpack.encode(old)).torch_memory is None
+
+
 def test_a_malformed_grant_is_refused_by_the_gate_with_a_reason():
     gate = MessageGate("supervisor (to roi_landmark:cpu:0)")
     for bad in ({"start": "one", "count": 4}, {"start": 1}):

@@ -43,6 +43,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 import msgspec
@@ -65,6 +66,7 @@ from facecast.shared.transport.messages import (
     Promote,
     Release,
     StageTiming,
+    TorchMemory,
     TrackIdBlock,
     TrackIdGrant,
 )
@@ -205,7 +207,9 @@ class Worker:
                             stages=self.stage_timings() if booted else {},
                             rejected_messages=MessageGate.rejected_in_process,
                             trouble=(self.trouble() or self.priority_trouble)
-                            if booted else ""))
+                            if booted else "",
+                            # In every state: a standby's or a held worker's memory counts too.
+                            torch_memory=torch_memory()))
 
     def serve_control(self) -> None:
         """Handle what the supervisor sent, without blocking."""
@@ -304,6 +308,46 @@ class Worker:
     @property
     def runtime_dir(self) -> str:
         return os.path.dirname(self.control_endpoint.removeprefix("ipc://"))
+
+
+# --- torch's view of this process's GPU memory (for its heartbeats) ------------------------------
+
+_BYTES_PER_MIB = 2**20
+
+
+def torch_memory_from_stats(stats_by_device: Iterable[Mapping[str, int]]) -> TorchMemory:
+    """The caching allocator's figures, one `torch.cuda.memory_stats(device)` mapping per device,
+    summed over the devices, in MiB (a device whose mapping lacks a key counts 0 for it).
+
+    The sum rather than the worker's own device (Worker.device): the console worker's is "cpu"
+    while its previews may map CUDA rings of every GPU, and a device the process never used
+    adds nothing. The peak is the sum of each device's own peak: exact for a worker on one GPU
+    (all the others), an upper bound for one on several, whose peaks need not coincide."""
+    allocated_bytes = reserved_bytes = peak_allocated_bytes = 0
+    for stats in stats_by_device:
+        allocated_bytes += stats.get("allocated_bytes.all.current", 0)
+        reserved_bytes += stats.get("reserved_bytes.all.current", 0)
+        peak_allocated_bytes += stats.get("allocated_bytes.all.peak", 0)
+    return TorchMemory(allocated_mib=round(allocated_bytes / _BYTES_PER_MIB, 1),
+                       reserved_mib=round(reserved_bytes / _BYTES_PER_MIB, 1),
+                       peak_allocated_mib=round(peak_allocated_bytes / _BYTES_PER_MIB, 1))
+
+
+def torch_memory() -> TorchMemory | None:
+    """This process's figures for its heartbeat (torch_memory_from_stats), or None where torch
+    has no CUDA here. Never imports torch nor makes a CUDA context for it: the output and
+    console workers do not pay for torch, and capture on the CPU has no CUDA. Reading the
+    allocator's counters is host-side only (no CUDA call). Nobody resets the peak
+    (torch.cuda.reset_peak_memory_stats), so it is since the process started."""
+    torch = sys.modules.get("torch")
+    # A capture worker's camera thread may be importing torch at this moment: a module still
+    # being imported is left alone (its torch.cuda may not be there yet) until it is whole.
+    if torch is None or getattr(torch.__spec__, "_initializing", False):
+        return None
+    if not torch.cuda.is_initialized():
+        return None
+    return torch_memory_from_stats(torch.cuda.memory_stats(index)
+                                   for index in range(torch.cuda.device_count()))
 
 
 # --- the process around a Worker ------------------------------------------------------------------

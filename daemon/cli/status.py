@@ -6,7 +6,15 @@ import sys
 
 from facecast.daemon.cli.control_client import NotRunning, request, runtime_dir_of
 from facecast.shared import config as config_mod
-from facecast.shared.transport.messages import DaemonStatus, ReloadRequest, StatusRequest, StopRequest
+from facecast.shared.transport.messages import (
+    DaemonStatus,
+    ReloadRequest,
+    StatusRequest,
+    StopRequest,
+    TorchMemory,
+)
+
+TORCH_HEADING = "torch MiB used/held"
 
 
 def add_arguments(parser) -> None:
@@ -74,6 +82,9 @@ def render(status: DaemonStatus) -> str:
              f"{'ready' if status.ready else 'starting'}, config {status.config_path}", ""]
     on_gpu = any(w.gpu_memory_mib is not None for w in status.workers)
     gpu_heading = f" {'GPU MiB':>8}" if on_gpu else ""
+    with_torch = any(w.torch_memory is not None for w in status.workers)
+    if with_torch:
+        gpu_heading += f" {TORCH_HEADING}"
     lines.append(f"{'worker':<28} {'state':<10} {'pid':>7} {'restarts':>8} {'uptime':>8}"
                  f"{gpu_heading}  detail")
     for w in status.workers:
@@ -82,6 +93,8 @@ def render(status: DaemonStatus) -> str:
             detail += f"{'; ' if detail else ''}{w.rejected_messages} malformed message(s) dropped"
         gpu = (f" {w.gpu_memory_mib if w.gpu_memory_mib is not None else '-':>8}" if on_gpu
                else "")
+        if with_torch:
+            gpu += f" {_torch_cell(w.torch_memory):>{len(TORCH_HEADING)}}"
         lines.append(f"{w.name:<28} {w.state:<10} {w.pid:>7} {w.restarts:>8} "
                      f"{w.uptime_s:>7.0f}s{gpu}  {detail}")
     if status.face_models:
@@ -139,6 +152,15 @@ def render(status: DaemonStatus) -> str:
     if status.recent_events:
         lines += ["", "recent events:"] + [f"  {e}" for e in status.recent_events]
     return "\n".join(lines)
+
+
+def _torch_cell(memory: TorchMemory | None) -> str:
+    """torch's MiB in live tensors / held by its allocator (`812/1024`), next to NVML's GPU MiB:
+    NVML's minus the held is the CUDA context and what torch does not allocate. '-': no CUDA in
+    that worker's torch."""
+    if memory is None:
+        return "-"
+    return f"{memory.allocated_mib:.0f}/{memory.reserved_mib:.0f}"
 
 
 def _not_captured(status: DaemonStatus, camera_id: str) -> str:

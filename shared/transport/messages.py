@@ -353,6 +353,18 @@ class CameraReport(msgspec.Struct, frozen=True, kw_only=True):
     recording_drops: int = 0  # frames captured during it that are not in its video
 
 
+class TorchMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """torch's caching allocator's view of one worker process's GPU memory, MiB, every GPU it
+    used together (facecast.workers.base.torch_memory). NVML's figure for the same process
+    (WorkerStatus.gpu_memory_mib) minus `reserved_mib` is what torch does not manage: the CUDA
+    context, cuBLAS/cuDNN handles and workspaces, and allocations made without torch (the rings,
+    pycuda's mem_alloc)."""
+
+    allocated_mib: float  # held by live tensors now
+    reserved_mib: float  # held from the driver by the allocator: cached blocks, CUDA graph pools
+    peak_allocated_mib: float  # the most `allocated_mib` has been since the process started
+
+
 class Heartbeat(Message, tag="heartbeat"):
     """Sent by every worker from its main loop (progress, not a timer thread: a stuck loop goes
     silent). `busy_since_monotonic` is set while a step (inference, a read) is in progress."""
@@ -365,6 +377,9 @@ class Heartbeat(Message, tag="heartbeat"):
     # What is wrong with this worker now, in one line for `facecast status` ("" when nothing):
     # e.g. a roi_landmark worker with no track id left for a new face.
     trouble: str = ""
+    # None where torch has no CUDA in the process (not imported, models on the CPU, a worker
+    # that never touches a GPU through torch), and from a worker that predates the field.
+    torch_memory: TorchMemory | None = None
 
 
 class BootFailed(Message, tag="boot_failed"):
@@ -468,6 +483,9 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Device memory its process holds on every GPU together (NVML), MiB; None where it holds none
     # or NVML cannot tell (no GPU, or process ids NVML reports from another pid namespace).
     gpu_memory_mib: float | None = None
+    # torch's share of it, from the worker's last heartbeat; None where the worker's torch has
+    # no CUDA (Heartbeat.torch_memory) or its process is gone.
+    torch_memory: TorchMemory | None = None
 
 
 class GpuStatus(msgspec.Struct, frozen=True, kw_only=True):
