@@ -43,7 +43,10 @@
 #                 file in this process, then as the command with --jobs 1 and 4 (needs
 #                 .whl2a/.whl2b) (5)
 # Default: boot_stop gpu_tests real_footage pipeline models (23 minutes). A machine is held at
-# most 30 minutes: start on a fresh machine, and put `decode` in a run of its own.
+# most 30 minutes: start on a fresh machine, and put `decode` in a run of its own. Device time
+# is 30 minutes a session, and a one-GPU loan may count only part of its held time or all of it
+# (2026-11-26: 50 %, then 100 % from the 25th minute): gpu_tests alone (~131 tests, 13-14 min on
+# the H100 with every wheel) can take half of a session's time.
 # Run from the repository root, with .whl/, .models/, .mp/ and .footage/ (copies of
 # ../shared/footage/*.mp4) carried (bench/gpu_host_env.sh; they fit one call's 64 MiB). The
 # machine goes back 30 s after a call ends, taking the background run with it: call `wait` again
