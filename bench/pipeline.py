@@ -142,13 +142,18 @@ def role_cpu_s(status) -> dict[int, tuple[str, float]]:
     return found
 
 
+def memory_role(worker) -> str:
+    """The column a worker's memory is summed under: its role, warm spares apart."""
+    return f"{worker.role} (spares)" if worker.standby else worker.role
+
+
 def gpu_memory_by_role(status) -> dict[str, float]:
     """MiB of device memory held by each role's processes (warm spares apart), as NVML counts
     them per process (`WorkerStatus.gpu_memory_mib`)."""
     by_role: dict[str, float] = {}
     for worker in status.workers:
         if worker.gpu_memory_mib is not None:
-            role = f"{worker.role} (spares)" if worker.standby else worker.role
+            role = memory_role(worker)
             by_role[role] = round(by_role.get(role, 0.0) + worker.gpu_memory_mib, 1)
     return by_role
 
@@ -164,8 +169,7 @@ def torch_memory_by_role(status) -> dict[str, dict[str, float]]:
     by_role: dict[str, dict[str, float]] = {}
     for worker in status.workers:
         if worker.torch_memory is not None:
-            role = f"{worker.role} (spares)" if worker.standby else worker.role
-            sums = by_role.setdefault(role, dict.fromkeys(TORCH_MEMORY_FIGURES, 0.0))
+            sums = by_role.setdefault(memory_role(worker), dict.fromkeys(TORCH_MEMORY_FIGURES, 0.0))
             for figure in TORCH_MEMORY_FIGURES:
                 sums[figure] = round(sums[figure] + getattr(worker.torch_memory, figure), 1)
     return by_role

@@ -37,8 +37,8 @@ Note [NVDEC path]
     decoder holds out first, and a new decoder takes the next round.
     The decoder's output (RGB, or NV12: Note [NV12 to BGR]) is in a buffer it reuses at its
     next decode; `bgr_of` reads it on the same stream right away (stream order keeps the next
-    decode from writing it first) into a new tensor, the producer-private frame whose checksum the ring computes
-    before copying it into the slot. Before the frame is handed on, the capture thread's
+    decode from writing it first) into a new tensor, the producer-private frame whose checksum
+    the ring computes before copying it into the slot. Before the frame is handed on, the capture thread's
     current stream waits for the camera's stream.
     At open the first frame is decoded: NVDEC creates its decoder when the parser meets the
     first sequence header, so running out of engines or memory, or a profile this GPU lacks,
