@@ -53,6 +53,7 @@ import msgspec
 import zmq
 
 from facecast.daemon import reporting
+from facecast.daemon import layout
 from facecast.daemon.layout import WorkerSpec
 from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.daemon.worker_table import WorkerTable
@@ -176,9 +177,11 @@ def assignment(supervisor: Supervisor, spec: WorkerSpec) -> Assignment:
               if spec.role == "recorder" else supervisor.config)
     # Note [Boot order]: a capture worker that starts before its device's inference is up waits.
     hold = supervisor.boot_order.holds(spec)
+    most_cameras = layout.most_cameras(supervisor.config, supervisor.gpu_count, spec.role, spec.device)
     return Assignment(worker=spec.name, config=msgspec.json.encode(config),
                       camera_ids=list(spec.camera_ids), device=spec.device,
-                      standby=spec.standby, track_ids=track_ids, hold=hold)
+                      standby=spec.standby, track_ids=track_ids, hold=hold,
+                      most_cameras=most_cameras)
 
 
 def daemon_status(supervisor: Supervisor, reply_to: str) -> DaemonStatus:

@@ -127,6 +127,26 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
 CAMERAS_PER_MEASURING_WORKER = 32
 
 
+# Note [Warmed for the largest share]
+#     An inference worker prepares the CUDA graphs of every batch it can meet (Note [Warm
+#     shapes]), and a graph's memory pool is as large as its largest batch's work. Each one
+#     prepared for all of the config's cameras: at 64 cameras a roi_landmark worker of 32
+#     warmed its measuring stage for 128 faces, the largest batch of the whole daemon, not of
+#     its share. So the Assignment says how many cameras the largest share of its role on its
+#     device has (`most_cameras`, the same for that device's spare, which may take over any of
+#     them), and the worker warms for that; a batch larger than what was warmed (more ROIs than
+#     the share's faces, while tracks and new detections overlap) runs as several replays of the
+#     warmed graphs (FaceMeasurer's `graph_faces`), never as a new shape to prepare.
+
+
+def most_cameras(config: Config, gpu_count: int, role: str, device: str) -> int:
+    """The most cameras one worker of `role` on `device` has (Note [Warmed for the largest
+    share]); 0 where the plan has none."""
+    shares = [len(spec.camera_ids) for spec in plan(config, gpu_count)
+              if spec.role == role and spec.device == device]
+    return max(shares, default=0)
+
+
 def roi_landmark_count(config: Config, device: str, camera_ids: list[str]) -> int:
     """How many roi_landmark workers a device gets (Note [Measuring workers per GPU])."""
     count = config.daemon.roi_landmark_workers

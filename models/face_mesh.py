@@ -245,7 +245,8 @@ def landmark_bounds(landmarks_px: torch.Tensor) -> torch.Tensor:
 #     the duplicate filter never compares them with a real face. The duplicate filter's number
 #     of steps is fixed per graph too: the largest number of ROIs in one frame, rounded up to a
 #     power of two and at least ``max_faces`` (the tracker never gives a frame more), so the
-#     daemon meets one graph per bucket of faces. More ROIs than MAX_GRAPH_FACES are split
+#     daemon meets one graph per bucket of faces. More ROIs than MAX_GRAPH_FACES, or than
+#     warm_up prepared (Note [Warmed for the largest share], daemon/layout.py), are split
 #     between whole frames (a frame's ROIs must be measured together for the filter); ROIs
 #     whose frames are interleaved (only tests make those) then run eagerly.
 
@@ -306,6 +307,10 @@ class FaceMeasurer:
         self.device, self.model_dtype, self.graphs = device, model_dtype, graphs
         self.max_faces, self.min_presence = max_faces, min_presence
         self.layout = TableLayout.make(blendshapes is not None, geometry is not None)
+        # The most ROIs one pass on a GPU takes, once warm_up has prepared them (Note [Warmed for
+        # the largest share], daemon/layout.py): more are split between whole frames. None:
+        # MAX_GRAPH_FACES.
+        self.warmed_faces: int | None = None
         # The host's share of the last measure(): from the one transfer's arrival to the Face
         # objects (bench/models.py reports it).
         self.last_host_work_s = 0.0
@@ -385,26 +390,31 @@ class FaceMeasurer:
 
     def _rows_for(self, count: int) -> int:
         """The rows a chunk of ``count`` ROIs runs as: on a GPU a power of two (its graph's, at
-        most MAX_GRAPH_FACES: :meth:`_chunks`; in eager mode the batch bucket: Note [Warm shapes])."""
+        most :meth:`_chunk_faces`; in eager mode the batch bucket: Note [Warm shapes])."""
         return bucket(count) if self.device.type == "cuda" or self.graphs.replays("mesh") else count
 
+    def _chunk_faces(self) -> int:
+        """The most ROIs one pass takes on a GPU or from a graph: what warm_up prepared (Note
+        [Warmed for the largest share]), at most MAX_GRAPH_FACES."""
+        return min(self.warmed_faces or MAX_GRAPH_FACES, MAX_GRAPH_FACES)
+
     def _chunks(self, owner: np.ndarray) -> list[tuple[int, int]]:
-        """The ROIs as (start, stop) runs of whole frames of at most MAX_GRAPH_FACES each, or one
-        run of all where graphs are off or the frames' ROIs interleave (Note [Measuring on the
-        device])."""
-        count = owner.shape[0]
-        if count <= MAX_GRAPH_FACES or not self.graphs.replays("mesh"):
+        """The ROIs as (start, stop) runs of whole frames of at most :meth:`_chunk_faces` each,
+        or one run of all on the CPU without graphs or where the frames' ROIs interleave (Note
+        [Measuring on the device])."""
+        count, most = owner.shape[0], self._chunk_faces()
+        if count <= most or (self.device.type != "cuda" and not self.graphs.replays("mesh")):
             return [(0, count)]
         frame_starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
         if len(frame_starts) != len(np.unique(owner)):
             return [(0, count)]
         chunks, start = [], 0
         for frame_start, frame_stop in zip(frame_starts, np.r_[frame_starts[1:], count]):
-            if frame_stop - start > MAX_GRAPH_FACES and frame_start > start:
+            if frame_stop - start > most and frame_start > start:
                 chunks.append((start, int(frame_start)))
                 start = int(frame_start)
         chunks.append((start, count))
-        return chunks if all(stop - begin <= MAX_GRAPH_FACES for begin, stop in chunks) else [(0, count)]
+        return chunks if all(stop - begin <= most for begin, stop in chunks) else [(0, count)]
 
     def _chunk_table(self, crops: torch.Tensor, rects: roi_mod.RotatedRects, roi_table: torch.Tensor,
                      roi_boxes: torch.Tensor, roi_scores: torch.Tensor, group_steps: int) -> torch.Tensor:
@@ -412,7 +422,7 @@ class FaceMeasurer:
         replayed from the mesh stage's graph where graphs are on (and a chunk fits one),
         else eagerly."""
         count, rows = crops.shape[0], roi_table.shape[0]
-        if self.graphs.replays("mesh") and rows <= MAX_GRAPH_FACES:
+        if self.graphs.replays("mesh") and rows <= self._chunk_faces():
             table = self._table_graphed(crops, rects, roi_table, roi_boxes, roi_scores, group_steps)
             if table is not None:
                 return table
@@ -534,6 +544,7 @@ class FaceMeasurer:
                 roi_table[:, 0] = torch.arange(faces_in_bucket, device=self.device)  # a frame each
                 self._chunk_table(crops[:faces_in_bucket], rects[:faces_in_bucket], roi_table,
                                   boxes[:faces_in_bucket], scores[:faces_in_bucket], bucket(self.max_faces))
+            self.warmed_faces = bucket(count, MAX_GRAPH_FACES)
 
     def landmarks_core(self, crops: torch.Tensor, rects: roi_mod.RotatedRects):
         """(landmarks (N, 478, 3) px, presence (N,), blendshapes (N, 52) or None) of the crops:

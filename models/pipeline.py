@@ -264,11 +264,24 @@ class FacePipeline:
         self.blendshapes_unavailable_reason = None
         return landmarks, blendshapes, geometry
 
+    def _batch(self, frames) -> roi_mod.FrameBatch:
+        """The frames as a FrameBatch: one given (:meth:`batch_in_place`) is used as it is, a list
+        is stacked into one."""
+        if isinstance(frames, roi_mod.FrameBatch):
+            return frames
+        return roi_mod.FrameBatch(frames, self.device, bgr=self.frames_are_bgr)
+
     # -- public API ------------------------------------------------------------------------------
+
+    def batch_in_place(self, frames: Sequence[torch.Tensor]) -> roi_mod.FrameBatch:
+        """Frames read from the rings as one batch, for :meth:`track_start`, :meth:`track` and
+        :meth:`detect` to use where they lie (FrameBatch.in_place: no stacked copy). Nothing may
+        write them while the work on them is queued."""
+        return roi_mod.FrameBatch.in_place(frames, self.device, bgr=self.frames_are_bgr)
 
     @torch.inference_mode()
     def __call__(self, frames) -> list[list[Face]]:
-        batch = roi_mod.FrameBatch(frames, self.device, bgr=self.frames_are_bgr)
+        batch = self._batch(frames)
         detections = self.detect(batch)
         owners = [i for i, (boxes, _, _) in enumerate(detections) for _ in range(boxes.shape[0])]
         if not owners:
@@ -285,6 +298,8 @@ class FacePipeline:
         """Like calling the pipeline, but with per-camera tracking state (one frame per camera
         per call, in ``camera_ids`` order).
 
+        ``frames``: the frames (HxWx3 uint8 arrays or tensors), or a batch of them from
+        :meth:`batch_in_place`.
         ``detections``: None to run the detector here whenever a camera needs it; or, when
         detection runs elsewhere (the daemon's detection worker), a dict from frame index to
         that frame's (boxes, keypoints, scores) as :meth:`detect` returns them, used to add
@@ -298,7 +313,7 @@ class FacePipeline:
         :meth:`track_finish`, which must come before the next track_start (the next ROIs come
         from these landmarks). Meanwhile the caller may read its next frames (Note [Reading
         while the device measures])."""
-        batch = roi_mod.FrameBatch(frames, self.device, bgr=self.frames_are_bgr)
+        batch = self._batch(frames)
         if len(camera_ids) != len(batch):
             raise ValueError(f"{len(batch)} frames but {len(camera_ids)} camera ids")
         states = self.tracks.states(camera_ids)

@@ -204,6 +204,25 @@ class FrameBatch:
         self._setup(pixels, sizes_hw, device, dtype, bgr)
 
     @classmethod
+    def in_place(cls, frames: Sequence[torch.Tensor], device: torch.device | str,
+                 dtype: torch.dtype = torch.float32, bgr: bool = True) -> "FrameBatch":
+        """A batch over uint8 (H, W, 3) frame tensors that lie in rows of one buffer, in order
+        (a batch read from the rings: Note [A batch's frames in one buffer] in
+        shared/transport/rings.py), used where they lie: no stacked copy. Frames that do not (other
+        widths, other buffers, another device) are stacked as ``FrameBatch(frames)`` stacks them.
+        Only for frames that nothing writes while the batch is in use: the batch does not
+        snapshot them."""
+        device = torch.device(device)
+        rows = _rows_of_one_buffer(frames, device)
+        if rows is None:
+            return cls(list(frames), device, dtype, bgr)
+        pixels, row_offsets = rows
+        batch = cls.__new__(cls)
+        batch._setup(pixels, [(int(f.shape[0]), int(f.shape[1])) for f in frames], device, dtype, bgr,
+                     row_offsets)
+        return batch
+
+    @classmethod
     def from_pixels(cls, pixels: torch.Tensor, sizes_hw: Sequence[tuple[int, int]], dtype: torch.dtype = torch.float32,
                     bgr: bool = True) -> "FrameBatch":
         """A batch over frames already stacked row by row in one (sum H, max W, 3) uint8 tensor,
@@ -218,14 +237,17 @@ class FrameBatch:
         return batch
 
     def _setup(self, pixels: torch.Tensor, sizes_hw: list[tuple[int, int]], device: torch.device,
-               dtype: torch.dtype, bgr: bool) -> None:
+               dtype: torch.dtype, bgr: bool, row_offsets_px: list[int] | None = None) -> None:
         self.device = device
         self.dtype = dtype
         self.bgr = bgr
-        self.pixels = pixels  # (sum H, max W, 3) uint8, the frames' own channel order
+        # (rows, max W, 3) uint8, the frames' own channel order: frame k's rows start at
+        # row_offsets_px[k] (back to back, unless the frames were used where they lay: in_place).
+        self.pixels = pixels
         self.sizes_hw = sizes_hw
-        offsets = np.cumsum([0] + [h for h, _ in sizes_hw])
-        self.row_offsets_px = [int(o) for o in offsets[:-1]]
+        if row_offsets_px is None:
+            row_offsets_px = np.cumsum([0] + [h for h, _ in sizes_hw])[:-1]
+        self.row_offsets_px = [int(o) for o in row_offsets_px]
         # One host-to-device copy for both per-frame tables.
         table = torch.tensor([[o, h, w] for o, (h, w) in zip(self.row_offsets_px, sizes_hw)], dtype=torch.float32)
         if device.type == "cuda":  # without waiting for the device's queued work
@@ -246,6 +268,33 @@ class FrameBatch:
 
     def __len__(self) -> int:
         return len(self.sizes_hw)
+
+
+def _rows_of_one_buffer(frames: Sequence[torch.Tensor], device: torch.device
+                        ) -> tuple[torch.Tensor, list[int]] | None:
+    """(pixels, row offsets) when the frames are contiguous uint8 (H, W, 3) tensors of one
+    width on ``device``, in ascending order in one buffer (FrameBatch.in_place); else None."""
+    if not frames or not all(isinstance(f, torch.Tensor) for f in frames):
+        return None
+    first = frames[0]
+    width = first.shape[1] if first.dim() == 3 else -1
+    row_bytes = width * 3
+    storage = first.untyped_storage().data_ptr()
+    offsets, next_free = [], first.data_ptr()
+    for frame in frames:
+        if (frame.dim() != 3 or frame.dtype != torch.uint8 or frame.shape[1:] != (width, 3)
+                or frame.device.type != device.type
+                or device.index is not None and frame.device.index != device.index
+                or not frame.is_contiguous()
+                or frame.untyped_storage().data_ptr() != storage or frame.data_ptr() < next_free):
+            return None
+        offset = frame.data_ptr() - first.data_ptr()
+        if offset % row_bytes:
+            return None
+        offsets.append(offset // row_bytes)
+        next_free = frame.data_ptr() + frame.numel()
+    rows = offsets[-1] + frames[-1].shape[0]
+    return first.as_strided((rows, width, 3), (row_bytes, 3, 1)), offsets
 
 
 def crop_rois(

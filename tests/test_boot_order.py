@@ -152,3 +152,16 @@ def test_a_held_capture_worker_boots_only_when_released(runtime_dir, tmp_path):
             worker.kill()
             worker.wait(timeout=30)
             router.close()
+
+
+def test_assignments_say_the_largest_share_their_models_are_warmed_for(runtime_dir, monkeypatch):
+    """Note [Warmed for the largest share]: a worker's and its spare's Assignment carry the
+    most cameras one worker of their role has on their device."""
+    from facecast.daemon.layout import WorkerSpec
+
+    supervisor, _ = _supervisor(runtime_dir, 1, monkeypatch)
+    supervisor._start_workers()
+    assert control.assignment(supervisor, supervisor.workers.get("roi_landmark:cuda:0:0").spec).most_cameras == 2
+    spare = WorkerSpec("standby:roi_landmark:cuda:0", "roi_landmark", (), "cuda:0", standby=True)
+    assert control.assignment(supervisor, spare).most_cameras == 2
+    assert control.assignment(supervisor, supervisor.workers.get("detection:cuda:0").spec).most_cameras == 2

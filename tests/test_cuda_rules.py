@@ -370,6 +370,43 @@ def test_one_sync_settles_a_batch_of_gpu_checksums_and_judges_each_frame():
             producer.close()
 
 
+def test_a_batch_read_lies_in_one_buffer_that_the_models_use_where_it_lies():
+    """Note [A batch's frames in one buffer]: the copies of one read_batch are slices of one
+    device buffer, in order; a frame refused by its checks leaves a gap; FrameBatch.in_place
+    takes the rest where they lie, and crops from it equal crops from a stacked copy."""
+    from facecast.models import roi
+    from facecast.shared.transport.cuda_ring import CudaRingReader
+
+    producers = [cuda_producer(), cuda_producer(corrupt_after_publish=True), cuda_producer()]
+    readers = [CudaRingReader(p.description(), checksum_every=1) for p in producers]
+    try:
+        rng = np.random.default_rng(9)
+        deck = [rng.integers(0, 256, (64, 96, 3), dtype=np.uint8) for _ in producers]
+        reads = read_batch([(r, p.write(f, 0, 0.0)) for r, p, f in zip(readers, producers, deck)])
+        assert [r.verdict for r in reads] == [Verdict.OK, Verdict.CHECKSUM_MISMATCH, Verdict.OK]
+        kept = [reads[0].tensor, reads[2].tensor]
+        for tensor, frame in zip(kept, (deck[0], deck[2])):
+            assert torch.equal(tensor.cpu(), torch.from_numpy(frame))
+        assert kept[0].untyped_storage().data_ptr() == kept[1].untyped_storage().data_ptr()
+        assert kept[1].data_ptr() - kept[0].data_ptr() == 2 * kept[0].numel()  # the gap kept
+
+        in_place = roi.FrameBatch.in_place(kept, "cuda")
+        assert in_place.pixels.data_ptr() == kept[0].data_ptr()  # no copy
+        assert in_place.row_offsets_px == [0, 128]
+        stacked = roi.FrameBatch([t.clone() for t in kept], "cuda")
+        rects = roi.RotatedRects(torch.tensor([[40.0, 30.0], [50.0, 33.0]], device="cuda"),
+                                 torch.tensor([[40.0, 40.0], [60.0, 50.0]], device="cuda"),
+                                 torch.tensor([0.3, -0.2], device="cuda"))
+        index = torch.tensor([0, 1], device="cuda")
+        assert torch.equal(roi.crop_rois(in_place, index, rects, 32),
+                           roi.crop_rois(stacked, index, rects, 32))
+    finally:
+        for reader in readers:
+            reader.close()
+        for producer in producers:
+            producer.close()
+
+
 def test_shm_reader_on_the_gpu_pins_its_mapping_and_checks_the_generation_after_the_dma():
     from facecast.shared.transport.rings import ShmRingProducer, ShmRingReader
 
@@ -387,8 +424,8 @@ def test_shm_reader_on_the_gpu_pins_its_mapping_and_checks_the_generation_after_
         message = producer.write(frame, 8, 0.0)
         issue_copy = reader._slot_tensor
 
-        def overwritten_during_the_dma(message, read):
-            tensor = issue_copy(message, read)
+        def overwritten_during_the_dma(message, read, into):
+            tensor = issue_copy(message, read, into)
             producer.header.begin_write(message.slot)  # the producer reuses the slot meanwhile
             return tensor
 

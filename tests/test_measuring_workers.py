@@ -45,3 +45,15 @@ def test_a_fixed_count_is_kept_but_never_above_the_cameras():
 def test_a_count_out_of_range_is_refused_naming_the_key(value):
     with pytest.raises(config_mod.ConfigError, match="roi_landmark_workers"):
         _config(2, value)
+
+
+def test_workers_and_their_spares_are_warmed_for_the_largest_share_of_their_device():
+    """Note [Warmed for the largest share]: what an Assignment's most_cameras says."""
+    assert layout.most_cameras(_config(64), 1, "roi_landmark", "cuda:0") == 32
+    assert layout.most_cameras(_config(65), 1, "roi_landmark", "cuda:0") == 22  # 22, 22, 21
+    assert layout.most_cameras(_config(64), 1, "detection", "cuda:0") == 64
+    # Two GPUs: each device's own cameras only.
+    assert layout.most_cameras(_config(64), 2, "roi_landmark", "cuda:1") == 32
+    assert layout.most_cameras(_config(64), 2, "detection", "cuda:0") == 32
+    assert layout.most_cameras(_config(64), 0, "roi_landmark", "cpu") == 64
+    assert layout.most_cameras(_config(64), 1, "roi_landmark", "cuda:1") == 0  # no such worker

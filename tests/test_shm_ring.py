@@ -532,8 +532,8 @@ def test_slot_overwritten_during_the_copy_is_dropped():
         message = producer.write(np.ones(shape, np.uint8), 0, 0.0)
         copy_slot = reader._slot_tensor
 
-        def overwritten_during_the_copy(message, read):
-            tensor = copy_slot(message, read)
+        def overwritten_during_the_copy(message, read, into):
+            tensor = copy_slot(message, read, into)
             producer.header.begin_write(message.slot)  # the producer reuses the slot meanwhile
             return tensor
 

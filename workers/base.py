@@ -118,6 +118,7 @@ class Worker:
         self.device = "cpu"
         self.standby = False
         self.hold = False  # prepare, then wait for Release before booting (Note [Boot order])
+        self.most_cameras = 0  # what its models are prepared for (Note [Warmed for the largest share])
         self.prepared = None  # what prepare() made, for boot() (Note [Warm standby])
         self.stopping = False
         self.state = "booting"
@@ -233,6 +234,7 @@ class Worker:
         self.device = assignment.device
         self.standby = assignment.standby
         self.hold = assignment.hold
+        self.most_cameras = assignment.most_cameras  # Note [Warmed for the largest share]
         if assignment.track_ids is not None:
             self.accept_track_ids(assignment.track_ids)
 

@@ -381,11 +381,16 @@ class CudaRingReader(RingReader):
             # Note [Events order slots]
             self.events[slot].wait(torch.cuda.current_stream(self.device_index))
 
-    def _slot_tensor(self, message: FrameReady, read) -> torch.Tensor:
+    @property
+    def copy_device(self) -> torch.device:
+        return self.slots.device
+
+    def _slot_tensor(self, message: FrameReady, read, into: torch.Tensor | None) -> torch.Tensor:
         # Our own copy, queued on the current stream after the event wait (Note [The consumer's
-        # own copy]); complete at the batch's sync, before the generation check.
+        # own copy]); complete at the batch's sync, before the generation check. In the batch's
+        # buffer where read_batch gave one (Note [A batch's frames in one buffer]).
         source = self._views[message.slot]
-        tensor = torch.empty_like(source)
+        tensor = into.view(source.shape) if into is not None else torch.empty_like(source)
         tensor.copy_(source, non_blocking=True)
         read._needs_sync = True
         return tensor

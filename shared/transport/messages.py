@@ -291,6 +291,9 @@ class Assignment(Message, tag="assignment"):
     # Held at boot: prepare (imports, the CUDA context), then wait for Release before booting
     # (Note [Boot order]).
     hold: bool = False
+    # The most cameras a worker of this role on this device has, what its models are prepared
+    # for (Note [Warmed for the largest share], daemon/layout.py); 0: all of the config's.
+    most_cameras: int = 0
 
 
 class TrackIdsWanted(Message, tag="track_ids_wanted"):

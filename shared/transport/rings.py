@@ -73,6 +73,18 @@ Note [One sync per batch]
     comparison, generation after the copy). `FrameSubscriber.receive` reads the newest frame of
     every camera in one batch. Nothing is handed out before its checks passed.
 
+Note [A batch's frames in one buffer]
+    `read_batch` gives the copies that go to one device (CUDA slots; pinned shm slots copied to
+    a GPU) one buffer for the batch, each frame its slice in the order read, instead of one
+    allocation per frame. A consumer that takes the batch as one tall image (`FrameBatch.in_place`
+    in models/roi.py: its crops and the detection pass read the frames by row offset) then uses
+    the copies where they lie, where it stacked them into yet another buffer before: 400 MB of
+    device memory and a copy of every frame per detection pass over 64 1080p cameras, 200 MB
+    per batch of a roi_landmark worker of 32 (H100, 2026-11-27: the detection worker held 2.4
+    GB where torch had 0.65 GB allocated, each roi_landmark worker 2.2 GB for 0.5 GB: the
+    caching allocator keeps the eager passes' peak). A frame refused by its late checks leaves
+    its slice unused; the others keep their place.
+
 Note [Stage methods]
     Each stage of a frame's way through a ring is one method (producer: `_claim`, `_fill`,
     `_commit` with `header.begin_write`/`end_write`, `_upload` on CUDA, `_checksum`; consumer:
@@ -447,14 +459,16 @@ class RingReader(ABC):
     def read(self, message: FrameReady) -> SlotRead:
         return read_batch([(self, message)])[0]
 
-    def _start(self, message: FrameReady) -> SlotRead:
-        """Everything up to the host sync: verdict, ordering, tensor, checksum queued."""
+    def _start(self, message: FrameReady, into: torch.Tensor | None = None) -> SlotRead:
+        """Everything up to the host sync: verdict, ordering, tensor, checksum queued. `into`:
+        where the copy goes, a uint8 tensor of the frame's bytes on `copy_device` (Note [A
+        batch's frames in one buffer]); None: memory of its own."""
         verdict = self._precheck(message)
         if verdict is not Verdict.OK:
             return SlotRead(verdict, None, self, message)
         read = SlotRead(Verdict.OK, None, self, message)
         self._wait_for_slot(message.slot)
-        read.tensor = self._slot_tensor(message, read)
+        read.tensor = self._slot_tensor(message, read, into)
         self._frames_seen += 1
         if self.checksum_kind == "full" or self._frames_seen % self.checksum_every == 0:
             read._checksum = self._checksum_start(message, read)
@@ -490,9 +504,17 @@ class RingReader(ABC):
     def _wait_for_slot(self, slot: int) -> None:
         """Stage "event wait": order this process's reads after the producer's write."""
 
+    @property
+    def copy_device(self) -> torch.device | None:
+        """The GPU this reader's copies go to asynchronously, where they may share a batch's
+        buffer (Note [A batch's frames in one buffer]); None: copies of their own."""
+        return None
+
     @abstractmethod
-    def _slot_tensor(self, message: FrameReady, read: SlotRead) -> torch.Tensor:
-        """Stage "tensor": the frame as a tensor on the consumer's device."""
+    def _slot_tensor(self, message: FrameReady, read: SlotRead,
+                     into: torch.Tensor | None) -> torch.Tensor:
+        """Stage "tensor": the frame as a tensor on the consumer's device (in `into`, shaped
+        as the frame, when given)."""
 
     @abstractmethod
     def _checksum_start(self, message: FrameReady, read: SlotRead):
@@ -508,11 +530,40 @@ class RingReader(ABC):
 
 def read_batch(requests: list[tuple[RingReader, FrameReady]]) -> list[SlotRead]:
     """Read one frame from each (reader, message): Note [One sync per batch]."""
-    reads = [reader._start(message) for reader, message in requests]
+    buffers = _batch_buffers(requests)
+    reads = [reader._start(message, into) for (reader, message), into in zip(requests, buffers)]
     settle(reads)
     for read in reads:
         read._reader._finish(read)
     return reads
+
+
+def _batch_buffers(requests: list[tuple[RingReader, FrameReady]]) -> list[torch.Tensor | None]:
+    """Per request, its slice of one buffer per device for the batch's copies (Note [A
+    batch's frames in one buffer]), in the order of the requests; None for a reader whose
+    copies are not made on a GPU."""
+    sizes: dict = {}
+    for reader, _ in requests:
+        device = reader.copy_device
+        if device is not None:
+            sizes[device] = sizes.get(device, 0) + reader.frame_bytes
+    if not sizes:
+        return [None] * len(requests)
+    import torch
+
+    buffers = {device: torch.empty(nbytes, dtype=torch.uint8, device=device)
+               for device, nbytes in sizes.items()}
+    used = dict.fromkeys(sizes, 0)
+    slices: list[torch.Tensor | None] = []
+    for reader, _ in requests:
+        device = reader.copy_device
+        if device is None:
+            slices.append(None)
+            continue
+        start = used[device]
+        used[device] = start + reader.frame_bytes
+        slices.append(buffers[device][start:used[device]])
+    return slices
 
 
 def settle(reads: list[SlotRead]) -> None:
@@ -611,7 +662,12 @@ class ShmRingReader(RingReader):
             log.info("shm ring of %s: pageable copies to %s (pinning the mapping failed: %s)",
                      self.description.camera_id, self.device, exc)
 
-    def _slot_tensor(self, message: FrameReady, read: SlotRead) -> torch.Tensor | np.ndarray:
+    @property
+    def copy_device(self) -> torch.device | None:
+        return self.device if self.pinned else None
+
+    def _slot_tensor(self, message: FrameReady, read: SlotRead,
+                     into: torch.Tensor | None) -> torch.Tensor | np.ndarray:
         # A copy, so the slot may be reused as soon as the generation check after it passes.
         if self.device is None:
             return self._slot_arrays[message.slot].copy()
@@ -622,7 +678,8 @@ class ShmRingReader(RingReader):
         source = self._slot_tensors[message.slot]
         if not self.pinned:
             return source.to(self.device)  # synchronous: complete when it returns
-        tensor = torch.empty(self.frame_shape, dtype=torch.uint8, device=self.device)
+        tensor = (into.view(self.frame_shape) if into is not None
+                  else torch.empty(self.frame_shape, dtype=torch.uint8, device=self.device))
         tensor.copy_(source, non_blocking=True)
         read._needs_sync = True
         return tensor

@@ -511,6 +511,23 @@ def test_more_rois_than_a_graph_holds_split_between_frames_or_run_eagerly(cpu_pi
     _same_faces(expected.faces, got.faces, atol_px=1e-4)
 
 
+def test_more_rois_than_warmed_replay_the_warmed_graphs_between_whole_frames(cpu_pipeline, photos,
+                                                                            monkeypatch):
+    """Note [Warmed for the largest share]: warm_up for 4 faces, then 9 faces in 3 frames:
+    three replays of the 4-face graph (whole frames each), no larger graph, the same faces."""
+    frames = [scene_1080p(photos, shift) for shift in (0, 10, 20)]
+    expected = cpu_pipeline(frames)
+    _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
+    monkeypatch.setattr(cpu_pipeline.measurer, "warmed_faces", None)
+    with torch.inference_mode():
+        cpu_pipeline.measurer.warm_up(3)
+    assert cpu_pipeline.measurer.warmed_faces == 4
+    warmed = {key for key in cpu_pipeline.graphs.captured if key[0] == "mesh"}
+    assert max(key[1][0] for key in warmed) == 4
+    _same_faces(expected, cpu_pipeline(frames), atol_px=1e-2)
+    assert {key for key in cpu_pipeline.graphs.captured if key[0] == "mesh"} == warmed
+
+
 def test_a_stage_that_cannot_be_captured_runs_eagerly_and_says_why(cpu_pipeline, photos, monkeypatch):
     def refuse(fn, statics, device, pool):
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")

@@ -323,6 +323,39 @@ def test_crop_rois_matches_opencv_and_keeps_frames_apart():
         assert np.percentile(diff, 99) < 6, (k, np.percentile(diff, 99))
 
 
+def test_frames_in_one_buffer_are_cropped_where_they_lie_and_others_are_stacked():
+    """FrameBatch.in_place (Note [A batch's frames in one buffer]): frames in rows of one
+    buffer, a gap between them included, are used without a copy and crop exactly as a stacked
+    batch; frames it cannot take where they lie are stacked."""
+    astronaut = np.ascontiguousarray(skimage.data.astronaut()[:300, :400, ::-1])
+    coffee = np.ascontiguousarray(skimage.data.coffee()[:200, :400, ::-1])
+    buffer = torch.zeros(astronaut.nbytes + 4 * 400 * 3 + coffee.nbytes, dtype=torch.uint8)
+    first = buffer[:astronaut.nbytes].view(astronaut.shape)
+    second = buffer[-coffee.nbytes:].view(coffee.shape)  # 4 rows of gap: a frame refused
+    first.copy_(torch.from_numpy(astronaut))
+    second.copy_(torch.from_numpy(coffee))
+
+    in_place = roi.FrameBatch.in_place([first, second], "cpu")
+    assert in_place.pixels.data_ptr() == buffer.data_ptr()
+    assert in_place.row_offsets_px == [0, 304] and in_place.sizes_hw == [(300, 400), (200, 400)]
+    stacked = roi.FrameBatch([astronaut, coffee], "cpu")
+    rects = roi.RotatedRects(torch.tensor([[200.0, 130.0], [200.0, 190.0], [390.0, 10.0]]),
+                             torch.tensor([[150.0, 150.0], [180.0, 120.0], [60.0, 60.0]]),
+                             torch.tensor([0.35, -0.5, 0.0]))
+    index = torch.tensor([0, 1, 1])
+    assert torch.equal(roi.crop_rois(in_place, index, rects, 64),
+                       roi.crop_rois(stacked, index, rects, 64))
+
+    # Not where they lie: another width, another buffer, out of order, a non-uint8 frame.
+    narrow = torch.from_numpy(np.ascontiguousarray(coffee[:, :300]))
+    for frames in ([first, narrow], [first, torch.from_numpy(coffee.copy())], [second, first]):
+        batch = roi.FrameBatch.in_place(frames, "cpu")
+        assert batch.pixels.data_ptr() != buffer.data_ptr()
+        assert batch.row_offsets_px == [0, frames[0].shape[0]]
+    with pytest.raises(ValueError, match="uint8"):
+        roi.FrameBatch.in_place([first, second.float()], "cpu")
+
+
 def test_crop_rois_zero_border_is_black():
     frame = np.full((100, 200, 3), 200, np.uint8)
     batch = roi.FrameBatch([frame], "cpu")

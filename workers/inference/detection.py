@@ -41,7 +41,6 @@ import time
 
 import zmq
 
-from facecast.models.roi import FrameBatch
 from facecast.shared.transport import endpoints, messages
 from facecast.shared.transport.messages import CameraReport, DetectionWanted, Detections, MessageGate
 from facecast.shared.stats import RateMeter, StageTimer
@@ -69,12 +68,12 @@ class DetectionWorker(Worker):
     def prepare(self) -> None:
         self.torch_device = torch_device(self.device)
         self.prepared = prepare_pipelines(self.config, self.torch_device, blendshapes=False,
-                                          pose=False)
+                                          pose=False, most_cameras=self.most_cameras)
 
     def boot(self) -> None:
         self.torch_device = torch_device(self.device)
         pipelines = pipelines_for(self.prepared, self.config, self.torch_device,
-                                  blendshapes=False, pose=False)
+                                  blendshapes=False, pose=False, most_cameras=self.most_cameras)
         self.prepared = None
         self.pipeline = pipelines.face
         self.timer = StageTimer()
@@ -144,7 +143,7 @@ class DetectionWorker(Worker):
         if not due:
             return
         start = now = time.monotonic()
-        batch = FrameBatch([frame.tensor for frame in due], self.torch_device)
+        batch = self.pipeline.batch_in_place([frame.tensor for frame in due])
         found = self.pipeline.detect(batch)
         end = time.monotonic()
         self.timer.add_ms("detect", (end - start) * 1e3)

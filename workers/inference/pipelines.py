@@ -101,16 +101,18 @@ class Pipelines:
             worker.event("model_damaged", reason=self.model_problem)
 
 
-def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool, pose: bool
-                      ) -> tuple[bytes, Pipelines]:
+def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool, pose: bool,
+                      most_cameras: int = 0) -> tuple[bytes, Pipelines]:
     """A warm standby's pipelines (Note [Warm standby]): built, then run once on a synthetic
     frame with two faces so that every model's first-call costs (CUDA kernels, cuDNN's choices,
     allocator pools) are paid before a camera waits on them. Returned with the key of what they
-    were built for: `pipelines_for` uses them only if the promoted worker's config still matches."""
+    were built for: `pipelines_for` uses them only if the promoted worker's config still matches.
+    `most_cameras`: the most cameras a worker of this role on this device has, what the models
+    are warmed for (Note [Warmed for the largest share]); 0: all of the config's."""
     from facecast.workers.capture.sources import SyntheticScene
 
     started_monotonic = time.monotonic()
-    pipelines = _build(config, device, blendshapes=blendshapes, pose=pose)
+    pipelines = _build(config, device, blendshapes=blendshapes, pose=pose, most_cameras=most_cameras)
     frame = SyntheticScene(640, 360, seed="warm-up").render(0.0)
     faces = pipelines.face.track([frame], ["warm-up"])[0]
     pipelines.face.reset("warm-up")
@@ -119,42 +121,53 @@ def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool
         pipelines.pose.reset("warm-up")
     log.info("models ready on %s in %.1f s (%d face(s) in the warm-up frame)", device,
              time.monotonic() - started_monotonic, len(faces))
-    return _pipelines_key(config, device, blendshapes, pose), pipelines
+    return _pipelines_key(config, device, blendshapes, pose, most_cameras), pipelines
 
 
 def pipelines_for(prepared: tuple[bytes, Pipelines] | None, config: Config,
-                  device: torch.device, *, blendshapes: bool, pose: bool) -> Pipelines:
+                  device: torch.device, *, blendshapes: bool, pose: bool,
+                  most_cameras: int = 0) -> Pipelines:
     """The pipelines a booting worker uses: its standby's, when they were built for this config
     and device; else new ones."""
     if prepared is not None:
         key, pipelines = prepared
-        if key == _pipelines_key(config, device, blendshapes, pose):
+        if key == _pipelines_key(config, device, blendshapes, pose, most_cameras):
             return pipelines
         log.info("the standby's models were loaded for another config; loading them again")
-    return _build(config, device, blendshapes=blendshapes, pose=pose)
+    return _build(config, device, blendshapes=blendshapes, pose=pose, most_cameras=most_cameras)
 
 
-def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: bool) -> Pipelines:
+def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: bool,
+           most_cameras: int = 0) -> Pipelines:
     started_monotonic = time.monotonic()
     face, model_problem = build_pipeline(config, device, blendshapes=blendshapes)
-    # Note [Warm shapes]. The detection worker (no blendshapes) meets
-    # batches of frames, a roi_landmark worker batches of faces; any camera may be theirs.
+    # Note [Warm shapes]. The detection worker (no blendshapes) meets batches of frames, a
+    # roi_landmark worker batches of faces, of up to its role's largest share of cameras (Note
+    # [Warmed for the largest share]); frames of any camera's size.
+    cameras = most_cameras or len(config.cameras)
     sizes = [(camera.height, camera.width) for camera in config.cameras]
     if blendshapes:
-        face.warm_up(sizes, max_faces=len(config.cameras) * config.output.max_faces)
+        face.warm_up(sizes, max_faces=cameras * config.output.max_faces)
     else:
-        face.warm_up(sizes, max_frames=len(config.cameras))
+        face.warm_up(sizes, max_frames=cameras)
     if face.cuda_graphs:
         log.info("CUDA graphs of every batch size ready in %.1f s",
                  time.monotonic() - started_monotonic)
     body = build_pose_pipeline(config, device) if pose else None
     if body is not None:
-        body.warm_up(max_frames=len(config.cameras))
+        body.warm_up(max_frames=cameras)
+    if device.type == "cuda":
+        # The eager runs before each graph's capture left their memory cached outside the
+        # graphs' pool: 180 MiB of a detection worker's 1.6 GiB at 64 cameras (H100,
+        # 2026-11-27). The graphs' own pool is not released while they live.
+        torch.cuda.empty_cache()
     return Pipelines(face=face, pose=body, model_problem=model_problem)
 
 
-def _pipelines_key(config: Config, device: torch.device, blendshapes: bool, pose: bool) -> bytes:
-    return msgspec.json.encode([config.models, config.output, str(device), blendshapes, pose])
+def _pipelines_key(config: Config, device: torch.device, blendshapes: bool, pose: bool,
+                   most_cameras: int) -> bytes:
+    return msgspec.json.encode([config.models, config.output, str(device), blendshapes, pose,
+                                most_cameras])
 
 
 def consumer_reports(camera_ids, subscriber, rates: dict[str, RateMeter],

@@ -108,7 +108,8 @@ class RoiLandmarkWorker(Worker):
     def prepare(self) -> None:
         self.torch_device = torch_device(self.device)
         self.prepared = prepare_pipelines(self.config, self.torch_device, blendshapes=True,
-                                          pose=self.config.output.pose)
+                                          pose=self.config.output.pose,
+                                          most_cameras=self.most_cameras)
         # A standby loads the embedding network too, so that a promotion does not wait on it.
         self.prepared_identities = (self._identities_key(), self._new_identities())
 
@@ -124,7 +125,8 @@ class RoiLandmarkWorker(Worker):
     def boot(self) -> None:
         self.torch_device = torch_device(self.device)
         pipelines = pipelines_for(self.prepared, self.config, self.torch_device,
-                                  blendshapes=True, pose=self.config.output.pose)
+                                  blendshapes=True, pose=self.config.output.pose,
+                                  most_cameras=self.most_cameras)
         self.prepared = None
         pipelines.report(self)  # Note [Model files checked at load]
         self.model_problem = pipelines.model_problem
@@ -206,7 +208,8 @@ class RoiLandmarkWorker(Worker):
                 detections[index] = _as_tensors(found)
         start = time.monotonic()
         pending = self.pipeline.track_start(
-            [frame.tensor for frame in received], camera_ids, detections=detections)
+            self.pipeline.batch_in_place([frame.tensor for frame in received]), camera_ids,
+            detections=detections)
         return _Measuring(received, pending, (time.monotonic() - start) * 1e3)
 
     def _finish(self, measuring: _Measuring) -> None:
