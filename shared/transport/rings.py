@@ -80,7 +80,7 @@ Note [A batch's frames in one buffer]
     in models/roi.py: its crops and the detection pass read the frames by row offset) then uses
     the copies where they lie, where it stacked them into yet another buffer before: 400 MB of
     device memory and a copy of every frame per detection pass over 64 1080p cameras, 200 MB
-    per batch of a roi_landmark worker of 32 (H100, 2026-11-27: the detection worker held 2.4
+    per batch of a roi_landmark worker of 32 (H100, 2026-11-26: the detection worker held 2.4
     GB where torch had 0.65 GB allocated, each roi_landmark worker 2.2 GB for 0.5 GB: the
     caching allocator keeps the eager passes' peak). A frame refused by its late checks leaves
     its slice unused; the others keep their place.

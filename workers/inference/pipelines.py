@@ -159,7 +159,7 @@ def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: boo
     if device.type == "cuda":
         # The eager runs before each graph's capture left their memory cached outside the
         # graphs' pool: 180 MiB of a detection worker's 1.6 GiB at 64 cameras (H100,
-        # 2026-11-27). The graphs' own pool is not released while they live.
+        # 2026-11-26). The graphs' own pool is not released while they live.
         torch.cuda.empty_cache()
     return Pipelines(face=face, pose=body, model_problem=model_problem)
 
