@@ -38,7 +38,9 @@ Note [Warm standby]
     seconds after READY took CPU from the streams, hence their lower priority (Note [Spares at
     a lower priority]). A spare built for a config that a reload
     changed is replaced; if the config moved on between prepare and boot anyway, boot loads the
-    models again (slow, never wrong).
+    models again (slow, never wrong). An inference spare keeps its models and the GPU libraries'
+    preparations but not its CUDA graphs, which it captures again when promoted (Note [Spares
+    without graphs], workers/inference/pipelines.py).
 """
 
 from __future__ import annotations

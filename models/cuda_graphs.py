@@ -191,6 +191,16 @@ class GraphCache:
         self.capture: Callable[..., Captured] = Captured  # tests replace it to run the graph logic on the CPU
         self.fallbacks: dict[str, str] = {}  # stage → why it runs eagerly
 
+    def release(self) -> bool:
+        """Drop every graph (their static tensors and their pool's memory go back to the
+        allocator once nothing else holds them); later ones are captured into a new pool, since
+        a pool whose graphs are gone cannot take new ones. Returns whether any was dropped."""
+        dropped = bool(self.captured)
+        self.captured.clear()
+        if self.enabled and dropped:
+            self.pool = torch.cuda.graph_pool_handle()
+        return dropped
+
     def replays(self, stage: str) -> bool:
         """Whether the stage is to be replayed from graphs (enabled, and not fallen back)."""
         return self.enabled and stage not in self.fallbacks

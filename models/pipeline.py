@@ -273,6 +273,13 @@ class FacePipeline:
 
     # -- public API ------------------------------------------------------------------------------
 
+    def release_graphs(self) -> bool:
+        """Drop the CUDA graphs and their memory pool, keeping the models and what the GPU
+        libraries prepared for each shape, so that :meth:`warm_up` captures them again quickly
+        (a warm spare's: Note [Spares without graphs] in workers/inference/pipelines.py). Returns
+        whether there were graphs to drop."""
+        return self.graphs.release()
+
     def batch_in_place(self, frames: Sequence[torch.Tensor]) -> roi_mod.FrameBatch:
         """Frames read from the rings as one batch, for :meth:`track_start`, :meth:`track` and
         :meth:`detect` to use where they lie (FrameBatch.in_place: no stacked copy). Nothing may

@@ -813,3 +813,28 @@ def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypat
         ("mesh", (8, torch.float32, 4))]
     monkeypatch.setattr(cpu_pipeline.graphs, "enabled", False)
     cpu_pipeline.warm_up([(360, 640)], max_frames=3, max_faces=5)  # eager: nothing to prepare
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphs_released_free_their_memory_and_are_captured_again_with_the_same_faces(
+        installed_models, photos):
+    """Note [Spares without graphs] (workers/inference/pipelines.py): a warmed pipeline that
+    drops its graphs gives back their memory, and warmed again replays new graphs with the same
+    faces as before."""
+    _require_models(installed_models)
+    pipeline = FacePipeline("cuda", max_faces=2, cuda_graphs=True)
+    frames = [scene_1080p(photos, shift) for shift in (0, 20)]
+    pipeline.warm_up([(1080, 1920)], max_frames=2, max_faces=8)
+    expected = pipeline(frames)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()
+    assert pipeline.release_graphs() and pipeline.graphs.captured == {}
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() < held
+    assert not pipeline.release_graphs()  # nothing left to drop
+    pipeline.warm_up([(1080, 1920)], max_frames=2, max_faces=8)
+    assert {key[0] for key in pipeline.graphs.captured} == {"detect", "mesh"}
+    _same_faces(expected, pipeline(frames), atol_px=1e-3)
+    assert pipeline.graph_fallbacks == {}

@@ -101,12 +101,26 @@ class Pipelines:
             worker.event("model_damaged", reason=self.model_problem)
 
 
+# Note [Spares without graphs]
+#     A warm spare prepares every batch shape its role can meet (Note [Warm shapes]) and then
+#     waits, maybe for weeks. What makes a first batch of a shape slow is the GPU libraries'
+#     preparation (cuDNN's choice of kernels, seconds a shape); the CUDA graph captured after
+#     it is quick to capture again, but its memory pool is as large as the largest batch's
+#     work. At 64 cameras on the H100 (2026-11-26) the detection spare held 2,312 MiB and the
+#     roi_landmark spare 2,006, of which their graphs, pools and static inputs about 1,100 and
+#     770: a quarter of the daemon's spare memory for batches a spare never runs. So a spare
+#     drops its graphs once warmed (FacePipeline.release_graphs) and keeps the rest: the
+#     models, the libraries' preparations, the CUDA context. Promoted, it captures them again
+#     (`pipelines_for` runs warm_up once more) before its first batch.
+
+
 def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool, pose: bool,
                       most_cameras: int = 0) -> tuple[bytes, Pipelines]:
     """A warm standby's pipelines (Note [Warm standby]): built, then run once on a synthetic
     frame with two faces so that every model's first-call costs (CUDA kernels, cuDNN's choices,
-    allocator pools) are paid before a camera waits on them. Returned with the key of what they
-    were built for: `pipelines_for` uses them only if the promoted worker's config still matches.
+    allocator pools) are paid before a camera waits on them, then without their CUDA graphs
+    (Note [Spares without graphs]). Returned with the key of what they were built for:
+    `pipelines_for` uses them only if the promoted worker's config still matches.
     `most_cameras`: the most cameras a worker of this role on this device has, what the models
     are warmed for (Note [Warmed for the largest share]); 0: all of the config's."""
     from facecast.workers.capture.sources import SyntheticScene
@@ -119,6 +133,8 @@ def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool
     if pipelines.pose is not None:
         pipelines.pose.track([frame], ["warm-up"])
         pipelines.pose.reset("warm-up")
+    if pipelines.face.release_graphs():  # Note [Spares without graphs]
+        torch.cuda.empty_cache()
     log.info("models ready on %s in %.1f s (%d face(s) in the warm-up frame)", device,
              time.monotonic() - started_monotonic, len(faces))
     return _pipelines_key(config, device, blendshapes, pose, most_cameras), pipelines
@@ -132,6 +148,11 @@ def pipelines_for(prepared: tuple[bytes, Pipelines] | None, config: Config,
     if prepared is not None:
         key, pipelines = prepared
         if key == _pipelines_key(config, device, blendshapes, pose, most_cameras):
+            if pipelines.face.cuda_graphs:  # Note [Spares without graphs]: captured again
+                started_monotonic = time.monotonic()
+                _warm_up(pipelines.face, config, blendshapes=blendshapes, most_cameras=most_cameras)
+                log.info("CUDA graphs of every batch size captured again in %.2f s",
+                         time.monotonic() - started_monotonic)
             return pipelines
         log.info("the standby's models were loaded for another config; loading them again")
     return _build(config, device, blendshapes=blendshapes, pose=pose, most_cameras=most_cameras)
@@ -141,15 +162,7 @@ def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: boo
            most_cameras: int = 0) -> Pipelines:
     started_monotonic = time.monotonic()
     face, model_problem = build_pipeline(config, device, blendshapes=blendshapes)
-    # Note [Warm shapes]. The detection worker (no blendshapes) meets batches of frames, a
-    # roi_landmark worker batches of faces, of up to its role's largest share of cameras (Note
-    # [Warmed for the largest share]); frames of any camera's size.
-    cameras = most_cameras or len(config.cameras)
-    sizes = [(camera.height, camera.width) for camera in config.cameras]
-    if blendshapes:
-        face.warm_up(sizes, max_faces=cameras * config.output.max_faces)
-    else:
-        face.warm_up(sizes, max_frames=cameras)
+    cameras = _warm_up(face, config, blendshapes=blendshapes, most_cameras=most_cameras)
     if face.cuda_graphs:
         log.info("CUDA graphs of every batch size ready in %.1f s",
                  time.monotonic() - started_monotonic)
@@ -162,6 +175,19 @@ def _build(config: Config, device: torch.device, *, blendshapes: bool, pose: boo
         # 2026-11-26). The graphs' own pool is not released while they live.
         torch.cuda.empty_cache()
     return Pipelines(face=face, pose=body, model_problem=model_problem)
+
+
+def _warm_up(face: FacePipeline, config: Config, *, blendshapes: bool, most_cameras: int) -> int:
+    """Note [Warm shapes]. The detection worker (no blendshapes) meets batches of frames, a
+    roi_landmark worker batches of faces, of up to its role's largest share of cameras (Note
+    [Warmed for the largest share]); frames of any camera's size. Returns that share."""
+    cameras = most_cameras or len(config.cameras)
+    sizes = [(camera.height, camera.width) for camera in config.cameras]
+    if blendshapes:
+        face.warm_up(sizes, max_faces=cameras * config.output.max_faces)
+    else:
+        face.warm_up(sizes, max_frames=cameras)
+    return cameras
 
 
 def _pipelines_key(config: Config, device: torch.device, blendshapes: bool, pose: bool,
