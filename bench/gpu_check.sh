@@ -32,6 +32,8 @@
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32 (1)
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
+#   worker_memory the inference workers' GPU memory as spares and once promoted, and what a
+#                 promotion's graph capture costs, at 64 cameras (bench/worker_memory.py) (1.5)
 #   stages        where the face stacks' and the detection pass's GPU time goes, step by step
 #                 (bench/model_stages.py: kernel time under each step, and the graphed wall) (2)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
@@ -173,6 +175,8 @@ run)
             else
                 echo "$(date -u +%H:%M:%S) kernels: no .footage/kernel_probe.py" >> "$STATE/steps.txt"
             fi ;;
+        worker_memory) step worker_memory python3 bench/worker_memory.py --cameras 64 \
+            --out "$STATE/benchmarks-worker-memory.json" ;;
         stages) step stages python3 bench/model_stages.py --out "$STATE/benchmarks-model-stages.json" ;;
         analyze) step analyze python3 bench/analyze.py --device cuda --decode gpu \
             --files-at-once 8 --repeats 2 --frames 600 --skip-inline --litert-threads 1 8 \

@@ -40,7 +40,7 @@ Note [Warm standby]
     changed is replaced; if the config moved on between prepare and boot anyway, boot loads the
     models again (slow, never wrong). An inference spare keeps its models and the GPU libraries'
     preparations but not its CUDA graphs, which it captures again when promoted (Note [Spares
-    without graphs], workers/inference/pipelines.py).
+    without graphs]).
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def landmark_bounds(landmarks_px: torch.Tensor) -> torch.Tensor:
 #     of steps is fixed per graph too: the largest number of ROIs in one frame, rounded up to a
 #     power of two and at least ``max_faces`` (the tracker never gives a frame more), so the
 #     daemon meets one graph per bucket of faces. More ROIs than MAX_GRAPH_FACES, or than
-#     warm_up prepared (Note [Warmed for the largest share], daemon/layout.py), are split
+#     warm_up prepared (Note [Warmed for the largest share]), are split
 #     between whole frames (a frame's ROIs must be measured together for the filter); ROIs
 #     whose frames are interleaved (only tests make those) then run eagerly.
 

@@ -207,8 +207,8 @@ class FrameBatch:
     def in_place(cls, frames: Sequence[torch.Tensor], device: torch.device | str,
                  dtype: torch.dtype = torch.float32, bgr: bool = True) -> "FrameBatch":
         """A batch over uint8 (H, W, 3) frame tensors that lie in rows of one buffer, in order
-        (a batch read from the rings: Note [A batch's frames in one buffer] in
-        shared/transport/rings.py), used where they lie: no stacked copy. Frames that do not (other
+        (a batch read from the rings: Note [A batch's frames in one buffer]), used where they
+        lie: no stacked copy. Frames that do not (other
         widths, other buffers, another device) are stacked as ``FrameBatch(frames)`` stacks them.
         Only for frames that nothing writes while the batch is in use: the batch does not
         snapshot them."""

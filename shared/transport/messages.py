@@ -292,7 +292,7 @@ class Assignment(Message, tag="assignment"):
     # (Note [Boot order]).
     hold: bool = False
     # The most cameras a worker of this role on this device has, what its models are prepared
-    # for (Note [Warmed for the largest share], daemon/layout.py); 0: all of the config's.
+    # for (Note [Warmed for the largest share]); 0: all of the config's.
     most_cameras: int = 0
 
 
