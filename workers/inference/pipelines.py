@@ -151,6 +151,7 @@ def pipelines_for(prepared: tuple[bytes, Pipelines] | None, config: Config,
             if pipelines.face.cuda_graphs:  # Note [Spares without graphs]: captured again
                 started_monotonic = time.monotonic()
                 _warm_up(pipelines.face, config, blendshapes=blendshapes, most_cameras=most_cameras)
+                torch.cuda.empty_cache()  # as after the first warm-up (_build)
                 log.info("CUDA graphs of every batch size captured again in %.2f s",
                          time.monotonic() - started_monotonic)
             return pipelines
