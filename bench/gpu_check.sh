@@ -32,6 +32,8 @@
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32 (1)
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
+#   roi_workers   64 replayed cameras with one roi_landmark worker, then two (the default's
+#                 count: Note [Measuring workers per GPU]) (5.5, H100)
 #   worker_memory the inference workers' GPU memory as spares and once promoted, and what a
 #                 promotion's graph capture costs, at 64 cameras (bench/worker_memory.py) (1.5)
 #   stages        where the face stacks' and the detection pass's GPU time goes, step by step
@@ -175,6 +177,13 @@ run)
             else
                 echo "$(date -u +%H:%M:%S) kernels: no .footage/kernel_probe.py" >> "$STATE/steps.txt"
             fi ;;
+        roi_workers) # Note [Measuring workers per GPU]: 64 cameras with one roi_landmark
+            # worker, then with two (auto), one after the other on this machine.
+            for count in 1 2; do
+                step "roi-workers-$count" python3 bench/pipeline.py --cameras 64 --roi-workers $count \
+                    --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 15 \
+                    --out "$STATE/benchmarks-roi-workers-$count.json" --log-dir "$STATE/logs-roi-$count"
+            done ;;
         worker_memory) step worker_memory python3 bench/worker_memory.py --cameras 64 \
             --out "$STATE/benchmarks-worker-memory.json" ;;
         stages) step stages python3 bench/model_stages.py --out "$STATE/benchmarks-model-stages.json" ;;
