@@ -121,9 +121,12 @@ def plan(config: Config, gpu_count: int) -> list[WorkerSpec]:
 #     (bench/pipeline.py, 2026-11-26, one call) one worker could not keep up: 12.3 % of frames
 #     dropped, p99 94 ms, its batches 28.6 ms on average; two workers, each with half of the
 #     cameras, on the same GPU: 1.1 % dropped, p99 72 ms, batches 19.1 ms, GPU busy 71 -> 93 %,
-#     2.4 GB more GPU memory. At 32 cameras one worker drops nothing. So "auto" gives a GPU one
-#     worker per CAMERAS_PER_MEASURING_WORKER cameras; on the CPU, whose cores the models
-#     already use, one.
+#     2.4 GB more GPU memory. At 32 cameras one worker drops nothing. Measured again on the
+#     H100 (2026-11-27, every batch's stage on the device, one machine): one worker for 64
+#     cameras 2.34 % dropped, p99 98 ms; two 0 dropped, p99 67 ms, for 690 MiB more (one
+#     worker's batches, twice as large, hold as much memory as two workers' do). So "auto"
+#     gives a GPU one worker per CAMERAS_PER_MEASURING_WORKER cameras; on the CPU, whose cores
+#     the models already use, one.
 CAMERAS_PER_MEASURING_WORKER = 32
 
 
