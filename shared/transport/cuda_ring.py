@@ -85,6 +85,11 @@ from facecast.shared.transport.rings import RingProducer, RingReader, aligned
 log = logging.getLogger(__name__)
 
 ALLOCATION_ALIGN_BYTES = 2 * 1024 * 1024
+# The probe after the frame slots (Note [Probe slot]): on the GPU not a whole slot. A slot is a
+# frame (6 MB at 1080p), and a frame-sized probe per camera was 380 MiB of GPU memory at 64
+# cameras for a handshake that a pattern of this size, at the end of the ring, settles as well:
+# a mapping at a wrong address or of a wrong allocation or epoch reads other bytes there.
+PROBE_BYTES = 64 * 1024
 
 # Rings produced in this process, by epoch, for readers in the same process (rule 6).
 _IN_PROCESS: weakref.WeakValueDictionary[int, CudaRingProducer] = weakref.WeakValueDictionary()
@@ -108,6 +113,13 @@ class CudaFaults:
 # ================================================================================================
 
 
+def _slots_and_probe(ring: torch.Tensor, slot_count: int, slot_bytes: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ring's bytes as (slot_count, slot_bytes) frame slots and the PROBE_BYTES after them."""
+    frame_bytes = slot_count * slot_bytes
+    return ring[:frame_bytes].view(slot_count, slot_bytes), ring[frame_bytes:frame_bytes + PROBE_BYTES]
+
+
 class CudaRingProducer(RingProducer):
     transport = "cuda_ipc"
 
@@ -125,7 +137,7 @@ class CudaRingProducer(RingProducer):
         self.faults = faults
         self.device_uuid, self.driver_version = cuda_driver.device_identity(device_index)
         super().__init__(camera_id, frame_shape, slot_count, checksum_kind=checksum_kind)
-        ring_bytes = self.slot_bytes * (slot_count + 1)  # + the probe slot
+        ring_bytes = self.slot_bytes * slot_count + PROBE_BYTES
         try:
             self._allocate(cuda, ring_bytes)
             self.stream = torch.cuda.Stream(device=device_index)
@@ -144,8 +156,7 @@ class CudaRingProducer(RingProducer):
             # The producer's own device copy of each host frame (Note [Producer checksum]).
             self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8,
                                          device=self.device_index)
-            pattern = torch.from_numpy(frames.test_pattern(self.slot_bytes, self.ring_epoch))
-            self.slots[slot_count].copy_(pattern)
+            self.probe.copy_(torch.from_numpy(frames.test_pattern(PROBE_BYTES, self.ring_epoch)))
             # Load the checksum's kernels and weights now, not on the first frame.
             frames.checksum_start(self._uploaded, self.checksum_kind, scratch=True)
             torch.cuda.synchronize(device_index)
@@ -183,9 +194,9 @@ class CudaRingProducer(RingProducer):
         base_pointer, self.allocation_bytes = cuda.mem_get_address_range(self.ring_pointer)
         self.offset_bytes = self.ring_pointer - int(base_pointer)
         self._mem_handle = cuda.mem_get_ipc_handle(self.ring_pointer)
-        self.slots = cuda_driver.tensor_at(self.ring_pointer, ring_bytes, self.device_index).view(
-            self.slot_count + 1, self.slot_bytes
-        )
+        self.slots, self.probe = _slots_and_probe(
+            cuda_driver.tensor_at(self.ring_pointer, ring_bytes, self.device_index),
+            self.slot_count, self.slot_bytes)
 
     def _claim(self, slot: int) -> np.ndarray:
         # The staging buffer of this slot is free once its previous upload finished: `_to_slot`
@@ -273,7 +284,7 @@ class CudaRingProducer(RingProducer):
                 self._late_stream.synchronize()
         except Exception:
             pass
-        self.slots = self._slot_targets = self._uploaded = None
+        self.slots = self.probe = self._slot_targets = self._uploaded = None
         self._staging = self._staging_views = self._staged_view = None
         self.events = None
         if self.allocation is not None:
@@ -332,7 +343,7 @@ class CudaRingReader(RingReader):
                 f"driver version differs: producer {handles.driver_version}, here {local_driver}"
             )
         self.device_index = device_index
-        ring_bytes = description.slot_bytes * (description.slot_count + 1)
+        ring_bytes = description.slot_bytes * description.slot_count + PROBE_BYTES
         producer = _IN_PROCESS.get(description.ring_epoch)
         if producer is not None and description.producer_pid == os.getpid() and not force_ipc_open:
             ring_pointer, self.events = producer.ring_pointer, producer.events  # rule 6
@@ -352,9 +363,9 @@ class CudaRingReader(RingReader):
                 f"ring of {ring_bytes} bytes at offset {handles.offset_bytes} does not fit its "
                 f"allocation of {handles.allocation_bytes} bytes"
             )
-        self.slots = cuda_driver.tensor_at(ring_pointer, ring_bytes, device_index).view(
-            description.slot_count + 1, description.slot_bytes
-        )
+        self.slots, self.probe = _slots_and_probe(
+            cuda_driver.tensor_at(ring_pointer, ring_bytes, device_index),
+            description.slot_count, description.slot_bytes)
         self._prove_mapping(description)
         # One view per slot for the whole epoch, the source of each frame's copy.
         self._views = [
@@ -364,15 +375,13 @@ class CudaRingReader(RingReader):
 
     def _prove_mapping(self, description: RingDescription) -> None:
         """The handshake: the probe slot must hold this epoch's pattern (Note [Probe slot])."""
-        expected = frames.test_pattern_tensor(
-            description.slot_bytes, description.ring_epoch, self.slots.device
-        )
-        probe = self.slots[description.slot_count]
+        expected = frames.test_pattern_tensor(PROBE_BYTES, description.ring_epoch, self.slots.device)
+        probe = self.probe
         if not torch.equal(probe, expected):
             mismatched = int((probe != expected).sum().item())
             raise TransportUnavailable(
                 f"CUDA IPC handshake failed for {description.camera_id}: {mismatched} of "
-                f"{description.slot_bytes} probe bytes differ from the test pattern (wrong "
+                f"{PROBE_BYTES} probe bytes differ from the test pattern (wrong "
                 "address, allocation or epoch)"
             )
 
@@ -400,7 +409,7 @@ class CudaRingReader(RingReader):
         return frames.checksum_start(read.tensor, self.checksum_kind)
 
     def close(self) -> None:
-        self.slots = self._views = None
+        self.slots = self.probe = self._views = None
         self.events = None
         if self._ipc_memory is not None:
             try:

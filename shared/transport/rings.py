@@ -3,7 +3,7 @@
 Two implementations share one protocol (DESIGN.md §2): `ShmRingProducer`/`ShmRingReader` keep
 the pixels in POSIX shared memory; `facecast.shared.transport.cuda_ring` keeps them in GPU memory shared over
 CUDA IPC. Both keep the per-slot generations in a small shared-memory header (`GenerationHeader`),
-both reserve one extra *probe slot* holding a known test pattern for the handshake, and both
+both reserve a *probe* after the frame slots holding a known test pattern for the handshake, and both
 describe themselves with a `RingDescription` message.
 
 Note [Slot generations]
@@ -17,10 +17,12 @@ Note [Slot generations]
     tests/test_cuda_rules.py::test_rule4_*.
 
 Note [Probe slot]
-    Slot `slot_count` (one past the last frame slot) never carries frames. The producer fills it
-    with `frames.test_pattern(slot_bytes, epoch)` when it creates the ring; a consumer compares it
-    byte for byte, through its own mapping, before it accepts any frame of that epoch. A mapping at
-    the wrong address, of the wrong allocation or of an earlier epoch cannot pass.
+    After the last frame slot lies a probe that never carries frames: on shm a slot's worth
+    (slot `slot_count`), on the GPU the ring's last `cuda_ring.PROBE_BYTES` (a frame-sized probe
+    there cost 380 MiB of GPU memory at 64 1080p cameras). The producer fills it with
+    `frames.test_pattern(size, epoch)` when it creates the ring; a consumer compares it byte for
+    byte, through its own mapping, before it accepts any frame of that epoch. A mapping at the
+    wrong address, of the wrong allocation or of an earlier epoch cannot pass.
 
 Note [Staged writes]
     `write(frame)` copies a finished frame into the ring: into the shm slot, or into the CUDA
