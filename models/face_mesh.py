@@ -308,8 +308,7 @@ class FaceMeasurer:
         self.max_faces, self.min_presence = max_faces, min_presence
         self.layout = TableLayout.make(blendshapes is not None, geometry is not None)
         # The most ROIs one pass on a GPU takes, once warm_up has prepared them (Note [Warmed for
-        # the largest share], daemon/layout.py): more are split between whole frames. None:
-        # MAX_GRAPH_FACES.
+        # the largest share]): more are split between whole frames. None: MAX_GRAPH_FACES.
         self.warmed_faces: int | None = None
         # The host's share of the last measure(): from the one transfer's arrival to the Face
         # objects (bench/models.py reports it).

@@ -107,11 +107,12 @@ class Pipelines:
 #     preparation (cuDNN's choice of kernels, seconds a shape); the CUDA graph captured after
 #     it is quick to capture again, but its memory pool is as large as the largest batch's
 #     work. At 64 cameras on the H100 (2026-11-26) the detection spare held 2,312 MiB and the
-#     roi_landmark spare 2,006, of which their graphs, pools and static inputs about 1,100 and
-#     770: a quarter of the daemon's spare memory for batches a spare never runs. So a spare
-#     drops its graphs once warmed (FacePipeline.release_graphs) and keeps the rest: the
-#     models, the libraries' preparations, the CUDA context. Promoted, it captures them again
-#     (`pipelines_for` runs warm_up once more) before its first batch.
+#     roi_landmark spare 2,006, for batches a spare never runs. So a spare drops its graphs
+#     once warmed (FacePipeline.release_graphs) and keeps the rest: the models, the libraries'
+#     preparations, the CUDA context. Promoted, it captures them again (`pipelines_for` runs
+#     warm_up once more) before its first batch. Measured on the H100 (2026-11-27, 64
+#     cameras): the spares hold 1,336 and 1,266 MiB, and a promotion captures 6-7 graphs in
+#     0.32-0.37 s (bench/worker_memory.py).
 
 
 def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool, pose: bool,
