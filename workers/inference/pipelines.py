@@ -110,7 +110,7 @@ class Pipelines:
 #     roi_landmark spare 2,006, for batches a spare never runs. So a spare drops its graphs
 #     once warmed (FacePipeline.release_graphs) and keeps the rest: the models, the libraries'
 #     preparations, the CUDA context. Promoted, it captures them again (`pipelines_for` runs
-#     warm_up once more) before its first batch. Measured on the H100 (2026-11-27, 64
+#     warm_up once more) before its first batch. Measured on the H100 (2026-11-26, 64
 #     cameras): the spares hold 1,336 and 1,266 MiB, and a promotion captures 6-7 graphs in
 #     0.32-0.37 s (bench/worker_memory.py).
 
