@@ -17,8 +17,8 @@ Note [Expandable segments]), with 1920x1080 synthetic cameras and the default co
    (seconds: the promotion's added cost) and the worker's memory at its first batch;
 3. `pipelines_for` once more, with the graphs there: what warm-up costs when nothing is new.
 Memory: torch's allocated, reserved (its caching allocator, graph pools included) and peak
-allocated, and the process's GPU memory as NVML counts it (nvidia-smi: the CUDA context too), in
-MiB. A worker in the daemon holds more once running (its eager passes' cache: the frames it
+allocated, and the process's GPU memory as NVML counts it (daemon/gpu_monitor.py, as `facecast
+status` does: the CUDA context too), in MiB. A worker in the daemon holds more once running (its eager passes' cache: the frames it
 reads, the crops); `bench/pipeline.py` reports that per role (`torch_memory_mib_by_role`).
 """
 
@@ -35,31 +35,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def nvml_mib(pid: int) -> int:
-    """The process's GPU memory as nvidia-smi reports it, MiB (-1: not listed)."""
-    text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                           "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
-    for line in text.splitlines():
-        fields = [field.strip() for field in line.split(",")]
-        if len(fields) == 2 and fields[0] == str(pid):
-            return int(fields[1])
-    return -1
-
-
 def measure_case(role: str, cameras: int, most_cameras: int, model_dir: str) -> dict:
     """One case, in this process (see the module's docstring)."""
     import msgspec
     import torch
 
+    from facecast.daemon.gpu_monitor import GpuMonitor
     from facecast.shared import config as config_mod
     from facecast.workers.inference import pipelines
+
+    gpus = GpuMonitor()  # NVML, as `facecast status` counts each worker's memory
 
     def memory() -> dict:
         torch.cuda.synchronize()
         return {"allocated_mib": torch.cuda.memory_allocated() >> 20,
                 "reserved_mib": torch.cuda.memory_reserved() >> 20,
                 "peak_allocated_mib": torch.cuda.max_memory_allocated() >> 20,
-                "nvml_mib": nvml_mib(os.getpid())}
+                "nvml_mib": gpus.memory_by_pid().get(os.getpid(), -1)}
 
     camera_list = [{"id": f"c{k}", "source": "synthetic-replay", "width": 1920, "height": 1080}
                    for k in range(cameras)]

@@ -52,8 +52,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from facecast.daemon import reporting
-from facecast.daemon import layout
+from facecast.daemon import layout, reporting
 from facecast.daemon.layout import WorkerSpec
 from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.daemon.worker_table import WorkerTable

@@ -139,7 +139,7 @@ CAMERAS_PER_MEASURING_WORKER = 32
 #     device has (`most_cameras`, the same for that device's spare, which may take over any of
 #     them), and the worker warms for that; a batch larger than what was warmed (more ROIs than
 #     the share's faces, while tracks and new detections overlap) runs as several replays of the
-#     warmed graphs (FaceMeasurer's `graph_faces`), never as a new shape to prepare.
+#     warmed graphs (FaceMeasurer's `warmed_faces`), never as a new shape to prepare.
 
 
 def most_cameras(config: Config, gpu_count: int, role: str, device: str) -> int:

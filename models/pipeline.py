@@ -276,8 +276,7 @@ class FacePipeline:
     def release_graphs(self) -> bool:
         """Drop the CUDA graphs and their memory pool, keeping the models and what the GPU
         libraries prepared for each shape, so that :meth:`warm_up` captures them again quickly
-        (a warm spare's: Note [Spares without graphs]). Returns
-        whether there were graphs to drop."""
+        (a warm spare's: Note [Spares without graphs]). Returns whether there were graphs."""
         return self.graphs.release()
 
     def batch_in_place(self, frames: Sequence[torch.Tensor]) -> roi_mod.FrameBatch:

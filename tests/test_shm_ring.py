@@ -561,3 +561,24 @@ def test_cuda_ipc_files_of_dead_processes_are_swept_and_live_ones_kept():
     finally:
         dead_file.unlink(missing_ok=True)
         live_file.unlink(missing_ok=True)
+
+
+def test_a_batch_gives_each_device_copy_its_slice_of_one_buffer_in_order():
+    """Note [A batch's frames in one buffer]: the readers that copy to a device share one
+    buffer per device, each its frame's bytes, back to back in the order of the requests; a
+    reader that copies on the host gets none."""
+    import torch
+
+    from facecast.shared.transport.rings import _batch_buffers
+
+    class Reader:  # what _batch_buffers asks of a reader
+        def __init__(self, device, frame_bytes):
+            self.copy_device, self.frame_bytes = device, frame_bytes
+
+    cpu = torch.device("cpu")
+    requests = [(Reader(cpu, 6), None), (Reader(None, 5), None), (Reader(cpu, 4), None)]
+    first, host, last = _batch_buffers(requests)
+    assert host is None and (first.numel(), last.numel()) == (6, 4)
+    assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+    assert last.data_ptr() - first.data_ptr() == 6
+    assert _batch_buffers([(Reader(None, 5), None)]) == [None]

@@ -91,6 +91,19 @@ ALLOCATION_ALIGN_BYTES = 2 * 1024 * 1024
 # a mapping at a wrong address or of a wrong allocation or epoch reads other bytes there.
 PROBE_BYTES = 64 * 1024
 
+
+def _ring_bytes(slot_count: int, slot_bytes: int) -> int:
+    """A ring's size: its frame slots, then the probe."""
+    return slot_count * slot_bytes + PROBE_BYTES
+
+
+def _slots_and_probe(ring: torch.Tensor, slot_count: int, slot_bytes: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ring's bytes as (slot_count, slot_bytes) frame slots and the PROBE_BYTES after them."""
+    frame_bytes = slot_count * slot_bytes
+    return ring[:frame_bytes].view(slot_count, slot_bytes), ring[frame_bytes:frame_bytes + PROBE_BYTES]
+
+
 # Rings produced in this process, by epoch, for readers in the same process (rule 6).
 _IN_PROCESS: weakref.WeakValueDictionary[int, CudaRingProducer] = weakref.WeakValueDictionary()
 
@@ -113,13 +126,6 @@ class CudaFaults:
 # ================================================================================================
 
 
-def _slots_and_probe(ring: torch.Tensor, slot_count: int, slot_bytes: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ring's bytes as (slot_count, slot_bytes) frame slots and the PROBE_BYTES after them."""
-    frame_bytes = slot_count * slot_bytes
-    return ring[:frame_bytes].view(slot_count, slot_bytes), ring[frame_bytes:frame_bytes + PROBE_BYTES]
-
-
 class CudaRingProducer(RingProducer):
     transport = "cuda_ipc"
 
@@ -137,7 +143,7 @@ class CudaRingProducer(RingProducer):
         self.faults = faults
         self.device_uuid, self.driver_version = cuda_driver.device_identity(device_index)
         super().__init__(camera_id, frame_shape, slot_count, checksum_kind=checksum_kind)
-        ring_bytes = self.slot_bytes * slot_count + PROBE_BYTES
+        ring_bytes = _ring_bytes(slot_count, self.slot_bytes)
         try:
             self._allocate(cuda, ring_bytes)
             self.stream = torch.cuda.Stream(device=device_index)
@@ -343,7 +349,7 @@ class CudaRingReader(RingReader):
                 f"driver version differs: producer {handles.driver_version}, here {local_driver}"
             )
         self.device_index = device_index
-        ring_bytes = description.slot_bytes * description.slot_count + PROBE_BYTES
+        ring_bytes = _ring_bytes(description.slot_count, description.slot_bytes)
         producer = _IN_PROCESS.get(description.ring_epoch)
         if producer is not None and description.producer_pid == os.getpid() and not force_ipc_open:
             ring_pointer, self.events = producer.ring_pointer, producer.events  # rule 6
@@ -376,9 +382,8 @@ class CudaRingReader(RingReader):
     def _prove_mapping(self, description: RingDescription) -> None:
         """The handshake: the probe slot must hold this epoch's pattern (Note [Probe slot])."""
         expected = frames.test_pattern_tensor(PROBE_BYTES, description.ring_epoch, self.slots.device)
-        probe = self.probe
-        if not torch.equal(probe, expected):
-            mismatched = int((probe != expected).sum().item())
+        if not torch.equal(self.probe, expected):
+            mismatched = int((self.probe != expected).sum().item())
             raise TransportUnavailable(
                 f"CUDA IPC handshake failed for {description.camera_id}: {mismatched} of "
                 f"{PROBE_BYTES} probe bytes differ from the test pattern (wrong "

@@ -544,28 +544,20 @@ def _batch_buffers(requests: list[tuple[RingReader, FrameReady]]) -> list[torch.
     """Per request, its slice of one buffer per device for the batch's copies (Note [A
     batch's frames in one buffer]), in the order of the requests; None for a reader whose
     copies are not made on a GPU."""
-    sizes: dict = {}
-    for reader, _ in requests:
-        device = reader.copy_device
-        if device is not None:
-            sizes[device] = sizes.get(device, 0) + reader.frame_bytes
+    devices = [reader.copy_device for reader, _ in requests]
+    starts, sizes = [], {}  # each request's offset in its device's buffer; each buffer's size
+    for (reader, _), device in zip(requests, devices):
+        starts.append(sizes.get(device, 0))
+        sizes[device] = starts[-1] + reader.frame_bytes
+    sizes.pop(None, None)
     if not sizes:
         return [None] * len(requests)
     import torch
 
     buffers = {device: torch.empty(nbytes, dtype=torch.uint8, device=device)
                for device, nbytes in sizes.items()}
-    used = dict.fromkeys(sizes, 0)
-    slices: list[torch.Tensor | None] = []
-    for reader, _ in requests:
-        device = reader.copy_device
-        if device is None:
-            slices.append(None)
-            continue
-        start = used[device]
-        used[device] = start + reader.frame_bytes
-        slices.append(buffers[device][start:used[device]])
-    return slices
+    return [None if device is None else buffers[device][start:start + reader.frame_bytes]
+            for (reader, _), device, start in zip(requests, devices, starts)]
 
 
 def settle(reads: list[SlotRead]) -> None:
