@@ -75,6 +75,28 @@ log = logging.getLogger(__name__)
 #     bought nothing, and its shape cost one more preparation at boot, in the detection worker
 #     and again in its spare, of the 3-4 s each shape costs.
 
+#
+# Note [One side stream]
+#     A graph is captured on a side stream after two eager runs there (Captured), and each
+#     stream a process runs cuBLAS on gets its own cuBLAS workspace from the caching allocator
+#     (PyTorch keys them by handle and stream; 32 MiB each on Hopper), kept for the life of the
+#     process: a graph captured with it reads it by address, so nothing may free it while graphs
+#     live. A new torch.cuda.Stream per capture (one of a pool of 32, round robin) meant a new
+#     workspace per graph: a warm spare's models and tables are tens of MB, yet it held 305-337
+#     MiB of live tensors after dropping its graphs (H100, 2026-11-26, bench/worker_memory.py),
+#     and each promotion's captures took further streams. So a GraphCache makes one side stream
+#     at its first capture and captures every graph on it, also after release(): its graphs
+#     replay one after another on the caller's stream, never at once, as they share one pool.
+#
+# Note [Static frames shared by a stage's graphs]
+#     The detection graph of B frames reads them from a static frame buffer of B frames, into
+#     which each call's frames are copied. One buffer per graph made the detection worker of a
+#     1080p GPU hold 1 + 2 + ... + 32 = 63 frames of them (390 MB) for the 32 its largest graph
+#     reads. Graphs of one frame size share one buffer instead (GraphCache.shared_static), each
+#     reading its first B frames, for the reason they share a pool: replays never overlap, and
+#     a replay copies its frames in right before. warm_up captures the largest graph first, so
+#     the smaller ones find the buffer made; a larger one met later makes a larger buffer (the
+#     older graphs keep the one they were captured with).
 
 def bucket(count: int, largest: int | None = None) -> int:
     """The power of two a batch of ``count`` (1..largest) is padded to (Note [Warm shapes])."""
@@ -150,9 +172,11 @@ class BatchBuckets(torch.nn.Module):
 
 class Captured:
     """One CUDA graph: ``fn`` (no arguments: it reads the static tensors ``statics``, which the
-    caller fills before each replay) captured after two warm-up runs on a side stream."""
+    caller fills before each replay) captured after two warm-up runs on
+    ``side``, the GraphCache's side stream."""
 
-    def __init__(self, fn: Callable[[], object], statics: dict, device: torch.device, pool):
+    def __init__(self, fn: Callable[[], object], statics: dict, device: torch.device, pool,
+                 side: torch.cuda.Stream):
         self.statics = statics
         # The graph reads every tensor it was captured with by address, also those only ``fn``'s
         # closure holds (a static batch's offset tables, the frame index): they must live as long
@@ -161,8 +185,7 @@ class Captured:
         # H200, for the first detection graph of a pipeline).
         self.fn = fn
         previous = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(previous)
+        side.wait_stream(previous)  # the cache's one side stream (Note [One side stream])
         with torch.cuda.stream(side):
             for _ in range(2):  # lazy initialisation (cuDNN plans, cached index tensors) stays out of the graph
                 fn()
@@ -188,6 +211,9 @@ class GraphCache:
         self.enabled = enabled
         self.captured: dict[tuple, Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if enabled else None
+        self.side: torch.cuda.Stream | None = None  # made at the first capture (Note [One side stream])
+        # Note [Static frames shared by a stage's graphs]: name -> the largest buffer made so far.
+        self.shared_statics: dict[tuple, torch.Tensor] = {}
         self.capture: Callable[..., Captured] = Captured  # tests replace it to run the graph logic on the CPU
         self.fallbacks: dict[str, str] = {}  # stage → why it runs eagerly
 
@@ -197,9 +223,21 @@ class GraphCache:
         a pool whose graphs are gone cannot take new ones. Returns whether any was dropped."""
         dropped = bool(self.captured)
         self.captured.clear()
+        self.shared_statics.clear()
         if self.enabled and dropped:
             self.pool = torch.cuda.graph_pool_handle()
         return dropped
+
+    def shared_static(self, name: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A static input of ``shape`` for a graph about to be captured, as the first
+        ``shape[0]`` rows of a buffer that the graphs named ``name`` share (Note [Static frames
+        shared by a stage's graphs]); a new buffer when the largest so far is too small."""
+        buffer = self.shared_statics.get(name)
+        if (buffer is None or buffer.shape[0] < shape[0] or buffer.shape[1:] != shape[1:]
+                or buffer.dtype != dtype):
+            buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.shared_statics[name] = buffer  # graphs that hold a smaller one keep it alive
+        return buffer[:shape[0]]
 
     def replays(self, stage: str) -> bool:
         """Whether the stage is to be replayed from graphs (enabled, and not fallen back)."""
@@ -214,7 +252,9 @@ class GraphCache:
         if captured is None:
             try:
                 fn, statics = build()
-                captured = self.capture(fn, statics, self.device, self.pool)
+                if self.side is None and self.device.type == "cuda":
+                    self.side = torch.cuda.Stream(self.device)
+                captured = self.capture(fn, statics, self.device, self.pool, self.side)
             except RuntimeError as error:
                 lines = str(error).strip().splitlines()
                 self.fallbacks[stage] = lines[0] if lines else type(error).__name__

@@ -197,7 +197,9 @@ class FaceDetector:
             return
         for height, width in dict.fromkeys(frame_sizes_hw):
             frames = torch.zeros(count, height, width, 3, dtype=torch.uint8, device=self.device)
-            for frames_in_bucket in buckets_up_to(count, MAX_GRAPH_FRAMES):
+            # Largest first: the smaller graphs share its frame buffer (Note [Static frames
+            # shared by a stage's graphs]).
+            for frames_in_bucket in reversed(buckets_up_to(count, MAX_GRAPH_FRAMES)):
                 self.detect(roi_mod.FrameBatch(frames[:frames_in_bucket], self.device))
 
     def _warm_models(self, frame_sizes_hw: Sequence[tuple[int, int]], frames: int) -> None:
@@ -363,7 +365,9 @@ class FaceDetector:
         padded = bucket(count, MAX_GRAPH_FRAMES)
 
         def build():
-            pixels = torch.zeros(padded * height, width, 3, dtype=torch.uint8, device=self.device)
+            # Note [Static frames shared by a stage's graphs]
+            pixels = self.graphs.shared_static(("detect", height, width),
+                                               (padded * height, width, 3), torch.uint8)
             static = roi_mod.FrameBatch.from_pixels(pixels, [(height, width)] * padded, bgr=batch.bgr)
             index = torch.arange(padded, device=self.device)
             plans = self.plans_for(((height, width),) * padded)

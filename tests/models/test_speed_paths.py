@@ -423,7 +423,7 @@ class _CallInsteadOfReplay:
 
     made: list = []
 
-    def __init__(self, fn, statics, device, pool):
+    def __init__(self, fn, statics, device, pool, side):
         self.fn, self.statics = fn, statics
         self.outputs = fn()
         _CallInsteadOfReplay.made.append(self)
@@ -443,6 +443,7 @@ def _graphs_on_the_cpu(pipeline, monkeypatch, capture) -> None:
     monkeypatch.setattr(pipeline.graphs, "capture", capture)
     monkeypatch.setattr(pipeline.graphs, "captured", {})
     monkeypatch.setattr(pipeline.graphs, "fallbacks", {})
+    monkeypatch.setattr(pipeline.graphs, "shared_statics", {})
 
 
 def _flat(outputs):
@@ -529,7 +530,7 @@ def test_more_rois_than_warmed_replay_the_warmed_graphs_between_whole_frames(cpu
 
 
 def test_a_stage_that_cannot_be_captured_runs_eagerly_and_says_why(cpu_pipeline, photos, monkeypatch):
-    def refuse(fn, statics, device, pool):
+    def refuse(fn, statics, device, pool, side):
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
 
     frames = [scene_1080p(photos)]
@@ -815,6 +816,44 @@ def test_warm_up_prepares_every_bucket_a_worker_can_meet(cpu_pipeline, monkeypat
     cpu_pipeline.warm_up([(360, 640)], max_frames=3, max_faces=5)  # eager: nothing to prepare
 
 
+def test_detection_graphs_of_one_frame_size_read_their_frames_from_one_buffer(cpu_pipeline, photos,
+                                                                              monkeypatch):
+    """Note [Static frames shared by a stage's graphs]: warmed largest first, the detection
+    graphs of a frame size read the first frames of one buffer, the largest graph's; a smaller
+    graph replayed after a larger one finds the same faces; a larger graph met later gets a
+    buffer of its own, and the graphs made before keep theirs."""
+    _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
+    monkeypatch.setattr(face_detection, "MAX_GRAPH_FRAMES", 4)
+    cpu_pipeline.warm_up([(1080, 1920)], max_frames=3)
+    pixels = {key[2]: graph.statics["pixels"] for (stage, key), graph
+              in cpu_pipeline.graphs.captured.items() if stage == "detect"}
+    assert sorted(pixels) == [1, 2, 4]
+    assert {frames.data_ptr() for frames in pixels.values()} == {pixels[4].data_ptr()}
+    assert [pixels[n].shape[0] for n in (1, 2, 4)] == [1080, 2160, 4320]
+    frames = [scene_1080p(photos, shift) for shift in (0, 10, 20)]
+
+    def detect(count: int):
+        with torch.inference_mode():  # as the pipeline calls it
+            return cpu_pipeline.detector.detect(roi.FrameBatch(frames[:count], "cpu"))
+
+    graphed = [detect(3), detect(1)]  # the 1-frame graph after the 4-frame one, in its buffer
+    monkeypatch.setattr(cpu_pipeline.graphs, "enabled", False)
+    eager = [detect(3), detect(1)]
+    for got_frames, want_frames in zip(graphed, eager):
+        assert len(got_frames) == len(want_frames)
+        for (got_boxes, _, got_scores), (want_boxes, _, want_scores) in zip(got_frames, want_frames):
+            assert len(got_scores) >= 1
+            torch.testing.assert_close(got_boxes, want_boxes, atol=1e-2, rtol=0)
+            torch.testing.assert_close(got_scores, want_scores, atol=1e-4, rtol=0)
+    monkeypatch.setattr(cpu_pipeline.graphs, "enabled", True)
+    monkeypatch.setattr(face_detection, "MAX_GRAPH_FRAMES", 8)
+    frames = frames + frames[:2]
+    detect(5)  # 5 frames: the 8-frame graph
+    larger = cpu_pipeline.graphs.captured[("detect", (1080, 1920, 8, True))].statics["pixels"]
+    assert larger.shape[0] == 8 * 1080 and larger.data_ptr() != pixels[4].data_ptr()
+    assert cpu_pipeline.graphs.captured[("detect", (1080, 1920, 4, True))].statics["pixels"] is pixels[4]
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_graphs_released_free_their_memory_and_are_captured_again_with_the_same_faces(
@@ -838,3 +877,30 @@ def test_graphs_released_free_their_memory_and_are_captured_again_with_the_same_
     assert {key[0] for key in pipeline.graphs.captured} == {"detect", "mesh"}
     _same_faces(expected, pipeline(frames), atol_px=1e-3)
     assert pipeline.graph_fallbacks == {}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphs_captured_one_after_another_take_no_new_cublas_workspace():
+    """Note [One side stream]: every graph of a cache is captured on one side stream, so a
+    capture after the first adds its own tensors and no cuBLAS workspace (32 MiB on Hopper, one
+    per stream a process ran cuBLAS on)."""
+    cache = cuda_graphs.GraphCache(torch.device("cuda"), enabled=True)
+    weights = torch.randn(256, 256, device="cuda")
+
+    def build(offset: float):
+        inputs = torch.randn(8, 256, device="cuda")
+        return (lambda: inputs @ weights + offset), {"inputs": inputs}
+
+    cache.get("stage", (0,), lambda: build(0.0))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for k in range(1, 9):
+        cache.get("stage", (k,), lambda k=k: build(float(k)))
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    assert len(cache.captured) == 9 and cache.fallbacks == {}
+    assert grown < 2**20, f"8 graphs of 8x256 floats took {grown / 2**20:.1f} MiB more"
+    graph = cache.captured[("stage", (3,))]
+    graph.statics["inputs"].copy_(torch.ones(8, 256, device="cuda"))
+    torch.testing.assert_close(graph.replay(), torch.ones(8, 256, device="cuda") @ weights + 3.0)
