@@ -112,7 +112,8 @@ class Pipelines:
 #     preparations, the CUDA context. Promoted, it captures them again (`pipelines_for` runs
 #     warm_up once more) before its first batch. Measured on the H100 (2026-11-26, 64
 #     cameras): the spares hold 1,336 and 1,266 MiB, and a promotion captures 6-7 graphs in
-#     0.32-0.37 s (bench/worker_memory.py).
+#     0.32-0.37 s (bench/worker_memory.py); with every graph captured on one side stream
+#     (Note [One side stream], 2026-11-27) 964 and 892 MiB, and 0.33-0.44 s.
 
 
 def prepare_pipelines(config: Config, device: torch.device, *, blendshapes: bool, pose: bool,
