@@ -27,6 +27,7 @@
 #                 replayed cameras (bench/pipeline.py --newcomers) (2.5, H100)
 #   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
 #                 and on this tree, the same machine, one after the other (6, H100)
+#   ab_decode     ab with 64 NVDEC-decoded synthetic-h264 cameras, base then head (4)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32 (1)
@@ -34,6 +35,8 @@
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
 #   roi_workers   64 replayed cameras with one roi_landmark worker, then two (the default's
 #                 count: Note [Measuring workers per GPU]) (5.5, H100)
+#   detection_share  32 and 64 replayed cameras with daemon.detection_share 0.5 (auto), 0.25 and
+#                 0.1, then newcomers at 32 cameras with 0.5 and 0.25, one machine (12, H100)
 #   worker_memory the inference workers' GPU memory as spares and once promoted, and what a
 #                 promotion's graph capture costs, at 64 cameras (bench/worker_memory.py) (1.5)
 #   stages        where the face stacks' and the detection pass's GPU time goes, step by step
@@ -81,6 +84,21 @@ run)
         "$@" > "$STATE/$name.log" 2>&1
         echo "$(date -u +%H:%M:%S) end $name rc=$?" >> "$STATE/steps.txt"
     }
+    ab_runs() {  # name, bench/pipeline.py arguments: on .base/, then on this tree
+        local name=$1; shift
+        if [ ! -d .base ]; then
+            echo "$(date -u +%H:%M:%S) $name: no .base/ carried" >> "$STATE/steps.txt"
+            return
+        fi
+        ln -sfn "$PWD/.models" .base/.models
+        for side in base head; do
+            local root=$PWD; [ $side = base ] && root=$PWD/.base
+            step "$name-$side" bash -c "cd '$root' && . bench/gpu_host_env.sh && \
+                python3 bench/pipeline.py --transports cuda_ipc $* \
+                --out '$STATE/benchmarks-$name-$side.json' --log-dir '$STATE/logs-$name-$side'"
+        done
+        . bench/gpu_host_env.sh  # facecast.* back to this tree
+    }
     for name in $*; do
         case $name in
         boot_stop) step boot_stop python3 bench/pipeline.py --boot-stop-only --cameras 32 64 \
@@ -114,19 +132,10 @@ run)
         ab) # The same daemon runs on the baseline in .base/ (`git archive BASE | tar -x -C .base`
             # here, carried) and on this tree, one after the other on this machine: the ratio of
             # the changes since BASE, without MediaPipe.
-            if [ ! -d .base ]; then
-                echo "$(date -u +%H:%M:%S) ab: no .base/ carried" >> "$STATE/steps.txt"
-            else
-                ln -sfn "$PWD/.models" .base/.models
-                for side in base head; do
-                    root=$PWD; [ $side = base ] && root=$PWD/.base
-                    step "ab-$side" bash -c "cd '$root' && . bench/gpu_host_env.sh && \
-                        python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
-                        --source synthetic-replay --warmup-s 5 --measure-s 15 \
-                        --out '$STATE/benchmarks-ab-$side.json' --log-dir '$STATE/logs-$side'"
-                done
-                . bench/gpu_host_env.sh  # facecast.* back to this tree
-            fi ;;
+            ab_runs ab --cameras 32 64 --source synthetic-replay --warmup-s 5 --measure-s 15 ;;
+        ab_decode) # ab's pair with 64 NVDEC-decoded synthetic-h264 cameras (needs .whl2a/.whl2b).
+            ab_runs ab-decode --cameras 64 --source synthetic-h264 --decode gpu --warmup-s 4 \
+                --measure-s 10 ;;
         ab_head) # ab's second half alone, where its base ran on this machine before (a rerun).
             step ab-head python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
                 --source synthetic-replay --warmup-s 5 --measure-s 15 \
@@ -183,6 +192,19 @@ run)
                 step "roi-workers-$count" python3 bench/pipeline.py --cameras 64 --roi-workers $count \
                     --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 15 \
                     --out "$STATE/benchmarks-roi-workers-$count.json" --log-dir "$STATE/logs-roi-$count"
+            done ;;
+        detection_share) # Note [Detection while the device has room]: the share's cost to the
+            # measuring at 32 and 64 cameras, and its gain for newcomers at 32, one machine.
+            for share in 0.5 0.25 0.1; do
+                step "share-$share" python3 bench/pipeline.py --cameras 32 64 --detection-share $share \
+                    --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 15 \
+                    --out "$STATE/benchmarks-share-$share.json" --log-dir "$STATE/logs-share-$share"
+            done
+            for share in 0.5 0.25; do
+                step "newcomers-share-$share" python3 bench/pipeline.py --newcomers --cameras 32 \
+                    --detection-share $share --transports cuda_ipc --source synthetic-replay \
+                    --warmup-s 5 --measure-s 12 --out "$STATE/benchmarks-newcomers-share-$share.json" \
+                    --log-dir "$STATE/logs-newcomers-$share"
             done ;;
         worker_memory) step worker_memory python3 bench/worker_memory.py --cameras 64 \
             --out "$STATE/benchmarks-worker-memory.json" ;;

@@ -59,9 +59,12 @@ Note [NV12 to BGR]
     loop (full range) 49.3 dB; bilinear chroma was worse (44.0 dB, max difference 27).
     The work at full resolution is three torch kernels: the luma scaled and added to its
     block's chroma terms (one broadcast add, written as the three BGR channels), the clamp, and
-    the cast to uint8; the chroma terms (a quarter of the pixels) take a few small ones. The
-    constants are folded into the terms, among them the 0.5 that makes the truncating cast a
-    rounding (half up). py-spy of a capture worker at 64 NVDEC cameras on the H100
+    the cast to uint8; the chroma terms (a quarter of the pixels) take two small ones, each a
+    multiply-add on the chroma's raw bytes. The constants are folded into the terms, among them
+    the chroma's 128 and the 0.5 that makes the truncating cast a rounding (half up). The
+    chroma terms had taken ten small kernels, each queued from Python under the GIL that a
+    capture group's 16 camera threads share: 16 % of a capture worker's samples at 64 NVDEC
+    cameras (H100, 2026-11-27, py-spy). py-spy of a capture worker at 64 NVDEC cameras on the H100
     (2026-11-26) found 19 % of its samples queueing the form before this one (ten full-size
     kernels and eight small ones, which rounded half to even); this one gives the same bytes
     but for one grey level at float32's ties (11 to 1,124 of 6.2 million values of a random
@@ -88,6 +91,7 @@ Note [NV12 to BGR]
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import time
@@ -171,19 +175,31 @@ def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -
     stream (Note [NV12 to BGR]). Width and height must be even (4:2:0)."""
     if height % 2 or width % 2:
         raise ValueError(f"NV12 needs an even width and height, got {width}x{height}")
-    y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
+    from_u, from_v, constant, y_scale = _chroma_terms_on(colour, nv12.device)
     half_h, half_w = height // 2, width // 2
-    chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2).float()
-    chroma.sub_(128.0).mul_(chroma_scale)
-    u, v = chroma[..., 0], chroma[..., 1]
-    # Per 2x2 block of luma: what its chroma adds to B, G and R, the luma's offset and the
-    # rounding's 0.5 folded in.
-    terms = torch.stack((b_u * u, g_u * u + g_v * v, r_v * v), dim=-1).add_(0.5 - y_offset * y_scale)
+    chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2)
+    # Per 2x2 block of luma: what its chroma adds to B, G and R, with the chroma's 128, its
+    # scale, the luma's offset and the rounding's 0.5 folded in: two kernels on the raw bytes.
+    terms = torch.addcmul(constant, chroma[..., 0:1], from_u).addcmul_(chroma[..., 1:2], from_v)
     luma = nv12[:height].reshape(half_h, 2, half_w, 2, 1)
     bgr = torch.add(terms[:, None, :, None, :], luma, alpha=y_scale)
     # (half_h, 2, half_w, 2, 3) is (height, width, 3) in memory: row 2i+a, column 2j+b. The cast
     # truncates: after the 0.5, a rounding; the clamp keeps it to 0..255.
     return bgr.view(height, width, 3).clamp_(0.0, 255.99).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=16)
+def _chroma_terms_on(colour: YuvToBgr, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """`nv12_to_bgr`'s constants on the device, made once (a tensor made per frame would be a
+    host-to-device copy per frame): B, G, R per unit of U and of V, the constant term, and the
+    luma's scale."""
+    y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
+    from_u = (b_u * chroma_scale, g_u * chroma_scale, 0.0)
+    from_v = (0.0, g_v * chroma_scale, r_v * chroma_scale)
+    constant = tuple(0.5 - y_offset * y_scale - 128.0 * (u + v) for u, v in zip(from_u, from_v))
+    return (*(torch.tensor(values, dtype=torch.float32, device=device)
+              for values in (from_u, from_v, constant)), y_scale)
 
 
 def output_bytes(width: int, height: int, rgb: bool) -> int:
