@@ -64,7 +64,10 @@ Note [NV12 to BGR]
     the chroma's 128 and the 0.5 that makes the truncating cast a rounding (half up). The
     chroma terms had taken ten small kernels, each queued from Python under the GIL that a
     capture group's 16 camera threads share: 16 % of a capture worker's samples at 64 NVDEC
-    cameras (H100, 2026-11-27, py-spy). py-spy of a capture worker at 64 NVDEC cameras on the H100
+    cameras (H100, 2026-11-27, py-spy). Two A/B pairs at those 64 cameras on one H100 did not
+    tell the forms apart (capture 3.7-5.4 ms of CPU a captured frame before, 3.2-4.1 after;
+    the GPU 100 % busy, and the captured rate moving more between runs than between forms:
+    docs/benchmarks.md). py-spy of a capture worker at 64 NVDEC cameras on the H100
     (2026-11-26) found 19 % of its samples queueing the form before this one (ten full-size
     kernels and eight small ones, which rounded half to even); this one gives the same bytes
     but for one grey level at float32's ties (11 to 1,124 of 6.2 million values of a random
