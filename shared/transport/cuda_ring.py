@@ -49,7 +49,7 @@ Note [Producer checksum]
     when frames cycle through memory, bench/checksum.py), and 27-44 % of the capture workers'
     6.0 cores at 64 replayed 1080p30 cameras on the H100 (py-spy, docs/benchmarks.md). On the
     GPU it is ~14 us of GPU time and ~36 us of CPU to queue per 1080p frame, 6 MB of device
-    memory per camera (the private copy), and a publish that waits for its own upload (upload +
+    memory per camera of host frames (the private copy, made at its first frame), and a publish that waits for its own upload (upload +
     sync, 174 us at 1080p on the H200) and for its turn on a GPU that other processes share.
     The shm ring keeps the host form: its producer has no GPU.
 
@@ -159,12 +159,13 @@ class CudaRingProducer(RingProducer):
                 buffer.numpy().reshape(self.frame_shape) for buffer in self._staging
             ]
             self._slot_targets = [self.slots[slot, : self.frame_bytes] for slot in range(slot_count)]
-            # The producer's own device copy of each host frame (Note [Producer checksum]).
-            self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8,
-                                         device=self.device_index)
+            # The producer's own device copy of each host frame (Note [Producer checksum]),
+            # made at the first host frame: a camera decoded on the GPU never has one, and 64 of
+            # them held 400 MB of these for nothing.
+            self._uploaded: torch.Tensor | None = None
             self.probe.copy_(torch.from_numpy(frames.test_pattern(PROBE_BYTES, self.ring_epoch)))
             # Load the checksum's kernels and weights now, not on the first frame.
-            frames.checksum_start(self._uploaded, self.checksum_kind, scratch=True)
+            frames.prepare_checksum(self.checksum_kind, self.frame_bytes, self.slots.device)
             torch.cuda.synchronize(device_index)
         except TransportUnavailable:
             self.header.close()
@@ -219,6 +220,8 @@ class CudaRingProducer(RingProducer):
     def _upload(self, slot: int) -> None:
         """Stage "upload": the slot's staging bytes to the producer's own device buffer, async on
         the producer's stream (Note [Producer checksum])."""
+        if self._uploaded is None:
+            self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8, device=self.device_index)
         with torch.cuda.stream(self.stream):
             self._uploaded.copy_(self._staging[slot], non_blocking=True)
 

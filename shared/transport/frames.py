@@ -299,6 +299,16 @@ def settle_checksums(pending: list[PendingChecksum]) -> list[int]:
     return values
 
 
+def prepare_checksum(kind: ChecksumKind, nbytes: int, device: torch.device) -> None:
+    """What a checksum of `kind` over frames of `nbytes` needs on the device, made now rather
+    than at the first frame: its weights (full) or sample plan (sampled), and its kernels."""
+    if check_kind(kind) == "full":
+        _word_weights_on(nbytes, device)
+    else:
+        _sample_plan_on(nbytes, device)
+    warm_up_checksums(device)
+
+
 def warm_up_checksums(device: torch.device) -> None:
     """Run both kinds once on a dummy frame. Their first run on a GPU loads kernels; paid here,
     at start, that time does not fall on the first frames a consumer reads, while the next ones
