@@ -67,7 +67,9 @@ Note [NV12 to BGR]
     cameras (H100, 2026-11-27, py-spy). Two A/B pairs at those 64 cameras on one H100 did not
     tell the forms apart (capture 3.7-5.4 ms of CPU a captured frame before, 3.2-4.1 after;
     the GPU 100 % busy, and the captured rate moving more between runs than between forms:
-    docs/benchmarks.md). py-spy of a capture worker at 64 NVDEC cameras on the H100
+    docs/benchmarks.md); what they told apart is memory: the capture processes held 1,272 MiB
+    less (13,138 -> 11,866 MiB in every run), the ten small tensors' blocks having been cached
+    by torch's allocator per camera thread's stream. py-spy of a capture worker at 64 NVDEC cameras on the H100
     (2026-11-26) found 19 % of its samples queueing the form before this one (ten full-size
     kernels and eight small ones, which rounded half to even); this one gives the same bytes
     but for one grey level at float32's ties (11 to 1,124 of 6.2 million values of a random
