@@ -215,7 +215,8 @@ class GraphCache:
         self.enabled = enabled
         self.captured: dict[tuple, Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if enabled else None
-        self.side: torch.cuda.Stream | None = None  # made at the first capture (Note [One side stream])
+        # Every graph's capture stream, made at the first capture (Note [One side stream]).
+        self.side: torch.cuda.Stream | None = None
         # Note [Static frames shared by a stage's graphs]: name -> the largest buffer made so far.
         self.shared_statics: dict[tuple, torch.Tensor] = {}
         self.capture: Callable[..., Captured] = Captured  # tests replace it to run the graph logic on the CPU

@@ -49,8 +49,9 @@ Note [Producer checksum]
     when frames cycle through memory, bench/checksum.py), and 27-44 % of the capture workers'
     6.0 cores at 64 replayed 1080p30 cameras on the H100 (py-spy, docs/benchmarks.md). On the
     GPU it is ~14 us of GPU time and ~36 us of CPU to queue per 1080p frame, 6 MB of device
-    memory per camera of host frames (the private copy, made at its first frame), and a publish that waits for its own upload (upload +
-    sync, 174 us at 1080p on the H200) and for its turn on a GPU that other processes share.
+    memory per camera of host frames (the private copy, made at its first frame), and a
+    publish that waits for its own upload (upload + sync, 174 us at 1080p on the H200) and for
+    its turn on a GPU that other processes share.
     The shm ring keeps the host form: its producer has no GPU.
 
 Note [Frames born on the GPU]
@@ -221,7 +222,8 @@ class CudaRingProducer(RingProducer):
         """Stage "upload": the slot's staging bytes to the producer's own device buffer, async on
         the producer's stream (Note [Producer checksum])."""
         if self._uploaded is None:
-            self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8, device=self.device_index)
+            self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8,
+                                         device=self.device_index)
         with torch.cuda.stream(self.stream):
             self._uploaded.copy_(self._staging[slot], non_blocking=True)
 

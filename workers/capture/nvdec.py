@@ -61,20 +61,20 @@ Note [NV12 to BGR]
     block's chroma terms (one broadcast add, written as the three BGR channels), the clamp, and
     the cast to uint8; the chroma terms (a quarter of the pixels) take two small ones, each a
     multiply-add on the chroma's raw bytes. The constants are folded into the terms, among them
-    the chroma's 128 and the 0.5 that makes the truncating cast a rounding (half up). The
-    chroma terms had taken ten small kernels, each queued from Python under the GIL that a
+    the chroma's 128 and the 0.5 that makes the truncating cast a rounding (half up). py-spy of
+    a capture worker at 64 NVDEC cameras on the H100 (2026-11-26) found 19 % of its samples
+    queueing an earlier form (ten full-size kernels and eight small ones, which rounded half to
+    even); this one gives the same bytes but for one grey level at float32's ties (11 to 1,124
+    of 6.2 million values of a random 1080p NV12 frame, by matrix and range), within half a
+    grey level of the formula in float64 everywhere (tests/test_decoding.py). Until 2026-11-27
+    the chroma terms took ten small kernels, each queued from Python under the GIL that a
     capture group's 16 camera threads share: 16 % of a capture worker's samples at 64 NVDEC
-    cameras (H100, 2026-11-27, py-spy). Two A/B pairs at those 64 cameras on one H100 did not
-    tell the forms apart (capture 3.7-5.4 ms of CPU a captured frame before, 3.2-4.1 after;
-    the GPU 100 % busy, and the captured rate moving more between runs than between forms:
-    docs/benchmarks.md); what they told apart is memory: the capture processes held 1,272 MiB
-    less (13,138 -> 11,866 MiB in every run), the ten small tensors' blocks having been cached
-    by torch's allocator per camera thread's stream. py-spy of a capture worker at 64 NVDEC cameras on the H100
-    (2026-11-26) found 19 % of its samples queueing the form before this one (ten full-size
-    kernels and eight small ones, which rounded half to even); this one gives the same bytes
-    but for one grey level at float32's ties (11 to 1,124 of 6.2 million values of a random
-    1080p NV12 frame, by matrix and range), within half a grey level of the formula in float64
-    everywhere (tests/test_decoding.py).
+    cameras (H100, py-spy). Two A/B pairs at those 64 cameras on one H100 did not tell the two
+    forms apart on rate (capture 3.7-5.4 ms of CPU a captured frame before, 3.2-4.1 after; the
+    GPU 100 % busy, the captured rate moving more between runs than between forms:
+    docs/benchmarks.md), but on memory: the capture processes held 1,272 MiB less (13,138 ->
+    11,866 MiB in every run), the small tensors' blocks having been cached by torch's allocator
+    per camera thread's stream.
     `facecast analyze` skips it for studio-range files: NVDEC's decoder is asked for
     interleaved RGB (PyNvVideoCodec's OutputColorType.RGB, its own kernel on the camera's
     stream, with the stream's matrix, BT.601 where the stream names none) and `bgr_of` swaps
