@@ -35,6 +35,7 @@
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
 #   roi_workers   64 replayed cameras with one roi_landmark worker, then two (the default's
 #                 count: Note [Measuring workers per GPU]) (5.5, H100)
+#   groups_decode 64 NVDEC cameras in capture processes of 16 (auto), then of 8 (4)
 #   detection_share  32 and 64 replayed cameras with daemon.detection_share 0.5 (auto), 0.25 and
 #                 0.1, then newcomers at 32 cameras with 0.5 and 0.25, one machine (12, H100)
 #   worker_memory the inference workers' GPU memory as spares and once promoted, and what a
@@ -192,6 +193,15 @@ run)
                 step "roi-workers-$count" python3 bench/pipeline.py --cameras 64 --roi-workers $count \
                     --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 15 \
                     --out "$STATE/benchmarks-roi-workers-$count.json" --log-dir "$STATE/logs-roi-$count"
+            done ;;
+        groups_decode) # Note [Capture groups] for decoded cameras: 64 NVDEC cameras in capture
+            # processes of 16 (auto: four a GPU), then of 8, one machine (needs .whl2a/.whl2b).
+            for per_worker in auto 8; do
+                step "groups-decode-$per_worker" python3 bench/pipeline.py --cameras 64 \
+                    --cameras-per-capture-worker $per_worker --transports cuda_ipc \
+                    --source synthetic-h264 --decode gpu --warmup-s 4 --measure-s 10 \
+                    --out "$STATE/benchmarks-groups-decode-$per_worker.json" \
+                    --log-dir "$STATE/logs-groups-decode-$per_worker"
             done ;;
         detection_share) # Note [Detection while the device has room]: the share's cost to the
             # measuring at 32 and 64 cameras, and its gain for newcomers at 32, one machine.
