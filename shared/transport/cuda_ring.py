@@ -102,7 +102,8 @@ def _slots_and_probe(ring: torch.Tensor, slot_count: int, slot_bytes: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A ring's bytes as (slot_count, slot_bytes) frame slots and the PROBE_BYTES after them."""
     frame_bytes = slot_count * slot_bytes
-    return ring[:frame_bytes].view(slot_count, slot_bytes), ring[frame_bytes:frame_bytes + PROBE_BYTES]
+    slots, probe = ring[:frame_bytes], ring[frame_bytes:frame_bytes + PROBE_BYTES]
+    return slots.view(slot_count, slot_bytes), probe
 
 
 # Rings produced in this process, by epoch, for readers in the same process (rule 6).
