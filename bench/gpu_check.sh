@@ -28,6 +28,10 @@
 #   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
 #                 and on this tree, the same machine, one after the other (6, H100)
 #   ab_decode     ab with 64 NVDEC-decoded synthetic-h264 cameras, base then head (4)
+#   phases        the daemon at 32 and 64 replayed cameras genlocked (every camera at phase 0,
+#                 as before 2026-11-27) and free-running (each at its own phase, the default),
+#                 one after the other (Note [Capture phases]) (6, H100); `genlocked`: its
+#                 first half alone, to follow `pipeline` (3)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32 (1)
@@ -137,6 +141,15 @@ run)
         ab_decode) # ab's pair with 64 NVDEC-decoded synthetic-h264 cameras (needs .whl2a/.whl2b).
             ab_runs ab-decode --cameras 64 --source synthetic-h264 --decode gpu --warmup-s 4 \
                 --measure-s 10 ;;
+        phases|genlocked) # Note [Capture phases]: genlocked, then free-running (the default,
+            # as `pipeline` runs), one machine; `genlocked` alone after a `pipeline` step.
+            phase_kinds="genlocked free"; [ $name = genlocked ] && phase_kinds=genlocked
+            for phases in $phase_kinds; do
+                step "phases-$phases" python3 bench/pipeline.py --cameras 32 64 \
+                    --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 15 \
+                    $([ $phases = genlocked ] && echo --genlocked) \
+                    --out "$STATE/benchmarks-phases-$phases.json" --log-dir "$STATE/logs-phases-$phases"
+            done ;;
         ab_head) # ab's second half alone, where its base ran on this machine before (a rerun).
             step ab-head python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
                 --source synthetic-replay --warmup-s 5 --measure-s 15 \

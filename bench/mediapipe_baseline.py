@@ -145,7 +145,8 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str) -> dict:
+def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str,
+                   genlocked: bool = False) -> dict:
     """Render and measure frames until the window that "go" names is over; report on it."""
     import importlib.metadata
 
@@ -157,7 +158,8 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
     # The daemon's capture worker of this camera id opens the same source: same frames, paced
     # the same way ("synthetic-replay": a loop rendered once, Note [Synthetic replay]).
     source = open_source(CameraConfig(id=camera_id, source=source_kind, width=WIDTH,
-                                      height=HEIGHT, fps=FPS))
+                                      height=HEIGHT, fps=FPS,
+                                      phase=0.0 if genlocked else None))
     if face_px:
         if source_kind != "synthetic":
             raise ValueError(f"--face-px needs the live synthetic source, not {source_kind!r}")
@@ -248,7 +250,7 @@ def _read_line_each(procs: list[subprocess.Popen], deadline_monotonic: float) ->
 def run(cameras: int, *, face_px: list[float] | None = None, source: str = "synthetic",
         warmup_s: float = 3.0, measure_s: float = 10.0, boot_timeout_s: float = 120.0,
         log_dir: Path | None = None, python: str = sys.executable,
-        pythonpath: Sequence[str] = ()) -> dict:
+        pythonpath: Sequence[str] = (), genlocked: bool = False) -> dict:
     """Start `cameras` camera processes (`python`, with `pythonpath` put before $PYTHONPATH),
     run them together, and sum their reports."""
     log_dir = log_dir or Path(tempfile.gettempdir()) / "facecast-bench"
@@ -256,9 +258,11 @@ def run(cameras: int, *, face_px: list[float] | None = None, source: str = "synt
     sizes = "-" + "-".join(f"{px:g}px" for px in face_px) if face_px else ""
     log_path = log_dir / f"mediapipe-{cameras}-{source}{sizes}.log"
     result: dict = {"cameras": cameras, "side": "mediapipe", "baseline": DESCRIPTION,
-                    "source": source, "face_px": face_px, "log": str(log_path)}
+                    "source": source, "face_px": face_px, "log": str(log_path),
+                    "phases": "genlocked" if genlocked else "free-running"}
     command = [python, str(Path(__file__).resolve()), "--camera-process", "--source", source] + (
-        ["--face-px", *map(str, face_px)] if face_px else [])
+        ["--face-px", *map(str, face_px)] if face_px else []) + (
+        ["--genlocked"] if genlocked else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [*pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])]))
     procs: list[subprocess.Popen] = []
@@ -380,6 +384,9 @@ def main() -> int:
                         help="face widths instead of the daemon scene's (one per face, two faces)")
     parser.add_argument("--source", choices=("synthetic", "synthetic-replay"), default="synthetic",
                         help="the cameras' source, as in facecast's config")
+    parser.add_argument("--genlocked", action="store_true",
+                        help="synthetic-replay cameras all at phase 0, capturing at one instant "
+                        "(Note [Capture phases]); default: each at its own phase")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--boot-timeout-s", type=float, default=120.0)
@@ -395,10 +402,11 @@ def main() -> int:
             print(f"{wheel} ({wheel.stat().st_size / 2**20:.1f} MiB)")
         return 0
     if args.camera_process:
-        report = camera_process(args.camera_id, args.face_px, args.source)
+        report = camera_process(args.camera_id, args.face_px, args.source, args.genlocked)
         print(json.dumps(report), flush=True)
         return 0
-    result = run(args.cameras, face_px=args.face_px, source=args.source, warmup_s=args.warmup_s,
+    result = run(args.cameras, face_px=args.face_px, source=args.source, genlocked=args.genlocked,
+                 warmup_s=args.warmup_s,
                  measure_s=args.measure_s, boot_timeout_s=args.boot_timeout_s)
     text = json.dumps(result, indent=1)
     if args.out:

@@ -82,7 +82,8 @@ OUTPUT_LATENCY_FRAMES = _output_latency_frames()
 def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: int | str,
                 cuda_graphs: bool, half: bool, host: str, source: str,
                 detection_share: float | None = None, decode: str = "auto",
-                newcomers: bool = False, cameras_per_capture_worker: int | str = "auto") -> str:
+                newcomers: bool = False, cameras_per_capture_worker: int | str = "auto",
+                genlocked: bool = False) -> str:
     # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
@@ -97,7 +98,8 @@ def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: in
     ]
     for k in range(cameras):
         lines += ["[[cameras]]", f'id = "cam{k:02d}"', f'source = "{source}"',
-                  f"width = {WIDTH}", f"height = {HEIGHT}", f"fps = {FPS}", ""]
+                  f"width = {WIDTH}", f"height = {HEIGHT}", f"fps = {FPS}",
+                  *(["phase = 0.0"] if genlocked else []), ""]  # Note [Capture phases]
         if newcomers:
             lines += staging_toml(NEWCOMER_STAGING)
     return "\n".join(lines)
@@ -455,7 +457,8 @@ class FaceStreamReader:
 
 
 def published_frames(samples, window: accounting.Window, camera_ids: list[str],
-                     source: str = "synthetic", newcomers: bool = False) -> dict:
+                     source: str = "synthetic", newcomers: bool = False,
+                    genlocked: bool = False) -> dict:
     """Frames published in the window, faces against the ground truth and capture → inlet
     latency, from every sample the inlets got (Note [One definition for both sides]); with
     `newcomers`, how late each appearance of NEWCOMER was published (Note [A newcomer's
@@ -485,7 +488,8 @@ def published_frames(samples, window: accounting.Window, camera_ids: list[str],
         order = np.argsort(frame_of_sample, kind="stable")
         boxes_by_frame = np.split(boxes[order], np.cumsum(np.bincount(frame_of_sample))[:-1])
         truth = synthetic_truth(CameraConfig(id=camera, source=source, width=WIDTH,
-                                             height=HEIGHT, fps=FPS, staging=staging))
+                                             height=HEIGHT, fps=FPS, staging=staging,
+                                             phase=0.0 if genlocked else None))
         found_boxes = [[tuple(b) for b in frame_boxes[np.isfinite(frame_boxes).all(axis=1)]]
                        for frame_boxes in boxes_by_frame]
         for capture_ts_lsl, frame_boxes in zip(frame_ts, found_boxes):
@@ -512,12 +516,13 @@ def run_one(cameras: int, transport: str, args) -> dict:
               "cameras_per_capture_worker": args.cameras_per_capture_worker,
               "detection_share": args.detection_share or "auto",
               "decode": args.decode,
+              "phases": "genlocked" if args.genlocked else "free-running",
               "log": str(log_path)}
     with tempfile.TemporaryDirectory(prefix="fcb-") as tmp:
         tmp = Path(tmp)
         config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
                              args.half, host, args.source, args.detection_share, args.decode,
-                             args.newcomers, args.cameras_per_capture_worker)
+                             args.newcomers, args.cameras_per_capture_worker, args.genlocked)
         daemon = DaemonUnderTest(tmp, config, log_path)
         try:
             if not daemon.wait_ready(args.boot_timeout_s):
@@ -580,7 +585,7 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
     finally:
         reader.close()
     counted = published_frames(reader.by_camera(), window, camera_ids, args.source,
-                               args.newcomers)
+                               args.newcomers, args.genlocked)
     reports = output_reports(drained)
     transports = sorted({r.transport for reports_ in last.cameras.values() for r in reports_
                          if r.transport})
@@ -1053,6 +1058,10 @@ def main() -> int:
                              "(Note [Synthetic replay]), or that loop "
                              "encoded once and decoded every frame where --decode says (Note "
                              "[Encoded synthetic loop])")
+    parser.add_argument("--genlocked", action="store_true",
+                        help="every replayed camera (and the baseline's) at phase 0: all capture "
+                             "at one instant, as hardware-triggered cameras do; default: each at "
+                             "a phase of its own, as free-running cameras (Note [Capture phases])")
     parser.add_argument("--roi-workers", type=lambda text: text if text == "auto" else int(text),
                         default="auto", help="daemon.roi_landmark_workers (default: auto)")
     parser.add_argument("--cameras-per-capture-worker",
@@ -1124,6 +1133,9 @@ def main() -> int:
         args.cameras = camera_counts(args.cameras)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    if args.genlocked and args.source == "synthetic":
+        parser.error("--genlocked: the live synthetic source has no phase (it renders when "
+                     "it captures); use a replayed source (synthetic-replay, -h264, -mjpeg)")
     if args.newcomers and args.mediapipe_baseline:
         parser.error("--newcomers stages facecast's cameras only: run the baseline without it")
     if args.boot_stop_only and args.mediapipe_baseline:
@@ -1169,7 +1181,8 @@ def main() -> int:
                 cameras, face_px=face_px, source="synthetic" if face_px else args.source,
                 warmup_s=args.baseline_warmup_s, measure_s=measure_s,
                 boot_timeout_s=args.boot_timeout_s, log_dir=args.log_dir,
-                python=args.mediapipe_python, pythonpath=args.mediapipe_path)
+                python=args.mediapipe_python, pythonpath=args.mediapipe_path,
+                genlocked=args.genlocked and not face_px)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for cameras in args.cameras:

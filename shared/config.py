@@ -470,6 +470,14 @@ class CameraConfig(_Strict):
                      "source with H.264/H.265 video (a file, an rtsp:// or http:// stream, "
                      '"synthetic-h264")'),
     ] = ""
+    phase: Annotated[
+        Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] | None,
+        msgspec.Meta(description="replayed synthetic sources only (synthetic-replay, "
+                     "synthetic-h264, synthetic-mjpeg): where in each frame period the camera "
+                     "captures, as a fraction of the period; cameras of one phase capture at the "
+                     "same instants, as genlocked cameras do; absent: a fraction drawn from the "
+                     "camera's id, as free-running cameras' phases are (Note [Capture phases])"),
+    ] = None
     staging: Annotated[
         StagingConfig | None,
         msgspec.Meta(description="synthetic sources only: stage people, i.e. which photo "
@@ -479,6 +487,10 @@ class CameraConfig(_Strict):
     ] = None
 
     def __post_init__(self) -> None:
+        if self.phase is not None and self.source not in _REPLAYED_SOURCES:
+            raise ValueError(f"phase: camera {self.id!r} has source {self.source!r}; only the "
+                             f"replayed synthetic sources ({', '.join(_REPLAYED_SOURCES)}) capture "
+                             "on a schedule that a phase can set")
         if self.staging is None or self.source == "synthetic":
             return
         if self.source not in _REPLAYED_SOURCES:

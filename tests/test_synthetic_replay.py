@@ -99,16 +99,19 @@ def test_the_truth_is_a_pure_function_of_the_capture_time() -> None:
     camera = _camera(fps=25.0)
     replay, again = SyntheticReplay.for_camera(camera), synthetic_truth(camera)
     for capture_ts_lsl in (0.0, 0.039, 1.0, 7.31, 86_400.02, 1_234_567.891):
-        index = math.floor(capture_ts_lsl * 25.0) % (2 * (replay.loop_frames - 1))
+        tick = math.floor(capture_ts_lsl * 25.0 - replay.phase)  # Note [Capture phases]
+        index = tick % (2 * (replay.loop_frames - 1))
         index = index if index < replay.loop_frames else 2 * (replay.loop_frames - 1) - index
         assert replay.loop_index(capture_ts_lsl) == index
         assert replay.scene_time_s(capture_ts_lsl) == index / 25.0
         assert replay.faces_at(capture_ts_lsl) == again.faces_at(capture_ts_lsl)
         assert replay.faces_at(capture_ts_lsl) == replay.scene.faces_at(index / 25.0)
-    # Every capture within one tick shows the same frame; the next tick another one.
-    tick_s = 1 / 25.0
-    assert replay.faces_at(100 * tick_s + 0.01) == replay.faces_at(100 * tick_s + 0.03)
-    assert replay.faces_at(100 * tick_s + 0.01) != replay.faces_at(101 * tick_s + 0.01)
+    # Every capture within one of its ticks shows the same frame; the next tick another one.
+    tick_s, start_s = 1 / 25.0, replay.phase / 25.0
+    assert replay.faces_at(start_s + 100 * tick_s + 0.001) == replay.faces_at(
+        start_s + 100 * tick_s + 0.039)
+    assert replay.faces_at(start_s + 100 * tick_s + 0.001) != replay.faces_at(
+        start_s + 101 * tick_s + 0.001)
     # Other cameras move differently (the scene's seed is the camera id).
     other = SyntheticReplay.for_camera(CameraConfig(id="replay1", source="synthetic-replay",
                                                     width=320, height=240, fps=25.0))
@@ -126,8 +129,47 @@ def test_captures_are_paced_like_a_camera_half_a_period_into_their_tick() -> Non
     # Where in its tick each capture fell (0: at the frame's first instant): half way, so that
     # a wake-up late by up to half a period still shows its own tick's frame. The median is
     # what the schedule aims at; a busy machine's late wake-ups only move single captures.
-    phase = stamps * fps - np.floor(stamps * fps)
-    assert 0.4 <= np.median(phase) <= 0.75, phase
+    ticks = stamps * fps - source.replay.phase
+    into_tick = ticks - np.floor(ticks)
+    assert 0.4 <= np.median(into_tick) <= 0.75, into_tick
+
+
+def test_cameras_capture_at_their_own_phase_unless_one_is_configured() -> None:
+    """Note [Capture phases]: free-running cameras each at a phase of their own, fixed by the
+    id; a configured phase (0 for all: genlocked) replaces it."""
+    from facecast.workers.capture.sources import capture_phase
+
+    free = [capture_phase(CameraConfig(id=f"cam{k:02d}", source="synthetic-replay"))
+            for k in range(64)]
+    assert all(0.0 <= phase < 1.0 for phase in free)
+    assert free == [capture_phase(CameraConfig(id=f"cam{k:02d}", source="synthetic-replay"))
+                    for k in range(64)]  # the same in every process
+    # Spread over the period as free-running cameras' phases are: no tenth of it holds more
+    # than a quarter of the cameras (genlocked, one tenth holds them all).
+    assert np.histogram(free, bins=10, range=(0, 1))[0].max() <= 16, sorted(free)
+    genlocked = CameraConfig(id="cam07", source="synthetic-h264", phase=0.0)
+    assert capture_phase(genlocked) == 0.0
+    assert SyntheticReplay.for_camera(genlocked).phase == 0.0
+
+    # Two cameras at phases a quarter of a period apart capture a quarter of a period apart.
+    fps = 20.0
+    stamps = {}
+    for camera_id, phase in (("early", 0.0), ("late", 0.25)):
+        with open_source(CameraConfig(id=camera_id, source="synthetic-replay", width=160,
+                                      height=120, fps=fps, phase=phase)) as source:
+            stamps[camera_id] = np.array([source.read()[1] for _ in range(11)])
+    into_period = {camera_id: np.median(ts * fps - np.floor(ts * fps))
+                   for camera_id, ts in stamps.items()}
+    assert into_period["late"] - into_period["early"] == pytest.approx(0.25, abs=0.1), into_period
+
+
+def test_a_phase_is_refused_where_nothing_captures_on_a_schedule() -> None:
+    with pytest.raises(ValueError, match="phase: camera 'cam0' has source '/dev/video0'"):
+        CameraConfig(id="cam0", source="/dev/video0", phase=0.5)
+    with pytest.raises(ValueError, match="phase"):
+        config_mod.loads('[[cameras]]\nid = "cam0"\nsource = "synthetic-replay"\nphase = 1.0\n')
+    with pytest.raises(ValueError, match="0 <= phase < 1"):
+        SyntheticReplay(SyntheticScene(160, 120, seed="a"), fps=10.0, phase=-0.1)
 
 
 # --- through the whole daemon ---------------------------------------------------------------------

@@ -37,7 +37,6 @@ from facecast.workers.capture.sources import (
     EncodedSyntheticLoop,
     FrameSource,
     SyntheticReplay,
-    _capture_half_into_ticks,
     _Pacer,
     capture_in_a_new_tick,
 )
@@ -322,7 +321,7 @@ class EncodedLoopPlayback:
         self._next_position = next_position  # the file frame the reader gives next
         self.granted = dataclasses.replace(self.granted, fps=self.camera.fps)
         self._pacer = _Pacer(self.camera.fps)
-        _capture_half_into_ticks(self._pacer, self.camera.fps)
+        self.replay.schedule_half_into_ticks(self._pacer)
         log.info("camera %s: %s encoded its %d-frame round trip once (%.2f MB in memory, "
                  "%.2f s) and decodes it on the GPU at %g fps", self.camera_id, self.kind,
                  self.encoded.frame_count, self.encoded.nbytes / 1e6, self.encoded.encode_s,

@@ -566,22 +566,54 @@ class SyntheticReplay:
         with the scheduler's jitter.
         Memory: L x width x height x 3 bytes per camera, 30 x 6.2 MB = 187 MB at 1080p (6 GB
         for 32 cameras); rendering it takes about half a second of one core at open.
+
+    Note [Capture phases]
+        Each replayed camera has its own capture clock's ticks, `floor(capture_ts_lsl * fps -
+        phase)`: its phase (`CameraConfig.phase`, a fraction of the period) says where in each
+        period of the shared clock it captures. Cameras of one phase capture at the same
+        instants, as genlocked (hardware-triggered) cameras do; free-running cameras, USB and IP
+        cameras as labs mostly have them, each capture at a phase of their own. Until
+        2026-11-27 every replayed camera had phase 0, so 64 cameras handed their 64 frames
+        (400 MB at 1080p) to the capture workers at one instant, and the daemon's own first hop
+        (grab to published: the copies into pinned memory and over PCIe, one after another)
+        grew with the camera count, 3.1 / 8.6 / 19.6 ms mean at 8 / 32 / 64 cameras (H100,
+        docs/benchmarks.md). A camera with no phase configured takes one from its id (CRC-32,
+        as a fraction of 2**32): fixed for the id, so that the ground truth in another process
+        is the same, and spread as free-running cameras' are. `phase = 0.0` on every camera
+        (bench/pipeline.py --genlocked) gives the genlocked case back.
     """
 
     LOOP_FRAMES = SYNTHETIC_REPLAY_LOOP_FRAMES  # 1 s each way at 30 fps
 
-    def __init__(self, scene: SyntheticScene, fps: float, loop_frames: int = LOOP_FRAMES) -> None:
+    def __init__(self, scene: SyntheticScene, fps: float, loop_frames: int = LOOP_FRAMES,
+                 phase: float = 0.0) -> None:
         if loop_frames < 2:
             raise ValueError(f"a replayed loop needs at least 2 frames, got {loop_frames}")
         if not fps > 0:
             raise ValueError(f"a replayed loop needs fps > 0, got {fps}")
+        if not 0.0 <= phase < 1.0:
+            raise ValueError(f"a replayed loop's phase is a fraction of a period, 0 <= phase < 1; "
+                             f"got {phase}")
         self.scene = scene
         self.fps = fps
         self.loop_frames = loop_frames
+        self.phase = phase
 
     @classmethod
     def for_camera(cls, camera: CameraConfig) -> SyntheticReplay:
-        return cls(SyntheticScene.for_camera(camera), camera.fps)
+        return cls(SyntheticScene.for_camera(camera), camera.fps, phase=capture_phase(camera))
+
+    def tick(self, capture_ts_lsl: float) -> int:
+        """The camera's capture clock's tick at `capture_ts_lsl` (Note [Capture phases])."""
+        return math.floor(capture_ts_lsl * self.fps - self.phase)
+
+    def schedule_half_into_ticks(self, pacer: _Pacer) -> None:
+        """Schedule `pacer`'s captures half a period into this camera's ticks (Note [Synthetic
+        replay], Note [Capture phases]); the pacer runs on the monotonic clock, the ticks on the
+        capture clock."""
+        lsl_minus_monotonic_s = pylsl.local_clock() - time.monotonic()
+        tick = self.tick(time.monotonic() + lsl_minus_monotonic_s)
+        pacer.next_due_monotonic = (tick + 1.5 + self.phase) / self.fps - lsl_minus_monotonic_s
 
     @property
     def cycle_frames(self) -> int:
@@ -591,7 +623,7 @@ class SyntheticReplay:
     def cycle_position(self, capture_ts_lsl: float) -> int:
         """Where in the round trip the frame captured at `capture_ts_lsl` is (0..cycle_frames-1):
         the frame number in the encoded loop's file (Note [Encoded synthetic loop])."""
-        return math.floor(capture_ts_lsl * self.fps) % self.cycle_frames
+        return self.tick(capture_ts_lsl) % self.cycle_frames
 
     def loop_index_of_position(self, position: int) -> int:
         """The loop frame at `position` of the round trip."""
@@ -633,12 +665,12 @@ def synthetic_truth(camera: CameraConfig) -> SyntheticScene | SyntheticReplay:
                      '"synthetic-h264" and "synthetic-mjpeg") have a ground truth')
 
 
-def _capture_half_into_ticks(pacer: _Pacer, fps: float) -> None:
-    """Schedule `pacer`'s captures half a period into the capture clock's ticks (Note
-    [Synthetic replay]); the pacer runs on the monotonic clock, the ticks on the capture clock."""
-    lsl_minus_monotonic_s = pylsl.local_clock() - time.monotonic()
-    tick = math.floor((time.monotonic() + lsl_minus_monotonic_s) * fps)
-    pacer.next_due_monotonic = (tick + 1.5) / fps - lsl_minus_monotonic_s
+def capture_phase(camera: CameraConfig) -> float:
+    """Where in each frame period a replayed camera captures (Note [Capture phases]): its
+    configured phase, else a fraction fixed by its id."""
+    if camera.phase is not None:
+        return camera.phase
+    return zlib.crc32(camera.id.encode()) / 2**32
 
 
 class SyntheticReplaySource(SyntheticSource):
@@ -649,13 +681,13 @@ class SyntheticReplaySource(SyntheticSource):
 
     def __init__(self, camera: CameraConfig) -> None:
         super().__init__(camera)
-        self.replay = SyntheticReplay(self.scene, camera.fps)
+        self.replay = SyntheticReplay(self.scene, camera.fps, phase=capture_phase(camera))
         started_s = time.monotonic()
         self._loop = self.replay.render_loop()
         log.info("camera %s: replays a %d-frame loop back and forth (%.0f MB, rendered in %.2f s)",
                  camera.id, self.replay.loop_frames, self._loop.nbytes / 1e6,
                  time.monotonic() - started_s)
-        _capture_half_into_ticks(self._pacer, camera.fps)
+        self.replay.schedule_half_into_ticks(self._pacer)
 
     def _frame_at(self, capture_ts_lsl: float) -> np.ndarray:
         return self._loop[self.replay.loop_index(capture_ts_lsl)]
@@ -1100,7 +1132,7 @@ def capture_in_a_new_tick(replay: SyntheticReplay,
     capture_ts_lsl = pylsl.local_clock()
     position = replay.cycle_position(capture_ts_lsl)
     if position == shown_position:
-        next_tick_s = (math.floor(capture_ts_lsl * replay.fps) + 1.5) / replay.fps
+        next_tick_s = (replay.tick(capture_ts_lsl) + 1.5 + replay.phase) / replay.fps
         time.sleep(max(0.0, next_tick_s - capture_ts_lsl))
         capture_ts_lsl = pylsl.local_clock()
         position = replay.cycle_position(capture_ts_lsl)
@@ -1127,7 +1159,7 @@ class EncodedSyntheticSource(FileSource):
                  camera.fps)
         # The camera's rate, not the file's (rounded) one: the truth is on the camera's ticks.
         self._pacer = _Pacer(camera.fps)
-        _capture_half_into_ticks(self._pacer, camera.fps)
+        self.replay.schedule_half_into_ticks(self._pacer)
         self._next_position = 0  # the file frame the decoder gives next
         self.frames_decoded = 0
 
