@@ -255,8 +255,9 @@ class FaceTally:
 # Note [A newcomer's delay]
 #     A person who walks into view must be published within NEWCOMER_GOAL_MS of the first
 #     frame that shows them. With a staged scene (Note [Staged scenes]) the ground truth says
-#     which frame that is: the capture clock's ticks (floor(t x fps), the synthetic sources
-#     capture half a period into each) are walked through the window, and an appearance is a
+#     which frame that is: the camera's capture clock's ticks (floor(t x fps - phase), Note
+#     [Capture phases]; the synthetic sources capture half a period into each) are walked
+#     through the window, and an appearance is a
 #     tick whose frame shows the person where the tick before did not. Its delay is from that
 #     first frame's capture time (the published frame's own where that frame was published, else
 #     the middle of its tick) to the arrival of the first published frame, in that appearance,
@@ -279,11 +280,13 @@ class NewcomerTally:
                    frame_boxes: Sequence[np.ndarray], first_arrival: np.ndarray) -> None:
         """One camera's published frames (capture timestamps in order, each frame's result boxes
         (n, 4), when each first reached an inlet) against `truth.faces_at`."""
-        first_tick = math.ceil(window.start_ts_lsl * fps)
-        last_tick = math.floor(window.end_ts_lsl * fps) - 1
-        shown = [self._box(truth.faces_at((tick + 0.5) / fps))
+        # The camera's own ticks (Note [Capture phases]; the live scene's phase is 0).
+        phase = getattr(truth, "phase", 0.0)
+        first_tick = math.ceil(window.start_ts_lsl * fps - phase)
+        last_tick = math.floor(window.end_ts_lsl * fps - phase) - 1
+        shown = [self._box(truth.faces_at((tick + 0.5 + phase) / fps))
                  for tick in range(first_tick - 1, last_tick + 1)]
-        frame_ticks = np.floor(frame_ts * fps).astype(np.int64)
+        frame_ticks = np.floor(frame_ts * fps - phase).astype(np.int64)
         tick = first_tick
         while tick <= last_tick:
             index = tick - first_tick + 1
@@ -296,7 +299,7 @@ class NewcomerTally:
                 break  # still in view at the window's end: not counted
             frames = np.flatnonzero((frame_ticks >= tick) & (frame_ticks < leaves))
             own = frames[frame_ticks[frames] == tick]
-            first_ts = frame_ts[own[0]] if len(own) else (tick + 0.5) / fps
+            first_ts = frame_ts[own[0]] if len(own) else (tick + 0.5 + phase) / fps
             for frame in frames:
                 person = self._box(truth.faces_at(frame_ts[frame]))
                 if person is not None and match([person], frame_boxes[frame]):

@@ -119,13 +119,18 @@ def test_a_newcomer_is_timed_from_the_first_frame_that_shows_them(source):
     match them; an appearance never matched is missed; frames of the one who stays do not count."""
     fps = float(pipeline.FPS)
     window = accounting.Window.starting_at(200.0, measure_s=8.0, fps=fps)
-    config = CameraConfig(id="cam00", source=source, width=pipeline.WIDTH,
+    # cam02: a replayed camera's phase is its id's, 0.80 of a period here (Note [Capture
+    # phases]), so its captures fall in the shared clock's next tick.
+    config = CameraConfig(id="cam02", source=source, width=pipeline.WIDTH,
                           height=pipeline.HEIGHT, fps=fps,
                           staging=msgspec.convert(pipeline.NEWCOMER_STAGING, StagingConfig))
     truth = synthetic_truth(config)
-    ticks = np.arange(math.floor(window.start_ts_lsl * fps) - 40,
-                      math.floor(window.end_ts_lsl * fps) + 40)
-    frame_ts = (ticks + 0.5) / fps  # captured half a period into each tick
+    # The camera's own ticks: a replayed camera's phase is its id's (Note [Capture phases]).
+    phase = getattr(truth, "phase", 0.0)
+    assert phase == (pytest.approx(0.7996, abs=1e-4) if source == "synthetic-replay" else 0.0)
+    ticks = np.arange(math.floor(window.start_ts_lsl * fps - phase) - 40,
+                      math.floor(window.end_ts_lsl * fps - phase) + 40)
+    frame_ts = (ticks + 0.5 + phase) / fps  # captured half a period into each tick
     shown = np.array([any(t.name == pipeline.NEWCOMER for t in truth.faces_at(ts))
                       for ts in frame_ts])
     firsts = np.flatnonzero(shown[1:] & ~shown[:-1]) + 1
@@ -144,8 +149,8 @@ def test_a_newcomer_is_timed_from_the_first_frame_that_shows_them(source):
         stamps += [ts, ts]
         boxes += [stays, newcomer]
     arrivals = np.array(stamps) + 0.040  # each frame reaches the inlet 40 ms after its capture
-    samples = {"cam00": (np.array(stamps), np.array(boxes, np.float64), arrivals)}
-    counted = pipeline.published_frames(samples, window, ["cam00"], source, newcomers=True)
+    samples = {"cam02": (np.array(stamps), np.array(boxes, np.float64), arrivals)}
+    counted = pipeline.published_frames(samples, window, ["cam02"], source, newcomers=True)
     newcomers = counted["newcomers"]
     assert newcomers["appearances"] == len(inside) and newcomers["missed"] == 1
     assert newcomers["frames_late_max"] == 3
