@@ -122,9 +122,10 @@ run)
                 done
                 echo "$(date -u +%H:%M:%S) gpu_tests: no PyAV, decoding tests left out" >> "$STATE/steps.txt"
             fi
+            # $GPU_TESTS (paths) runs those files only: a session's short check of what changed.
             step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider -p no:xdist --durations=30 $without_av \
-                tests/models tests/test_cuda_rules.py tests/test_foreign_writer.py \
-                tests/test_daemon_gpu.py tests/test_real_footage_gpu.py tests ;;
+                ${GPU_TESTS:-tests/models tests/test_cuda_rules.py tests/test_foreign_writer.py \
+                tests/test_daemon_gpu.py tests/test_real_footage_gpu.py tests} ;;
         real_footage) step real_footage bash -c "cd bench && python3 real_footage.py \
             ${FACECAST_REAL_FOOTAGE//:/ } --out '$STATE/benchmarks-real-footage.json' \
             --log-dir '$STATE/logs'" ;;
