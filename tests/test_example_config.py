@@ -35,6 +35,9 @@ def test_example_lab_config_shows_every_key():
     if re.search(r"^#   \[cameras\.staging\]\n#   cycle_s = .*\n#   appearances = ", text,
                  flags=re.MULTILINE):
         keys_set.add("staging")
+    # So is phase (replayed synthetic cameras only).
+    if re.search(r'^#   source = "synthetic-replay"\n#   phase = ', text, flags=re.MULTILINE):
+        keys_set.add("phase")
     for struct in (config.DaemonConfig, config.ModelsConfig, config.OutputConfig,
                    config.CameraConfig, config.WebConfig, config.RecordConfig,
                    config.ParticipantsConfig, config.SynchronyConfig):
