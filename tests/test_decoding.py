@@ -297,6 +297,51 @@ def test_nv12_to_bgr_is_the_colour_formula_rounded(matrix, full_range):
     assert np.mean(bgr == np.floor(exact + 0.5)) >= 0.9999
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("matrix", ["bt601", "bt709"])
+@pytest.mark.parametrize("full_range", [False, True])
+def test_nv12_to_bgr_on_the_gpu_is_one_kernel_with_the_cpus_bytes(matrix, full_range, caplog):
+    """On CUDA the conversion is one fused kernel (Note [NV12 to BGR]): the bytes of PyTorch's
+    kernels on the same device and of the CPU's form, but for a grey level at float32's ties;
+    where the fused kernel cannot run, PyTorch's kernels convert, and the reason is logged once."""
+    colour = YuvToBgr(matrix, full_range)
+    height, width = 1080, 1920
+    nv12 = torch.randint(0, 256, (height * 3 // 2, width), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(11))
+    on_gpu = nv12.cuda()
+    nv12_to_bgr(on_gpu, height, width, colour)  # compiles it, and makes its channel numbers
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fused = nv12_to_bgr(on_gpu, height, width, colour)
+        torch.cuda.synchronize()
+    assert nvdec._fused_failed is None
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]
+    assert fused.shape == (height, width, 3) and fused.dtype == torch.uint8 and fused.is_cuda
+    by_torch = nvdec.converted_by_torch(on_gpu, height, width, colour).cpu()
+    on_cpu = nv12_to_bgr(nv12, height, width, colour)
+    for other in (by_torch, on_cpu):
+        difference = (fused.cpu().int() - other.int()).abs()
+        assert difference.max() <= 1 and (difference > 0).sum() <= 2_000, int(
+            (difference > 0).sum())
+
+    def broken(colour):
+        raise RuntimeError("nvrtc: no such thing")
+
+    original = nvdec._fused_kernel
+    try:
+        nvdec._fused_kernel = broken
+        with caplog.at_level("WARNING", logger=nvdec.log.name):
+            again = [nv12_to_bgr(on_gpu, height, width, colour).cpu() for _ in range(2)]
+        assert all(torch.equal(frame, by_torch) for frame in again)
+        assert nvdec._fused_failed == "RuntimeError: nvrtc: no such thing"
+        warnings = [r.getMessage() for r in caplog.records if "fused kernel failed" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+    finally:
+        nvdec._fused_kernel, nvdec._fused_failed = original, None
+
+
 def test_nv12_needs_an_even_size():
     with pytest.raises(ValueError, match="even width and height, got 3x2"):
         nv12_to_bgr(torch.zeros(3, 3, dtype=torch.uint8), 2, 3, YuvToBgr("bt601", False))

@@ -180,8 +180,27 @@ def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -
     stream (Note [NV12 to BGR]). Width and height must be even (4:2:0)."""
     if height % 2 or width % 2:
         raise ValueError(f"NV12 needs an even width and height, got {width}x{height}")
-    from_u, from_v, constant, y_scale = _chroma_terms_on(colour, nv12.device)
     half_h, half_w = height // 2, width // 2
+    if nv12.is_cuda and _fused_failed is None:
+        # One kernel from the bytes to the bytes: each output byte is its luma, its block's U
+        # and V, and its channel's number, broadcast to (half_h, 2, half_w, 2, 3).
+        luma = nv12[:height].view(half_h, 2, half_w, 2, 1)
+        chroma = nv12[height:height + half_h].view(half_h, 1, half_w, 1, 2)
+        try:
+            bgr = _fused_kernel(colour)(luma, chroma[..., 0:1], chroma[..., 1:2],
+                                        _channels_on(nv12.device))
+            return bgr.reshape(height, width, 3)
+        except Exception as exc:  # NVRTC missing or refusing: PyTorch's kernels serve
+            _fused_kernel_failed(exc)
+    return converted_by_torch(nv12, height, width, colour)
+
+
+def converted_by_torch(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr
+                       ) -> torch.Tensor:
+    """`nv12_to_bgr` in PyTorch's own kernels: the CPU's form, and the GPU's where the fused
+    kernel cannot run."""
+    half_h, half_w = height // 2, width // 2
+    from_u, from_v, constant, y_scale = _chroma_terms_on(colour, nv12.device)
     chroma = nv12[height:height + half_h].reshape(half_h, half_w, 2)
     # Per 2x2 block of luma: what its chroma adds to B, G and R, with the chroma's 128, its
     # scale, the luma's offset and the rounding's 0.5 folded in: two kernels on the raw bytes.
@@ -193,16 +212,72 @@ def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -
     return bgr.view(height, width, 3).clamp_(0.0, 255.99).to(torch.uint8)
 
 
+# The fused conversion's element (Note [NV12 to BGR]): the torch form's terms above, in the
+# same order and precision; the colour's constants are literals in the code, and the function's
+# name is the colour's, so that no cache of compiled kernels can mistake one colour for another.
+_FUSED_ELEMENT = """
+template <typename T> T {name}(T y, T u, T v, T channel) {{
+    float from_u = channel == 0 ? {b_u}f : (channel == 1 ? {g_u}f : 0.0f);
+    float from_v = channel == 0 ? 0.0f : (channel == 1 ? {g_v}f : {r_v}f);
+    float value = channel == 0 ? {b_0}f : (channel == 1 ? {g_0}f : {r_0}f);
+    value = value + float(u) * from_u;
+    value = value + float(v) * from_v;
+    value = value + float(y) * {y_scale}f;
+    return T(fminf(fmaxf(value, 0.0f), 255.99f));
+}}
+"""
+_fused_failed: str | None = None  # why the fused kernel is not used, once it failed
+
+
+def _fused_kernel_failed(exc: Exception) -> None:
+    global _fused_failed
+    if _fused_failed is None:
+        _fused_failed = f"{type(exc).__name__}: {exc}"
+        log.warning("NV12 to BGR: the fused kernel failed (%s); PyTorch's kernels convert "
+                    "from now on", _fused_failed)
+
+
+@functools.lru_cache(maxsize=4)
+def _fused_kernel(colour: YuvToBgr):
+    """The fused conversion for `colour`, made once per process (NVRTC, through PyTorch's
+    jiterator: compiled at its first call, then cached in memory and on disk)."""
+    from_u, from_v, (b_0, g_0, r_0), y_scale = _terms(colour)
+    code = _FUSED_ELEMENT.format(
+        name=f"nv12_to_bgr_{colour.matrix}_{'full' if colour.full_range else 'studio'}",
+        b_u=_f32(from_u[0]), g_u=_f32(from_u[1]), g_v=_f32(from_v[1]), r_v=_f32(from_v[2]),
+        b_0=_f32(b_0), g_0=_f32(g_0), r_0=_f32(r_0), y_scale=_f32(y_scale))
+    return torch.cuda.jiterator._create_jit_fn(code)
+
+
+def _terms(colour: YuvToBgr) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...],
+                                      float]:
+    """B, G, R per unit of U and of V, the constant term (the chroma's 128, the luma's offset
+    and the rounding's 0.5 folded in), and the luma's scale."""
+    y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
+    from_u = (b_u * chroma_scale, g_u * chroma_scale, 0.0)
+    from_v = (0.0, g_v * chroma_scale, r_v * chroma_scale)
+    constant = tuple(0.5 - y_offset * y_scale - 128.0 * (u + v) for u, v in zip(from_u, from_v))
+    return from_u, from_v, constant, y_scale
+
+
+def _f32(value: float) -> str:
+    """`value` as a C float literal's digits that round to the float32 torch would use."""
+    return repr(float(np.float32(value)))
+
+
+@functools.lru_cache(maxsize=16)
+def _channels_on(device: torch.device) -> torch.Tensor:
+    """0, 1, 2 (B, G, R) as uint8 on the device: the fused conversion's channel input."""
+    return torch.arange(3, dtype=torch.uint8, device=device)
+
+
 @functools.lru_cache(maxsize=16)
 def _chroma_terms_on(colour: YuvToBgr, device: torch.device
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """`nv12_to_bgr`'s constants on the device, made once (a tensor made per frame would be a
     host-to-device copy per frame): B, G, R per unit of U and of V, the constant term, and the
     luma's scale."""
-    y_offset, y_scale, b_u, g_u, g_v, r_v, chroma_scale = colour.coefficients()
-    from_u = (b_u * chroma_scale, g_u * chroma_scale, 0.0)
-    from_v = (0.0, g_v * chroma_scale, r_v * chroma_scale)
-    constant = tuple(0.5 - y_offset * y_scale - 128.0 * (u + v) for u, v in zip(from_u, from_v))
+    from_u, from_v, constant, y_scale = _terms(colour)
     return (*(torch.tensor(values, dtype=torch.float32, device=device)
               for values in (from_u, from_v, constant)), y_scale)
 
