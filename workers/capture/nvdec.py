@@ -57,9 +57,9 @@ Note [NV12 to BGR]
     H.264 bit-exactly as NVDEC must): the synthetic H.264 loop 45.5 dB PSNR (max difference 3
     grey levels), a BT.709-flagged stream 46.1 dB with the 709 matrix (42.9 with 601), the MJPEG
     loop (full range) 49.3 dB; bilinear chroma was worse (44.0 dB, max difference 27).
-    The work at full resolution is three torch kernels: the luma scaled and added to its
-    block's chroma terms (one broadcast add, written as the three BGR channels), the clamp, and
-    the cast to uint8; the chroma terms (a quarter of the pixels) take two small ones, each a
+    In PyTorch's own kernels (the CPU's form) the work at full resolution is three: the luma
+    scaled and added to its block's chroma terms (one broadcast add, written as the three BGR
+    channels), the clamp, and the cast to uint8; the chroma terms (a quarter of the pixels) take two small ones, each a
     multiply-add on the chroma's raw bytes. The constants are folded into the terms, among them
     the chroma's 128 and the 0.5 that makes the truncating cast a rounding (half up). py-spy of
     a capture worker at 64 NVDEC cameras on the H100 (2026-11-26) found 19 % of its samples
@@ -75,6 +75,17 @@ Note [NV12 to BGR]
     docs/benchmarks.md), but on memory: the capture processes held 1,272 MiB less (13,138 ->
     11,866 MiB in every run), the small tensors' blocks having been cached by torch's allocator
     per camera thread's stream.
+    On a GPU that form is now the fallback: since 2026-11-27 the conversion is one fused kernel
+    (`_fused_kernel`: the same terms in the same order, in float32, its constants literals in
+    the code, compiled by NVRTC through PyTorch's jiterator at its first call), which reads the
+    NV12 bytes and writes the BGR bytes, where the torch form wrote and read a float32 frame
+    (25 MB at 1080p) and its chroma terms in between. On the H100 (2026-11-27, a 1080p frame,
+    1,000 conversions queued back to back): 54 us a frame against 91, 26 us of CPU to queue it
+    against 72, 5.9 MiB of device memory at its peak against 35.9 (the new frame only); the
+    same bytes as PyTorch's kernels there and as the CPU's form but at float32's ties
+    (tests/test_decoding.py). At 64 NVDEC cameras the capture processes held 10,186 MiB against
+    11,468 (their torch reserve 2,784 against 4,066 MiB). Where NVRTC cannot compile or run it,
+    PyTorch's kernels convert and the reason is logged once.
     `facecast analyze` skips it for studio-range files: NVDEC's decoder is asked for
     interleaved RGB (PyNvVideoCodec's OutputColorType.RGB, its own kernel on the camera's
     stream, with the stream's matrix, BT.601 where the stream names none) and `bgr_of` swaps
