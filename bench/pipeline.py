@@ -21,6 +21,12 @@ BOOT_STOP_DEFINITIONS below; the JSON carries them, the table's legend repeats t
 - CPU time of the daemon's process tree per second of the window (cores busy), by process role;
 - GPU utilisation and memory from NVML (through the supervisor's status).
 
+The replayed cameras (`--source synthetic-replay` and its encoded loops) capture at phases of
+their own, taken from their ids, as free-running cameras do; `--genlocked` puts every camera
+(and the baseline's) at phase 0, capturing at one instant as hardware-triggered cameras do
+(Note [Capture phases]; the rows say which, under "phases"). Runs before 2026-11-27 were
+genlocked.
+
 `--boot-stop-only` measures boot and stop only (boot, READY=1, hold `--hold-s`, stop): the mode
 for 32 and 64 cameras, where the question is whether the daemon starts and stops cleanly.
 
