@@ -104,7 +104,8 @@ def test_on_the_cpu_everything_starts_at_once(runtime_dir, monkeypatch):
 
 def test_a_held_capture_worker_boots_only_when_released(runtime_dir, tmp_path):
     """A real capture worker process: Assignment(hold=True) → heartbeats "booting" and no
-    camera opened, however long it waits; Release → it boots and runs its camera."""
+    camera opened, however long it waits, its replayed camera's loop rendered meanwhile (Note
+    [Loops made while held]); Release → it boots and runs its camera on that loop."""
     import subprocess
     import sys
 
@@ -112,7 +113,7 @@ def test_a_held_capture_worker_boots_only_when_released(runtime_dir, tmp_path):
 
     endpoint = f"ipc://{runtime_dir}/control"
     config = config_mod.loads(f'[daemon]\nruntime_dir = "{runtime_dir}"\ntransport = "shm"\n'
-                              '[[cameras]]\nid = "cam0"\nsource = "synthetic"\nfps = 5\n'
+                              '[[cameras]]\nid = "cam0"\nsource = "synthetic-replay"\nfps = 5\n'
                               "width = 320\nheight = 180\n")
     with zmq.Context() as context, open(tmp_path / "stderr.txt", "w") as stderr:
         router = context.socket(zmq.ROUTER)
@@ -138,7 +139,9 @@ def test_a_held_capture_worker_boots_only_when_released(runtime_dir, tmp_path):
                 if isinstance(message, Heartbeat):
                     assert message.state == "booting" and message.cameras == [], message
                     held += 1
-            assert "held until the supervisor releases it" in (tmp_path / "stderr.txt").read_text()
+            log = (tmp_path / "stderr.txt").read_text()
+            assert "held until the supervisor releases it" in log
+            assert "made the loops of 1 replayed camera(s)" in log
             router.send_multipart([identity, messages.encode(Release(worker="capture:cam0"))])
             while True:
                 message = receive()[1]
@@ -148,6 +151,8 @@ def test_a_held_capture_worker_boots_only_when_released(runtime_dir, tmp_path):
                        and message.cameras[0].frames > 0):
                 message = receive()[1]
             assert message.cameras[0].camera_id == "cam0"
+            assert ("replays a 30-frame loop back and forth (5 MB, rendered while its capture "
+                    "worker was held)") in (tmp_path / "stderr.txt").read_text()
         finally:
             worker.kill()
             worker.wait(timeout=30)

@@ -206,6 +206,39 @@ def test_the_file_is_made_once_per_open_private_and_gone_at_close(monkeypatch) -
     assert _facecast_memfds() == before  # freed at close
 
 
+def test_a_loop_encoded_while_held_is_the_one_the_source_decodes(monkeypatch) -> None:
+    """Note [Loops made while held]: encoded once, ahead, and taken by the camera's source; a
+    loop that no source took is freed; one that cannot be made ahead fails at open as before."""
+    encodes = []
+    original = EncodedSyntheticLoop._encode
+
+    def counting(self) -> None:
+        encodes.append(self.codec)
+        original(self)
+
+    monkeypatch.setattr(EncodedSyntheticLoop, "_encode", counting)
+    before = _facecast_memfds()
+    camera = _camera("synthetic-h264", fps=40.0, width=160, height=120)
+    not_opened = CameraConfig(id="enc1", source="synthetic-mjpeg", width=160, height=120)
+    odd = CameraConfig(id="odd", source="synthetic-h264", width=161, height=120)
+    cameras = [camera, not_opened, odd, CameraConfig(id="usb", source="/dev/video0")]
+    assert sorted(sources.make_loops_ahead(cameras)) == ["enc0", "enc1"]
+    assert sorted(encodes) == ["h264", "mjpeg"] and len(_facecast_memfds()) == len(before) + 2
+    with open_source(camera) as opened:
+        assert len(encodes) == 2  # the loop made ahead, not a new one
+        truth = synthetic_truth(camera)
+        frame, capture_ts = opened.read()
+        assert _psnr_db(frame, truth.scene.render(truth.scene_time_s(capture_ts))) >= 30.0
+        # The same camera again (a reopen) encodes its own: the one made ahead is taken.
+        with open_source(camera) as again:
+            assert len(encodes) == 3 and again.encoded is not opened.encoded
+    assert sources.drop_loops_made_ahead() == 1  # enc1's, which nothing opened
+    assert sources.drop_loops_made_ahead() == 0
+    assert _facecast_memfds() == before  # every loop's file freed
+    with pytest.raises(SourceConfigError, match="even width and height"):
+        open_source(odd)
+
+
 def test_a_file_that_ends_early_is_a_lost_source() -> None:
     with open_source(_camera("synthetic-h264", fps=50.0, width=160, height=120)) as opened:
         opened.encoded.frame_count += 3  # the file has 3 frames fewer than the source expects

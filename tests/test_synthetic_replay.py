@@ -163,6 +163,27 @@ def test_cameras_capture_at_their_own_phase_unless_one_is_configured() -> None:
     assert into_period["late"] - into_period["early"] == pytest.approx(0.25, abs=0.1), into_period
 
 
+def test_a_loop_rendered_while_held_is_the_one_the_source_replays(caplog) -> None:
+    """Note [Loops made while held]: rendered ahead, replayed by the camera's source, once."""
+    from facecast.workers.capture import sources
+
+    camera = _camera()
+    changed = CameraConfig(id="replay0", source="synthetic-replay", width=160, height=120,
+                           fps=20.0)  # the same id, reloaded with another size: another loop
+    assert sources.make_loops_ahead([camera, changed]) == ["replay0", "replay0"]
+    with caplog.at_level("INFO", logger=sources.log.name):
+        with open_source(camera) as source:
+            frame, capture_ts_lsl = source.read()
+            np.testing.assert_array_equal(
+                frame, source.replay.scene.render(source.replay.scene_time_s(capture_ts_lsl)))
+        with open_source(camera):
+            pass
+    opened = [r.getMessage() for r in caplog.records if "replays a" in r.getMessage()]
+    assert "rendered while its capture worker was held" in opened[0]
+    assert "rendered in" in opened[1]  # taken once: the next open renders its own
+    assert sources.drop_loops_made_ahead() == 1  # the changed camera's
+
+
 def test_a_phase_is_refused_where_nothing_captures_on_a_schedule() -> None:
     with pytest.raises(ValueError, match="phase: camera 'cam0' has source '/dev/video0'"):
         CameraConfig(id="cam0", source="/dev/video0", phase=0.5)

@@ -34,11 +34,11 @@ from facecast.workers.capture.decoding import (
     GpuDecodeUnavailable,
 )
 from facecast.workers.capture.sources import (
-    EncodedSyntheticLoop,
     FrameSource,
     SyntheticReplay,
     _Pacer,
     capture_in_a_new_tick,
+    encoded_loop,
 )
 
 log = logging.getLogger(__name__)
@@ -310,9 +310,9 @@ class EncodedLoopPlayback:
     synthetic loop]); a mixin of a GpuDecodedSource subclass, which calls `_encode_loop` first
     and `_play` once the loop's first frame is decoded."""
 
-    def _encode_loop(self: GpuDecodedSource, codec: str) -> None:
+    def _encode_loop(self: GpuDecodedSource) -> None:
         self.replay = SyntheticReplay.for_camera(self.camera)
-        self.encoded = EncodedSyntheticLoop(self.replay, codec, name=self.camera_id)
+        self.encoded = encoded_loop(self.camera, self.replay)
 
     def _open_loop(self: GpuDecodedSource) -> PacketReader:
         return PacketReader(str(self.encoded.path))

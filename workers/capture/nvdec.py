@@ -602,7 +602,7 @@ class NvdecEncodedSyntheticSource(EncodedLoopPlayback, NvdecSource):
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
         super().__init__(camera, request)
-        self._encode_loop("h264")
+        self._encode_loop()
         try:
             self._start(self._open_loop(), keyframe_deadline_s=math.inf)  # file frame 0
             if self.frames_decoded != self._pts:

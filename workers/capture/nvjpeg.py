@@ -280,7 +280,7 @@ class NvjpegEncodedSyntheticSource(EncodedLoopPlayback, NvjpegSource):
 
     def __init__(self, camera: CameraConfig, request: DecodeRequest) -> None:
         super().__init__(camera, request)
-        self._encode_loop("mjpeg")
+        self._encode_loop()
         try:
             self._start(self._open_loop())  # file frame 0: the warm-up
         except BaseException:

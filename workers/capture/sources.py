@@ -683,10 +683,12 @@ class SyntheticReplaySource(SyntheticSource):
         super().__init__(camera)
         self.replay = SyntheticReplay(self.scene, camera.fps, phase=capture_phase(camera))
         started_s = time.monotonic()
-        self._loop = self.replay.render_loop()
-        log.info("camera %s: replays a %d-frame loop back and forth (%.0f MB, rendered in %.2f s)",
-                 camera.id, self.replay.loop_frames, self._loop.nbytes / 1e6,
-                 time.monotonic() - started_s)
+        made_ahead = take_loop_made_ahead(camera)
+        self._loop = self.replay.render_loop() if made_ahead is None else made_ahead
+        log.info("camera %s: replays a %d-frame loop back and forth (%.0f MB, %s)", camera.id,
+                 self.replay.loop_frames, self._loop.nbytes / 1e6,
+                 f"rendered in {time.monotonic() - started_s:.2f} s" if made_ahead is None
+                 else "rendered while its capture worker was held")
         self.replay.schedule_half_into_ticks(self._pacer)
 
     def _frame_at(self, capture_ts_lsl: float) -> np.ndarray:
@@ -1139,6 +1141,99 @@ def capture_in_a_new_tick(replay: SyntheticReplay,
     return capture_ts_lsl, position
 
 
+def encoded_loop(camera: CameraConfig, replay: SyntheticReplay) -> EncodedSyntheticLoop:
+    """The camera's encoded loop: made while its capture worker was held, else now."""
+    made_ahead = take_loop_made_ahead(camera)
+    if made_ahead is not None:
+        return made_ahead
+    return EncodedSyntheticLoop(replay, ENCODED_SYNTHETIC_CODECS[source_kind(camera.source)],
+                                name=camera.id)
+
+
+# --- loops made while held (Note [Loops made while held]) -----------------------------------------
+
+# Note [Loops made while held]
+#     A replayed synthetic camera makes its loop when its source opens: 30 rendered 1080p frames
+#     (about half a second of one core), or those frames encoded as H.264 or MJPEG (1-2 s, more
+#     on a busy machine). On a GPU a capture worker opens its sources only once the supervisor
+#     releases it (Note [Boot order]), so at 64 replayed cameras READY waited 6.2-6.7 s after
+#     the release for four capture workers to render 16 loops each (H100, 2026-11-27: 32.8 s in
+#     all), and longer for encoded ones (44 s at 64 synthetic-h264 cameras). The loops are the
+#     synthetic cameras' own cost, which no real camera has, and need neither the GPU nor the
+#     camera's ring: a held capture worker makes them while it waits (`make_loops_ahead`, one
+#     thread a camera), and each source takes its own at open (`take_loop_made_ahead`, by the
+#     camera's whole config, so that a reload's changed camera makes a new one). At most
+#     LOOPS_AT_ONCE a worker are made at a time: the inference workers are preparing their
+#     CUDA graphs meanwhile, on the CPU as much as on the GPU. What no source took is dropped
+#     after the boot (`drop_loops_made_ahead`). Real sources still open after the release: a
+#     camera opened and not read would queue stale frames meanwhile.
+
+_REPLAYED_KINDS = ("synthetic-replay", *ENCODED_SYNTHETIC_CODECS)
+LOOPS_AT_ONCE = 4
+_loops_made_ahead: dict[bytes, np.ndarray | EncodedSyntheticLoop] = {}
+_loops_lock = threading.Lock()
+
+
+def _loop_key(camera: CameraConfig) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(camera)
+
+
+def make_loops_ahead(cameras: list[CameraConfig]) -> list[str]:
+    """Note [Loops made while held]: the replayed cameras' loops, made side by side; the ids of
+    the cameras whose loop was made. One that cannot be made now is made at open, where its
+    error is the camera's."""
+    made: list[str] = []
+    turns = threading.BoundedSemaphore(LOOPS_AT_ONCE)
+
+    def make(camera: CameraConfig) -> None:
+        try:
+            with turns:
+                replay = SyntheticReplay.for_camera(camera)
+                if source_kind(camera.source) == "synthetic-replay":
+                    loop = replay.render_loop()
+                else:
+                    loop = EncodedSyntheticLoop(
+                        replay, ENCODED_SYNTHETIC_CODECS[source_kind(camera.source)],
+                        name=camera.id)
+        except Exception as exc:  # noqa: BLE001 - the open says it again, as the camera's error
+            log.info("camera %s: its loop is made when its source opens (%s: %s)", camera.id,
+                     type(exc).__name__, exc)
+            return
+        with _loops_lock:
+            _loops_made_ahead[_loop_key(camera)] = loop
+            made.append(camera.id)
+
+    # Daemon threads: a stop while they run ends the process without waiting for them.
+    threads = [threading.Thread(target=make, args=(camera,), daemon=True,
+                                name=f"loop-{camera.id}")
+               for camera in cameras if source_kind(camera.source) in _REPLAYED_KINDS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return made
+
+
+def take_loop_made_ahead(camera: CameraConfig):
+    """The camera's loop made while held (a rendered loop or an EncodedSyntheticLoop, now the
+    caller's), or None."""
+    with _loops_lock:
+        return _loops_made_ahead.pop(_loop_key(camera), None)
+
+
+def drop_loops_made_ahead() -> int:
+    """Free the loops that no source took (a camera changed by a reload while held); how many."""
+    with _loops_lock:
+        left = list(_loops_made_ahead.values())
+        _loops_made_ahead.clear()
+    for loop in left:
+        if isinstance(loop, EncodedSyntheticLoop):
+            loop.close()
+    return len(left)
+
+
 class EncodedSyntheticSource(FileSource):
     """"synthetic-h264" / "synthetic-mjpeg": the replayed loop encoded once at open and decoded
     by the file source's decoder at the camera's fps (Note [Encoded synthetic loop])."""
@@ -1146,8 +1241,7 @@ class EncodedSyntheticSource(FileSource):
     def __init__(self, camera: CameraConfig) -> None:
         self.kind = source_kind(camera.source)
         self.replay = SyntheticReplay.for_camera(camera)
-        self.encoded = EncodedSyntheticLoop(self.replay, ENCODED_SYNTHETIC_CODECS[self.kind],
-                                            name=camera.id)
+        self.encoded = encoded_loop(camera, self.replay)
         try:
             super().__init__(camera, path=self.encoded.path)
         except BaseException:

@@ -52,6 +52,8 @@ from facecast.workers.capture.sources import (
     SourceConfigError,
     SourceLost,
     SourceNotFound,
+    drop_loops_made_ahead,
+    make_loops_ahead,
     open_source,
     source_kind,
 )
@@ -365,7 +367,9 @@ class CaptureWorker(Worker):
 
     def prepare(self) -> None:
         """A standby on a GPU pays for torch, pycuda and the primary context now: they are most
-        of a CUDA-IPC capture worker's boot. Whether CUDA works is still decided at boot."""
+        of a CUDA-IPC capture worker's boot. Whether CUDA works is still decided at boot. A
+        worker held at boot (it knows its cameras) also makes its replayed cameras' loops
+        (Note [Loops made while held])."""
         one_thread_per_camera()
         if self.device.startswith("cuda"):
             from facecast.shared.transport import cuda_driver
@@ -375,6 +379,12 @@ class CaptureWorker(Worker):
                 cuda_driver.driver(int(self.device.partition(":")[2] or 0))
             except TransportUnavailable as exc:
                 log.info("%s: CUDA not ready (%s); boot decides the transport", self.name, exc)
+        if self.hold and self.camera_ids:
+            started_monotonic = time.monotonic()
+            made = make_loops_ahead([self.camera(camera_id) for camera_id in self.camera_ids])
+            if made:
+                log.info("%s: made the loops of %d replayed camera(s) in %.1f s while held",
+                         self.name, len(made), time.monotonic() - started_monotonic)
 
     def boot(self) -> None:
         if not self.camera_ids:
@@ -392,6 +402,11 @@ class CaptureWorker(Worker):
                 raise BootError(capture.boot_error)
             if capture.error is not None:
                 raise capture.error
+        # Every camera has opened (or failed to): a loop no source took is not wanted.
+        dropped = drop_loops_made_ahead()
+        if dropped:
+            log.info("%s: %d loop(s) made while held were not used (a reload changed their "
+                     "cameras)", self.name, dropped)
         given_up = [c for c in self.cameras.values() if c.given_up]
         if len(given_up) == len(self.cameras):  # Note [Sources that can never work]
             raise BootError("; ".join(f"camera {c.camera.id}: {c.given_up}" for c in given_up)
