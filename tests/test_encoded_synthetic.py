@@ -181,15 +181,21 @@ def test_a_late_reader_gets_the_frame_of_its_capture_time() -> None:
         assert int(np.argmax(psnr_db)) == truth.loop_index(capture_ts_lsl)
 
 
-def test_the_file_is_made_once_per_open_private_and_gone_at_close(monkeypatch) -> None:
-    encodes = []
+@pytest.fixture
+def encodes(monkeypatch) -> list[str]:
+    """The codec of every loop encoded while the test runs, in order."""
+    encoded: list[str] = []
     original = EncodedSyntheticLoop._encode
 
     def counting(self) -> None:
-        encodes.append(self.codec)
+        encoded.append(self.codec)
         original(self)
 
     monkeypatch.setattr(EncodedSyntheticLoop, "_encode", counting)
+    return encoded
+
+
+def test_the_file_is_made_once_per_open_private_and_gone_at_close(encodes) -> None:
     before = _facecast_memfds()
     with open_source(_camera("synthetic-mjpeg", fps=40.0, width=160, height=120)) as opened:
         path = opened.encoded.path
@@ -206,17 +212,9 @@ def test_the_file_is_made_once_per_open_private_and_gone_at_close(monkeypatch) -
     assert _facecast_memfds() == before  # freed at close
 
 
-def test_a_loop_encoded_while_held_is_the_one_the_source_decodes(monkeypatch) -> None:
+def test_a_loop_encoded_while_held_is_the_one_the_source_decodes(encodes) -> None:
     """Note [Loops made while held]: encoded once, ahead, and taken by the camera's source; a
     loop that no source took is freed; one that cannot be made ahead fails at open as before."""
-    encodes = []
-    original = EncodedSyntheticLoop._encode
-
-    def counting(self) -> None:
-        encodes.append(self.codec)
-        original(self)
-
-    monkeypatch.setattr(EncodedSyntheticLoop, "_encode", counting)
     before = _facecast_memfds()
     camera = _camera("synthetic-h264", fps=40.0, width=160, height=120)
     not_opened = CameraConfig(id="enc1", source="synthetic-mjpeg", width=160, height=120)
