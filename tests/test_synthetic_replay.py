@@ -158,7 +158,9 @@ def test_cameras_capture_at_their_own_phase_unless_one_is_configured() -> None:
         with open_source(CameraConfig(id=camera_id, source="synthetic-replay", width=160,
                                       height=120, fps=fps, phase=phase)) as source:
             stamps[camera_id] = np.array([source.read()[1] for _ in range(11)])
-    into_period = {camera_id: np.median(ts * fps - np.floor(ts * fps))
+    # Where each capture falls in the shared clock's period, counted from 0.4 of it: early at
+    # 0.1 and late at 0.35 when on time, so that a late wake-up does not wrap round.
+    into_period = {camera_id: np.median((ts * fps - 0.4) % 1.0)
                    for camera_id, ts in stamps.items()}
     assert into_period["late"] - into_period["early"] == pytest.approx(0.25, abs=0.1), into_period
 
