@@ -1157,16 +1157,17 @@ def encoded_loop(camera: CameraConfig, replay: SyntheticReplay) -> EncodedSynthe
 #     (about half a second of one core), or those frames encoded as H.264 or MJPEG (1-2 s, more
 #     on a busy machine). On a GPU a capture worker opens its sources only once the supervisor
 #     releases it (Note [Boot order]), so at 64 replayed cameras READY waited 6.2-6.7 s after
-#     the release for four capture workers to render 16 loops each (H100, 2026-11-27: 32.8 s in
-#     all), and longer for encoded ones (44 s at 64 synthetic-h264 cameras). The loops are the
-#     synthetic cameras' own cost, which no real camera has, and need neither the GPU nor the
-#     camera's ring: a held capture worker makes them while it waits (`make_loops_ahead`, one
-#     thread a camera), and each source takes its own at open (`take_loop_made_ahead`, by the
-#     camera's whole config, so that a reload's changed camera makes a new one). At most
-#     LOOPS_AT_ONCE a worker are made at a time: the inference workers are preparing their
-#     CUDA graphs meanwhile, on the CPU as much as on the GPU. What no source took is dropped
-#     after the boot (`drop_loops_made_ahead`). Real sources still open after the release: a
-#     camera opened and not read would queue stale frames meanwhile.
+#     the release for the four capture workers to boot, rendering 16 loops each (about 8 s of
+#     one core a worker) among their rings and CUDA work (H100, 2026-11-27: READY after 32.8 s;
+#     44 s at 64 synthetic-h264 cameras, which encode theirs; not profiled further). The loops
+#     are the synthetic cameras' own cost, which no real camera has, and need neither the GPU
+#     nor the camera's ring: a held capture worker makes them while it waits
+#     (`make_loops_ahead`, a thread a camera), and each source takes its own at open
+#     (`take_loop_made_ahead`, by the camera's whole config, so that a reload's changed camera
+#     makes a new one). At most LOOPS_AT_ONCE a worker are made at a time: the inference
+#     workers are preparing their CUDA graphs meanwhile, on the CPU as much as on the GPU. What
+#     no source took is dropped after the boot (`drop_loops_made_ahead`). Real sources still
+#     open after the release: a camera opened and not read would queue stale frames meanwhile.
 
 _REPLAYED_KINDS = ("synthetic-replay", *ENCODED_SYNTHETIC_CODECS)
 LOOPS_AT_ONCE = 4
