@@ -18,8 +18,9 @@ Note [Expandable segments]), with 1920x1080 synthetic cameras and the default co
 3. `pipelines_for` once more, with the graphs there: what warm-up costs when nothing is new.
 Memory: torch's allocated, reserved (its caching allocator, graph pools included) and peak
 allocated, and the process's GPU memory as NVML counts it (daemon/gpu_monitor.py, as `facecast
-status` does: the CUDA context too), in MiB. A worker in the daemon holds more once running (its eager passes' cache: the frames it
-reads, the crops); `bench/pipeline.py` reports that per role (`torch_memory_mib_by_role`).
+status` does: the CUDA context too), in MiB. A worker in the daemon holds more once running
+(its eager passes' cache: the frames it reads, the crops); `bench/pipeline.py` reports that per
+role (`torch_memory_mib_by_role`).
 """
 
 from __future__ import annotations

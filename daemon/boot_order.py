@@ -14,10 +14,10 @@ Note [Boot order]
     (imports, torch and the CUDA context: 4.8 s of the 5.6-8.3 s a capture worker of 8 cameras
     took to boot on the H200, then serial after the detection worker's 23 s) while the inference
     workers boot (and make their replayed cameras' loops: Note [Loops made while held]), and
-    open their sources and stream when the supervisor sends Release. A held
-    worker's boot is timed (daemon.boot_timeout_s) from its release; until then, once it has
-    prepared, it is judged by its heartbeats, as a running worker is, so that inference slower
-    than the boot timeout does not get it killed. A capture worker started later (a restart) is
+    open their sources and stream when the supervisor sends Release. A held worker's boot is
+    timed (daemon.boot_timeout_s) from its release; until then, once it has prepared, it is
+    judged by its heartbeats, as a running worker is, so that inference slower than the boot
+    timeout does not get it killed. A capture worker started later (a restart) is
     not held.
 """
 

@@ -15,11 +15,12 @@ Note [Jobs]
     four (docs/benchmarks.md, `facecast analyze`). So on a GPU the files are dealt into up to
     MAX_GPU_JOBS processes of FILES_PER_GPU_JOB files each (`--jobs auto`), so that each
     process batches as many files as the measured one did; on the CPU one process (Note [One
-    thread on the CPU]: `--jobs 2` is the way to use a second free core). A job is a whole `facecast analyze` on its own files: the same frames
-    through the same stack in the same order, so a table is the one run's within float
-    tolerance (which files share a batch moves the last digits, as it does in one process),
-    and resuming, summaries and errors stay the single process's; the files whose tables
-    would collide go to one job, which refuses them as one run would.
+    thread on the CPU]: `--jobs 2` is the way to use a second free core). A job is a whole
+    `facecast analyze` on its own files: the same frames through the same stack in the same
+    order, so a table is the one run's within float tolerance (which files share a batch moves
+    the last digits, as it does in one process), and resuming, summaries and errors stay the
+    single process's; the files whose tables would collide go to one job, which refuses them
+    as one run would.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Per-camera frame rings: one producer (the capture worker), many consumers in other processes.
 
 Two implementations share one protocol (DESIGN.md §2): `ShmRingProducer`/`ShmRingReader` keep
-the pixels in POSIX shared memory; `facecast.shared.transport.cuda_ring` keeps them in GPU memory shared over
-CUDA IPC. Both keep the per-slot generations in a small shared-memory header (`GenerationHeader`),
-both reserve a *probe* after the frame slots holding a known test pattern for the handshake, and both
-describe themselves with a `RingDescription` message.
+the pixels in POSIX shared memory; `facecast.shared.transport.cuda_ring` keeps them in GPU
+memory shared over CUDA IPC. Both keep the per-slot generations in a small shared-memory header
+(`GenerationHeader`), both reserve a *probe* after the frame slots holding a known test pattern
+for the handshake, and both describe themselves with a `RingDescription` message.
 
 Note [Slot generations]
     Capture never waits for consumers, so a slot can be overwritten while someone reads it. Each

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
+import msgspec
 import numpy as np
 import pylsl
 
@@ -607,13 +608,18 @@ class SyntheticReplay:
         """The camera's capture clock's tick at `capture_ts_lsl` (Note [Capture phases])."""
         return math.floor(capture_ts_lsl * self.fps - self.phase)
 
+    def middle_of_tick_s(self, tick: int) -> float:
+        """The capture time half a period into `tick`, where the camera captures (Note
+        [Synthetic replay])."""
+        return (tick + 0.5 + self.phase) / self.fps
+
     def schedule_half_into_ticks(self, pacer: _Pacer) -> None:
         """Schedule `pacer`'s captures half a period into this camera's ticks (Note [Synthetic
         replay], Note [Capture phases]); the pacer runs on the monotonic clock, the ticks on the
         capture clock."""
         lsl_minus_monotonic_s = pylsl.local_clock() - time.monotonic()
         tick = self.tick(time.monotonic() + lsl_minus_monotonic_s)
-        pacer.next_due_monotonic = (tick + 1.5 + self.phase) / self.fps - lsl_minus_monotonic_s
+        pacer.next_due_monotonic = self.middle_of_tick_s(tick + 1) - lsl_minus_monotonic_s
 
     @property
     def cycle_frames(self) -> int:
@@ -1134,7 +1140,7 @@ def capture_in_a_new_tick(replay: SyntheticReplay,
     capture_ts_lsl = pylsl.local_clock()
     position = replay.cycle_position(capture_ts_lsl)
     if position == shown_position:
-        next_tick_s = (replay.tick(capture_ts_lsl) + 1.5 + replay.phase) / replay.fps
+        next_tick_s = replay.middle_of_tick_s(replay.tick(capture_ts_lsl) + 1)
         time.sleep(max(0.0, next_tick_s - capture_ts_lsl))
         capture_ts_lsl = pylsl.local_clock()
         position = replay.cycle_position(capture_ts_lsl)
@@ -1176,8 +1182,6 @@ _loops_lock = threading.Lock()
 
 
 def _loop_key(camera: CameraConfig) -> bytes:
-    import msgspec
-
     return msgspec.json.encode(camera)
 
 
