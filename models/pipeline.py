@@ -46,6 +46,7 @@ from facecast.models.cuda_graphs import GraphCache
 from facecast.models.face_detection import FaceDetector
 from facecast.models.face_mesh import Face, FaceMeasurer, PendingMeasure
 from facecast.models.face_tracking import FaceTracks
+from facecast.models.litert_models import LiteRTModel, LiteRTUnavailable
 
 if TYPE_CHECKING:
     from facecast.models import assets
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ModelLoader = Callable[[str], torch.nn.Module]
+
+# How FacePipeline runs its models on the CPU (Note [LiteRT on the CPU]).
+CPU_RUNTIMES = ("litert", "torch")
 
 
 def _default_loader(name: str) -> torch.nn.Module:
@@ -115,6 +119,12 @@ class FacePipeline:
       [Compiled models]): about a third more faces a second at batch 64, for half a minute
       or more of compiling at warm-up; CUDA devices only, and not used by the daemon.
 
+    ``cpu_runtime``: on the CPU, ``"litert"`` (the default) runs the FaceLandmarker models and the
+    short-range detector in LiteRT (XNNPACK) where ai-edge-litert is installed and they load in
+    it, ``"torch"`` runs every model as a converted torch module (Note [LiteRT on the CPU]);
+    ``model_runtimes`` says where each model runs, ``cpu_runtime_problem`` why one that could run
+    in LiteRT does not. On a GPU every model is a converted torch module.
+
     ``full_range=False`` leaves out the full-range detector (MediaPipe's own detection: the
     short-range detector alone, faces from about a tenth of the frame's width).
 
@@ -137,8 +147,14 @@ class FacePipeline:
         half: bool = False,
         cuda_graphs: bool = False,
         compile_models: bool = False,
+        cpu_runtime: str = "litert",
     ):
         self.device = torch.device(device)
+        if cpu_runtime not in CPU_RUNTIMES:
+            raise ValueError(f"cpu_runtime must be one of {', '.join(CPU_RUNTIMES)}, got {cpu_runtime!r}")
+        self.cpu_runtime = cpu_runtime
+        self.model_runtimes: dict[str, str] = {}
+        self.cpu_runtime_problem: str | None = None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("FacePipeline(device='cuda'): torch sees no CUDA device; use device='cpu'")
         if cuda_graphs and self.device.type != "cuda":
@@ -156,7 +172,7 @@ class FacePipeline:
         self.half = half
         self.model_dtype = torch.float16 if half else torch.float32
 
-        short_range = self._prepare(load_model(anchors_mod.FACE_SHORT_RANGE.name))
+        short_range = self._prepare(load_model(anchors_mod.FACE_SHORT_RANGE.name), litert=True)
         full_range_model = self._prepare(load_model(anchors_mod.FACE_FULL_RANGE.name)) if full_range else None
         landmarker = None
         self.blendshapes_unavailable_reason = "no face_landmarker.task given"
@@ -201,13 +217,22 @@ class FacePipeline:
     def detect_interval_frames(self, frames: int) -> None:
         self.tracks.detect_interval_frames = frames
 
-    def _prepare(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A loaded model, ready to run here: zero PADs folded into their convolutions, depthwise
+    def _prepare(self, module: torch.nn.Module, litert: bool = False) -> torch.nn.Module:
+        """A loaded model, ready to run here. On the CPU, one that LiteRT can run as it is
+        (``litert``: Note [LiteRT on the CPU]) in LiteRT where ``cpu_runtime`` says so and it
+        loads there. Otherwise the converted model: zero PADs folded into their convolutions, depthwise
         biases into the 1x1 convolutions that read them (float32), on the
         device, in the model dtype, eval mode; on CUDA with channels_last convolution weights (the
         activations already are: Note [Batch and layout]), which spares
         cuDNN a weight reorder per call; on the CPU each convolution with the kernel of Note
         [Convolutions on the CPU] (oneDNN with weights packed once, F.linear, or F.conv2d)."""
+        name = getattr(module, "name", type(module).__name__)
+        if litert and self.device.type == "cpu" and self.cpu_runtime == "litert":
+            in_litert = self._in_litert(module)
+            if in_litert is not None:
+                self.model_runtimes[name] = "litert"
+                return in_litert
+        self.model_runtimes[name] = "torch"
         if isinstance(module, tflite_convert.TFLiteModule):
             tflite_convert.fuse_zero_padding(module)
             if not self.half:  # Note [Convolutions on the GPU]: float32 only
@@ -220,6 +245,20 @@ class FacePipeline:
         elif self.device.type == "cpu":
             tflite_convert.use_cpu_kernels(module)
         return module
+
+    def _in_litert(self, module: torch.nn.Module) -> LiteRTModel | None:
+        """The converted model's file in a LiteRT interpreter on torch's CPU threads, or None
+        (the reason kept in ``cpu_runtime_problem`` and logged) where it cannot run there."""
+        source = getattr(module, "source", None)
+        if source is None:  # a model made some other way than from its file (a test's loader)
+            return None
+        try:
+            return LiteRTModel(source, module.name, threads=torch.get_num_threads())
+        except LiteRTUnavailable as exc:
+            if self.cpu_runtime_problem is None:
+                log.warning("on the CPU the models run as converted torch modules: %s", exc)
+            self.cpu_runtime_problem = str(exc)
+            return None
 
     def _compile_models(self) -> None:
         """The landmark and blendshape models compiled by inductor (Note [Compiled models]);
@@ -246,9 +285,9 @@ class FacePipeline:
         try:
             bundle = (task if isinstance(task, assets.LandmarkerBundle)
                       else assets.blendshape_model(Path(task)))
-            landmarks = self._prepare(tflite_convert.convert(bundle.face_landmarks_detector))
+            landmarks = self._prepare(tflite_convert.convert(bundle.face_landmarks_detector), litert=True)
             # float32 even with half=True: Note [Blendshapes in float32].
-            blendshapes = self._prepare(tflite_convert.convert(bundle.face_blendshapes)).float()
+            blendshapes = self._prepare(tflite_convert.convert(bundle.face_blendshapes), litert=True).float()
             geometry = FaceGeometry.read(bundle.geometry_metadata)
         except (assets.ModelError, OSError, ValueError) as error:
             self.blendshapes_unavailable_reason = f"blendshapes unavailable: {error}"

@@ -299,6 +299,7 @@ class TFLiteModule(torch.nn.Module):
         self.output_names = [graph.tensors[i].name for i in graph.outputs]
         self._free_after = free_after
         self._plan = None  # see _run_plan
+        self.source: Path | None = None  # the .tflite file it was converted from (convert())
         self.any_size_multiple = 0  # allow_any_input_size: inputs of any size, multiples of this
         self._tensor_names = {t.index: t.name for t in graph.tensors}
         self._tensor_shapes = {t.index: t.shape for t in graph.tensors}
@@ -407,7 +408,9 @@ def convert(path: str | Path, name: str | None = None) -> TFLiteModule:
             raise UnsupportedOp(f"model {graph.name!r}: custom operator {op.type!r} is not implemented")
         steps.append(_Step(op, builder(op)))
 
-    return TFLiteModule(graph, steps, _free_after(steps, graph.outputs))
+    module = TFLiteModule(graph, steps, _free_after(steps, graph.outputs))
+    module.source = Path(path)  # the file, for a runtime that reads it itself (Note [LiteRT on the CPU])
+    return module
 
 
 def _free_after(steps, graph_outputs) -> list[list[int]]:

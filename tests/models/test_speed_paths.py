@@ -67,7 +67,9 @@ def cpu_pipeline(installed_models):
     # One thread: on a 2-core machine with another busy process (CI), two OpenMP threads wait
     # for each other's time slices at every op (a 300-frame test ran past 300 s that way).
     torch.set_num_threads(1)
-    return FacePipeline("cpu", max_faces=4)
+    # Every model a converted torch module, as on a GPU (not LiteRT: Note [LiteRT on the CPU]):
+    # these tests hold the code that the CUDA graphs capture.
+    return FacePipeline("cpu", max_faces=4, cpu_runtime="torch")
 
 
 # -- batching helpers --------------------------------------------------------------------------
@@ -607,7 +609,8 @@ def landmarker_pipeline(installed_models, landmarker_bundle):
     """FaceLandmarker's stack on the CPU: blendshapes and the transformation matrix."""
     _require_models(installed_models)
     torch.set_num_threads(1)
-    return FacePipeline("cpu", max_faces=4, face_landmarker_task=landmarker_bundle.task_path)
+    return FacePipeline("cpu", max_faces=4, face_landmarker_task=landmarker_bundle.task_path,
+                        cpu_runtime="torch")  # as cpu_pipeline
 
 
 @pytest.mark.parametrize("stack", ["attention_mesh", "face_landmarker"])

@@ -1,0 +1,93 @@
+"""On the CPU the FaceLandmarker models and the short-range detector run in LiteRT (Note [LiteRT
+on the CPU]): called as the converted models are, with their numbers; the rest stays torch; a
+machine without LiteRT runs the converted models and says why."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from facecast.models import anchors, assets, tflite_convert
+from facecast.models.litert_models import LiteRTModel, LiteRTUnavailable
+from facecast.models.pipeline import FacePipeline
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("member", ["face_landmarks_detector", "face_blendshapes"])
+def test_a_model_in_litert_gives_the_converted_models_outputs(landmarker_bundle, member):
+    path = getattr(landmarker_bundle, member)
+    converted = tflite_convert.convert(path).eval()
+    in_litert = LiteRTModel(path, threads=1)
+    shape = converted.input_shapes[0][1:]
+    inputs = torch.from_numpy(np.random.default_rng(7).random((3, *shape), np.float32))
+    if member == "face_blendshapes":
+        inputs = inputs * 300.0  # landmark pixels
+    with torch.inference_mode():
+        expected, got = converted(inputs), in_litert(inputs)
+    assert len(got) == len(expected)
+    for want, have in zip(expected, got):
+        assert have.dtype == torch.float32
+        assert have.reshape(3, -1).shape == want.reshape(3, -1).shape
+        scale = want.abs().max().item() or 1.0
+        assert (have.reshape(3, -1) - want.reshape(3, -1)).abs().max().item() <= 1e-3 * scale
+    # Each sample is its own invoke: the second face's outputs are not the first's.
+    assert not torch.equal(got[0][0], got[0][1])
+
+
+def test_a_wrong_input_is_refused_naming_the_shape(landmarker_bundle):
+    model = LiteRTModel(landmarker_bundle.face_landmarks_detector, threads=1)
+    with pytest.raises(ValueError, match=r"must be \(2, 256, 256, 3\), got \(2, 192, 192, 3\)"):
+        model(torch.zeros(2, 192, 192, 3))
+    with pytest.raises(ValueError, match="takes 1 input"):
+        model(torch.zeros(1, 256, 256, 3), torch.zeros(1, 256, 256, 3))
+
+
+def test_a_model_litert_cannot_run_is_refused_with_the_reason(installed_models, model_dir):
+    """The attention mesh has MediaPipe's custom operators, which LiteRT lacks."""
+    with pytest.raises(LiteRTUnavailable, match="face_landmark_with_attention does not load in LiteRT"):
+        LiteRTModel(assets.model_path("face_landmark_with_attention", model_dir), threads=1)
+
+
+def test_on_the_cpu_the_landmarker_models_run_in_litert_and_give_the_same_faces(
+        landmarker_bundle, photos, one_thread):
+    in_litert = FacePipeline("cpu", max_faces=2, face_landmarker_task=landmarker_bundle.task_path)
+    in_torch = FacePipeline("cpu", max_faces=2, face_landmarker_task=landmarker_bundle.task_path,
+                            cpu_runtime="torch")
+    assert in_litert.model_runtimes == {
+        anchors.FACE_SHORT_RANGE.name: "litert", anchors.FACE_FULL_RANGE.name: "torch",
+        "face_landmarks_detector": "litert", "face_blendshapes": "litert"}
+    assert set(in_torch.model_runtimes.values()) == {"torch"}
+    assert in_litert.cpu_runtime_problem is None
+    frame = np.ascontiguousarray(photos["astronaut"][..., ::-1])
+    (litert_faces,), (torch_faces,) = in_litert([frame]), in_torch([frame])
+    assert len(litert_faces) == len(torch_faces) == 1
+    face_width = float(np.ptp(torch_faces[0].landmarks[:, 0]))
+    error = np.linalg.norm(litert_faces[0].landmarks[:, :2] - torch_faces[0].landmarks[:, :2], axis=1)
+    # Float rounding apart, the same numbers (seen: 3e-5 px median on a 90 px face).
+    assert error.max() < 1e-4 * face_width
+    assert np.abs(litert_faces[0].blendshapes - torch_faces[0].blendshapes).max() < 1e-4
+
+
+def test_without_litert_the_converted_models_run_and_the_pipeline_says_why(
+        landmarker_bundle, monkeypatch, one_thread, caplog):
+    monkeypatch.setitem(sys.modules, "ai_edge_litert.interpreter", None)  # import fails
+    pipeline = FacePipeline("cpu", max_faces=1, face_landmarker_task=landmarker_bundle.task_path)
+    assert set(pipeline.model_runtimes.values()) == {"torch"}
+    assert "ai-edge-litert is not installed" in pipeline.cpu_runtime_problem
+    said = [r.getMessage() for r in caplog.records if "converted torch modules" in r.getMessage()]
+    assert len(said) == 1  # once, not per model
+
+
+def test_a_cpu_runtime_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="cpu_runtime must be one of litert, torch, got 'xnnpack'"):
+        FacePipeline("cpu", cpu_runtime="xnnpack")
