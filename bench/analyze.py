@@ -457,8 +457,10 @@ def _cpu_ms(call, repeats: int = 15) -> float:
 
 def components(analyzer, bundle, footages: list[Footage], litert_threads: int) -> dict:
     """CPU ms of the parts of a frame's work, each alone (CPU device only): the models per face
-    in torch (facecast's) and in LiteRT, a detection pass per frame size (facecast's: short
-    range, full range over the whole frame; MediaPipe's: one short-range invoke)."""
+    in facecast's runtime (`model_runtimes`: LiteRT for these where it is installed, Note
+    [LiteRT on the CPU]) and in the baseline's LiteRT, a detection pass per frame size
+    (facecast's: short range, full range over the whole frame; MediaPipe's: one short-range
+    invoke)."""
     import torch
 
     from facecast.models.roi import FrameBatch
@@ -470,8 +472,8 @@ def components(analyzer, bundle, footages: list[Footage], litert_threads: int) -
     crop_np, points_np = crop.numpy(), points.numpy()
     with torch.inference_mode():
         parts = {
-            "torch_landmarks_model_ms_per_face": _cpu_ms(lambda: pipeline.measurer.mesh(crop)),
-            "torch_blendshapes_model_ms_per_face": _cpu_ms(
+            "facecast_landmarks_model_ms_per_face": _cpu_ms(lambda: pipeline.measurer.mesh(crop)),
+            "facecast_blendshapes_model_ms_per_face": _cpu_ms(
                 lambda: pipeline.measurer.blendshapes(points)),
             "litert_landmarks_model_ms_per_face": _cpu_ms(
                 lambda: litert._invoke(litert.landmarker, crop_np)),
@@ -489,6 +491,7 @@ def components(analyzer, bundle, footages: list[Footage], litert_threads: int) -
             parts[f"facecast_detection_pass_ms_{height}p"] = _cpu_ms(
                 lambda: pipeline.detect(FrameBatch([image], pipeline.device)), repeats=7)
             parts[f"litert_detector_ms_{height}p"] = _cpu_ms(lambda: litert._detect(rgb))
+    parts["facecast_model_runtimes"] = dict(pipeline.model_runtimes)
     return parts
 
 
@@ -607,23 +610,22 @@ def components_text(data: dict) -> str:
     detection = ", ".join(
         f"{h}p {parts[f'facecast_detection_pass_ms_{h}p']:.0f} ms (MediaPipe's one short-range "
         f"invoke {parts[f'litert_detector_ms_{h}p']:.1f} ms)" for h in heights)
+    runtimes = parts.get("facecast_model_runtimes", {})
+    landmarks_runtime = runtimes.get("face_landmarks_detector", "torch")
     return (
         "Where the CPU time goes (each part alone, CPU ms, median; `components` in the JSON): "
-        f"the face landmarks model {parts['torch_landmarks_model_ms_per_face']:.1f} ms a face in "
-        f"torch against {parts['litert_landmarks_model_ms_per_face']:.1f} ms in LiteRT (XNNPACK), "
-        f"the blendshape model {parts['torch_blendshapes_model_ms_per_face']:.1f} against "
+        f"the face landmarks model {parts['facecast_landmarks_model_ms_per_face']:.1f} ms a face in "
+        f"facecast ({landmarks_runtime}: Note [LiteRT on the CPU]) against "
+        f"{parts['litert_landmarks_model_ms_per_face']:.1f} ms in the baseline's LiteRT (XNNPACK), "
+        f"the blendshape model {parts['facecast_blendshapes_model_ms_per_face']:.1f} against "
         f"{parts['litert_blendshapes_model_ms_per_face']:.1f} ms; a detection pass, which the "
         "live schedule runs every `daemon.detect_interval_s` (0.5 s: every 15th frame) and "
         f"whenever a face is lost: {detection}. MediaPipe in VIDEO mode runs its detector only "
         "while it tracks fewer faces than asked for, and computes no head pose; facecast's "
         "stack adds the crops, projection, face geometry and head pose, the duplicate filter "
-        "and the table (decoding: the decode-only column). The same .tflite models, two "
-        "runtimes: this torch build's CPU kernels (no XNNPACK in it; oneDNN, MKL and its own, "
-        "chosen per convolution: Note [Convolutions on the CPU]) take "
-        f"{parts['torch_landmarks_model_ms_per_face'] / parts['litert_landmarks_model_ms_per_face']:.1f}× "
-        "LiteRT's time a face for the landmarks model at batch 1, where about half of torch's "
-        "time is a fixed cost per operator (220 small operators: a batch of 4 faces measured "
-        "6-8 ms a face against 9-10 at batch 1 on this machine, 2026-11-26).")
+        "and the table (decoding: the decode-only column). facecast's detection pass runs the "
+        "full-range detector as a converted torch module (whole frames of any size, which "
+        f"LiteRT does not take): models by runtime {runtimes or 'not recorded'}.")
 
 
 def goal_text(data: dict) -> str:

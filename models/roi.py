@@ -35,6 +35,20 @@ Note [Crop taps made once]
     the rects (letterbox, whole frame) and the static batch's layout never change, so its taps
     are made once, when the graph is built (FaceDetector.crop_taps), and each replay only blends:
     on the H100 (2026-11-26) the pass's crops were 130 kernels and 1.1 ms over 32 1080p frames.
+
+Note [Crops on the CPU]
+    On the CPU the per-pixel gathers above are slow: a 256x256 crop of a 720p frame took 1.74
+    ms in torch (four index_select passes over 196 k values and their blends, one thread, the
+    2-core machine, 2026-11-27), about a sixth of a one-face frame's time once the models ran in
+    LiteRT (Note [LiteRT on the CPU]). There each replicate-bordered crop (the measuring
+    stage's) is OpenCV's warpAffine instead, as MediaPipe's CPU path crops: the convention's
+    affine map (Note [ROI crop convention]) from the output to the frame, bilinear,
+    BORDER_REPLICATE, in float32 over the part of the frame the crop reads (converted to float
+    first, so that the samples are not rounded to whole grey levels as a uint8 warp would
+    round them). 0.39 ms the crop, the same values within 0.004 grey levels
+    (tests/models/test_stages.py holds the two to each other). The detectors' zero-bordered
+    inputs keep the taps: their border is a cut at half a pixel outside the frame, not OpenCV's
+    blend with black, and they are one pass in fifteen frames.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -321,8 +336,49 @@ def crop_rois(
     [Sampling the frames where they lie]. Shapes depend only on N and S, and nothing waits for
     the device: the call can be captured in a CUDA graph.
     """
+    if frames.device.type == "cpu" and border == "replicate" and dtype == torch.float32:
+        return _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, value_range)
     return crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
                      axis_aligned=axis_aligned).crop(frames)
+
+
+def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects: RotatedRects,
+                           out_size_px: int | tuple[int, int], value_range: tuple[float, float]
+                           ) -> torch.Tensor:
+    """:func:`crop_rois` on the CPU with a replicated border, one warpAffine a rect (Note [Crops
+    on the CPU])."""
+    out_h, out_w = (out_size_px, out_size_px) if isinstance(out_size_px, int) else out_size_px
+    low, high = value_range
+    scale = (high - low) / 255.0
+    crops = np.empty((len(rects), out_h, out_w, 3), np.float32)
+    pixels = frames.pixels.numpy()
+    indices = frame_index.tolist()
+    centres, sizes = rects.center_xy_px.tolist(), rects.size_wh_px.tolist()
+    for n, (k, (cx, cy), (sw, sh), angle) in enumerate(zip(indices, centres, sizes, rects.rotation_rad.tolist())):
+        height, width = frames.sizes_hw[k]
+        top = frames.row_offsets_px[k]
+        cos, sin = math.cos(angle), math.sin(angle)
+        # Output pixel (j, i) samples centre + R(angle) · ((j / W − ½)·w, (i / H − ½)·h).
+        to_frame = np.array([[cos * sw / out_w, -sin * sh / out_h, cx - 0.5 * cos * sw + 0.5 * sin * sh],
+                             [sin * sw / out_w, cos * sh / out_h, cy - 0.5 * sin * sw - 0.5 * cos * sh]])
+        corners = np.array([[0, 0, 1], [out_w - 1, 0, 1], [0, out_h - 1, 1], [out_w - 1, out_h - 1, 1]],
+                           np.float64) @ to_frame.T
+        # The part of the frame the samples and their right and lower neighbours fall in; a
+        # crop beyond the frame's edge replicates the edge, as the frame's own border would.
+        x0 = min(max(0, math.floor(corners[:, 0].min()) - 1), width - 1)
+        y0 = min(max(0, math.floor(corners[:, 1].min()) - 1), height - 1)
+        x1 = max(min(width, math.ceil(corners[:, 0].max()) + 2), x0 + 1)
+        y1 = max(min(height, math.ceil(corners[:, 1].max()) + 2), y0 + 1)
+        part = pixels[top + y0:top + y1, x0:x1].astype(np.float32)
+        to_frame[:, 2] -= (x0, y0)
+        crop = cv2.warpAffine(part, to_frame, (out_w, out_h), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                              borderMode=cv2.BORDER_REPLICATE)
+        if frames.bgr:
+            crop = crop[..., ::-1]
+        np.multiply(crop, scale, out=crops[n])
+        if low != 0.0:
+            crops[n] += low
+    return torch.from_numpy(crops)
 
 
 @dataclass

@@ -323,6 +323,34 @@ def test_crop_rois_matches_opencv_and_keeps_frames_apart():
         assert np.percentile(diff, 99) < 6, (k, np.percentile(diff, 99))
 
 
+@pytest.mark.parametrize("bgr, out_size, value_range", [(True, 96, (0.0, 1.0)), (False, (64, 112), (-1.0, 1.0))])
+def test_on_the_cpu_a_crop_is_opencvs_warp_with_the_gathers_values(bgr, out_size, value_range):
+    """Note [Crops on the CPU]: the replicate-bordered crops of the CPU (warpAffine over the part
+    of the frame they read) are the bilinear gathers' (CropTaps.crop, what a GPU runs) to float
+    rounding, rotated, over the frame's edges and wholly beyond them, frames of two sizes."""
+    frames = [skimage.data.astronaut(), skimage.data.coffee()]  # 512x512 and 400x600
+    if bgr:
+        frames = [np.ascontiguousarray(frame[..., ::-1]) for frame in frames]
+    batch = roi.FrameBatch(frames, "cpu", bgr=bgr)
+    specs = [  # frame, centre, width and height, rotation
+        (0, (225.3, 130.7), (150.0, 150.0), math.radians(20)),
+        (1, (300.0, 200.0), (260.0, 200.0), math.radians(-35)),
+        (0, (480.0, 500.0), (120.0, 120.0), 0.3),  # over the bottom-right corner
+        (1, (20.0, 390.0), (100.0, 100.0), 0.0),  # over the bottom-left corner of the shorter frame
+        (1, (900.0, -300.0), (80.0, 80.0), 1.0),  # wholly beyond the frame: its corner replicated
+    ]
+    rects = roi.RotatedRects(torch.tensor([s[1] for s in specs]), torch.tensor([s[2] for s in specs]),
+                             torch.tensor([s[3] for s in specs]))
+    index = torch.tensor([s[0] for s in specs])
+    warped = roi.crop_rois(batch, index, rects, out_size, value_range=value_range)
+    gathered = roi.crop_taps(batch, index, rects, out_size, value_range=value_range).crop(batch)
+    assert warped.shape == gathered.shape and warped.dtype == gathered.dtype == torch.float32
+    grey = (value_range[1] - value_range[0]) / 255.0
+    assert (warped - gathered).abs().max().item() < 0.01 * grey
+    corner = frames[1][0, -1].astype(np.float32)[::-1 if bgr else 1]  # top-right, RGB
+    assert np.allclose((warped[4].numpy() - value_range[0]) / grey, corner, atol=0.01)
+
+
 def test_frames_in_one_buffer_are_cropped_where_they_lie_and_others_are_stacked():
     """FrameBatch.in_place (Note [A batch's frames in one buffer]): frames in rows of one
     buffer, a gap between them included, are used without a copy and crop exactly as a stacked

@@ -66,6 +66,9 @@ def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool
         )
     except assets.ModelError as exc:
         raise BootError(str(exc)) from None
+    if device.type == "cpu":  # Note [LiteRT on the CPU]
+        log.info("models on the CPU: %s", ", ".join(
+            f"{name} in {runtime}" for name, runtime in face.model_runtimes.items()))
     problem = checked.problem
     if checked.bundle is not None and face.landmarker != "face_landmarker":
         # The bundle unpacked but did not convert: a user's bundle that does not parse.
