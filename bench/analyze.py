@@ -623,9 +623,8 @@ def components_text(data: dict) -> str:
         f"whenever a face is lost: {detection}. MediaPipe in VIDEO mode runs its detector only "
         "while it tracks fewer faces than asked for, and computes no head pose; facecast's "
         "stack adds the crops, projection, face geometry and head pose, the duplicate filter "
-        "and the table (decoding: the decode-only column). facecast's detection pass runs the "
-        "full-range detector as a converted torch module (whole frames of any size, which "
-        f"LiteRT does not take): models by runtime {runtimes or 'not recorded'}.")
+        "and the table (decoding: the decode-only column). facecast's models by runtime: "
+        f"{runtimes or 'not recorded'}.")
 
 
 def goal_text(data: dict) -> str:

@@ -31,6 +31,7 @@ from facecast.models.cuda_graphs import (
     forward_in_buckets,
     shapes_up_to,
 )
+from facecast.models.litert_models import LiteRTModel
 from facecast.models.nms import Detections, box_iou, weighted_nms_of_parts
 
 # Note [Detection without per-frame work]
@@ -151,10 +152,14 @@ class FaceDetector:
         self.short_range, self.full_range = short_range, full_range
         self.device, self.model_dtype, self.graphs = device, model_dtype, graphs
         self.max_faces = max_faces
-        if full_range is not None:
+        if isinstance(full_range, LiteRTModel):  # on the CPU: Note [Whole frames in LiteRT]
+            if not full_range.takes(*[(*hw, 3) for hw in (WHOLE_FRAME_INPUT_HW, WHOLE_FRAME_INPUT_HW[::-1])]):
+                raise ValueError(f"{full_range.name} in LiteRT must take {WHOLE_FRAME_INPUT_HW} and its "
+                                 "transpose (LiteRTModel's image_sizes_hw)")
+        elif full_range is not None:
             if not isinstance(full_range, tflite_convert.TFLiteModule):
-                raise TypeError(f"the full-range detector must be a converted model (TFLiteModule) that "
-                                f"takes whole frames, got {type(full_range).__name__}")
+                raise TypeError(f"the full-range detector must be a converted model (TFLiteModule) or a "
+                                f"LiteRTModel that takes whole frames, got {type(full_range).__name__}")
             multiple = full_range.any_size_multiple or tflite_convert.allow_any_input_size(full_range)
             if any(side % multiple for side in WHOLE_FRAME_INPUT_HW):
                 raise ValueError(f"{full_range.name} takes inputs in multiples of {multiple} px, "

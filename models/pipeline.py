@@ -43,7 +43,7 @@ from facecast.models import anchors as anchors_mod
 from facecast.models import roi as roi_mod
 from facecast.models import tflite_convert, tflite_ops
 from facecast.models.cuda_graphs import GraphCache
-from facecast.models.face_detection import FaceDetector
+from facecast.models.face_detection import WHOLE_FRAME_INPUT_HW, FaceDetector
 from facecast.models.face_mesh import Face, FaceMeasurer, PendingMeasure
 from facecast.models.face_tracking import FaceTracks
 from facecast.models.litert_models import LiteRTModel, LiteRTUnavailable
@@ -119,8 +119,8 @@ class FacePipeline:
       [Compiled models]): about a third more faces a second at batch 64, for half a minute
       or more of compiling at warm-up; CUDA devices only, and not used by the daemon.
 
-    ``cpu_runtime``: on the CPU, ``"litert"`` (the default) runs the FaceLandmarker models and the
-    short-range detector in LiteRT (XNNPACK) where ai-edge-litert is installed and they load in
+    ``cpu_runtime``: on the CPU, ``"litert"`` (the default) runs the FaceLandmarker models and
+    both face detectors in LiteRT (XNNPACK) where ai-edge-litert is installed and they load in
     it, ``"torch"`` runs every model as a converted torch module (Note [LiteRT on the CPU]);
     ``model_runtimes`` says where each model runs, ``cpu_runtime_problem`` why one that could run
     in LiteRT does not. On a GPU every model is a converted torch module.
@@ -173,7 +173,9 @@ class FacePipeline:
         self.model_dtype = torch.float16 if half else torch.float32
 
         short_range = self._prepare(load_model(anchors_mod.FACE_SHORT_RANGE.name), litert=True)
-        full_range_model = self._prepare(load_model(anchors_mod.FACE_FULL_RANGE.name)) if full_range else None
+        full_range_model = (self._prepare(load_model(anchors_mod.FACE_FULL_RANGE.name), litert=True,
+                                          image_sizes_hw=(WHOLE_FRAME_INPUT_HW, WHOLE_FRAME_INPUT_HW[::-1]))
+                            if full_range else None)
         landmarker = None
         self.blendshapes_unavailable_reason = "no face_landmarker.task given"
         if face_landmarker_task is not None:
@@ -217,10 +219,12 @@ class FacePipeline:
     def detect_interval_frames(self, frames: int) -> None:
         self.tracks.detect_interval_frames = frames
 
-    def _prepare(self, module: torch.nn.Module, litert: bool = False) -> torch.nn.Module:
-        """A loaded model, ready to run here. On the CPU, one that LiteRT can run as it is
-        (``litert``: Note [LiteRT on the CPU]) in LiteRT where ``cpu_runtime`` says so and it
-        loads there. Otherwise the converted model: zero PADs folded into their convolutions, depthwise
+    def _prepare(self, module: torch.nn.Module, litert: bool = False,
+                 image_sizes_hw: Sequence[tuple[int, int]] = ()) -> torch.nn.Module:
+        """A loaded model, ready to run here. On the CPU, one that LiteRT can run (``litert``,
+        at its own input size and at ``image_sizes_hw``: Note [LiteRT on the CPU]) in LiteRT
+        where ``cpu_runtime`` says so and it loads there. Otherwise the converted model: zero
+        PADs folded into their convolutions, depthwise
         biases into the 1x1 convolutions that read them (float32), on the
         device, in the model dtype, eval mode; on CUDA with channels_last convolution weights (the
         activations already are: Note [Batch and layout]), which spares
@@ -228,7 +232,7 @@ class FacePipeline:
         [Convolutions on the CPU] (oneDNN with weights packed once, F.linear, or F.conv2d)."""
         name = getattr(module, "name", type(module).__name__)
         if litert and self.device.type == "cpu" and self.cpu_runtime == "litert":
-            in_litert = self._in_litert(module)
+            in_litert = self._in_litert(module, image_sizes_hw)
             if in_litert is not None:
                 self.model_runtimes[name] = "litert"
                 return in_litert
@@ -246,14 +250,16 @@ class FacePipeline:
             tflite_convert.use_cpu_kernels(module)
         return module
 
-    def _in_litert(self, module: torch.nn.Module) -> LiteRTModel | None:
+    def _in_litert(self, module: torch.nn.Module, image_sizes_hw: Sequence[tuple[int, int]]
+                   ) -> LiteRTModel | None:
         """The converted model's file in a LiteRT interpreter on torch's CPU threads, or None
         (the reason kept in ``cpu_runtime_problem`` and logged) where it cannot run there."""
         source = getattr(module, "source", None)
         if source is None:  # a model made some other way than from its file (a test's loader)
             return None
         try:
-            return LiteRTModel(source, module.name, threads=torch.get_num_threads())
+            return LiteRTModel(source, module.name, threads=torch.get_num_threads(),
+                               image_sizes_hw=image_sizes_hw)
         except LiteRTUnavailable as exc:
             if self.cpu_runtime_problem is None:
                 log.warning("on the CPU the models run as converted torch modules: %s", exc)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from facecast.models import anchors, assets, tflite_convert
+from facecast.models.face_detection import WHOLE_FRAME_INPUT_HW
 from facecast.models.litert_models import LiteRTModel, LiteRTUnavailable
 from facecast.models.pipeline import FacePipeline
 
@@ -52,6 +53,33 @@ def test_a_wrong_input_is_refused_naming_the_shape(landmarker_bundle):
         model(torch.zeros(1, 256, 256, 3), torch.zeros(1, 256, 256, 3))
 
 
+@pytest.mark.parametrize("height, width", [WHOLE_FRAME_INPUT_HW, WHOLE_FRAME_INPUT_HW[::-1]])
+def test_the_full_range_detector_takes_whole_frames_in_litert_as_converted(installed_models, model_dir,
+                                                                             height, width):
+    """Note [Whole frames in LiteRT]: the file's upsampling sizes scaled with the input, the
+    outputs the converted model's at that size (allow_any_input_size)."""
+    path = assets.model_path(anchors.FACE_FULL_RANGE.name, model_dir)
+    converted = tflite_convert.convert(path).eval()
+    tflite_convert.allow_any_input_size(converted)
+    in_litert = LiteRTModel(path, threads=1, image_sizes_hw=[(height, width)])
+    assert in_litert.takes((height, width, 3), (192, 192, 3)) and not in_litert.takes((288, 288, 3))
+    frames = torch.from_numpy(np.random.default_rng(3).random((2, height, width, 3), np.float32) * 2 - 1)
+    with torch.inference_mode():
+        expected, got = converted(frames), in_litert(frames)
+    anchors_per_frame = height * width // 16  # a 4x4 cell each, as at 192x192: 2304
+    for want, have in zip(expected, got):
+        assert have.shape == want.shape and have.shape[1] == anchors_per_frame
+        assert (have - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    with pytest.raises(ValueError, match=r"must be \(1, 192, 192, 3\) or \(1, %d, %d, 3\)" % (height, width)):
+        in_litert(torch.zeros(1, 288, 288, 3))
+
+
+def test_a_size_the_upsamplings_cannot_reach_is_refused(installed_models, model_dir):
+    with pytest.raises(LiteRTUnavailable, match=r"200x512 is not a multiple of its upsamplings \(12x12 at 192x192\)"):
+        LiteRTModel(assets.model_path(anchors.FACE_FULL_RANGE.name, model_dir), threads=1,
+                    image_sizes_hw=[(200, 512)])
+
+
 def test_a_model_litert_cannot_run_is_refused_with_the_reason(installed_models, model_dir):
     """The attention mesh has MediaPipe's custom operators, which LiteRT lacks."""
     with pytest.raises(LiteRTUnavailable, match="face_landmark_with_attention does not load in LiteRT"):
@@ -64,7 +92,7 @@ def test_on_the_cpu_the_landmarker_models_run_in_litert_and_give_the_same_faces(
     in_torch = FacePipeline("cpu", max_faces=2, face_landmarker_task=landmarker_bundle.task_path,
                             cpu_runtime="torch")
     assert in_litert.model_runtimes == {
-        anchors.FACE_SHORT_RANGE.name: "litert", anchors.FACE_FULL_RANGE.name: "torch",
+        anchors.FACE_SHORT_RANGE.name: "litert", anchors.FACE_FULL_RANGE.name: "litert",
         "face_landmarks_detector": "litert", "face_blendshapes": "litert"}
     assert set(in_torch.model_runtimes.values()) == {"torch"}
     assert in_litert.cpu_runtime_problem is None
