@@ -10,7 +10,11 @@ so the stages that call a model do not know which runtime they hold.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -110,11 +114,12 @@ class _Invoker:
     def __init__(self, interpreter_class, raw: bytes, name: str, threads: int,
                  image_shape: tuple[int, ...] | None = None):
         try:
-            self.interpreter = interpreter_class(model_content=raw, num_threads=threads)
-            if image_shape is not None:
-                index = self.interpreter.get_input_details()[0]["index"]
-                self.interpreter.resize_tensor_input(index, [1, *image_shape])
-            self.interpreter.allocate_tensors()
+            with _without_the_delegates_info_line():
+                self.interpreter = interpreter_class(model_content=raw, num_threads=threads)
+                if image_shape is not None:
+                    index = self.interpreter.get_input_details()[0]["index"]
+                    self.interpreter.resize_tensor_input(index, [1, *image_shape])
+                self.interpreter.allocate_tensors()
         except (RuntimeError, ValueError) as exc:
             at = f" at {image_shape[0]}x{image_shape[1]}" if image_shape else ""
             raise LiteRTUnavailable(f"{name} does not load in LiteRT{at}: {exc}") from None
@@ -140,6 +145,33 @@ class _Invoker:
             for index, result in zip(self.output_indices, results):
                 result[sample] = interpreter.get_tensor(index).reshape(result.shape[1:])
         return tuple(torch.from_numpy(result) for result in results)
+
+
+# LiteRT's native logger prints this line to the process's stderr when a process makes its first
+# XNNPACK interpreter, and it has no setting or variable to turn its INFO lines off: a user of
+# `facecast analyze --quiet` would see it on the terminal. So what the interpreter's creation
+# writes to file descriptor 2 is caught and written back without it (any other line, and
+# whatever another thread wrote meanwhile, comes out unchanged, a few milliseconds late).
+_DELEGATES_INFO_LINE = b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU."
+
+
+@contextlib.contextmanager
+def _without_the_delegates_info_line():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = b"".join(line for line in caught.read().splitlines(keepends=True)
+                            if not line.startswith(_DELEGATES_INFO_LINE))
+            if kept:
+                os.write(2, kept)
 
 
 # Note [Whole frames in LiteRT]

@@ -4,6 +4,7 @@ machine without LiteRT runs the converted models and says why."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import numpy as np
@@ -119,3 +120,19 @@ def test_without_litert_the_converted_models_run_and_the_pipeline_says_why(
 def test_a_cpu_runtime_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match="cpu_runtime must be one of litert, torch, got 'xnnpack'"):
         FacePipeline("cpu", cpu_runtime="xnnpack")
+
+
+def test_litert_says_nothing_on_stderr_but_what_others_write(landmarker_bundle):
+    """LiteRT prints an INFO line when a process makes its first XNNPACK interpreter, which
+    `facecast analyze --quiet` must not show; what else reaches stderr meanwhile still does."""
+    code = (
+        "import os, sys\n"
+        "from facecast.models import litert_models\n"
+        "with litert_models._without_the_delegates_info_line():\n"
+        "    os.write(2, b'a line of another library\\n')\n"
+        f"    litert_models.LiteRTModel({str(landmarker_bundle.face_blendshapes)!r}, threads=1)\n"
+        "print('python says this', file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "XNNPACK" not in done.stderr
+    assert done.stderr.splitlines() == ["a line of another library", "python says this"]
