@@ -206,10 +206,14 @@ def _at_image_size(raw: bytes, name: str, built: _Invoker, image_shape: tuple[in
             continue
         tensor = graph.Tensors(operator.Inputs(1))
         buffer = model.Buffers(tensor.Buffer())
-        if buffer is None or not buffer.DataLength():
+        if buffer is not None and buffer.Offset() > 1:  # a large model's buffer after the flatbuffer
+            size = np.frombuffer(data, np.int32, count=2, offset=buffer.Offset())
+        elif buffer is not None and buffer.DataLength() == 8:
+            size = buffer.DataAsNumpy().view(np.int32)
+        else:
             raise LiteRTUnavailable(f"{name}: RESIZE_BILINEAR {op_index} computes its size; it cannot "
                                     "be given another input size")
-        size = buffer.DataAsNumpy().view(np.int32)  # a view into `data`: written in place
+        # `size` is a view into `data`: written in place.
         scaled = (int(size[0]) * height / built_h, int(size[1]) * width / built_w)
         if any(side != int(side) for side in scaled):
             raise LiteRTUnavailable(f"{name}: {height}x{width} is not a multiple of its upsamplings "
