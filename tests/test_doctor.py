@@ -163,6 +163,22 @@ def test_gpu_check_reports_no_gpu_and_cpu_models():
 
 
 @no_gpu_only
+def test_cpu_runtime_is_litert_proven_by_loading_a_model(installed_models, monkeypatch, tmp_path):
+    """Note [LiteRT on the CPU]: doctor loads the short-range detector in LiteRT; without
+    ai-edge-litert it says so and what runs instead; without the models it says why it did not try."""
+    result = doctor.check_cpu_runtime("auto")
+    assert result.state == doctor.OK
+    assert re.match(r"LiteRT \d+\.\d+.* \(XNNPACK\) runs the face detectors", result.detail)
+    assert doctor.check_cpu_runtime("auto", tmp_path).state == doctor.WARN
+    assert "not tried, no model to load" in doctor.check_cpu_runtime("auto", tmp_path).detail
+    monkeypatch.setitem(sys.modules, "ai_edge_litert.interpreter", None)  # its import fails
+    missing = doctor.check_cpu_runtime("auto")
+    assert missing.state == doctor.WARN
+    assert missing.detail.startswith("ai-edge-litert is not installed")
+    assert "converted PyTorch module" in missing.detail
+
+
+@no_gpu_only
 def test_nvml_missing_is_a_line_not_a_traceback():
     result = doctor.check_nvml()
     assert result.state == doctor.WARN

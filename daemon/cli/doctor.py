@@ -6,7 +6,7 @@ status` asks; `--runtime-dir` finds a daemon elsewhere), else the built-in defau
 on one screen: is there a GPU and which (PyTorch, NVML), does CUDA IPC pass validation between
 two fresh processes or what will `transport = "auto"` use instead, can NVDEC decode the cameras'
 H.264/H.265 (and with how many engines) or why not, does LSL work on this machine's loopback,
-and are the models installed.
+are the models installed, and what runs them without a GPU.
 
 Note [Doctor's time]
     On the 2-core CI machine (busy) doctor took 12.5 s; 5.4-7.4 s of it (2026-11-26, load 5-8)
@@ -375,6 +375,34 @@ def check_models(model_dir: str | os.PathLike | None = None) -> CheckResult:
                        f"{directory}", (", ".join(assets.MODELS),))
 
 
+def check_cpu_runtime(models_device: str = "auto",
+                      model_dir: str | os.PathLike | None = None) -> CheckResult:
+    """Where the models run without a GPU: LiteRT (XNNPACK) for the face detectors and the
+    FaceLandmarker models, proven by loading the short-range detector in it (Note [LiteRT on
+    the CPU]); PyTorch for the rest, and for all of them where LiteRT is missing."""
+    import importlib.metadata
+
+    import torch
+
+    from facecast.models import anchors, assets
+    from facecast.models.litert_models import LiteRTModel, LiteRTUnavailable
+
+    if models_device != "cpu" and torch.cuda.is_available():
+        return CheckResult("CPU runtime", OK, "not used: the models run on cuda, in PyTorch")
+    try:
+        path = assets.model_path(anchors.FACE_SHORT_RANGE.name, model_dir)
+    except (assets.ModelError, OSError) as exc:
+        return CheckResult("CPU runtime", WARN, f"not tried, no model to load: {exc}")
+    try:
+        LiteRTModel(path, threads=1)
+    except LiteRTUnavailable as exc:
+        return CheckResult("CPU runtime", WARN, f"{exc}: every model runs as a converted PyTorch "
+                           "module, about twice LiteRT's time a face; `pip install ai-edge-litert`")
+    return CheckResult("CPU runtime", OK, f"LiteRT {importlib.metadata.version('ai-edge-litert')} "
+                       "(XNNPACK) runs the face detectors and FaceLandmarker's models, PyTorch the "
+                       "attention mesh, body pose and face embeddings")
+
+
 def check_blendshapes(task_path: str | None = None,
                       model_dir: str | os.PathLike | None = None) -> CheckResult:
     """Whether the Face streams will carry blendshapes and head translation (they need
@@ -437,6 +465,7 @@ def run_checks(loaded: config.Config | None = None) -> Iterator[CheckResult]:
     yield check_nvdec(loaded)
     yield check_lsl_loopback()
     yield check_models(model_dir)
+    yield check_cpu_runtime(models_device, model_dir)
     yield check_blendshapes(task_path, model_dir)
     yield check_face_embedding(model_dir)
     yield check_participants(loaded.participants.gallery if loaded is not None else "")
