@@ -605,7 +605,9 @@ def command_text(data: dict) -> str:
 
 def components_text(data: dict) -> str:
     """Where a frame's CPU time goes (the CPU run's `components`)."""
-    parts = data["components"]
+    parts = dict(data["components"])
+    for model in ("landmarks", "blendshapes"):  # runs before 2026-11-27 named them by torch
+        parts.setdefault(f"facecast_{model}_model_ms_per_face", parts.get(f"torch_{model}_model_ms_per_face"))
     heights = sorted(int(k.split("_")[-1][:-1]) for k in parts if k.startswith("facecast_detection"))
     detection = ", ".join(
         f"{h}p {parts[f'facecast_detection_pass_ms_{h}p']:.0f} ms (MediaPipe's one short-range "
