@@ -91,9 +91,10 @@ class LiteRTModel(torch.nn.Module):
         if len(inputs) != len(self.input_names):
             raise ValueError(f"{self.name} takes {len(self.input_names)} input(s) "
                              f"{self.input_names}, got {len(inputs)}")
-        batch = inputs[0].shape[0] if inputs else 1
-        invoker = self._invokers.get(tuple(inputs[0].shape[1:])) if inputs else None
-        invoker = invoker or self._invokers[self.input_shapes[0]]
+        batch = inputs[0].shape[0]
+        # The interpreter of the first input's size; the file's own where it takes no other (a
+        # wrong size is then refused below, naming the sizes it takes).
+        invoker = self._invokers.get(tuple(inputs[0].shape[1:]), self._invokers[self.input_shapes[0]])
         arrays = []
         for name, shape, x in zip(self.input_names, invoker.input_shapes, inputs):
             if x.device.type != "cpu":

@@ -354,6 +354,9 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
     pixels = frames.pixels.numpy()
     indices = frame_index.tolist()
     centres, sizes = rects.center_xy_px.tolist(), rects.size_wh_px.tolist()
+    # The output's corner pixels, homogeneous: where they land bounds what a crop reads.
+    output_corners = np.array([[0, 0, 1], [out_w - 1, 0, 1], [0, out_h - 1, 1], [out_w - 1, out_h - 1, 1]],
+                              np.float64)
     for n, (k, (cx, cy), (sw, sh), angle) in enumerate(zip(indices, centres, sizes, rects.rotation_rad.tolist())):
         height, width = frames.sizes_hw[k]
         top = frames.row_offsets_px[k]
@@ -361,8 +364,7 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
         # Output pixel (j, i) samples centre + R(angle) · ((j / W − ½)·w, (i / H − ½)·h).
         to_frame = np.array([[cos * sw / out_w, -sin * sh / out_h, cx - 0.5 * cos * sw + 0.5 * sin * sh],
                              [sin * sw / out_w, cos * sh / out_h, cy - 0.5 * sin * sw - 0.5 * cos * sh]])
-        corners = np.array([[0, 0, 1], [out_w - 1, 0, 1], [0, out_h - 1, 1], [out_w - 1, out_h - 1, 1]],
-                           np.float64) @ to_frame.T
+        corners = output_corners @ to_frame.T
         # The part of the frame the samples and their right and lower neighbours fall in; a
         # crop beyond the frame's edge replicates the edge, as the frame's own border would.
         x0 = min(max(0, math.floor(corners[:, 0].min()) - 1), width - 1)
