@@ -56,7 +56,11 @@ Note [Procrustes without a solver]
     closer to 1 the two best rotations fit the points almost equally well. Every step is a fixed batched
     operation on (N, 4, 4) tensors: no solver, no wait, the same kernels for every batch. A
     fit with no spread at all (a zero covariance: padding rows, a degenerate face) gives the
-    identity rotation and scale 0, not an error.
+    identity rotation and scale 0, not an error. The CPU stack (FacePipeline's cpu_runtime
+    "litert"), which nothing captures and where each small operator costs microseconds of the
+    host, takes LAPACK's eigenvector instead (``eigh``, one call for the batch, where the
+    squarings are ~40 operators: 0.19 against 0.32 ms for a face's three fits, the 2-core
+    machine, 2026-11-27); tests/models/test_batched_geometry.py holds both to the SVD.
 """
 
 from __future__ import annotations
@@ -205,6 +209,7 @@ def determinant_3x3(matrices: torch.Tensor) -> torch.Tensor:
 # the largest eigenvalue of a trace-1 PSD 4x4 matrix is at least 1/4).
 PROCRUSTES_SQUARINGS = 12
 _SQUARINGS_PER_NORMALISATION = 4
+PROCRUSTES_METHODS = ("squaring", "eigh")
 
 
 def _index_table(entries: dict[tuple[int, int], tuple[tuple[int, int, float], ...]], rows: int, columns: int
@@ -255,14 +260,32 @@ def _horn_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor
                 torch.eye(4, device=device, dtype=dtype))
 
 
-def best_rotation(covariance: torch.Tensor) -> torch.Tensor:
+def best_rotation(covariance: torch.Tensor, method: str = "squaring") -> torch.Tensor:
     """The proper rotations R (N, 3, 3) maximising trace(Rᵀ C) for cross-covariances C (N, 3, 3)
-    (C = Σ w target ⊗ source, centred), by Horn's quaternion and repeated squaring (Note
-    [Procrustes without a solver]): a fixed sequence of batched operations, no solver."""
+    (C = Σ w target ⊗ source, centred), by Horn's quaternion (Note [Procrustes without a
+    solver]): ``method`` "squaring" (a fixed sequence of batched operations, no solver: what a
+    CUDA graph captures) or "eigh" (LAPACK's solver, one call: the CPU stack's)."""
+    if method not in PROCRUSTES_METHODS:
+        raise ValueError(f"method must be one of {PROCRUSTES_METHODS}, got {method!r}")
     count = covariance.shape[0]
     horn, quaternion_rotation, identity = _horn_tables(covariance.device, covariance.dtype)
     source_by_target = covariance.transpose(1, 2).reshape(count, 9)
     horn_n = (source_by_target @ horn).reshape(count, 4, 4)
+    if method == "eigh":
+        quaternion = torch.linalg.eigh(horn_n).eigenvectors[..., -1]  # the largest eigenvalue's
+        spread = source_by_target.abs().amax(dim=1, keepdim=True) > 0
+        unit = torch.where(spread, quaternion, identity[0])  # no spread: the identity, as squared
+    else:
+        unit = _unit_quaternion_by_squaring(horn_n, source_by_target, identity)
+    return ((unit[:, :, None] * unit[:, None, :]).reshape(count, 16) @ quaternion_rotation).reshape(count, 3, 3)
+
+
+def _unit_quaternion_by_squaring(horn_n: torch.Tensor, source_by_target: torch.Tensor,
+                                 identity: torch.Tensor) -> torch.Tensor:
+    """The unit eigenvector (N, 4) of the largest eigenvalue of Horn's matrices (N, 4, 4), by
+    repeated squaring (Note [Procrustes without a solver]); the identity quaternion where a
+    covariance is zero."""
+    count = horn_n.shape[0]
     shift = math.sqrt(3.0) * source_by_target.norm(dim=1)
     powered = horn_n + shift[:, None, None] * identity  # N + σI
     for step in range(PROCRUSTES_SQUARINGS):
@@ -273,8 +296,7 @@ def best_rotation(covariance: torch.Tensor) -> torch.Tensor:
     column = powered.diagonal(dim1=1, dim2=2).argmax(dim=1)  # zero matrix: column 0, the identity below
     quaternion = powered.gather(2, column[:, None, None].expand(count, 4, 1))[..., 0]
     norm = quaternion.norm(dim=1, keepdim=True)
-    unit = torch.where(norm > 0, quaternion / norm.clamp_min(torch.finfo(norm.dtype).tiny), identity[0])
-    return ((unit[:, :, None] * unit[:, None, :]).reshape(count, 16) @ quaternion_rotation).reshape(count, 3, 3)
+    return torch.where(norm > 0, quaternion / norm.clamp_min(torch.finfo(norm.dtype).tiny), identity[0])
 
 
 @dataclass(frozen=True)
@@ -294,14 +316,15 @@ class ProcrustesSource:
         centred = source - centre
         return cls(w, centre, w[:, None] * centred, w @ (centred ** 2).sum(-1))
 
-    def fit(self, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fit(self, target: torch.Tensor, method: str = "squaring"
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scale (N,), rotation (N, 3, 3), translation (N, 3) of :func:`weighted_procrustes`
         for targets (N, K, 3)."""
         target_centre = torch.einsum("k,nkc->nc", self.weights, target)  # (N, 3)
         # Σ_k w_k (target_k - target centre) ⊗ (source_k - source centre), one batched matmul;
         # the target centre's share is Σ_k w_k (source_k - centre) = 0, so it needs no subtracting.
         covariance = target.transpose(1, 2) @ self.weighted_centred
-        rotation = best_rotation(covariance)
+        rotation = best_rotation(covariance, method)
         # Umeyama's scale: trace(Rᵀ C) (the sign-corrected singular values' sum) over the
         # source's weighted variance.
         scale = (rotation * covariance).sum(dim=(1, 2)) / self.variance
@@ -309,22 +332,27 @@ class ProcrustesSource:
         return scale, rotation, translation
 
 
-def weighted_procrustes(source: torch.Tensor, target: torch.Tensor, weights: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def weighted_procrustes(source: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+                        method: str = "squaring") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale s (N,), rotation R (N, 3, 3), translation t (N, 3) minimising
     Σ w_i |s R source_i + t - target_i|² for each of N targets, batched (Umeyama's optimum:
     Note [Face geometry as MediaPipe computes it]; the rotation by :func:`best_rotation`).
 
-    source (K, 3); target (N, K, 3); weights (K,) ≥ 0, not all zero; one dtype and device.
+    source (K, 3); target (N, K, 3); weights (K,) ≥ 0, not all zero; one dtype and device;
+    ``method`` as :func:`best_rotation`'s.
     """
-    return ProcrustesSource.of(source, weights).fit(target)
+    return ProcrustesSource.of(source, weights).fit(target, method)
 
 
 class FaceGeometry:
-    """Facial transformation matrices of batches of faces (one metadata, any frame sizes)."""
+    """Facial transformation matrices of batches of faces (one metadata, any frame sizes).
+    ``procrustes_method``: :func:`best_rotation`'s (Note [Procrustes without a solver])."""
 
     def __init__(self, metadata: GeometryMetadata, vertical_fov_deg: float = VERTICAL_FOV_DEG,
-                 near: float = NEAR_PLANE):
+                 near: float = NEAR_PLANE, procrustes_method: str = "squaring"):
+        if procrustes_method not in PROCRUSTES_METHODS:
+            raise ValueError(f"procrustes_method must be one of {PROCRUSTES_METHODS}, got {procrustes_method!r}")
+        self.procrustes_method = procrustes_method
         self.metadata = metadata
         self.near = near
         self.near_height = 2.0 * near * math.tan(math.radians(vertical_fov_deg) / 2.0)
@@ -332,8 +360,8 @@ class FaceGeometry:
         self._model_by_device: dict[torch.device, tuple[torch.Tensor, ProcrustesSource]] = {}
 
     @classmethod
-    def read(cls, path: str | Path) -> "FaceGeometry":
-        return cls(GeometryMetadata.read(path))
+    def read(cls, path: str | Path, procrustes_method: str = "squaring") -> "FaceGeometry":
+        return cls(GeometryMetadata.read(path), procrustes_method=procrustes_method)
 
     def _model_on(self, device: torch.device) -> tuple[torch.Tensor, ProcrustesSource]:
         """(landmark indices the fit uses, the canonical model's side of the fit) on the device,
@@ -373,9 +401,10 @@ class FaceGeometry:
             depth = (screen[..., 2] - depth_offset + self.near) / scale[:, None]
             return torch.cat([screen[..., :2] * (depth / self.near)[..., None], -depth[..., None]], dim=-1)
 
-        first_scale = canonical.fit(screen * _constant_z_flip(screen.device))[0]
-        second_scale = canonical.fit(unproject(first_scale))[0]
-        scale, rotation, translation = canonical.fit(unproject(first_scale * second_scale))
+        method = self.procrustes_method
+        first_scale = canonical.fit(screen * _constant_z_flip(screen.device), method)[0]
+        second_scale = canonical.fit(unproject(first_scale), method)[0]
+        scale, rotation, translation = canonical.fit(unproject(first_scale * second_scale), method)
         top = torch.cat([scale[:, None, None] * rotation, translation[:, :, None]], dim=2)  # (N, 3, 4)
         bottom = torch.zeros_like(top[:, :1])
         bottom[..., 3].fill_(1.0)  # (an assigned Python number is a tensor made from host data)

@@ -294,7 +294,10 @@ class FacePipeline:
             landmarks = self._prepare(tflite_convert.convert(bundle.face_landmarks_detector), litert=True)
             # float32 even with half=True: Note [Blendshapes in float32].
             blendshapes = self._prepare(tflite_convert.convert(bundle.face_blendshapes), litert=True).float()
-            geometry = FaceGeometry.read(bundle.geometry_metadata)
+            # The CPU stack's rotations by LAPACK; the squarings where a graph may capture them
+            # (Note [Procrustes without a solver]).
+            geometry = FaceGeometry.read(bundle.geometry_metadata, procrustes_method=(
+                "eigh" if self.device.type == "cpu" and self.cpu_runtime == "litert" else "squaring"))
         except (assets.ModelError, OSError, ValueError) as error:
             self.blendshapes_unavailable_reason = f"blendshapes unavailable: {error}"
             log.warning("%s", self.blendshapes_unavailable_reason)

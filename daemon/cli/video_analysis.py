@@ -742,11 +742,17 @@ class Analyzer:
     def _measure(self, batch: list[tuple[FileAnalysis, DecodedFrame]]) -> None:
         camera_ids = [item.camera_id for item, _ in batch]
         images = [frame.image for _, frame in batch]
-        if not all(isinstance(image, np.ndarray) for image in images):
-            # Frames of NVDEC (tensors on the GPU) with a file's frames of PyAV: one kind of
-            # frame in a batch (FrameBatch moves the host ones to the device).
+        if all(isinstance(image, np.ndarray) for image in images):
+            # PyAV's frames are arrays of their own that nothing writes again: measured (and
+            # detected) where they lie, not stacked into a copy.
+            frames = self.pipeline.batch_in_place([torch.from_numpy(image) for image in images])
+        else:
+            # Frames of NVDEC (tensors on the GPU, perhaps in the decoder's reused buffers) with
+            # a file's frames of PyAV: one kind of frame, stacked into a batch of its own
+            # (FrameBatch moves the host ones to the device).
             images = [torch.from_numpy(image) if isinstance(image, np.ndarray) else image
                       for image in images]
+            frames = FrameBatch(images, self.pipeline.device, bgr=self.pipeline.frames_are_bgr)
         due = []  # the detection worker's `_due` on the video's clock (Note [Analysis as live])
         for index, (item, frame) in enumerate(batch):
             pts_s = frame.pts_s if frame.pts_s is not None else item._last_pass_pts_s
@@ -756,9 +762,8 @@ class Analyzer:
                 item._last_pass_pts_s = pts_s
         detections = {}
         if due:
-            found = self.pipeline.detect(FrameBatch([images[i] for i in due], self.pipeline.device))
-            detections = dict(zip(due, found))
-        faces_per_frame = self.pipeline.track(images, camera_ids, detections=detections)
+            detections = dict(zip(due, self.pipeline.detect(frames, due)))
+        faces_per_frame = self.pipeline.track(frames, camera_ids, detections=detections)
         for (item, frame), faces in zip(batch, faces_per_frame):
             self._write_faces(item, frame, faces)
         if self.pose_pipeline is not None:  # Note [Body pose offline]

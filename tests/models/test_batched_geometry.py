@@ -21,6 +21,7 @@ import torch
 from facecast.models import nms, roi
 from facecast.models.face_geometry import (
     _FLIP_YZ,
+    PROCRUSTES_METHODS,
     FaceGeometry,
     determinant_3x3,
     head_pose_from_matrices,
@@ -242,8 +243,9 @@ def perturbed(landmarks: np.ndarray, sizes: np.ndarray, seed: int) -> tuple[np.n
 # -- the transformation matrix ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("method", PROCRUSTES_METHODS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_batched_procrustes_matches_the_per_face_fit_mirrors_included(landmarker_bundle, device):
+def test_batched_procrustes_matches_the_per_face_fit_mirrors_included(landmarker_bundle, device, method):
     geometry = FaceGeometry.read(landmarker_bundle.geometry_metadata)
     used = np.flatnonzero(geometry.metadata.landmark_weights > 0)
     source = geometry.metadata.canonical_vertices_cm[used]
@@ -256,7 +258,8 @@ def test_batched_procrustes_matches_the_per_face_fit_mirrors_included(landmarker
     target[::2, :, 0] *= -1  # mirror images: the fit must undo a reflection
     expected = reference_weighted_procrustes(source, target, weights)
     as_tensor = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
-    got = [part.cpu().numpy() for part in weighted_procrustes(as_tensor(source), as_tensor(target), as_tensor(weights))]
+    got = [part.cpu().numpy()
+           for part in weighted_procrustes(as_tensor(source), as_tensor(target), as_tensor(weights), method)]
     for name, ours, theirs in zip(("scale", "rotation", "translation"), got, expected):
         np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-9, err_msg=name)
     np.testing.assert_allclose(determinant_3x3(torch.from_numpy(got[1])), 1.0, atol=1e-12)
@@ -264,8 +267,9 @@ def test_batched_procrustes_matches_the_per_face_fit_mirrors_included(landmarker
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_batched_matrices_and_poses_match_the_per_face_pipeline(landmarker_bundle, real_faces, device):
-    geometry = FaceGeometry.read(landmarker_bundle.geometry_metadata)
+@pytest.mark.parametrize("method", PROCRUSTES_METHODS)
+def test_batched_matrices_and_poses_match_the_per_face_pipeline(landmarker_bundle, real_faces, device, method):
+    geometry = FaceGeometry.read(landmarker_bundle.geometry_metadata, procrustes_method=method)
     landmarks, sizes = real_faces
     cases = [(landmarks, sizes)] + [perturbed(landmarks, sizes, seed) for seed in range(8)]
     landmarks = np.concatenate([case[0] for case in cases])
@@ -433,13 +437,22 @@ def test_measure_matches_the_per_face_host_code_with_the_attention_mesh(attentio
     assert counts["below"] >= len(frames) and counts["frames_cut"] == 1, counts
 
 
-def test_a_fit_without_spread_gives_the_identity_and_no_error():
+@pytest.mark.parametrize("method", PROCRUSTES_METHODS)
+def test_a_fit_without_spread_gives_the_identity_and_no_error(method):
     """Padding rows of a CUDA graph and degenerate faces: a covariance of zeros (every point on
     one spot) gives the identity rotation and scale 0, finite, where an SVD would be asked for
     the impossible (Note [Procrustes without a solver])."""
     source = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
     target = torch.full((2, 4, 3), 5.0, dtype=torch.float64)
-    scale, rotation, translation = weighted_procrustes(source, target, torch.ones(4, dtype=torch.float64))
+    scale, rotation, translation = weighted_procrustes(source, target, torch.ones(4, dtype=torch.float64), method)
     torch.testing.assert_close(rotation, torch.eye(3, dtype=torch.float64).expand(2, 3, 3))
     torch.testing.assert_close(scale, torch.zeros(2, dtype=torch.float64))
     torch.testing.assert_close(translation, torch.full((2, 3), 5.0, dtype=torch.float64))
+
+
+def test_an_unknown_procrustes_method_is_named(landmarker_bundle):
+    with pytest.raises(ValueError, match="method must be one of .*'squaring'.*'eigh'.*got 'svd'"):
+        weighted_procrustes(torch.eye(3, dtype=torch.float64), torch.eye(3, dtype=torch.float64)[None],
+                            torch.ones(3, dtype=torch.float64), "svd")
+    with pytest.raises(ValueError, match="procrustes_method must be one of .*got 'svd'"):
+        FaceGeometry.read(landmarker_bundle.geometry_metadata, procrustes_method="svd")

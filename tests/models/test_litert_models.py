@@ -97,6 +97,10 @@ def test_on_the_cpu_the_landmarker_models_run_in_litert_and_give_the_same_faces(
         "face_landmarks_detector": "litert", "face_blendshapes": "litert"}
     assert set(in_torch.model_runtimes.values()) == {"torch"}
     assert in_litert.cpu_runtime_problem is None
+    # The CPU stack's rotations by LAPACK, the GPU's code's by squaring (Note [Procrustes
+    # without a solver]).
+    assert in_litert.measurer.geometry.procrustes_method == "eigh"
+    assert in_torch.measurer.geometry.procrustes_method == "squaring"
     frame = np.ascontiguousarray(photos["astronaut"][..., ::-1])
     (litert_faces,), (torch_faces,) = in_litert([frame]), in_torch([frame])
     assert len(litert_faces) == len(torch_faces) == 1
@@ -105,6 +109,8 @@ def test_on_the_cpu_the_landmarker_models_run_in_litert_and_give_the_same_faces(
     # Float rounding apart, the same numbers (seen: 3e-5 px median on a 90 px face).
     assert error.max() < 1e-4 * face_width
     assert np.abs(litert_faces[0].blendshapes - torch_faces[0].blendshapes).max() < 1e-4
+    np.testing.assert_allclose(litert_faces[0].head_pose, torch_faces[0].head_pose, atol=1e-3)
+    np.testing.assert_allclose(litert_faces[0].transform_matrix, torch_faces[0].transform_matrix, atol=1e-4)
 
 
 def test_without_litert_the_converted_models_run_and_the_pipeline_says_why(
