@@ -469,8 +469,9 @@ def test_the_gpu_paths_file_frames_match_the_cpu_decoder(cpu_nvdec, tmp_path, na
         assert opened.decode.reason.startswith(f'decode = "gpu": {expected} '), opened.decode
         assert cpu_nvdec.made[-1].low_latency == (bframes == 0)
         stamps = []
-        # Through the file's end and round again (a fresh open; with B-frames the decoder's
-        # last frames flushed out and a new decoder).
+        # Through the file's end and round again (a fresh open; with B-frames the frames the
+        # decoder held come out as the next round's IDR picture arrives: Note [A looped file on
+        # one decoder]).
         for index in range(len(references) + 10):
             frame, capture_ts_lsl = opened.read()
             stamps.append(capture_ts_lsl)
@@ -479,10 +480,46 @@ def test_the_gpu_paths_file_frames_match_the_cpu_decoder(cpu_nvdec, tmp_path, na
             assert _psnr_db(frame.numpy(), reference) >= MIN_PSNR_DB, (name, index)
         assert opened.loops == 1
         assert np.all(np.diff(stamps) > 0), "capture times must increase"
-        if bframes:
-            assert len(cpu_nvdec.made) == 2 and cpu_nvdec.made[0].ended
-        else:
-            assert len(cpu_nvdec.made) == 1 and not cpu_nvdec.made[0].ended
+        assert opened.starts_clean  # x264's and x265's files start with an IDR picture
+        assert len(cpu_nvdec.made) == 1 and not cpu_nvdec.made[0].ended
+
+
+def test_a_looped_file_that_starts_with_an_open_gop_gets_a_new_decoder_each_round(cpu_nvdec, tmp_path,
+                                                                                  monkeypatch):
+    """Note [A looped file on one decoder]: where the first picture is not an IDR one (a CRA
+    whose leading pictures refer to the round before), the round ends its stream: the held
+    frames come out, and a new decoder takes the next round; every frame in order."""
+    path = _write_video(tmp_path / "open_gop.mkv", bframes=3, frames=30)
+    references = _opencv_frames(path)
+    monkeypatch.setattr(nvdec, "starts_with_idr", lambda codec, data: False)
+    with open_source(_camera(path), decode=DecodeRequest("gpu", "cuda:0")) as opened:
+        assert not opened.starts_clean and not opened.low_latency
+        for index in range(2 * len(references) + 5):
+            frame, _ = opened.read()
+            assert _psnr_db(frame.numpy(), references[index % len(references)]) >= MIN_PSNR_DB, index
+        assert opened.loops == 2
+    assert len(cpu_nvdec.made) == 3 and all(made.ended for made in cpu_nvdec.made[:2])
+
+
+def _nal(header: bytes) -> bytes:
+    return b"\x00\x00\x00\x01" + header + b"\x88\x84\x00"
+
+
+@pytest.mark.parametrize("codec, packet, idr", [
+    # H.264: access unit delimiter, SPS, PPS, SEI, then the picture's slice
+    ("h264", _nal(b"\x09") + _nal(b"\x67") + _nal(b"\x68") + _nal(b"\x06") + _nal(b"\x65"), True),
+    ("h264", _nal(b"\x67") + _nal(b"\x68") + _nal(b"\x41"), False),  # a non-IDR slice
+    ("h264", b"\x00\x00\x01\x65\x88", True),  # a three-byte start code
+    ("h264", _nal(b"\x67") + _nal(b"\x68"), False),  # parameter sets, no picture
+    # H.265 (two header bytes): VPS, SPS, PPS, then IDR_W_RADL / IDR_N_LP / CRA
+    ("hevc", _nal(b"\x40\x01") + _nal(b"\x42\x01") + _nal(b"\x44\x01") + _nal(b"\x26\x01"), True),
+    ("hevc", _nal(b"\x28\x01"), True),
+    ("hevc", _nal(b"\x40\x01") + _nal(b"\x2a\x01"), False),  # CRA: an open GOP
+    ("mjpeg", _nal(b"\x65"), False),
+    ("h264", b"", False),
+])
+def test_an_idr_picture_is_told_by_its_nal_type(codec, packet, idr):
+    assert nvdec.starts_with_idr(codec, packet) is idr
 
 
 @pytest.mark.parametrize("pix_fmt", ["yuv420p", "yuvj420p"])

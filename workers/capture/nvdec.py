@@ -102,6 +102,23 @@ Note [NV12 to BGR]
     the conversion here, 13:52 UTC), py-spy finding the capture threads in PyNvVideoCodec's
     `Decode` in 387 of 479 samples: with the inference workers keeping the GPU busy, its RGB
     output seems to wait for the device on each call (not yet looked into further).
+
+Note [A looped file on one decoder]
+    A file camera plays its file again from the start at its end. Where the file has B-frames,
+    the decoder then holds the round's last frames (four, on the real clip), which an end of
+    stream gets out; but a decoder that has had its end of stream takes nothing more, and
+    making a new one each round cost the real clip's camera (640x360 H.264 High, 72 frames, 30
+    fps) 27.3 of its 30 frames a second (H100, 2026-11-27, bench/real_footage.py; 29.6 decoded
+    on the CPU): destroying a used PyNvVideoCodec decoder took 171-219 ms, holding the GIL
+    that a capture group's camera threads share (a thread ticking every 0.5 ms stood still for
+    220 ms), and the new decoder's first picture 41-47 ms (where NVDEC makes its session). So
+    where the file starts with an IDR picture (H.264 NAL type 5, H.265 types 19-20: no picture
+    after it refers to one before), one decoder plays every round: the next round's IDR
+    picture is a clean start for the decoder, and the frames it held come out in order as it
+    arrives (the probe: 68 frames out of the first round, then 72 every round, the 4 held ones
+    first, one round 20 ms against 67 with a new decoder). A file that starts otherwise (an
+    open GOP: a CRA picture whose leading pictures refer to frames of the round before) ends
+    its stream and gets a new decoder each round, as before.
 """
 
 from __future__ import annotations
@@ -374,6 +391,30 @@ class NvdecDecoder:
         self._decoder = None  # PyNvDecoder's destructor frees its decoder and buffers
 
 
+# NAL unit types of a picture after which no picture refers to one before it (Note [A looped file
+# on one decoder]): H.264's IDR slice; H.265's IDR_W_RADL and IDR_N_LP.
+_IDR_NAL_TYPES = {"h264": {5}, "hevc": {19, 20}}
+_H264_VCL_NAL_TYPES = range(1, 6)
+_HEVC_VCL_NAL_TYPES = range(0, 32)
+
+
+def starts_with_idr(codec: str, annex_b: bytes) -> bool:
+    """Whether the first picture (VCL NAL unit) of an Annex B packet is an IDR picture."""
+    if codec not in _IDR_NAL_TYPES:
+        return False
+    position = annex_b.find(b"\x00\x00\x01")
+    while position >= 0 and position + 3 < len(annex_b):
+        header = annex_b[position + 3]
+        if codec == "h264":
+            nal_type, is_picture = header & 0x1F, (header & 0x1F) in _H264_VCL_NAL_TYPES
+        else:
+            nal_type, is_picture = (header >> 1) & 0x3F, ((header >> 1) & 0x3F) in _HEVC_VCL_NAL_TYPES
+        if is_picture:
+            return nal_type in _IDR_NAL_TYPES[codec]
+        position = annex_b.find(b"\x00\x00\x01", position + 3)
+    return False
+
+
 # --- the sources ----------------------------------------------------------------------------------
 
 
@@ -430,13 +471,16 @@ class NvdecSource(GpuDecodedSource):
             raise GpuDecodeUnavailable(
                 f"NVDEC could not make a decoder ({error_text(exc)})") from exc
         deadline = time.monotonic() + keyframe_deadline_s
+        self.starts_clean = True  # Note [A looped file on one decoder]
         while True:
             packet = self._next_packet_or_lost()
             if packet is None:
                 raise GpuDecodeUnavailable(f"{reader.describe()} ended before its first frame")
             data, keyframe, read_ts = packet
             if keyframe:
+                self.starts_clean = self.starts_clean and starts_with_idr(reader.codec, data)
                 break
+            self.starts_clean = False
             if time.monotonic() > deadline:
                 raise GpuDecodeUnavailable(
                     f"no keyframe within {keyframe_deadline_s:g} s (the GPU decoder starts at "
@@ -547,9 +591,11 @@ class NvdecFileSource(FilePlayback, NvdecSource):
     def _start_again(self) -> None:
         """The file's end: it starts again from a fresh open, as FileSource's. Without B-frames
         the decoder holds nothing and takes the file's first keyframe (its parameter sets in
-        front) as any keyframe of a stream. With B-frames it holds the file's last frames: the
-        end of the stream gets them out, and a new decoder takes the file again."""
-        if not self.low_latency:
+        front) as any keyframe of a stream. With B-frames it holds the file's last frames: where
+        the file starts with an IDR picture they come out as the next round's arrives, else the
+        end of the stream gets them out and a new decoder takes the file again (Note [A looped
+        file on one decoder])."""
+        if not self.low_latency and not self.starts_clean:
             self._decode_into_ready(b"", pylsl.local_clock())
             self.decoder.close()
             self.decoder = None
