@@ -370,6 +370,7 @@ class CpuNvdec:
         self.size = (0, 0)
         self.packets: list[tuple[int, int]] = []
         self.ended = False
+        self.closed = False
         CpuNvdec.made.append(self)
 
     def decode(self, data: bytes, pts: int) -> list[int]:
@@ -392,7 +393,7 @@ class CpuNvdec:
         return "NV12"
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 class _NoStream:
@@ -499,6 +500,23 @@ def test_a_looped_file_that_starts_with_an_open_gop_gets_a_new_decoder_each_roun
             assert _psnr_db(frame.numpy(), references[index % len(references)]) >= MIN_PSNR_DB, index
         assert opened.loops == 2
     assert len(cpu_nvdec.made) == 3 and all(made.ended for made in cpu_nvdec.made[:2])
+
+
+def test_at_the_process_stop_a_decoder_is_left_to_the_exit_and_otherwise_destroyed(cpu_nvdec, tmp_path,
+                                                                                   monkeypatch):
+    """Note [Decoders left to the process's end]: closing a camera because the worker stops
+    leaves its NVDEC decoder to the process's exit (destroying one holds the GIL ~200 ms);
+    closing it for any other reason (a fallback, a reopen) destroys it, freeing the session."""
+    monkeypatch.setattr(nvdec, "_LEFT_TO_THE_EXIT", [])
+    path = _write_video(tmp_path / "clip.mp4", frames=6)
+    with open_source(_camera(path), decode=DecodeRequest("gpu", "cuda:0")) as reopened:
+        reopened.read()
+    assert cpu_nvdec.made[-1].closed and nvdec._LEFT_TO_THE_EXIT == []
+    stopping = open_source(_camera(path), decode=DecodeRequest("gpu", "cuda:0"))
+    stopping.read()
+    stopping.close_at_exit()
+    assert stopping.decoder is None and stopping.reader is None  # the source is closed
+    assert not cpu_nvdec.made[-1].closed and nvdec._LEFT_TO_THE_EXIT == [cpu_nvdec.made[-1]]
 
 
 def _nal(header: bytes) -> bytes:
@@ -732,6 +750,28 @@ class SteppedGroup:
             reader.close()
         for capture in self.captures.values():
             capture._close_in_thread()
+
+
+@pytest.mark.parametrize("stopping", [True, False])
+def test_a_capture_thread_leaves_its_decoder_to_the_exit_only_at_the_workers_stop(
+        cpu_nvdec, monkeypatch, runtime_dir, stopping):
+    """Note [Decoders left to the process's end], in the capture worker: a camera thread's
+    last act at the worker's stop leaves the NVDEC decoder to the process's exit; a thread
+    that ends otherwise destroys it."""
+    monkeypatch.setattr(nvdec, "_LEFT_TO_THE_EXIT", [])
+    loaded = config_mod.loads(
+        '[daemon]\ntransport = "shm"\n'
+        '[[cameras]]\nid = "gpucam"\nsource = "synthetic-h264"\nwidth = 320\nheight = 240\n'
+        'fps = 20\ndecode = "gpu"\n')
+    with zmq.Context() as context:
+        group = SteppedGroup(context, loaded, runtime_dir)
+        group.step(3)
+        decoder = group.captures["gpucam"].source.decoder
+        group.worker.stopping = stopping
+        group.close()
+    assert group.captures["gpucam"].source is None
+    assert decoder.closed is not stopping
+    assert nvdec._LEFT_TO_THE_EXIT == ([decoder] if stopping else [])
 
 
 def test_a_failing_gpu_decoder_falls_back_while_the_groups_other_camera_publishes(

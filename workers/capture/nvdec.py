@@ -391,6 +391,19 @@ class NvdecDecoder:
         self._decoder = None  # PyNvDecoder's destructor frees its decoder and buffers
 
 
+# Note [Decoders left to the process's end]
+#     Destroying a used PyNvVideoCodec decoder takes ~200 ms (171-219 ms, H100, 2026-11-27) and
+#     holds the GIL all along, so the camera threads of a capture group, each closing its own at
+#     the worker's stop, closed one after another: at 128 synthetic-h264 cameras on two GPUs (16
+#     a process) each camera's closing took 1.0-1.5 s, 46 threads were still closing when the
+#     worker gave up on them (STOP_JOIN_S), and the supervisor SIGKILLed 10 workers. At the
+#     stop the process ends anyway, by os._exit (Note [Quick exit]), and the driver ends a
+#     process's NVDEC sessions with its CUDA context: so there a decoder is only dropped from
+#     its source and kept here, never destroyed from Python. Everywhere else (a camera falling
+#     back to the CPU decoder, a reopen) it is destroyed, which frees its NVDEC session.
+_LEFT_TO_THE_EXIT: list[NvdecDecoder] = []
+
+
 # NAL unit types of a picture after which no picture refers to one before it (Note [A looped file
 # on one decoder]): H.264's IDR slice; H.265's IDR_W_RADL and IDR_N_LP.
 _IDR_NAL_TYPES = {"h264": {5}, "hevc": {19, 20}}
@@ -556,6 +569,13 @@ class NvdecSource(GpuDecodedSource):
     def close(self) -> None:
         self._ready.clear()
         super().close()
+
+    def close_at_exit(self) -> None:
+        """Note [Decoders left to the process's end]."""
+        if self.decoder is not None:
+            _LEFT_TO_THE_EXIT.append(self.decoder)
+            self.decoder = None
+        self.close()
 
 
 class NvdecFileSource(FilePlayback, NvdecSource):

@@ -155,6 +155,11 @@ class FrameSource:
     def close(self) -> None:
         pass
 
+    def close_at_exit(self) -> None:
+        """Closed because the process is ending (the worker's stop, Note [Quick exit]): what
+        the process's end reclaims as well may be left to it."""
+        self.close()
+
     def __enter__(self) -> FrameSource:
         return self
 

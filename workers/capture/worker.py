@@ -153,7 +153,10 @@ class CameraCapture:
         started = time.monotonic()
         try:
             if self.source is not None:
-                self.source.close()
+                if self.worker.stopping:
+                    self.source.close_at_exit()  # Note [Decoders left to the process's end]
+                else:
+                    self.source.close()
                 self.source = None
             source_s = time.monotonic() - started
             if self.publisher is not None:
