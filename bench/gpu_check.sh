@@ -10,7 +10,7 @@
 #   gpu_tests     the `gpu` tests, with $FACECAST_REAL_FOOTAGE set to the videos in .footage/ for
 #                 tests/test_real_footage_gpu.py, and tests/test_nvdec_gpu.py where PyAV and
 #                 PyNvVideoCodec are installed (.whl2a/, .whl2b/: bench/gpu_host_env.sh) (10-11;
-#                 12.5 with every wheel, 123 tests, H100 2026-11-26)
+#                 15 with every wheel, 139 tests, H100 2026-11-27)
 #   real_footage  real footage through the stack and the daemon (bench/real_footage.py) (4.5)
 #   pipeline      the whole daemon against MediaPipe at 8, 32 and 64 replayed cameras (same
 #                 definitions on both sides, bench/accounting.py) (5-6)
@@ -57,8 +57,8 @@
 # Default: boot_stop gpu_tests real_footage pipeline models (23 minutes). A machine is held at
 # most 30 minutes: start on a fresh machine, and put `decode` in a run of its own. Device time
 # is 30 minutes a session, and a one-GPU loan may count only part of its held time or all of it
-# (2026-11-26: 50 %, then 100 % from the 25th minute): gpu_tests alone (~131 tests, 13-14 min on
-# the H100 with every wheel) can take half of a session's time.
+# (2026-11-26: 50 %, then 100 % from the 25th minute; 2026-11-27: 67 %): gpu_tests alone (139
+# tests, 15 min on the H100 with every wheel) can take half of a session's time.
 # Run from the repository root, with .whl/, .models/, .mp/ and .footage/ (copies of
 # ../shared/footage/*.mp4) carried (bench/gpu_host_env.sh; they fit one call's 64 MiB). The
 # machine goes back 30 s after a call ends, taking the background run with it: call `wait` again
