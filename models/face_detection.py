@@ -240,13 +240,18 @@ class FaceDetector:
         """The detection pass proper, a fixed sequence of tensor operations for the planned
         frames (Note [Detection without per-frame work]). ``on_stage`` is called after the
         preprocess (crops), forward and decode_nms stages (the benchmark's stage clock).
-        ``taps``: :meth:`crop_taps` of these frames, made once for a CUDA graph's batch."""
+        ``taps``: :meth:`crop_taps` of these frames, made once for a CUDA graph's batch; without
+        them the inputs are cropped here (on the CPU by OpenCV: Note [Crops on the CPU])."""
         short_plan, full_plan = plans
         short_spec, full_spec = anchors_mod.FACE_SHORT_RANGE, anchors_mod.FACE_FULL_RANGE
         full_groups = full_plan.groups if full_plan is not None else []
-        short_taps, *full_taps = taps if taps is not None else self.crop_taps(batch, frame_index, plans)
-        short_crops = short_taps.crop(batch)
-        full_crops = [group_taps.crop(batch) for group_taps in full_taps]
+        if taps is None and batch.device.type == "cpu":  # OpenCV's warps (Note [Crops on the CPU])
+            short_crops = self._crops(batch, frame_index, short_plan)
+            full_crops = [self._crops(batch, frame_index[positions], plan) for positions, plan in full_groups]
+        else:
+            short_taps, *full_taps = taps if taps is not None else self.crop_taps(batch, frame_index, plans)
+            short_crops = short_taps.crop(batch)
+            full_crops = [group_taps.crop(batch) for group_taps in full_taps]
         if on_stage:
             on_stage("preprocess")
         short_raw = self.outputs(False, short_crops)
@@ -316,6 +321,11 @@ class FaceDetector:
     def _taps(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plan: DetectorPlan) -> roi_mod.CropTaps:
         # Letterbox and whole frames are unrotated: coordinates per row and column (axis_aligned).
         return roi_mod.crop_taps(batch, frame_index, plan.rects, plan.input_hw, border="zero",
+                                 dtype=self.model_dtype, value_range=(-1.0, 1.0), axis_aligned=True)
+
+    def _crops(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plan: DetectorPlan) -> torch.Tensor:
+        """The inputs that :meth:`_taps` samples, cropped at once."""
+        return roi_mod.crop_rois(batch, frame_index, plan.rects, plan.input_hw, border="zero",
                                  dtype=self.model_dtype, value_range=(-1.0, 1.0), axis_aligned=True)
 
     def outputs(self, full_range: bool, crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

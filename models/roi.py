@@ -37,23 +37,26 @@ Note [Crop taps made once]
     on the H100 (2026-11-26) the pass's crops were 130 kernels and 1.1 ms over 32 1080p frames.
 
 Note [Crops on the CPU]
-    On the CPU the per-pixel gathers above are slow: a 256x256 crop of a 720p frame took 1.74
-    ms in torch (four index_select passes over 196 k values and their blends, one thread, the
+    On the CPU the per-pixel gathers above are slow: a 256x256 crop of a 720p frame took 1.74 ms
+    in torch (four index_select passes over 196 k values and their blends, one thread, the
     2-core machine, 2026-11-27), about a sixth of a one-face frame's time once the models ran in
-    LiteRT (Note [LiteRT on the CPU]). There each replicate-bordered crop (the measuring
-    stage's) is OpenCV's warpAffine instead, as MediaPipe's CPU path crops: the convention's
-    affine map (Note [ROI crop convention]) from the output to the frame, bilinear,
-    BORDER_REPLICATE, in float32 over the part of the frame the crop reads (converted to float
-    first, so that the samples are not rounded to whole grey levels as a uint8 warp would
-    round them), the channels swapped on the bytes read before the warp and every crop scaled
-    in one pass after it: 0.21 ms a 256 crop of a 360 px ROI (0.52 swapping and scaling each
-    warped crop, strided), the same values within 0.004 grey levels (tests/models/test_stages.py
-    holds the two to each other). The detectors' zero-bordered inputs keep the taps: their
-    border is a cut at half a pixel outside the frame, not OpenCV's blend with black, and they
-    are one pass in fifteen frames. MediaPipe's own CPU recipe, a uint8 warp then floats, was
-    tried for every crop (2026-11-27) and not taken: rounded to whole grey levels, body pose's
-    landmarks moved by up to 4 % of the frame and its visibilities by 0.1 against the float
-    reference (tests/models/test_pose.py), for 0.04 ms a crop.
+    LiteRT (Note [LiteRT on the CPU]). There each crop is OpenCV's warpAffine instead, as
+    MediaPipe's CPU path crops: the convention's affine map (Note [ROI crop convention]) from
+    the output to the frame, bilinear, BORDER_REPLICATE, in float32 over the part of the frame
+    the crop reads (converted to float first, so that the samples are not rounded to whole grey
+    levels as a uint8 warp would round them), the channels swapped on the bytes read before the
+    warp and every crop scaled in one pass after it: 0.21 ms a 256 crop of a 360 px ROI (0.52
+    swapping and scaling each warped crop, strided), the same values within 0.004 grey levels
+    (tests/models/test_stages.py holds the two to each other). The zero-bordered crops (the
+    detectors' letterbox and whole frames, body pose's letterbox) are the same warp with the
+    gathers' border put on after it, black where a sample lies more than half a pixel beyond the
+    frame (a cut, where OpenCV's own constant border would blend the edge with black): a 720p
+    frame's detection pass 13.1 ms against 19.3 with the gathers, LiteRT's invokes included
+    (2026-11-27). A detection graph (the tests' stand-in for one on the CPU) keeps its taps,
+    made once (Note [Crop taps made once]). MediaPipe's own CPU recipe, a uint8 warp then
+    floats, was tried for every crop (2026-11-27) and not taken: rounded to whole grey levels,
+    body pose's landmarks moved by up to 4 % of the frame and its visibilities by 0.1 against
+    the float reference (tests/models/test_pose.py), for 0.04 ms a crop.
 """
 
 from __future__ import annotations
@@ -341,27 +344,29 @@ def crop_rois(
     [Sampling the frames where they lie]. Shapes depend only on N and S, and nothing waits for
     the device: the call can be captured in a CUDA graph.
     """
-    if frames.device.type == "cpu" and border == "replicate" and dtype == torch.float32:
-        return _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, value_range)
+    if frames.device.type == "cpu" and dtype == torch.float32:
+        return _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range)
     return crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
                      axis_aligned=axis_aligned).crop(frames)
 
 
 def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects: RotatedRects,
-                           out_size_px: int | tuple[int, int], value_range: tuple[float, float]
-                           ) -> torch.Tensor:
-    """:func:`crop_rois` on the CPU with a replicated border, one warpAffine a rect (Note [Crops
-    on the CPU])."""
+                           out_size_px: int | tuple[int, int], border: str,
+                           value_range: tuple[float, float]) -> torch.Tensor:
+    """:func:`crop_rois` on the CPU, one warpAffine a rect (Note [Crops on the CPU])."""
+    if border not in ("replicate", "zero"):
+        raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
     out_h, out_w = (out_size_px, out_size_px) if isinstance(out_size_px, int) else out_size_px
     low, high = value_range
     scale = (high - low) / 255.0
     crops = np.empty((len(rects), out_h, out_w, 3), np.float32)
     pixels = frames.pixels.numpy()
-    indices = frame_index.tolist()
+    indices = frame_index.long().tolist()
     centres, sizes = rects.center_xy_px.tolist(), rects.size_wh_px.tolist()
     # The output's corner pixels, homogeneous: where they land bounds what a crop reads.
     output_corners = np.array([[0, 0, 1], [out_w - 1, 0, 1], [0, out_h - 1, 1], [out_w - 1, out_h - 1, 1]],
                               np.float64)
+    columns, rows = np.arange(out_w, dtype=np.float64), np.arange(out_h, dtype=np.float64)[:, None]
     for n, (k, (cx, cy), (sw, sh), angle) in enumerate(zip(indices, centres, sizes, rects.rotation_rad.tolist())):
         height, width = frames.sizes_hw[k]
         top = frames.row_offsets_px[k]
@@ -370,6 +375,13 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
         to_frame = np.array([[cos * sw / out_w, -sin * sh / out_h, cx - 0.5 * cos * sw + 0.5 * sin * sh],
                              [sin * sw / out_w, cos * sh / out_h, cy - 0.5 * sin * sw - 0.5 * cos * sh]])
         corners = output_corners @ to_frame.T
+        outside = None
+        if border == "zero" and not ((corners >= -0.5).all() and (corners[:, 0] <= width - 0.5).all()
+                                     and (corners[:, 1] <= height - 0.5).all()):
+            # The gathers' zero border: a sample more than half a pixel beyond the frame is black.
+            x = to_frame[0, 0] * columns + to_frame[0, 1] * rows + to_frame[0, 2]
+            y = to_frame[1, 0] * columns + to_frame[1, 1] * rows + to_frame[1, 2]
+            outside = (x < -0.5) | (x > width - 0.5) | (y < -0.5) | (y > height - 0.5)
         # The part of the frame the samples and their right and lower neighbours fall in; a
         # crop beyond the frame's edge replicates the edge, as the frame's own border would.
         x0 = min(max(0, math.floor(corners[:, 0].min()) - 1), width - 1)
@@ -382,6 +394,8 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
         to_frame[:, 2] -= (x0, y0)
         cv2.warpAffine(part.astype(np.float32), to_frame, (out_w, out_h), dst=crops[n],
                        flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE)
+        if outside is not None:
+            crops[n][outside] = 0.0  # the low end of the value range, below
     crops *= scale  # every crop at once
     if low != 0.0:
         crops += low

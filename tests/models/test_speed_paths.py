@@ -592,15 +592,19 @@ def _warm_detection(pipeline, frames):
     batch = roi.FrameBatch(frames, "cpu")
     plans = pipeline.detector.plans_for(tuple(batch.sizes_hw))
     index = torch.arange(len(frames))
-    pipeline.detector.core(batch, index, plans)  # caches made on first use stay out, as in the warm-up
+    # Caches made on first use stay out, as in the warm-up.
+    pipeline.detector.core(batch, index, plans, taps=pipeline.detector.crop_taps(batch, index, plans))
     return batch, index, plans
 
 
 def test_the_detection_stage_can_be_captured(cpu_pipeline, photos):
+    """The stage as its graph runs it: with its taps, made once outside it (Note [Crop taps made
+    once]; without them the CPU crops with OpenCV, Note [Crops on the CPU])."""
     with torch.inference_mode():
         batch, index, plans = _warm_detection(cpu_pipeline, [scene_1080p(photos)] * 2)
+        taps = cpu_pipeline.detector.crop_taps(batch, index, plans)
         with _HostWork() as spy:
-            cpu_pipeline.detector.core(batch, index, plans)
+            cpu_pipeline.detector.core(batch, index, plans, taps=taps)
     assert spy.found == []
 
 

@@ -323,11 +323,14 @@ def test_crop_rois_matches_opencv_and_keeps_frames_apart():
         assert np.percentile(diff, 99) < 6, (k, np.percentile(diff, 99))
 
 
-@pytest.mark.parametrize("bgr, out_size, value_range", [(True, 96, (0.0, 1.0)), (False, (64, 112), (-1.0, 1.0))])
-def test_on_the_cpu_a_crop_is_opencvs_warp_with_the_gathers_values(bgr, out_size, value_range):
-    """Note [Crops on the CPU]: the replicate-bordered crops of the CPU (warpAffine over the part
-    of the frame they read) are the bilinear gathers' (CropTaps.crop, what a GPU runs) to float
-    rounding, rotated, over the frame's edges and wholly beyond them, frames of two sizes."""
+@pytest.mark.parametrize("bgr, out_size, value_range, border", [
+    (True, 96, (0.0, 1.0), "replicate"), (False, (64, 112), (-1.0, 1.0), "replicate"),
+    (True, (64, 112), (-1.0, 1.0), "zero"), (False, 96, (0.0, 1.0), "zero")])
+def test_on_the_cpu_a_crop_is_opencvs_warp_with_the_gathers_values(bgr, out_size, value_range, border):
+    """Note [Crops on the CPU]: the crops of the CPU (warpAffine over the part of the frame they
+    read; with a zero border, black where a sample is more than half a pixel beyond the frame)
+    are the bilinear gathers' (CropTaps.crop, what a GPU runs) to float rounding, rotated, over
+    the frame's edges and wholly beyond them, frames of two sizes."""
     frames = [skimage.data.astronaut(), skimage.data.coffee()]  # 512x512 and 400x600
     if bgr:
         frames = [np.ascontiguousarray(frame[..., ::-1]) for frame in frames]
@@ -342,13 +345,17 @@ def test_on_the_cpu_a_crop_is_opencvs_warp_with_the_gathers_values(bgr, out_size
     rects = roi.RotatedRects(torch.tensor([s[1] for s in specs]), torch.tensor([s[2] for s in specs]),
                              torch.tensor([s[3] for s in specs]))
     index = torch.tensor([s[0] for s in specs])
-    warped = roi.crop_rois(batch, index, rects, out_size, value_range=value_range)
-    gathered = roi.crop_taps(batch, index, rects, out_size, value_range=value_range).crop(batch)
+    warped = roi.crop_rois(batch, index, rects, out_size, border=border, value_range=value_range)
+    gathered = roi.crop_taps(batch, index, rects, out_size, border=border, value_range=value_range).crop(batch)
     assert warped.shape == gathered.shape and warped.dtype == gathered.dtype == torch.float32
     grey = (value_range[1] - value_range[0]) / 255.0
     assert (warped - gathered).abs().max().item() < 0.01 * grey
-    corner = frames[1][0, -1].astype(np.float32)[::-1 if bgr else 1]  # top-right, RGB
-    assert np.allclose((warped[4].numpy() - value_range[0]) / grey, corner, atol=0.01)
+    if border == "replicate":
+        corner = frames[1][0, -1].astype(np.float32)[::-1 if bgr else 1]  # top-right, RGB
+        assert np.allclose((warped[4].numpy() - value_range[0]) / grey, corner, atol=0.01)
+    else:  # black beyond the frame, and the crops over its edges partly so
+        assert (warped[4] == value_range[0]).all()
+        assert ((warped[2:4] == value_range[0]).all(dim=-1).float().mean(dim=(1, 2)) > 0.05).all()
 
 
 def test_frames_in_one_buffer_are_cropped_where_they_lie_and_others_are_stacked():
