@@ -153,6 +153,9 @@ class FacePipeline:
         if cpu_runtime not in CPU_RUNTIMES:
             raise ValueError(f"cpu_runtime must be one of {', '.join(CPU_RUNTIMES)}, got {cpu_runtime!r}")
         self.cpu_runtime = cpu_runtime
+        # The CPU's own stack (LiteRT's models, LAPACK's rotations) rather than the GPU's code
+        # run on the CPU.
+        self.cpu_stack = self.device.type == "cpu" and cpu_runtime == "litert"
         self.model_runtimes: dict[str, str] = {}
         self.cpu_runtime_problem: str | None = None
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -231,7 +234,7 @@ class FacePipeline:
         cuDNN a weight reorder per call; on the CPU each convolution with the kernel of Note
         [Convolutions on the CPU] (oneDNN with weights packed once, F.linear, or F.conv2d)."""
         name = getattr(module, "name", type(module).__name__)
-        if litert and self.device.type == "cpu" and self.cpu_runtime == "litert":
+        if litert and self.cpu_stack:
             in_litert = self._in_litert(module, image_sizes_hw)
             if in_litert is not None:
                 self.model_runtimes[name] = "litert"
@@ -296,8 +299,8 @@ class FacePipeline:
             blendshapes = self._prepare(tflite_convert.convert(bundle.face_blendshapes), litert=True).float()
             # The CPU stack's rotations by LAPACK; the squarings where a graph may capture them
             # (Note [Procrustes without a solver]).
-            geometry = FaceGeometry.read(bundle.geometry_metadata, procrustes_method=(
-                "eigh" if self.device.type == "cpu" and self.cpu_runtime == "litert" else "squaring"))
+            geometry = FaceGeometry.read(bundle.geometry_metadata,
+                                         procrustes_method="eigh" if self.cpu_stack else "squaring")
         except (assets.ModelError, OSError, ValueError) as error:
             self.blendshapes_unavailable_reason = f"blendshapes unavailable: {error}"
             log.warning("%s", self.blendshapes_unavailable_reason)
