@@ -20,7 +20,8 @@ The files are made once in `--work` and reused.
 *Decoder* says, the daemon's FacePipeline with face_landmarker.task: detection on the live schedule,
 tracking, the 478-point mesh, blendshapes, head pose and translation, track ids, the CSV table),
 `output.max_faces = 4`, one torch thread on the CPU as the command sets it (Note [One thread on
-the CPU]). Timed from opening the file to its summary; model loading is not included (once per
+the CPU]) and the LiteRT models on `--model-threads` (default: the command's `--threads auto` for
+one job, the cores this process may run on, at most 8: Note [Threads of the models]). Timed from opening the file to its summary; model loading is not included (once per
 command). frames/s = frames / wall seconds; CPU ms/frame = process CPU time (every thread:
 FFmpeg's too) / frames.
 
@@ -615,7 +616,8 @@ def components_text(data: dict) -> str:
     runtimes = parts.get("facecast_model_runtimes", {})
     landmarks_runtime = runtimes.get("face_landmarks_detector", "torch")
     return (
-        "Where the CPU time goes (each part alone, CPU ms, median; `components` in the JSON): "
+        "Where the CPU time goes (each part alone, CPU ms, median, both sides' models on "
+        f"{data['settings'].get('model_threads') or 1} thread(s); `components` in the JSON): "
         f"the face landmarks model {parts['facecast_landmarks_model_ms_per_face']:.1f} ms a face in "
         f"facecast ({landmarks_runtime}: Note [LiteRT on the CPU]) against "
         f"{parts['litert_landmarks_model_ms_per_face']:.1f} ms in the baseline's LiteRT (XNNPACK), "
@@ -631,18 +633,21 @@ def components_text(data: dict) -> str:
 
 def goal_text(data: dict) -> str:
     threads = data["settings"]["litert_threads"]
-    base_t = str(min(threads))
-    verdicts = []
+    verdicts, met = [], True
     for row in data["rows"]:
-        ratio = _median(row["facecast"], "frames_per_s") / _median(row["litert"][base_t], "frames_per_s")
-        by_cpu = (_median(row["litert"][base_t], "cpu_ms_per_frame")
-                  / _median(row["facecast"], "cpu_ms_per_frame"))
-        verdicts.append(f"{row['footage']} {ratio:.2f}× ({by_cpu:.2f}× by CPU time)")
-    met = all(_median(r["facecast"], "frames_per_s") >= _median(r["litert"][base_t], "frames_per_s")
-              for r in data["rows"])
-    text = (f"Goal of issue 23 on this machine, at least LiteRT's rate ({base_t} thread, as facecast's "
-            f"one torch thread) on the same frames: {'**met**' if met else '**not met**'} ("
-            + ", ".join(verdicts) + ").")
+        # LiteRT at its best thread count for this file: the rate to reach.
+        best_t = max(threads, key=lambda t: _median(row["litert"][str(t)], "frames_per_s"))
+        best = row["litert"][str(best_t)]
+        rate = _median(row["facecast"], "frames_per_s")
+        ratio = rate / _median(best, "frames_per_s")
+        by_cpu = _median(best, "cpu_ms_per_frame") / _median(row["facecast"], "cpu_ms_per_frame")
+        verdicts.append(f"{row['footage']} {ratio:.2f}× LiteRT {best_t}t ({by_cpu:.2f}× by CPU time)")
+        met = met and ratio >= 1.0
+    model_threads = data["settings"].get("model_threads")
+    text = ("Goal of issue 23 on this machine, at least LiteRT's rate on the same frames (LiteRT at "
+            "its fastest of " + ", ".join(f"{t}" for t in threads) + " threads"
+            + (f"; facecast's models on {model_threads}" if model_threads else "") + "): "
+            + ("**met**" if met else "**not met**") + " (" + ", ".join(verdicts) + ").")
     if data["device"].startswith("cuda"):
         one = [r for r in data["rows"] if r["faces"] == 1 and r["height"] == 1080]
         if one:
@@ -667,7 +672,12 @@ def main() -> int:
     parser.add_argument("--footage", nargs="+", default=[f"{w}x{h}x{n}" for w, h, n in FOOTAGE],
                         help="WIDTHxHEIGHTxFACES (faces: 1, 2 or 4); default: "
                         + " ".join(f"{w}x{h}x{n}" for w, h, n in FOOTAGE))
-    parser.add_argument("--litert-threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--litert-threads", type=int, nargs="+", default=None,
+                        help="the baseline's LiteRT threads, a run for each (default: 1, and "
+                        "facecast's model threads on the CPU where more)")
+    parser.add_argument("--model-threads", default="auto",
+                        help="facecast's LiteRT threads on the CPU, as the command's --threads "
+                        "(default auto: the cores this process may run on, at most 8)")
     parser.add_argument("--files-at-once", type=int, default=1,
                         help="facecast analyses this many copies of each file in one run, "
                         "batched as the command batches files (for a GPU; default 1); "
@@ -716,13 +726,22 @@ def main() -> int:
     from facecast.models import assets
     from facecast.shared import config as config_mod
 
+    from facecast.daemon.cli import analysis_jobs
+
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
+    try:
+        model_threads = analysis_jobs.model_threads(analysis_jobs.parse_threads(args.model_threads), 1)
+    except ValueError as exc:
+        parser.error(str(exc).replace("--threads", "--model-threads"))
+    if args.litert_threads is None:
+        args.litert_threads = [1] + ([model_threads] if device.type == "cpu" and model_threads > 1 else [])
     if device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
     config = va.StackConfig(output=config_mod.OutputConfig(max_faces=MAX_FACES))
-    analyzer = va.build_analyzer(config, device, va.Settings(decode=args.decode))
+    analyzer = va.build_analyzer(config, device, va.Settings(decode=args.decode),
+                                 cpu_threads=model_threads if device.type == "cpu" else None)
     if analyzer.gpu_decode_problem and (args.decode == "gpu" or device.type == "cuda"):
         print(f"bench/analyze.py: decoding with PyAV on the CPU: {analyzer.gpu_decode_problem}",
               file=sys.stderr)
@@ -742,7 +761,8 @@ def main() -> int:
                          "decode": args.decode, "gpu_decode_problem": analyzer.gpu_decode_problem,
                          "files_at_once": args.files_at_once, "jobs": args.jobs,
                          "max_faces": MAX_FACES, "litert_threads": args.litert_threads,
-                         "torch_threads": torch.get_num_threads()},
+                         "torch_threads": torch.get_num_threads(),
+                         "model_threads": model_threads if device.type == "cpu" else None},
             "rows": [], "notes": args.note}
 
     def save():
@@ -750,7 +770,8 @@ def main() -> int:
         args.out.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
     if device.type == "cpu":
-        data["components"] = components(analyzer, bundle, footages, min(args.litert_threads))
+        # The baseline's models on facecast's threads: the same models, like with like.
+        data["components"] = components(analyzer, bundle, footages, model_threads)
         print(f"components (CPU ms): {data['components']}", file=sys.stderr, flush=True)
         save()
     if device.type == "cuda":

@@ -148,11 +148,15 @@ class FacePipeline:
         cuda_graphs: bool = False,
         compile_models: bool = False,
         cpu_runtime: str = "litert",
+        cpu_threads: int | None = None,
     ):
         self.device = torch.device(device)
         if cpu_runtime not in CPU_RUNTIMES:
             raise ValueError(f"cpu_runtime must be one of {', '.join(CPU_RUNTIMES)}, got {cpu_runtime!r}")
         self.cpu_runtime = cpu_runtime
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {cpu_threads}")
+        self.cpu_threads = cpu_threads
         # The CPU's own stack (LiteRT's models, LAPACK's rotations) rather than the GPU's code
         # run on the CPU.
         self.cpu_stack = self.device.type == "cpu" and cpu_runtime == "litert"
@@ -255,13 +259,14 @@ class FacePipeline:
 
     def _in_litert(self, module: torch.nn.Module, image_sizes_hw: Sequence[tuple[int, int]]
                    ) -> LiteRTModel | None:
-        """The converted model's file in a LiteRT interpreter on torch's CPU threads, or None
-        (the reason kept in ``cpu_runtime_problem`` and logged) where it cannot run there."""
+        """The converted model's file in a LiteRT interpreter on ``cpu_threads`` (default: torch's
+        CPU threads), or None (the reason kept in ``cpu_runtime_problem`` and logged) where it
+        cannot run there."""
         source = getattr(module, "source", None)
         if source is None:  # a model made some other way than from its file (a test's loader)
             return None
         try:
-            return LiteRTModel(source, module.name, threads=torch.get_num_threads(),
+            return LiteRTModel(source, module.name, threads=self.cpu_threads or torch.get_num_threads(),
                                image_sizes_hw=image_sizes_hw)
         except LiteRTUnavailable as exc:
             if self.cpu_runtime_problem is None:

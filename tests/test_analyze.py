@@ -651,6 +651,32 @@ def test_jobs_are_counted_and_files_dealt_by_size_with_colliding_tables_together
     assert sum(map(len, apart)) == 5 and all(apart)
 
 
+def test_the_models_threads_are_the_cores_dealt_among_the_jobs(monkeypatch, recording, capsys):
+    """Note [Threads of the models]: `--threads auto` deals the cores this process may run on
+    among the jobs, each job is told its share, and a count that is not one is refused."""
+    from facecast.daemon.cli import analysis_jobs as jobs
+
+    assert jobs.parse_threads("auto") == "auto" and jobs.parse_threads("2") == 2
+    for wrong in ("0", "-1", "all"):
+        with pytest.raises(ValueError, match=f"--threads {wrong}: a number of threads"):
+            jobs.parse_threads(wrong)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    assert [jobs.model_threads("auto", n) for n in (1, 2, 4, 8)] == [6, 3, 1, 1]
+    assert jobs.model_threads(5, 2) == 5  # asked for: as asked
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert jobs.model_threads("auto", 1) == jobs.MAX_MODEL_THREADS
+    parser = argparse.ArgumentParser()
+    analyze_command.add_arguments(parser)
+    args = parser.parse_args(["--format", "csv", str(recording[0])])
+    command = jobs.job_command(args, [recording[0]], parquet=False, threads=3)
+    assert command[command.index("--threads") + 1] == "3"
+    wrong = parser.parse_args(["--threads", "0", "--device", "cpu", "--format", "csv",
+                               str(recording[0])])
+    monkeypatch.delenv("FACECAST_CONFIG", raising=False)
+    assert analyze_command.main(wrong) == 2
+    assert "--threads 0: a number of threads (1 or more) or auto" in capsys.readouterr().err
+
+
 def test_jobs_analyse_each_file_as_one_run_would(recording, tmp_path):
     """Two jobs, three files (one missing): the same JSON lines and exit status as one run,
     summaries in the order given, and each table the one process's within float tolerance."""

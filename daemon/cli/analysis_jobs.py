@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import signal
 import subprocess
@@ -38,6 +39,9 @@ from facecast.daemon.cli.video_analysis import output_paths
 
 MAX_GPU_JOBS = 4
 FILES_PER_GPU_JOB = 8
+# Note [Threads of the models] (facecast.daemon.cli.analyze): `--threads auto` gives a job at
+# most this many; 8 is the most measured (LiteRT on the GPU machine's CPU, docs/benchmarks.md).
+MAX_MODEL_THREADS = 8
 STOP_TIMEOUT_S = 60.0  # a job saves its resume point at the end of its batch
 
 
@@ -52,6 +56,27 @@ def parse_jobs(text: str) -> int | str:
     if count < 1:
         raise ValueError(f"--jobs {text}: a number of processes (1 or more) or auto")
     return count
+
+
+def parse_threads(text: str) -> int | str:
+    """`--threads`: "auto" or a count of threads, 1 or more."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"--threads {text}: a number of threads (1 or more) or auto")
+    return count
+
+
+def model_threads(requested: int | str, jobs: int) -> int:
+    """Note [Threads of the models]: each job's threads for the models on the CPU; "auto" deals
+    the cores this process may run on among the jobs (at most MAX_MODEL_THREADS a job)."""
+    if requested != "auto":
+        return requested
+    return max(1, min(MAX_MODEL_THREADS, len(os.sched_getaffinity(0)) // jobs))
 
 
 def job_count(requested: int | str, on_gpu: bool, files: int) -> int:
@@ -85,12 +110,13 @@ def deal(videos: list[Path], out_dir: Path | None, jobs: int) -> list[list[Path]
     return [[videos[i] for i in sorted(share)] for share in shares if share]
 
 
-def job_command(args, share: list[Path], parquet: bool) -> list[str]:
+def job_command(args, share: list[Path], parquet: bool, threads: int) -> list[str]:
     """`facecast analyze` on one share, as this run was asked, with JSON progress for this
-    process to show (and the table format this process already settled: no notice per job)."""
+    process to show (and the table format this process already settled: no notice per job) and
+    its share of the cores (`threads`: model_threads)."""
     command = [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--jobs", "1",
-               "--format", "both" if parquet else "csv", "--device", args.device,
-               "--decode", args.decode]
+               "--threads", str(threads), "--format", "both" if parquet else "csv",
+               "--device", args.device, "--decode", args.decode]
     for flag in ("out", "config"):
         if getattr(args, flag) is not None:
             command += [f"--{flag}", str(getattr(args, flag))]
@@ -154,9 +180,10 @@ class _Job:
         return self.process.returncode
 
 
-def run(args, videos: list[Path], jobs: int, parquet: bool) -> int:
-    """The files through `jobs` processes; the exit status one run would have (130 when
-    interrupted, 2 when a job could not start its models, 1 when a file had a problem)."""
+def run(args, videos: list[Path], jobs: int, parquet: bool, threads: int) -> int:
+    """The files through `jobs` processes of `threads` model threads each; the exit status one
+    run would have (130 when interrupted, 2 when a job could not start its models, 1 when a
+    file had a problem)."""
     from facecast.daemon.cli.analyze import _Bars, _summary_line
 
     out_dir = Path(args.out) if args.out else None
@@ -171,7 +198,7 @@ def run(args, videos: list[Path], jobs: int, parquet: bool) -> int:
     # A SIGTERM is an interrupt too: each job saves its resume point.
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        running = [_Job(index, job_command(args, share, parquet), lines, said, said_lock)
+        running = [_Job(index, job_command(args, share, parquet, threads), lines, said, said_lock)
                    for index, share in enumerate(shares)]
         open_jobs = len(running)
         while open_jobs:

@@ -1036,10 +1036,11 @@ class StackConfig:
                                                 config.participants)
 
 
-def build_analyzer(config: StackConfig | config_mod.Config, device: torch.device, settings: Settings
-                   ) -> Analyzer:
+def build_analyzer(config: StackConfig | config_mod.Config, device: torch.device, settings: Settings,
+                   *, cpu_threads: int | None = None) -> Analyzer:
     """The daemon's face pipeline for this device (facecast.workers.inference.pipelines.build_pipeline:
-    the same models, face_landmarker.task and max_faces), with Settings.pose its pose
+    the same models, face_landmarker.task and max_faces; on the CPU its LiteRT models on
+    ``cpu_threads``, Note [Threads of the models]), with Settings.pose its pose
     pipeline, with Settings.participants the identities of Note [Participants offline];
     BootError when a model cannot load, SetupError when the gallery is missing or empty."""
     from facecast.workers.base import BootError
@@ -1072,7 +1073,7 @@ def build_analyzer(config: StackConfig | config_mod.Config, device: torch.device
 
         identities_factory = make_identities
     # After the gallery's check: a bad gallery is said before seconds of model loading.
-    pipeline, problem = build_pipeline(config, device, blendshapes=True)
+    pipeline, problem = build_pipeline(config, device, blendshapes=True, cpu_threads=cpu_threads)
     pose_pipeline = None
     if settings.pose:  # as the roi_landmark worker builds it with output.pose
         pose_pipeline = build_pose_pipeline(

@@ -113,6 +113,21 @@ def test_on_the_cpu_the_landmarker_models_run_in_litert_and_give_the_same_faces(
     np.testing.assert_allclose(litert_faces[0].transform_matrix, torch_faces[0].transform_matrix, atol=1e-4)
 
 
+def test_the_litert_models_run_on_the_threads_asked_for(landmarker_bundle, one_thread):
+    """Note [Threads of the models]: `cpu_threads` for every LiteRT model, torch's by default."""
+    def threads(pipeline):
+        models = (pipeline.detector.short_range, pipeline.detector.full_range,
+                  pipeline.measurer.mesh, pipeline.measurer.blendshapes)
+        assert all(isinstance(model, LiteRTModel) for model in models)
+        return {model.threads for model in models}
+
+    task = landmarker_bundle.task_path
+    assert threads(FacePipeline("cpu", max_faces=1, face_landmarker_task=task)) == {torch.get_num_threads()}
+    assert threads(FacePipeline("cpu", max_faces=1, face_landmarker_task=task, cpu_threads=2)) == {2}
+    with pytest.raises(ValueError, match="cpu_threads must be at least 1, got 0"):
+        FacePipeline("cpu", max_faces=1, face_landmarker_task=task, cpu_threads=0)
+
+
 def test_without_litert_the_converted_models_run_and_the_pipeline_says_why(
         landmarker_bundle, monkeypatch, one_thread, caplog):
     monkeypatch.setitem(sys.modules, "ai_edge_litert.interpreter", None)  # import fails

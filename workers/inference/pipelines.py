@@ -42,10 +42,11 @@ def torch_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool
-                   ) -> tuple[FacePipeline, str]:
+def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool,
+                   cpu_threads: int | None = None) -> tuple[FacePipeline, str]:
     """The face pipeline, and what was wrong with a model file it loaded ("": nothing); a file
-    it cannot load nor replace is a BootError (Note [Model files checked at load])."""
+    it cannot load nor replace is a BootError (Note [Model files checked at load]).
+    ``cpu_threads``: FacePipeline's (the LiteRT models' threads on the CPU)."""
     model_dir = config.models.dir or None
 
     def load(name: str) -> torch.nn.Module:
@@ -63,6 +64,7 @@ def build_pipeline(config: Config, device: torch.device, *, blendshapes: bool
             device=device, max_faces=config.output.max_faces, load_model=load,
             face_landmarker_task=checked.bundle,
             half=config.models.half and on_gpu, cuda_graphs=config.models.cuda_graphs and on_gpu,
+            cpu_threads=cpu_threads,
         )
     except assets.ModelError as exc:
         raise BootError(str(exc)) from None
