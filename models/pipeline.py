@@ -99,6 +99,14 @@ class PendingTrack:
 #     would drop that price.
 
 
+# Note [Threads of the models] (facecast.daemon.cli.analyze): XNNPACK's threads pay only where an
+# invoke is milliseconds of work. The models of a fraction of a millisecond run on one thread,
+# slower on two (2-core machine, 2026-11-27, best of 3 x 200 invokes): the blendshape model 0.38
+# ms against 0.33 on one, the short-range detector 0.62 against 0.64; the landmark model 2.40
+# against 3.26 and the full-range detector over a whole frame (512x288) 5.39 against 8.34.
+ONE_THREAD_MODELS = frozenset({anchors_mod.FACE_SHORT_RANGE.name, "face_blendshapes"})
+
+
 class FacePipeline:
     """Faces of a batch of frames.
 
@@ -123,7 +131,10 @@ class FacePipeline:
     both face detectors in LiteRT (XNNPACK) where ai-edge-litert is installed and they load in
     it, ``"torch"`` runs every model as a converted torch module (Note [LiteRT on the CPU]);
     ``model_runtimes`` says where each model runs, ``cpu_runtime_problem`` why one that could run
-    in LiteRT does not. On a GPU every model is a converted torch module.
+    in LiteRT does not. On a GPU every model is a converted torch module. ``cpu_threads``: the
+    threads of the landmark model's and the full-range detector's invokes in LiteRT (default:
+    as many as torch has; `facecast analyze` gives them the cores its torch thread leaves: Note
+    [Threads of the models]); the small models run on one (ONE_THREAD_MODELS).
 
     ``full_range=False`` leaves out the full-range detector (MediaPipe's own detection: the
     short-range detector alone, faces from about a tenth of the frame's width).
@@ -260,14 +271,14 @@ class FacePipeline:
     def _in_litert(self, module: torch.nn.Module, image_sizes_hw: Sequence[tuple[int, int]]
                    ) -> LiteRTModel | None:
         """The converted model's file in a LiteRT interpreter on ``cpu_threads`` (default: torch's
-        CPU threads), or None (the reason kept in ``cpu_runtime_problem`` and logged) where it
-        cannot run there."""
+        CPU threads; one for ONE_THREAD_MODELS), or None (the reason kept in
+        ``cpu_runtime_problem`` and logged) where it cannot run there."""
         source = getattr(module, "source", None)
         if source is None:  # a model made some other way than from its file (a test's loader)
             return None
         try:
-            return LiteRTModel(source, module.name, threads=self.cpu_threads or torch.get_num_threads(),
-                               image_sizes_hw=image_sizes_hw)
+            threads = 1 if module.name in ONE_THREAD_MODELS else self.cpu_threads or torch.get_num_threads()
+            return LiteRTModel(source, module.name, threads=threads, image_sizes_hw=image_sizes_hw)
         except LiteRTUnavailable as exc:
             if self.cpu_runtime_problem is None:
                 log.warning("on the CPU the models run as converted torch modules: %s", exc)

@@ -114,16 +114,20 @@ def test_on_the_cpu_the_landmarker_models_run_in_litert_and_give_the_same_faces(
 
 
 def test_the_litert_models_run_on_the_threads_asked_for(landmarker_bundle, one_thread):
-    """Note [Threads of the models]: `cpu_threads` for every LiteRT model, torch's by default."""
+    """Note [Threads of the models]: `cpu_threads` for the landmark model and the full-range
+    detector (torch's by default), one for the small models."""
     def threads(pipeline):
-        models = (pipeline.detector.short_range, pipeline.detector.full_range,
-                  pipeline.measurer.mesh, pipeline.measurer.blendshapes)
-        assert all(isinstance(model, LiteRTModel) for model in models)
-        return {model.threads for model in models}
+        models = {"landmarks": pipeline.measurer.mesh, "full range": pipeline.detector.full_range,
+                  "short range": pipeline.detector.short_range,
+                  "blendshapes": pipeline.measurer.blendshapes}
+        assert all(isinstance(model, LiteRTModel) for model in models.values())
+        return {name: model.threads for name, model in models.items()}
 
     task = landmarker_bundle.task_path
-    assert threads(FacePipeline("cpu", max_faces=1, face_landmarker_task=task)) == {torch.get_num_threads()}
-    assert threads(FacePipeline("cpu", max_faces=1, face_landmarker_task=task, cpu_threads=2)) == {2}
+    assert threads(FacePipeline("cpu", max_faces=1, face_landmarker_task=task)) == {
+        "landmarks": 1, "full range": 1, "short range": 1, "blendshapes": 1}  # torch's one
+    assert threads(FacePipeline("cpu", max_faces=1, face_landmarker_task=task, cpu_threads=3)) == {
+        "landmarks": 3, "full range": 3, "short range": 1, "blendshapes": 1}
     with pytest.raises(ValueError, match="cpu_threads must be at least 1, got 0"):
         FacePipeline("cpu", max_faces=1, face_landmarker_task=task, cpu_threads=0)
 
