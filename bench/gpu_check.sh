@@ -23,6 +23,8 @@
 #   two_gpus      issue 22 item 4, on the nvidia-h100-x2 kind: 64 synthetic-h264 cameras on one
 #                 GPU (CUDA_VISIBLE_DEVICES=0, Note [Visible GPUs]) against 128 on both, NVDEC
 #                 decoding (needs .whl2a/.whl2b) (3.5, H100 x2 2026-11-26)
+#   two_gpus_stop the 128-camera boot and stop on the nvidia-h100-x2 kind, twice, with the workers'
+#                 closing and ending times in the logs (needs .whl2a/.whl2b) (3)
 #   newcomers     issue 24 item 5: how late a person who walks in is published, 8 and 32 staged
 #                 replayed cameras (bench/pipeline.py --newcomers) (2.5, H100)
 #   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
@@ -191,6 +193,14 @@ run)
                 --transports cuda_ipc --source synthetic-h264 --decode gpu --warmup-s 4 \
                 --measure-s 10 --out "$STATE/benchmarks-two-gpus-both.json" \
                 --log-dir "$STATE/logs" ;;
+        two_gpus_stop) # The 128-camera stop on both GPUs, twice: boot, hold, SIGTERM; each
+            # worker's "closed in" line and the supervisor's "ended ... after its SIGTERM" lines
+            # in the log say where the stop's time goes (Note [A killed stage is over]).
+            for round in 1 2; do
+                step "two_gpus_stop-$round" python3 bench/pipeline.py --boot-stop-only --cameras 128 \
+                    --transports cuda_ipc --source synthetic-h264 --decode gpu --hold-s 8 \
+                    --out "$STATE/boot-stop-128-$round.json" --log-dir "$STATE/logs-stop-$round"
+            done ;;
         newcomers) step newcomers python3 bench/pipeline.py --newcomers --cameras 8 32 \
             --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 12 \
             --out "$STATE/benchmarks-newcomers.json" --log-dir "$STATE/logs" ;;

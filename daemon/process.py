@@ -123,6 +123,7 @@ class WorkerProcess:
     held: bool = False  # told to wait for Release before booting (Note [Boot order])
     last_heartbeat_monotonic: float = 0.0
     next_start_monotonic: float = 0.0
+    stop_sent_monotonic: float = 0.0  # stopping: when its SIGTERM went
     stop_deadline_monotonic: float = 0.0  # stopping: SIGKILL when this passes
     abort_sent_monotonic: float | None = None  # hung: SIGABRT first (its stack to the log)
     kill_sent_monotonic: float | None = None
@@ -220,6 +221,7 @@ class WorkerProcess:
             return
         if self.alive():
             self.move_to(WorkerState.STOPPING)
+            self.stop_sent_monotonic = time.monotonic()
             self.stop_deadline_monotonic = deadline_monotonic
             self.signal(signal.SIGTERM)
         else:

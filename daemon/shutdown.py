@@ -24,6 +24,13 @@ from facecast.shared.transport import shm
 log = logging.getLogger(__name__)
 
 OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker before its TERM
+# Note [A killed stage is over]
+#     A worker SIGKILLed at its stage's deadline sends nothing more, but its process can take a
+#     second to end: with 128 NVDEC cameras on two H100s (2026-11-27) the capture processes
+#     killed at 3.5 s ended 0.1-0.9 s later (the driver ending their CUDA contexts and decoder
+#     sessions), and the output worker's turn waited for them, to be SIGKILLed itself 0.2 s
+#     after its TERM. So the next stage begins once every worker of this one has stopped or been
+#     killed; the shutdown ends when every process has ended.
 # Of daemon.stop_timeout_s, each stage still to stop after the current one keeps this much, so
 # that a slow stage (many CUDA processes exiting at once) does not leave the others nothing.
 STOP_RESERVE_PER_STAGE_S = 0.5
@@ -42,6 +49,7 @@ class Shutdown:
     started_monotonic: float = field(default_factory=time.monotonic)
     next_stage: int = 0
     group: list[WorkerProcess] = field(default_factory=list)  # the stage being stopped
+    asked: list[WorkerProcess] = field(default_factory=list)  # every stage's workers so far
     group_deadline_monotonic: float = 0.0  # its SIGKILL time
     terminate_at_monotonic: float = 0.0  # the output worker gets OUTPUT_FLUSH_S first
     done: bool = False
@@ -59,15 +67,18 @@ class Shutdown:
             # Again every tick: a worker of the group that ended by itself meanwhile (reaped as
             # an unexpected exit) is marked stopped instead of being waited for.
             workers.begin_stop(self.group, self.group_deadline_monotonic)
-            if self.group and not workers.all_stopped(self.group):
+            if self.group and not workers.all_stopped_or_killed(self.group):
                 return
             if self.next_stage == len(STOP_STAGES):
+                if not workers.all_stopped(self.asked):  # a killed one still ending
+                    return
                 self._finish()
                 self.done = True
                 return
             roles = STOP_STAGES[self.next_stage]
             self.next_stage += 1
             self.group = [w for w in workers if w.spec.role in roles]
+            self.asked += self.group
             stages_after = len(STOP_STAGES) - self.next_stage
             self.group_deadline_monotonic = min(self.deadline_monotonic, max(
                 now + 0.3, self.deadline_monotonic - STOP_RESERVE_PER_STAGE_S * stages_after))

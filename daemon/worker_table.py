@@ -180,6 +180,11 @@ class WorkerTable:
                 log.info("removed %d file(s) that %s (pid %d) left in /dev/shm", len(left),
                          worker.name, pid)
             if worker.state is S.STOPPING:
+                # With the worker's own "closed in" line, where a slow stop went: its closing,
+                # or its process's end after it (the driver ending a CUDA context at scale).
+                log.info("%s (pid %d) ended %.2f s after its SIGTERM%s", worker.name, pid,
+                         time.monotonic() - worker.stop_sent_monotonic,
+                         "" if worker.kill_sent_monotonic is None else ", SIGKILLed")
                 worker.advance_stop(time.monotonic())
                 continue
             state = worker.on_exit(returncode)
@@ -240,3 +245,9 @@ class WorkerTable:
     @staticmethod
     def all_stopped(workers: list[WorkerProcess]) -> bool:
         return all(w.state is S.STOPPED for w in workers)
+
+    @staticmethod
+    def all_stopped_or_killed(workers: list[WorkerProcess]) -> bool:
+        """Stopped, or SIGKILLed: nothing more comes from it, whatever its end still takes
+        (Note [A killed stage is over])."""
+        return all(w.state is S.STOPPED or w.kill_sent_monotonic is not None for w in workers)

@@ -35,6 +35,7 @@ class _Worker:
     name: str
     spec: _Spec
     stopped: bool = False
+    killed: bool = False  # SIGKILLed, its process not yet ended
     deadline_monotonic: float | None = None
 
 
@@ -57,6 +58,10 @@ class _Table:
     @staticmethod
     def all_stopped(group):
         return all(w.stopped for w in group)
+
+    @staticmethod
+    def all_stopped_or_killed(group):
+        return all(w.stopped or w.killed for w in group)
 
 
 def test_the_shutdown_stops_stage_after_stage_and_output_last_after_its_flush(monkeypatch):
@@ -99,3 +104,37 @@ def test_the_shutdown_stops_stage_after_stage_and_output_last_after_its_flush(mo
             worker = next(w for w in table if w.name == role)
             assert worker.deadline_monotonic == 110.0 - shutdown.STOP_RESERVE_PER_STAGE_S * (
                 len(STOP_STAGES) - 1 - k), role
+
+
+def test_a_stage_killed_at_its_deadline_lets_the_next_begin_and_the_stop_ends_with_it(monkeypatch):
+    """Note [A killed stage is over]: output's turn does not wait for a SIGKILLed process to
+    end; the shutdown does."""
+    monkeypatch.setattr(shutdown.shm, "sweep_all_dead", lambda: ([], []))
+    clock = [100.0]
+    monkeypatch.setattr(shutdown.time, "monotonic", lambda: clock[0])
+    roles = [role for stage in STOP_STAGES for role in stage]
+    table = _Table([_Worker(role, _Spec(role)) for role in roles])
+    state = shutdown.Shutdown(table, lambda: None, deadline_monotonic=clock[0] + 4.0)
+    for _ in STOP_STAGES[:-2]:  # up to the stage before output's, each stopping at once
+        state.advance()
+        for worker in table:
+            worker.stopped = worker.name in table.terms
+    state.advance()
+    capture = next(w for w in table if w.name == "capture")
+    assert "capture" in table.terms and "output" not in table.terms
+    for worker in table:
+        worker.stopped = worker.name in table.terms and worker is not capture
+    state.advance()
+    assert "output" not in table.terms  # capture is still stopping: output waits
+    clock[0] = capture.deadline_monotonic
+    capture.killed = True  # the supervisor's SIGKILL at its deadline; its process still ending
+    state.advance()
+    clock[0] += shutdown.OUTPUT_FLUSH_S
+    state.advance()
+    assert table.terms[-1] == "output"
+    next(w for w in table if w.name == "output").stopped = True
+    state.advance()
+    assert not state.done  # the killed capture process has not ended yet
+    capture.stopped = True
+    state.advance()
+    assert state.done

@@ -121,6 +121,7 @@ class Worker:
         self.most_cameras = 0  # what its models are prepared for (Note [Warmed for the largest share])
         self.prepared = None  # what prepare() made, for boot() (Note [Warm standby])
         self.stopping = False
+        self.stop_requested_monotonic: float | None = None  # its SIGTERM's arrival
         self.state = "booting"
         self.priority_trouble = ""  # a promoted spare left at a lower priority
         self._gate = MessageGate(f"supervisor (to {name})")
@@ -436,6 +437,8 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str, secret: st
             # GPU): a stop then ends the boot where it is, so the supervisor's stop deadline
             # is kept without SIGKILL. Everything the boot made is closed on the way out.
             worker.stopping = True
+            if worker.stop_requested_monotonic is None:
+                worker.stop_requested_monotonic = time.monotonic()
             if worker.state == "booting":
                 raise StopWhileBooting
 
@@ -469,5 +472,10 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str, secret: st
             log.info("%s: stopped while booting", worker.name)
             return EXIT_OK
         finally:
+            closing_monotonic = time.monotonic()
             worker.close()
             worker.control.close()
+            if worker.stop_requested_monotonic is not None:  # where a slow stop goes
+                log.info("%s closed in %.2f s, %.2f s after its SIGTERM", worker.name,
+                         time.monotonic() - closing_monotonic,
+                         time.monotonic() - worker.stop_requested_monotonic)
