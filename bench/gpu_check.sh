@@ -195,7 +195,7 @@ run)
                 --log-dir "$STATE/logs" ;;
         two_gpus_stop) # The 128-camera stop on both GPUs, twice: boot, hold, SIGTERM; each
             # worker's "closed in" line and the supervisor's "ended ... after its SIGTERM" lines
-            # in the log say where the stop's time goes (Note [A killed stage is over]).
+            # in the log say where the stop's time goes (Note [A closed worker is not killed]).
             for round in 1 2; do
                 step "two_gpus_stop-$round" python3 bench/pipeline.py --boot-stop-only --cameras 128 \
                     --transports cuda_ipc --source synthetic-h264 --decode gpu --hold-s 8 \

@@ -13,7 +13,7 @@ module does not import.
 
 Note [Worker connections]
     The control socket is a file in the runtime directory: every process of the daemon's user
-    can connect to it. Workers' messages (Hello, Heartbeat, BootFailed, Event, TrackIdsWanted)
+    can connect to it. Workers' messages (Hello, Heartbeat, BootFailed, Closed, Event, TrackIdsWanted)
     change what the daemon believes and what goes on the Markers stream (a forged
     `record_start` in a lab's recording; issue 21), so they are accepted only from the
     connections of the processes the supervisor started. At spawn the supervisor makes a
@@ -61,6 +61,7 @@ from facecast.shared.transport.messages import (
     Ack,
     Assignment,
     BootFailed,
+    Closed,
     DaemonStatus,
     Event,
     Heartbeat,
@@ -260,6 +261,11 @@ def _on_boot_failed(supervisor: Supervisor, identity: bytes, worker: WorkerProce
     worker.boot_error = message.reason
 
 
+def _on_closed(supervisor: Supervisor, identity: bytes, worker: WorkerProcess,
+               message: Closed) -> None:
+    worker.on_closed()
+
+
 def _on_event(supervisor: Supervisor, identity: bytes, worker: WorkerProcess,
               message: Event) -> None:
     log.info("event %s %s", message.kind, message.fields)
@@ -301,8 +307,8 @@ def _on_inject_fault(supervisor: Supervisor, identity: bytes, message: InjectFau
 
 # A handler per message that only a worker's own connection may send.
 WORKER_HANDLERS: dict[type, Callable[[Supervisor, bytes, WorkerProcess, Any], None]] = {
-    Hello: _on_hello, Heartbeat: _on_heartbeat, BootFailed: _on_boot_failed, Event: _on_event,
-    TrackIdsWanted: _on_track_ids_wanted,
+    Hello: _on_hello, Heartbeat: _on_heartbeat, BootFailed: _on_boot_failed, Closed: _on_closed,
+    Event: _on_event, TrackIdsWanted: _on_track_ids_wanted,
 }
 # A handler per request that any connection of this user may send (the CLI's).
 CLIENT_HANDLERS: dict[type, Callable[[Supervisor, bytes, Any], None]] = {

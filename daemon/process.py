@@ -47,6 +47,20 @@ from facecast.shared.transport.messages import (
 log = logging.getLogger(__name__)
 
 STUCK_AFTER_KILL_S = 2.0  # a SIGKILLed process still there after this is stuck in the kernel
+# Note [A closed worker is not killed]
+#     At a stop a worker sends Closed once it has closed everything it owns (rings, decoders,
+#     sockets, outlets), just before os._exit (Note [Quick exit]); what is left of its end is
+#     the kernel's and the driver's (its CUDA context, GPU memory, decoder sessions). With 128
+#     NVDEC cameras on two H100s (2026-11-27, the log's "closed in" and "ended ... after its
+#     SIGTERM" lines) every worker had closed within 0.9 s of its SIGTERM, but the processes
+#     ended one after another, 0.1-0.5 s apart, the last 4.8-4.9 s after it: the SIGKILLs at
+#     the stage's deadline (3.5 s) ended nothing sooner (a killed process still took up to 1.3
+#     s) and logged six to nine workers as killed. So a worker that said it closed gets up to
+#     CLOSED_END_S past its deadline to end before it is killed; and the next stage of the
+#     shutdown begins once every worker of this one has closed, stopped or been killed (the
+#     output worker's turn had waited for those processes' ends, then it was killed 0.2 s after
+#     its own SIGTERM).
+CLOSED_END_S = 10.0
 
 
 class WorkerState(enum.StrEnum):
@@ -127,6 +141,7 @@ class WorkerProcess:
     stop_deadline_monotonic: float = 0.0  # stopping: SIGKILL when this passes
     abort_sent_monotonic: float | None = None  # hung: SIGABRT first (its stack to the log)
     kill_sent_monotonic: float | None = None
+    closed_monotonic: float | None = None  # said Closed: its process is ending
     last_exit: str = ""
     detail: str = ""  # why it is in its state (boot error, hang, flapping)
     boot_error: str = ""
@@ -193,7 +208,7 @@ class WorkerProcess:
         now = time.monotonic()
         self.started_monotonic = self.last_heartbeat_monotonic = now
         self.held = False  # its Assignment says (Note [Boot order])
-        self.abort_sent_monotonic = self.kill_sent_monotonic = None
+        self.abort_sent_monotonic = self.kill_sent_monotonic = self.closed_monotonic = None
         self.reports, self.stages, self.boot_error, self.trouble = [], {}, "", ""
         self.rejected_messages = 0
         self.torch_memory = None
@@ -209,6 +224,18 @@ class WorkerProcess:
                 self.kill_sent_monotonic = now
             elif signum == signal.SIGABRT and self.abort_sent_monotonic is None:
                 self.abort_sent_monotonic = now
+
+    def on_closed(self) -> None:
+        """It closed everything it owns; its process is ending (Note [A closed worker is not
+        killed])."""
+        if self.state is WorkerState.STOPPING and self.closed_monotonic is None:
+            self.closed_monotonic = time.monotonic()  # (outside a stop it changes nothing)
+
+    def done_with_its_work(self) -> bool:
+        """Stopped, closed or SIGKILLed: nothing more comes from it, whatever its process's end
+        still takes (Note [A closed worker is not killed])."""
+        return (self.state is WorkerState.STOPPED or self.closed_monotonic is not None
+                or self.kill_sent_monotonic is not None)
 
     def stuck(self, now_monotonic: float) -> bool:
         """SIGKILLed long ago and still there: stuck in the kernel (a GPU driver hang, say)."""
@@ -237,8 +264,12 @@ class WorkerProcess:
             self.popen = None
             self.move_to(WorkerState.STOPPED)
             return True
-        if self.kill_sent_monotonic is None and now_monotonic >= self.stop_deadline_monotonic:
-            log.warning("worker %s did not stop in time; killing it", self.name)
+        deadline_monotonic = self.stop_deadline_monotonic
+        if self.closed_monotonic is not None:  # Note [A closed worker is not killed]
+            deadline_monotonic += CLOSED_END_S
+        if self.kill_sent_monotonic is None and now_monotonic >= deadline_monotonic:
+            log.warning("worker %s did not %s in time; killing it", self.name,
+                        "stop" if self.closed_monotonic is None else "end after closing")
             self.signal(signal.SIGKILL)
         elif self.stuck(now_monotonic):
             log.error("worker %s (pid %d) is stuck even after SIGKILL; leaving it", self.name,

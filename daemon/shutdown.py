@@ -24,13 +24,6 @@ from facecast.shared.transport import shm
 log = logging.getLogger(__name__)
 
 OUTPUT_FLUSH_S = 0.3  # time the output worker gets to push the stop marker before its TERM
-# Note [A killed stage is over]
-#     A worker SIGKILLed at its stage's deadline sends nothing more, but its process can take a
-#     second to end: with 128 NVDEC cameras on two H100s (2026-11-27) the capture processes
-#     killed at 3.5 s ended 0.1-0.9 s later (the driver ending their CUDA contexts and decoder
-#     sessions), and the output worker's turn waited for them, to be SIGKILLed itself 0.2 s
-#     after its TERM. So the next stage begins once every worker of this one has stopped or been
-#     killed; the shutdown ends when every process has ended.
 # Of daemon.stop_timeout_s, each stage still to stop after the current one keeps this much, so
 # that a slow stage (many CUDA processes exiting at once) does not leave the others nothing.
 STOP_RESERVE_PER_STAGE_S = 0.5
@@ -67,7 +60,9 @@ class Shutdown:
             # Again every tick: a worker of the group that ended by itself meanwhile (reaped as
             # an unexpected exit) is marked stopped instead of being waited for.
             workers.begin_stop(self.group, self.group_deadline_monotonic)
-            if self.group and not workers.all_stopped_or_killed(self.group):
+            # Note [A closed worker is not killed]: the next stage does not wait for the driver
+            # to end this one's processes; the shutdown's end does.
+            if self.group and not workers.all_done_with_their_work(self.group):
                 return
             if self.next_stage == len(STOP_STAGES):
                 if not workers.all_stopped(self.asked):  # a killed one still ending

@@ -247,7 +247,6 @@ class WorkerTable:
         return all(w.state is S.STOPPED for w in workers)
 
     @staticmethod
-    def all_stopped_or_killed(workers: list[WorkerProcess]) -> bool:
-        """Stopped, or SIGKILLed: nothing more comes from it, whatever its end still takes
-        (Note [A killed stage is over])."""
-        return all(w.state is S.STOPPED or w.kill_sent_monotonic is not None for w in workers)
+    def all_done_with_their_work(workers: list[WorkerProcess]) -> bool:
+        """Each stopped, closed or SIGKILLed (Note [A closed worker is not killed])."""
+        return all(w.done_with_its_work() for w in workers)

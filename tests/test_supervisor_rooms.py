@@ -17,7 +17,7 @@ def test_every_message_has_one_handler_and_workers_messages_are_not_clients_requ
     clients = set(control.CLIENT_HANDLERS)
     assert not workers_only & clients
     assert workers_only == {messages.Hello, messages.Heartbeat, messages.BootFailed,
-                            messages.Event, messages.TrackIdsWanted}
+                            messages.Closed, messages.Event, messages.TrackIdsWanted}
     assert clients == {messages.StatusRequest, messages.ReloadRequest, messages.StopRequest,
                        messages.RecordRequest, messages.InjectFault}
     # What the supervisor only ever sends has no handler: refused when it arrives.
@@ -35,7 +35,7 @@ class _Worker:
     name: str
     spec: _Spec
     stopped: bool = False
-    killed: bool = False  # SIGKILLed, its process not yet ended
+    closed: bool = False  # said Closed, or was SIGKILLed: its process not yet ended
     deadline_monotonic: float | None = None
 
 
@@ -60,8 +60,8 @@ class _Table:
         return all(w.stopped for w in group)
 
     @staticmethod
-    def all_stopped_or_killed(group):
-        return all(w.stopped or w.killed for w in group)
+    def all_done_with_their_work(group):
+        return all(w.stopped or w.closed for w in group)
 
 
 def test_the_shutdown_stops_stage_after_stage_and_output_last_after_its_flush(monkeypatch):
@@ -106,9 +106,9 @@ def test_the_shutdown_stops_stage_after_stage_and_output_last_after_its_flush(mo
                 len(STOP_STAGES) - 1 - k), role
 
 
-def test_a_stage_killed_at_its_deadline_lets_the_next_begin_and_the_stop_ends_with_it(monkeypatch):
-    """Note [A killed stage is over]: output's turn does not wait for a SIGKILLed process to
-    end; the shutdown does."""
+def test_a_closed_stage_lets_the_next_begin_and_the_stop_ends_with_its_processes(monkeypatch):
+    """Note [A closed worker is not killed]: output's turn does not wait for the processes of a
+    stage that closed (or was SIGKILLed) to end; the shutdown does."""
     monkeypatch.setattr(shutdown.shm, "sweep_all_dead", lambda: ([], []))
     clock = [100.0]
     monkeypatch.setattr(shutdown.time, "monotonic", lambda: clock[0])
@@ -126,15 +126,14 @@ def test_a_stage_killed_at_its_deadline_lets_the_next_begin_and_the_stop_ends_wi
         worker.stopped = worker.name in table.terms and worker is not capture
     state.advance()
     assert "output" not in table.terms  # capture is still stopping: output waits
-    clock[0] = capture.deadline_monotonic
-    capture.killed = True  # the supervisor's SIGKILL at its deadline; its process still ending
+    capture.closed = True  # its Closed came; its process still ending
     state.advance()
     clock[0] += shutdown.OUTPUT_FLUSH_S
     state.advance()
     assert table.terms[-1] == "output"
     next(w for w in table if w.name == "output").stopped = True
     state.advance()
-    assert not state.done  # the killed capture process has not ended yet
+    assert not state.done  # the closed capture process has not ended yet
     capture.stopped = True
     state.advance()
     assert state.done

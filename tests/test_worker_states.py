@@ -108,6 +108,32 @@ def test_a_stop_terms_then_kills_at_the_deadline_without_blocking():
     assert worker.popen is None
 
 
+def test_a_worker_that_closed_is_left_to_end_past_its_deadline_then_killed():
+    """Note [A closed worker is not killed]: its Closed buys CLOSED_END_S past the deadline."""
+    from facecast.daemon import process
+
+    worker = WorkerProcess(WorkerSpec("roi_landmark:cuda:0:0", "roi_landmark", ("cam0",), "cuda:0"))
+    # A process whose end takes long (SIGTERM ignored: the driver's teardown, say).
+    worker.adopt(subprocess.Popen([sys.executable, "-c",
+                                   "import signal, sys, time; "
+                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                   "print('ready', flush=True); time.sleep(60)"],
+                                  stdout=subprocess.PIPE, text=True))
+    assert worker.popen.stdout.readline().strip() == "ready"
+    worker.begin_stop(deadline_monotonic=time.monotonic() - 1.0)  # past already
+    assert not worker.done_with_its_work()
+    worker.on_closed()  # its process ending (in the driver's hands, say)
+    assert worker.done_with_its_work()
+    assert worker.advance_stop(time.monotonic()) is False
+    assert worker.kill_sent_monotonic is None and worker.alive()
+    later = worker.stop_deadline_monotonic + process.CLOSED_END_S
+    worker.advance_stop(later)  # still not ended after all that: killed
+    assert worker.kill_sent_monotonic is not None
+    while not worker.advance_stop(time.monotonic()):
+        time.sleep(0.02)
+    assert worker.state is S.STOPPED
+
+
 def test_a_spare_handed_over_leaves_a_pending_record_and_the_successor_booting():
     spare = WorkerProcess(WorkerSpec("standby:output", "output", (), "cpu", standby=True))
     spare.adopt(_sleeper())

@@ -57,6 +57,7 @@ from facecast.shared.exit_codes import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from facecast.shared.transport.messages import (
     Assignment,
     BootFailed,
+    Closed,
     CameraReport,
     Event,
     Heartbeat,
@@ -474,8 +475,10 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str, secret: st
         finally:
             closing_monotonic = time.monotonic()
             worker.close()
-            worker.control.close()
-            if worker.stop_requested_monotonic is not None:  # where a slow stop goes
+            if worker.stop_requested_monotonic is not None:
+                # Note [A closed worker is not killed]; with the time, where a slow stop goes.
+                worker.send(Closed(worker=worker.name))
                 log.info("%s closed in %.2f s, %.2f s after its SIGTERM", worker.name,
                          time.monotonic() - closing_monotonic,
                          time.monotonic() - worker.stop_requested_monotonic)
+            worker.control.close()  # its linger sends what is queued (Closed)

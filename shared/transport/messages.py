@@ -392,6 +392,13 @@ class BootFailed(Message, tag="boot_failed"):
     reason: str
 
 
+class Closed(Message, tag="closed"):
+    """At a stop: the worker has closed everything it owns and its process is ending; what is
+    left is the kernel's and the driver's (Note [A closed worker is not killed])."""
+
+    worker: str
+
+
 class Event(Message, tag="event"):
     """Something a lab user should see on the Markers stream (DESIGN §4)."""
 
