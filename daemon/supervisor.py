@@ -139,7 +139,7 @@ class Supervisor:
                     if deadline is not None and time.monotonic() >= deadline:
                         log.info("--duration reached; stopping")
                         deadline, self.stop_requested = None, True
-                    self._tick(serve=control in events)
+                    self._tick()
             except Exception:  # noqa: BLE001 - whatever it was, stop the workers in order
                 log.exception("supervisor: unexpected error; stopping every worker in order")
                 exit_code = 1
@@ -178,11 +178,12 @@ class Supervisor:
             if not reply.ok:
                 log.error("record.start: not recording: %s", reply.error)
 
-    def _tick(self, serve: bool) -> None:
+    def _tick(self) -> None:
         """One turn of the loop: never blocks."""
         self._handle_signals()
-        if serve:
-            self.control.serve(self)
+        # Every turn, not only when the poll saw the socket: a worker's last message (Closed)
+        # must be read before its end is reaped, and a turn woken by SIGCHLD may come first.
+        self.control.serve(self)
         self.workers.reap()
         self.workers.advance_stops()
         if self.shutdown is None and self.stop_requested:

@@ -182,8 +182,10 @@ class WorkerTable:
             if worker.state is S.STOPPING:
                 # With the worker's own "closed in" line, where a slow stop went: its closing,
                 # or its process's end after it (the driver ending a CUDA context at scale).
-                log.info("%s (pid %d) ended %.2f s after its SIGTERM%s", worker.name, pid,
-                         time.monotonic() - worker.stop_sent_monotonic,
+                closed = ("never said Closed" if worker.closed_monotonic is None else
+                          f"closed at {worker.closed_monotonic - worker.stop_sent_monotonic:.2f} s")
+                log.info("%s (pid %d) ended %.2f s after its SIGTERM (%s)%s", worker.name, pid,
+                         time.monotonic() - worker.stop_sent_monotonic, closed,
                          "" if worker.kill_sent_monotonic is None else ", SIGKILLed")
                 worker.advance_stop(time.monotonic())
                 continue

@@ -311,6 +311,14 @@ def test_sigterm_stops_in_order_within_5_s_and_leaves_nothing(daemon, markers):
         assert not Path(f"/proc/{pid}").exists() or _is_zombie_of_other(pid)
     assert daemon.own_shm() == []
     assert [p for p in daemon.runtime_dir.iterdir() if p.is_socket()] == []
+    # None was killed, and each running worker said Closed before its process ended (Note [A
+    # closed worker is not killed]); a spare may still be importing torch, before its handler.
+    ended = [line for line in daemon.log_path.read_text().splitlines()
+             if "after its SIGTERM (" in line]
+    assert len(ended) == len(worker_pids), daemon.log_tail()
+    assert not [line for line in ended if "SIGKILLed" in line], ended
+    running = [line for line in ended if ": standby:" not in line]
+    assert running and all("(closed at " in line for line in running), ended
     _wait_for_marker(markers, "stop")
     assert marker_events(markers)[-1]["event"] == "stop"
     # sd_notify, as a real NOTIFY_SOCKET received it: READY once, watchdog pings while up,

@@ -5,6 +5,7 @@ test_hostile_input_daemon, the soak) prove the same on real processes."""
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 from facecast.daemon import control, shutdown
@@ -20,6 +21,11 @@ def test_every_message_has_one_handler_and_workers_messages_are_not_clients_requ
                             messages.Closed, messages.Event, messages.TrackIdsWanted}
     assert clients == {messages.StatusRequest, messages.ReloadRequest, messages.StopRequest,
                        messages.RecordRequest, messages.InjectFault}
+    # Each arrives as itself: a type outside messages.AnyMessage would be refused at decoding.
+    for kind in workers_only | clients:
+        assert kind in typing.get_args(messages.AnyMessage), kind
+    closed = messages.Closed(worker="capture:cam0")
+    assert messages.MessageGate("test").decode(messages.encode(closed)) == closed
     # What the supervisor only ever sends has no handler: refused when it arrives.
     assert messages.Assignment not in workers_only | clients
     assert messages.Ack not in workers_only | clients

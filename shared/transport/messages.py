@@ -526,7 +526,7 @@ class DaemonStatus(Message, tag="daemon_status"):
 AnyMessage = Union[
     FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
     DetectionWanted, Detections, FaceResults,
-    Hello, Assignment, Promote, Release, Heartbeat, BootFailed, Event, TrackIdsWanted,
+    Hello, Assignment, Promote, Release, Heartbeat, BootFailed, Closed, Event, TrackIdsWanted,
     TrackIdGrant,
     StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,
     RecordingState, FramesRecorded, RecordRequest, RecordReply,
