@@ -311,6 +311,19 @@ class CudaRingProducer(RingProducer):
 # ================================================================================================
 
 
+# Note [Mappings left to the process's end]
+#     At a worker's stop its ring readers' IPC mappings are not closed from Python: with 128
+#     NVDEC cameras on two H100s (2026-11-27) the detection worker of each GPU, reading its 64
+#     cameras' rings, took 3.3 s to close (the roi_landmark workers, 32 cameras each, 0.2-1.3 s),
+#     cuIpcCloseMemHandle by cuIpcCloseMemHandle while the other processes kept the GPU busy,
+#     and the stop's last stage waited for it. The process ends by os._exit right after (Note
+#     [Quick exit]) and the driver unmaps what its context mapped, as it ends a capture worker's
+#     decoders (Note [Decoders left to the process's end]); so there a reader's mapping is kept
+#     here, never closed. A reader closed for any other reason (a new ring epoch, a camera
+#     moved) closes its mapping as before.
+_MAPPINGS_LEFT_TO_THE_EXIT: list = []
+
+
 class CudaRingReader(RingReader):
     """Maps a CUDA ring once per epoch; each frame read is a device-to-device copy of its slot,
     checked on the copy (Note [The consumer's own copy])."""
@@ -418,6 +431,13 @@ class CudaRingReader(RingReader):
     def _checksum_start(self, message: FrameReady, read) -> frames.PendingChecksum:
         # On the copy, after it on the same stream; settled with the batch.
         return frames.checksum_start(read.tensor, self.checksum_kind)
+
+    def close_at_exit(self) -> None:
+        """Note [Mappings left to the process's end]."""
+        if self._ipc_memory is not None:
+            _MAPPINGS_LEFT_TO_THE_EXIT.append(self._ipc_memory)
+            self._ipc_memory = None
+        self.close()
 
     def close(self) -> None:
         self.slots = self.probe = self._views = None

@@ -529,6 +529,12 @@ class RingReader(ABC):
     def close(self) -> None:
         self.header.close()
 
+    def close_at_exit(self) -> None:
+        """Closed because the process is ending (its worker's stop): what the process's end
+        frees anyway may be left to it (CudaRingReader: Note [Mappings left to the process's
+        end])."""
+        self.close()
+
 
 def read_batch(requests: list[tuple[RingReader, FrameReady]]) -> list[SlotRead]:
     """Read one frame from each (reader, message): Note [One sync per batch]."""

@@ -439,9 +439,13 @@ class FrameSubscriber:
         fault = TransportFault(camera_id=camera_id, ring_epoch=ring_epoch, reason=reason)
         self.control[camera_id].send(messages.encode(fault))
 
-    def close(self) -> None:
+    def close(self, at_exit: bool = False) -> None:
+        """`at_exit`: the process is ending (its worker's stop): each reader's `close_at_exit`."""
         for reader in self.readers.values():
-            reader.close()
+            if at_exit:
+                reader.close_at_exit()
+            else:
+                reader.close()
         self.readers.clear()
         self.bus.close()
         for dealer in self.control.values():

@@ -170,7 +170,10 @@ class DetectionWorker(Worker):
         return self.timer.timings()
 
     def close(self) -> None:
-        for name in ("subscriber", "detections", "requests"):
+        if getattr(self, "subscriber", None) is not None:
+            self.subscriber.close(at_exit=self.stopping)  # Note [Mappings left to the process's end]
+            self.subscriber = None
+        for name in ("detections", "requests"):
             thing = getattr(self, name, None)
             if thing is not None:
                 thing.close()

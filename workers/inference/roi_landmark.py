@@ -409,7 +409,10 @@ class RoiLandmarkWorker(Worker):
         return self.timer.timings()
 
     def close(self) -> None:
-        for name in ("subscriber", "detections", "requests", "results"):
+        if getattr(self, "subscriber", None) is not None:
+            self.subscriber.close(at_exit=self.stopping)  # Note [Mappings left to the process's end]
+            self.subscriber = None
+        for name in ("detections", "requests", "results"):
             thing = getattr(self, name, None)
             if thing is not None:
                 thing.close()
