@@ -273,10 +273,12 @@ def captured_total(status) -> int:
 #     datagram socket, which the supervisor sends once every worker of the config has booted and
 #     every camera has a frame (daemon/supervisor.py `_tick_systemd`). Stop: from SIGTERM to the
 #     supervisor's exit (waitpid). The supervisor logs each worker it has to kill; those lines are
-#     counted from its log: "did not stop in time; killing it" (SIGKILL at stop), "stuck even after
+#     counted from its log: "did not stop in time; killing it" and "did not end after closing in
+#     time; killing it" (SIGKILL at stop: Note [A closed worker is not killed]), "stuck even after
 #     SIGKILL", and "did not start within" (killed as hung while booting; before the "ready:" line
 #     at boot, after it when a restarted worker hung).
 LOG_SIGKILLED_AT_STOP = "did not stop in time; killing it"
+LOG_SIGKILLED_AFTER_CLOSING = "did not end after closing in time; killing it"
 LOG_STUCK_AFTER_SIGKILL = "stuck even after SIGKILL"
 LOG_HUNG_BOOTING = "did not start within"
 LOG_READY = re.compile(r"facecast\.daemon\.supervisor: ready\b")  # "ready in 9.6 s: ..."
@@ -292,7 +294,8 @@ BOOT_STOP_DEFINITIONS = {
                             "workers_hung_booting_later: the same after it",
     "stop_s": "from SIGTERM to the supervisor's exit (stopping_sent_after_s: to STOPPING=1 "
               "arriving on the notify socket)",
-    "workers_sigkilled_at_stop": f"supervisor log lines '{LOG_SIGKILLED_AT_STOP}'",
+    "workers_sigkilled_at_stop": f"supervisor log lines '{LOG_SIGKILLED_AT_STOP}' and "
+                                 f"'{LOG_SIGKILLED_AFTER_CLOSING}'",
     "workers_stuck_after_sigkill": f"supervisor log lines '{LOG_STUCK_AFTER_SIGKILL}'",
     "supervisor_killed_by_bench": "the supervisor had not exited --stop-timeout-s after SIGTERM "
                                   "and the bench SIGKILLed it",
@@ -386,7 +389,8 @@ def kills_in_log(text: str) -> dict[str, int]:
     booting, later = (text, "") if ready is None else (text[:ready.start()], text[ready.start():])
     return {"workers_hung_at_boot": booting.count(LOG_HUNG_BOOTING),
             "workers_hung_booting_later": later.count(LOG_HUNG_BOOTING),
-            "workers_sigkilled_at_stop": text.count(LOG_SIGKILLED_AT_STOP),
+            "workers_sigkilled_at_stop": (text.count(LOG_SIGKILLED_AT_STOP)
+                                          + text.count(LOG_SIGKILLED_AFTER_CLOSING)),
             "workers_stuck_after_sigkill": text.count(LOG_STUCK_AFTER_SIGKILL)}
 
 

@@ -268,8 +268,10 @@ class WorkerProcess:
         if self.closed_monotonic is not None:  # Note [A closed worker is not killed]
             deadline_monotonic += CLOSED_END_S
         if self.kill_sent_monotonic is None and now_monotonic >= deadline_monotonic:
-            log.warning("worker %s did not %s in time; killing it", self.name,
-                        "stop" if self.closed_monotonic is None else "end after closing")
+            if self.closed_monotonic is None:
+                log.warning("worker %s did not stop in time; killing it", self.name)
+            else:
+                log.warning("worker %s did not end after closing in time; killing it", self.name)
             self.signal(signal.SIGKILL)
         elif self.stuck(now_monotonic):
             log.error("worker %s (pid %d) is stuck even after SIGKILL; leaving it", self.name,

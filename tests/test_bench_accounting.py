@@ -172,19 +172,21 @@ def test_kills_are_counted_from_the_supervisors_log_lines():
         "x ERROR facecast.daemon.worker_table: worker detection:cpu (pid 12) hung: did not start "
         "within 120 s; killing it",
         "x WARNING facecast.daemon.process: worker output did not stop in time; killing it",
+        "x WARNING facecast.daemon.process: worker capture:cuda:0:0 did not end after closing in "
+        "time; killing it",
         "x ERROR facecast.daemon.process: worker output (pid 13) is stuck even after SIGKILL",
     ])
     assert pipeline.kills_in_log(log) == {
         "workers_hung_at_boot": 1, "workers_hung_booting_later": 1,
-        "workers_sigkilled_at_stop": 1, "workers_stuck_after_sigkill": 1}
+        "workers_sigkilled_at_stop": 2, "workers_stuck_after_sigkill": 1}
 
 
 def test_the_log_lines_the_bench_counts_are_the_ones_the_daemon_writes():
     """The bench counts kills by the supervisor's wording: a rewording must fail here, not
     silently count 0."""
     source = "\n".join(path.read_text() for path in (REPO / "daemon").glob("*.py"))
-    for line in (pipeline.LOG_SIGKILLED_AT_STOP, pipeline.LOG_STUCK_AFTER_SIGKILL,
-                 pipeline.LOG_HUNG_BOOTING):
+    for line in (pipeline.LOG_SIGKILLED_AT_STOP, pipeline.LOG_SIGKILLED_AFTER_CLOSING,
+                 pipeline.LOG_STUCK_AFTER_SIGKILL, pipeline.LOG_HUNG_BOOTING):
         assert line in source, line
     assert re.search(r'log\.info\("ready\b', source), "the supervisor's 'ready' line moved"
     assert pipeline.LOG_READY.search("x INFO facecast.daemon.supervisor: ready in 9.6 s: ok")
