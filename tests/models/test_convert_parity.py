@@ -8,6 +8,8 @@ at the end of the session.
 
 from __future__ import annotations
 
+import math
+
 import cv2
 import numpy as np
 import pytest
@@ -390,7 +392,9 @@ def test_cuda_module_matches_cpu_module(name, installed_models, photos, no_tf32)
         tolerance16 = (FP16_REFINED_TOLERANCE if output_name in REFINED_OUTPUTS
                        else FP16_POSE_TOLERANCE if name.startswith("pose_") else FP16_TOLERANCE)
         PARITY_TABLE[(f"{name} cuda fp32", output_name)] = (error32, TOLERANCE)
-        PARITY_TABLE[(f"{name} cuda fp16", output_name)] = (error16, tolerance16)
+        # A noisy output is not held in float16 (NOISY_OUTPUTS): its row says so, with no bound.
+        noisy = (name, position) in NOISY_OUTPUTS
+        PARITY_TABLE[(f"{name} cuda fp16", output_name)] = (error16, math.inf if noisy else tolerance16)
         assert error32 <= TOLERANCE, f"{name} {output_name} fp32 on CUDA: {error32:.2e}"
-        if (name, position) not in NOISY_OUTPUTS:
+        if not noisy:
             assert error16 <= tolerance16, f"{name} {output_name} fp16 on CUDA: {error16:.2e}"
