@@ -87,15 +87,21 @@ def _done_process(code: int) -> subprocess.Popen:
     return process
 
 
+def _ignoring_sigterm() -> subprocess.Popen:
+    """A process that ignores SIGTERM, as a worker stuck in a driver call (or one the driver is
+    still ending) would; returns once its handler is in place."""
+    process = subprocess.Popen([sys.executable, "-c",
+                                "import signal, sys, time; "
+                                "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                "print('ready', flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
 def test_a_stop_terms_then_kills_at_the_deadline_without_blocking():
     worker = WorkerProcess(WorkerSpec("capture:cam0", "capture", ("cam0",), "cpu"))
-    # A process that ignores SIGTERM, as a worker stuck in a driver call would.
-    worker.adopt(subprocess.Popen([sys.executable, "-c",
-                                   "import signal, sys, time; "
-                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                   "print('ready', flush=True); time.sleep(60)"],
-                                  stdout=subprocess.PIPE, text=True))
-    assert worker.popen.stdout.readline().strip() == "ready"
+    worker.adopt(_ignoring_sigterm())
     worker.begin_stop(deadline_monotonic=time.monotonic() + 0.2)
     assert worker.state is S.STOPPING
     started = time.monotonic()
@@ -113,13 +119,7 @@ def test_a_worker_that_closed_is_left_to_end_past_its_deadline_then_killed():
     from facecast.daemon import process
 
     worker = WorkerProcess(WorkerSpec("roi_landmark:cuda:0:0", "roi_landmark", ("cam0",), "cuda:0"))
-    # A process whose end takes long (SIGTERM ignored: the driver's teardown, say).
-    worker.adopt(subprocess.Popen([sys.executable, "-c",
-                                   "import signal, sys, time; "
-                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                   "print('ready', flush=True); time.sleep(60)"],
-                                  stdout=subprocess.PIPE, text=True))
-    assert worker.popen.stdout.readline().strip() == "ready"
+    worker.adopt(_ignoring_sigterm())  # its end takes long: the driver's, say
     worker.begin_stop(deadline_monotonic=time.monotonic() - 1.0)  # past already
     assert not worker.done_with_its_work()
     worker.on_closed()  # its process ending (in the driver's hands, say)

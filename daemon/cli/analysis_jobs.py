@@ -45,8 +45,8 @@ MAX_MODEL_THREADS = 8
 STOP_TIMEOUT_S = 60.0  # a job saves its resume point at the end of its batch
 
 
-def parse_jobs(text: str) -> int | str:
-    """`--jobs`: "auto" or a count of processes, 1 or more."""
+def _auto_or_count(text: str, option: str, things: str) -> int | str:
+    """An option's "auto" or a count of `things`, 1 or more."""
     if text == "auto":
         return text
     try:
@@ -54,21 +54,18 @@ def parse_jobs(text: str) -> int | str:
     except ValueError:
         count = 0
     if count < 1:
-        raise ValueError(f"--jobs {text}: a number of processes (1 or more) or auto")
+        raise ValueError(f"{option} {text}: a number of {things} (1 or more) or auto")
     return count
+
+
+def parse_jobs(text: str) -> int | str:
+    """`--jobs`: "auto" or a count of processes, 1 or more."""
+    return _auto_or_count(text, "--jobs", "processes")
 
 
 def parse_threads(text: str) -> int | str:
     """`--threads`: "auto" or a count of threads, 1 or more."""
-    if text == "auto":
-        return text
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"--threads {text}: a number of threads (1 or more) or auto")
-    return count
+    return _auto_or_count(text, "--threads", "threads")
 
 
 def model_threads(requested: int | str, jobs: int) -> int:
