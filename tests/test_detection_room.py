@@ -1,7 +1,8 @@
 """Note [Detection while the device has room], the detection worker's own loop: with room, every
 camera's frames are searched about every other frame, also where the cameras publish their frames
 a millisecond apart, as a daemon's cameras do (issue 24 item 5: at 8 cameras on the H100 a
-newcomer was published p50 4 frames, at most 14, after their first frame).
+newcomer was published p50 4 frames, at most 14, after their first frame); while the measuring
+is behind (MeasuringBehind, from the roi_landmark workers), only the interval's passes.
 
 No daemon: `DetectionWorker.step` runs against a frame bus, a detector and a clock played by the
 test. The bus behaves as FrameSubscriber.receive does: a poll until the first frame comes, then
@@ -92,14 +93,21 @@ class Bus:
 
 
 class Requests:
-    """The DetectionWanted socket, with nobody asking: a poll only lets the clock run."""
+    """The roi_landmark workers' requests: none (a poll only lets the clock run), or the
+    messages of `sent` (encoded, each at its time on the played clock)."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, sent: list[tuple[float, bytes]] = ()) -> None:
         self.clock = clock
+        self.sent = sorted(sent)
 
     def poll(self, timeout_ms: int = 0) -> int:
+        if self.sent and self.sent[0][0] <= self.clock.now_s:
+            return 1
         self.clock.now_s += timeout_ms / 1e3
         return 0
+
+    def recv(self) -> bytes:
+        return self.sent.pop(0)[1]
 
 
 class Detector:
@@ -137,6 +145,7 @@ def _worker(clock: Clock, share: float, interval_s: float = 0.5
     worker._wanted = set()
     worker.detection_share = share
     worker._room_from_monotonic = float("-inf")
+    worker._behind_said_monotonic = float("-inf")
     worker._bus_read_monotonic = float("-inf")
     worker._requests_gate = MessageGate("detection requests")
     worker.requests = Requests(clock)
@@ -196,3 +205,59 @@ def test_frames_wait_on_the_bus_for_room_at_most_max_bus_wait_s(monkeypatch):
     reads_s = worker.subscriber.reads_s
     # A pass (100 ms) and one poll of the wait (50 ms) beyond the limit at most.
     assert max(b - a for a, b in zip(reads_s, reads_s[1:])) <= MAX_BUS_WAIT_S + 0.1 + 0.05 + 1e-9
+
+
+def test_while_the_measuring_is_behind_newcomers_wait_for_the_interval(monkeypatch):
+    """The roi_landmark workers say they passed over frames from 1.0 to 2.0 s: from then until
+    ROOM_AFTER_BEHIND_S after the last time they said it, a camera is searched only on the
+    interval's passes (every 0.5 s), before and after about every other frame."""
+    clock = Clock()
+    monkeypatch.setattr(detection, "time", SimpleNamespace(monotonic=clock.monotonic))
+    worker, published = _worker(clock, 0.5)
+    behind = detection.messages.encode(detection.MeasuringBehind(skipped=3))
+    worker.requests = Requests(clock, [(1.0 + 0.1 * k, behind) for k in range(11)])
+    while clock.now_s < 4.5:
+        worker.step()
+    no_room_s = (1.0 + FRAME_PERIOD_S, 2.0 + detection.ROOM_AFTER_BEHIND_S)
+    for camera_id, searched in published.frames.items():
+        times = sorted(frame_seq * FRAME_PERIOD_S for frame_seq in searched)
+        before = [t for t in times if t < 1.0]
+        during = [t for t in times if no_room_s[0] <= t < no_room_s[1]]
+        after = [t for t in times if t >= no_room_s[1] + 2 * FRAME_PERIOD_S]
+        assert len(before) >= 14 and len(after) >= 14, (camera_id, times)
+        # 2 s without room: the interval's passes, 4 or 5 of them.
+        assert 3 <= len(during) <= 5, (camera_id, during)
+        assert max(b - a for a, b in zip(during, during[1:])) <= 0.5 + 3 * FRAME_PERIOD_S
+
+
+def test_a_roi_landmark_worker_says_it_is_behind_when_it_passed_over_frames():
+    """Frames passed over since its last batch (its subscriber's "skipped" counts) are said once,
+    as their number; a batch that passed over none says nothing; a new subscriber counts anew."""
+    from facecast.workers.inference.roi_landmark import RoiLandmarkWorker
+
+    class Sent:
+        def __init__(self) -> None:
+            self.messages = []
+
+        def send(self, payload, flags=0) -> None:
+            message = detection.messages.decode(payload)
+            self.messages.append((type(message).__name__, message.skipped))
+
+    def subscriber(*skipped: int):
+        return SimpleNamespace(status={f"cam{k}": SimpleNamespace(counts={"skipped": n})
+                                       for k, n in enumerate(skipped)})
+
+    worker = RoiLandmarkWorker.__new__(RoiLandmarkWorker)
+    worker.requests, worker._skipped_said = Sent(), 0
+    worker.subscriber = subscriber(0, 0)
+    worker._say_if_behind()
+    assert worker.requests.messages == []
+    worker.subscriber = subscriber(2, 1)
+    worker._say_if_behind()
+    worker._say_if_behind()  # nothing new passed over
+    assert worker.requests.messages == [("MeasuringBehind", 3)]
+    worker.subscriber = subscriber(1)  # reassigned: a fresh subscriber
+    worker._say_if_behind()
+    worker.subscriber = subscriber(4)
+    worker._say_if_behind()
+    assert worker.requests.messages[1:] == [("MeasuringBehind", 3)]

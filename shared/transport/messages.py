@@ -138,6 +138,14 @@ class DetectionWanted(Message, tag="detection_wanted"):
     camera_ids: list[str]
 
 
+class MeasuringBehind(Message, tag="measuring_behind"):
+    """A roi_landmark worker passed over `skipped` of its cameras' frames since it last said so:
+    its measuring is behind them, and the device has no room for newcomer searches (Note
+    [Detection while the device has room])."""
+
+    skipped: int
+
+
 class Detections(Message, tag="detections"):
     """Face detections in one frame of one camera, in that frame's pixels."""
 
@@ -525,7 +533,7 @@ class DaemonStatus(Message, tag="daemon_status"):
 
 AnyMessage = Union[
     FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
-    DetectionWanted, Detections, FaceResults,
+    DetectionWanted, MeasuringBehind, Detections, FaceResults,
     Hello, Assignment, Promote, Release, Heartbeat, BootFailed, Closed, Event, TrackIdsWanted,
     TrackIdGrant,
     StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,

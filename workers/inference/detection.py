@@ -31,6 +31,14 @@ Note [Detection while the device has room]
     640x360 cameras at 10 fps and share 0.5: before, one camera was searched on 214 of 297
     frames and a newcomer's first pass came up to 3 frames late; after, 295 of 297, and on
     the first frame every time.
+    Room is also what the measuring leaves. A pass over every camera every frame or two costs
+    the device as much as the measuring (at 64 cameras on the H100, 2026-11-27: detection ~37 %
+    of the GPU's time, the measuring ~46 %, the GPU 100 % busy and 3 % of frames dropped; with
+    share 0.1 instead of 0.5 none were). So while a roi_landmark worker of the device passes
+    over frames (the newest-frame policy: its measuring is behind its cameras), it says so
+    (MeasuringBehind, with its batches' results), and the worker leaves the newcomers to the
+    interval's passes until ROOM_AFTER_BEHIND_S after the last such message: "detection on
+    every frame where the budget allows, tracking otherwise" (issue 24 item 5).
 """
 
 from __future__ import annotations
@@ -42,7 +50,13 @@ import time
 import zmq
 
 from facecast.shared.transport import endpoints, messages
-from facecast.shared.transport.messages import CameraReport, DetectionWanted, Detections, MessageGate
+from facecast.shared.transport.messages import (
+    CameraReport,
+    DetectionWanted,
+    Detections,
+    MeasuringBehind,
+    MessageGate,
+)
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport.subscriber import FrameSubscriber
 from facecast.workers.base import Worker
@@ -60,6 +74,9 @@ log = logging.getLogger(__name__)
 # room]): a capture group's queue (NEWEST_FRAME_RCVHWM, 256 messages) holds about a second of its
 # 8 cameras at 30 fps, and a full queue drops the newest messages, not the oldest.
 MAX_BUS_WAIT_S = 0.25
+# No room for newcomer searches this long after a roi_landmark worker of the device last said
+# its measuring was behind (Note [Detection while the device has room]).
+ROOM_AFTER_BEHIND_S = 1.0
 
 
 class DetectionWorker(Worker):
@@ -83,6 +100,7 @@ class DetectionWorker(Worker):
         self._wanted: set[str] = set()
         self.detection_share = detection_share(self.config.daemon.detection_share, self.device)
         self._room_from_monotonic = -math.inf  # Note [Detection while the device has room]
+        self._behind_said_monotonic = -math.inf  # when the measuring last said it was behind
         self._bus_read_monotonic = -math.inf  # when the frames were last taken off the bus
         self._requests_gate = MessageGate("detection requests")
         self.detections = self.context.socket(zmq.PUB)
@@ -107,7 +125,7 @@ class DetectionWorker(Worker):
         if camera_id in self._wanted:
             return True
         now = time.monotonic()
-        if now >= self._room_from_monotonic:
+        if now >= self._room_from():
             return True
         last_pass = self._last_pass_monotonic.get(camera_id, -math.inf)
         return now - last_pass >= self.config.daemon.detect_interval_s
@@ -120,10 +138,16 @@ class DetectionWorker(Worker):
             return 0.0
         last_pass = min((self._last_pass_monotonic.get(camera_id, -math.inf)
                          for camera_id in self.camera_ids), default=-math.inf)
-        due_monotonic = min(self._room_from_monotonic,
+        due_monotonic = min(self._room_from(),
                             last_pass + self.config.daemon.detect_interval_s,
                             self._bus_read_monotonic + MAX_BUS_WAIT_S)
         return max(0.0, due_monotonic - time.monotonic())
+
+    def _room_from(self) -> float:
+        """When the device has room for a newcomer search: after the share's wait, and not
+        while the measuring is behind (Note [Detection while the device has room])."""
+        return max(self._room_from_monotonic,
+                   self._behind_said_monotonic + ROOM_AFTER_BEHIND_S)
 
     def step(self) -> None:
         # Until a pass may be due, the frames wait on the bus: taken off it, they would be
@@ -135,6 +159,8 @@ class DetectionWorker(Worker):
             request = self._requests_gate.decode(self.requests.recv())
             if isinstance(request, DetectionWanted):
                 self._wanted.update(request.camera_ids)
+            elif isinstance(request, MeasuringBehind):
+                self._behind_said_monotonic = time.monotonic()
         if self._until_due_s() > 0:
             return
         # Only the frames of cameras due for a pass are read from their rings.

@@ -35,6 +35,7 @@ from facecast.shared.transport.messages import (
     Detections,
     FaceResult,
     FaceResults,
+    MeasuringBehind,
     MessageGate,
     PoseResult,
     TrackIdBlock,
@@ -156,6 +157,7 @@ class RoiLandmarkWorker(Worker):
         self.requests.setsockopt(zmq.LINGER, 0)
         self.requests.setsockopt(zmq.SNDHWM, 16)
         self.requests.connect(endpoints.detection_requests(self.runtime_dir, self.device))
+        self._skipped_said = 0  # frames passed over, as last told the detection worker
         self.results = self.context.socket(zmq.PUB)
         self.results.setsockopt(zmq.LINGER, 100)
         self.results.setsockopt(zmq.SNDHWM, 1000)
@@ -246,10 +248,22 @@ class RoiLandmarkWorker(Worker):
             self._publish(frame, named, poses, who, measured_ts_lsl)
         wanted = sorted({c for c in camera_ids if self.pipeline.wants_detection(c)})
         if wanted:
-            try:
-                self.requests.send(messages.encode(DetectionWanted(camera_ids=wanted)), zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the detection worker is busy or restarting: we ask again next frame
+            self._ask(DetectionWanted(camera_ids=wanted))
+        self._say_if_behind()
+
+    def _ask(self, message: DetectionWanted | MeasuringBehind) -> None:
+        try:
+            self.requests.send(messages.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the detection worker is busy or restarting: we ask again next batch
+
+    def _say_if_behind(self) -> None:
+        """Frames passed over since the last batch: the measuring is behind its cameras, and the
+        device has no room for newcomer searches (Note [Detection while the device has room])."""
+        skipped = sum(status.counts["skipped"] for status in self.subscriber.status.values())
+        if skipped > self._skipped_said:
+            self._ask(MeasuringBehind(skipped=skipped - self._skipped_said))
+        self._skipped_said = skipped  # a new subscriber (reassigned cameras) counts from 0
 
     def _drain_detections(self) -> None:
         while self.detections.poll(0):
