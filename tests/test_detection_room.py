@@ -230,10 +230,14 @@ def test_while_the_measuring_is_behind_newcomers_wait_for_the_interval(monkeypat
         assert max(b - a for a, b in zip(during, during[1:])) <= 0.5 + 3 * FRAME_PERIOD_S
 
 
-def test_a_roi_landmark_worker_says_it_is_behind_when_it_passed_over_frames():
-    """Frames passed over since its last batch (its subscriber's "skipped" counts) are said once,
-    as their number; a batch that passed over none says nothing; a new subscriber counts anew."""
-    from facecast.workers.inference.roi_landmark import RoiLandmarkWorker
+def test_a_roi_landmark_worker_says_it_is_behind_when_it_passed_over_frames(monkeypatch):
+    """Over each BEHIND_WINDOW_S: more than BEHIND_SHARE of the frames passed over (its
+    subscriber's "skipped" counts) is said, once, with their number; fewer is not; a new
+    subscriber (cameras reassigned) counts from where it starts."""
+    from facecast.workers.inference import roi_landmark
+
+    clock = Clock()
+    monkeypatch.setattr(roi_landmark, "time", SimpleNamespace(monotonic=clock.monotonic))
 
     class Sent:
         def __init__(self) -> None:
@@ -243,21 +247,26 @@ def test_a_roi_landmark_worker_says_it_is_behind_when_it_passed_over_frames():
             message = detection.messages.decode(payload)
             self.messages.append((type(message).__name__, message.skipped))
 
-    def subscriber(*skipped: int):
-        return SimpleNamespace(status={f"cam{k}": SimpleNamespace(counts={"skipped": n})
-                                       for k, n in enumerate(skipped)})
+    def batches(seconds: float, skipped_per_s: int, start: int = 0) -> int:
+        """Batches of 4 frames every 1/30 s; returns the subscriber's count at the end."""
+        count = start
+        for k in range(round(seconds * 30)):
+            clock.now_s += FRAME_PERIOD_S
+            count = start + round((k + 1) * FRAME_PERIOD_S * skipped_per_s)
+            worker.subscriber = SimpleNamespace(status={
+                "cam0": SimpleNamespace(counts={"skipped": count})})
+            worker._say_if_behind(4)
+        return count
 
-    worker = RoiLandmarkWorker.__new__(RoiLandmarkWorker)
-    worker.requests, worker._skipped_said = Sent(), 0
-    worker.subscriber = subscriber(0, 0)
-    worker._say_if_behind()
+    worker = roi_landmark.RoiLandmarkWorker.__new__(roi_landmark.RoiLandmarkWorker)
+    worker.requests = Sent()
+    worker._behind_window = roi_landmark._Window(clock.now_s)
+    count = batches(2.5, skipped_per_s=1)  # 1 in ~121 frames: 0.8 %, not behind
     assert worker.requests.messages == []
-    worker.subscriber = subscriber(2, 1)
-    worker._say_if_behind()
-    worker._say_if_behind()  # nothing new passed over
-    assert worker.requests.messages == [("MeasuringBehind", 3)]
-    worker.subscriber = subscriber(1)  # reassigned: a fresh subscriber
-    worker._say_if_behind()
-    worker.subscriber = subscriber(4)
-    worker._say_if_behind()
-    assert worker.requests.messages[1:] == [("MeasuringBehind", 3)]
+    batches(2.5, skipped_per_s=12, start=count)  # 12 in 132: behind
+    said = worker.requests.messages  # a window a second: the first may straddle the change
+    assert len(said) >= 2 and 11 <= said[-1][1] <= 13, said
+    batches(1.1, skipped_per_s=0, start=0)  # a fresh subscriber, keeping up (this window may
+    once = len(worker.requests.messages)    # still hold the end of the last one's)
+    batches(2.5, skipped_per_s=0, start=0)
+    assert len(worker.requests.messages) == once

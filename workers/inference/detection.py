@@ -34,11 +34,12 @@ Note [Detection while the device has room]
     Room is also what the measuring leaves. A pass over every camera every frame or two costs
     the device as much as the measuring (at 64 cameras on the H100, 2026-11-27: detection ~37 %
     of the GPU's time, the measuring ~46 %, the GPU 100 % busy and 3 % of frames dropped; with
-    share 0.1 instead of 0.5 none were). So while a roi_landmark worker of the device passes
-    over frames (the newest-frame policy: its measuring is behind its cameras), it says so
-    (MeasuringBehind, with its batches' results), and the worker leaves the newcomers to the
-    interval's passes until ROOM_AFTER_BEHIND_S after the last such message: "detection on
-    every frame where the budget allows, tracking otherwise" (issue 24 item 5).
+    share 0.1 instead of 0.5 none were). So a roi_landmark worker of the device that passed
+    over more than BEHIND_SHARE of its frames in a second (the newest-frame policy: its
+    measuring is behind its cameras; a frame now and then is not) says so (MeasuringBehind),
+    and the worker leaves the newcomers to the interval's passes until ROOM_AFTER_BEHIND_S after
+    the last such message: "detection on every frame where the budget allows, tracking
+    otherwise" (issue 24 item 5).
 """
 
 from __future__ import annotations
