@@ -65,7 +65,7 @@ class Shutdown:
             if self.group and not workers.all_done_with_their_work(self.group):
                 return
             if self.next_stage == len(STOP_STAGES):
-                if not workers.all_stopped(self.asked):  # a killed one still ending
+                if not workers.all_stopped(self.asked):  # a closed or killed one still ending
                     return
                 self._finish()
                 self.done = True
