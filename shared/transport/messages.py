@@ -140,7 +140,7 @@ class DetectionWanted(Message, tag="detection_wanted"):
 
 class MeasuringBehind(Message, tag="measuring_behind"):
     """A roi_landmark worker passed over `skipped` of its cameras' frames in its last second,
-    more than a few in a hundred: its measuring is behind them, and the device has no room for
+    more than one in a hundred: its measuring is behind them, and the device has no room for
     newcomer searches (Note [Detection while the device has room])."""
 
     skipped: int
