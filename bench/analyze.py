@@ -616,8 +616,9 @@ def components_text(data: dict) -> str:
     runtimes = parts.get("facecast_model_runtimes", {})
     landmarks_runtime = runtimes.get("face_landmarks_detector", "torch")
     return (
-        "Where the CPU time goes (each part alone, CPU ms, median, both sides' models on "
-        f"{data['settings'].get('model_threads') or 1} thread(s); `components` in the JSON): "
+        "Where the CPU time goes (each part alone, CPU ms, median; facecast's models on its "
+        "threads (Note [Threads of the models]), the baseline's on "
+        f"{data['settings'].get('model_threads') or 1}; `components` in the JSON): "
         f"the face landmarks model {parts['facecast_landmarks_model_ms_per_face']:.1f} ms a face in "
         f"facecast ({landmarks_runtime}: Note [LiteRT on the CPU]) against "
         f"{parts['litert_landmarks_model_ms_per_face']:.1f} ms in the baseline's LiteRT (XNNPACK), "

@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 #     model 0.33 against 1.3-2.2, the full-range detector over a whole frame (512x288) 7.1 ms
 #     against 21. So on the CPU the FaceLandmarker models and both face detectors run in
 #     LiteRT, one invoke per input (a batch of 4 faces took 3.1 ms a face: batching buys
-#     nothing there), on as many threads as torch has (Note [One thread on the CPU] for
-#     `facecast analyze`); the full-range detector at the whole frame's input size (Note [Whole
-#     frames in LiteRT]). Not in LiteRT: the attention mesh (MediaPipe's custom operators,
+#     nothing there), the landmark model and the full-range detector on FacePipeline's
+#     cpu_threads, the small models on one (Note [Threads of the models]); the full-range
+#     detector at the whole frame's input size (Note [Whole frames in LiteRT]). Not in LiteRT: the attention mesh (MediaPipe's custom operators,
 #     which LiteRT lacks), the body pose models (their own pipeline) and dlib's embedding
 #     network (not a .tflite); they stay torch modules, as everything on a GPU is. The numbers
 #     are the same models' to float rounding: tests/models hold each converted model to

@@ -407,8 +407,7 @@ _LEFT_TO_THE_EXIT: list[NvdecDecoder] = []
 # NAL unit types of a picture after which no picture refers to one before it (Note [A looped file
 # on one decoder]): H.264's IDR slice; H.265's IDR_W_RADL and IDR_N_LP.
 _IDR_NAL_TYPES = {"h264": {5}, "hevc": {19, 20}}
-_H264_VCL_NAL_TYPES = range(1, 6)
-_HEVC_VCL_NAL_TYPES = range(0, 32)
+_PICTURE_NAL_TYPES = {"h264": range(1, 6), "hevc": range(0, 32)}  # the VCL NAL units
 
 
 def starts_with_idr(codec: str, annex_b: bytes) -> bool:
@@ -418,11 +417,8 @@ def starts_with_idr(codec: str, annex_b: bytes) -> bool:
     position = annex_b.find(b"\x00\x00\x01")
     while position >= 0 and position + 3 < len(annex_b):
         header = annex_b[position + 3]
-        if codec == "h264":
-            nal_type, is_picture = header & 0x1F, (header & 0x1F) in _H264_VCL_NAL_TYPES
-        else:
-            nal_type, is_picture = (header >> 1) & 0x3F, ((header >> 1) & 0x3F) in _HEVC_VCL_NAL_TYPES
-        if is_picture:
+        nal_type = header & 0x1F if codec == "h264" else (header >> 1) & 0x3F
+        if nal_type in _PICTURE_NAL_TYPES[codec]:
             return nal_type in _IDR_NAL_TYPES[codec]
         position = annex_b.find(b"\x00\x00\x01", position + 3)
     return False

@@ -62,6 +62,7 @@ from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport.subscriber import FrameSubscriber
 from facecast.workers.base import Worker
 from facecast.workers.inference.pipelines import (
+    close_frames,
     consumer_reports,
     open_frames,
     pipelines_for,
@@ -197,9 +198,7 @@ class DetectionWorker(Worker):
         return self.timer.timings()
 
     def close(self) -> None:
-        if getattr(self, "subscriber", None) is not None:
-            self.subscriber.close(at_exit=self.stopping)  # Note [Mappings left to the process's end]
-            self.subscriber = None
+        close_frames(self)
         for name in ("detections", "requests"):
             thing = getattr(self, name, None)
             if thing is not None:

@@ -223,6 +223,14 @@ def consumer_reports(camera_ids, subscriber, rates: dict[str, RateMeter],
     return reports
 
 
+def close_frames(worker) -> None:
+    """A consuming worker's FrameSubscriber closed on its way out: at its stop the ring
+    mappings are left to the process's end (Note [Mappings left to the process's end])."""
+    if getattr(worker, "subscriber", None) is not None:
+        worker.subscriber.close(at_exit=worker.stopping)
+        worker.subscriber = None
+
+
 def open_frames(worker, previous: FrameSubscriber | None) -> FrameSubscriber:
     """A consuming worker's FrameSubscriber for its current cameras: a fresh one after each
     reassignment (closing the previous one and its ring mappings)."""

@@ -47,6 +47,7 @@ from facecast.shared.transport.subscriber import FrameSubscriber
 from facecast.workers.base import Worker
 from facecast.workers.inference.identity import FrameFaces, Identities, identities_for
 from facecast.workers.inference.pipelines import (
+    close_frames,
     consumer_reports,
     open_frames,
     pipelines_for,
@@ -438,9 +439,7 @@ class RoiLandmarkWorker(Worker):
         return self.timer.timings()
 
     def close(self) -> None:
-        if getattr(self, "subscriber", None) is not None:
-            self.subscriber.close(at_exit=self.stopping)  # Note [Mappings left to the process's end]
-            self.subscriber = None
+        close_frames(self)
         for name in ("detections", "requests", "results"):
             thing = getattr(self, name, None)
             if thing is not None:
