@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from facecast.models import anchors as anchors_mod
+from facecast.models import crop_kernel
 from facecast.models import roi as roi_mod
 from facecast.models import tflite_convert
 from facecast.models.cuda_graphs import (
@@ -240,16 +241,18 @@ class FaceDetector:
         """The detection pass proper, a fixed sequence of tensor operations for the planned
         frames (Note [Detection without per-frame work]). ``on_stage`` is called after the
         preprocess (crops), forward and decode_nms stages (the benchmark's stage clock).
-        ``taps``: :meth:`crop_taps` of these frames, made once for a CUDA graph's batch; without
-        them the inputs are cropped here (on the CPU by OpenCV: Note [Crops on the CPU])."""
+        ``taps``: :meth:`crop_taps` of these frames, made once for a CUDA graph's batch where
+        the one-kernel crop cannot serve; without them the inputs are cropped here by
+        :func:`roi.crop_rois` (on the CPU OpenCV's warps: Note [Crops on the CPU]; on a GPU one
+        kernel: Note [One kernel for a batch of crops])."""
         short_plan, full_plan = plans
         short_spec, full_spec = anchors_mod.FACE_SHORT_RANGE, anchors_mod.FACE_FULL_RANGE
         full_groups = full_plan.groups if full_plan is not None else []
-        if taps is None and batch.device.type == "cpu":  # OpenCV's warps (Note [Crops on the CPU])
+        if taps is None:
             short_crops = self._crops(batch, frame_index, short_plan)
             full_crops = [self._crops(batch, frame_index[positions], plan) for positions, plan in full_groups]
         else:
-            short_taps, *full_taps = taps if taps is not None else self.crop_taps(batch, frame_index, plans)
+            short_taps, *full_taps = taps
             short_crops = short_taps.crop(batch)
             full_crops = [group_taps.crop(batch) for group_taps in full_taps]
         if on_stage:
@@ -386,7 +389,9 @@ class FaceDetector:
             static = roi_mod.FrameBatch.from_pixels(pixels, [(height, width)] * padded, bgr=batch.bgr)
             index = torch.arange(padded, device=self.device)
             plans = self.plans_for(((height, width),) * padded)
-            taps = self.crop_taps(static, index, plans)  # outside the graph: they never change
+            # Taps outside the graph (they never change) where the one-kernel crop cannot serve.
+            taps = (self.crop_taps(static, index, plans) if crop_kernel.unavailable_reason(self.device)
+                    else None)
             return (lambda: self.core(static, index, plans, taps=taps)), {"pixels": pixels}
 
         captured = self.graphs.get("detect", (height, width, padded, batch.bgr), build)

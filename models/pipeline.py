@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 import torch
 
 from facecast.models import anchors as anchors_mod
+from facecast.models import crop_kernel
 from facecast.models import roi as roi_mod
 from facecast.models import tflite_convert, tflite_ops
 from facecast.models.cuda_graphs import GraphCache
@@ -430,6 +431,9 @@ class FacePipeline:
         """On a GPU, run once every batch bucket of the models that detection over up to
         ``max_frames`` frames and the mesh over up to ``max_faces`` faces can meet, and with
         ``cuda_graphs`` capture their graphs for frames of each size (Note [Warm shapes]). Nothing to do on the CPU."""
+        if self.device.type == "cuda":  # compiled before any batch needs it (Note [One kernel for a batch of crops])
+            crop_kernel.prepare(self.device, [(self.detector.model_dtype, "zero"),
+                                              (self.measurer.model_dtype, "replicate")])
         self.detector.warm_up(frame_sizes_hw, max_frames)
         self.measurer.warm_up(max_faces)
         if self.device.type == "cuda":

@@ -35,6 +35,8 @@ Note [Crop taps made once]
     the rects (letterbox, whole frame) and the static batch's layout never change, so its taps
     are made once, when the graph is built (FaceDetector.crop_taps), and each replay only blends:
     on the H100 (2026-11-26) the pass's crops were 130 kernels and 1.1 ms over 32 1080p frames.
+    On a GPU both parts are now one Triton kernel (Note [One kernel for a batch of crops],
+    models/crop_kernel.py); the taps and their blend are what runs where it cannot.
 
 Note [Crops on the CPU]
     On the CPU the per-pixel gathers above are slow: a 256x256 crop of a 720p frame took 1.74 ms
@@ -69,6 +71,8 @@ import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from facecast.models import crop_kernel
 
 # Landmarks of the 468/478 mesh that MediaPipe's tasks FaceLandmarker uses for the tracking
 # ROI's rotation: the outer corners of the two eyes (subject's right, then left). The legacy
@@ -276,6 +280,7 @@ class FrameBatch:
         if device.type == "cuda":  # without waiting for the device's queued work
             table = table.pin_memory()
         table = table.to(device, non_blocking=True)
+        self.frame_table = table  # (F, 3) float32: row offset, height, width
         self.row_offset = table[:, 0]
         self.frame_hw = table[:, 1:]
         self._tall = None
@@ -346,6 +351,13 @@ def crop_rois(
     """
     if frames.device.type == "cpu" and dtype == torch.float32:
         return _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range)
+    if frames.device.type == "cuda":  # Note [One kernel for a batch of crops]
+        if border not in ("replicate", "zero"):
+            raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
+        out_hw = (out_size_px, out_size_px) if isinstance(out_size_px, int) else tuple(out_size_px)
+        crops = crop_kernel.crop(frames, frame_index, rects, out_hw, border, dtype, value_range)
+        if crops is not None:
+            return crops
     return crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
                      axis_aligned=axis_aligned).crop(frames)
 
