@@ -30,6 +30,9 @@
 #   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
 #                 and on this tree, the same machine, one after the other (6, H100)
 #   ab_decode     ab with 64 NVDEC-decoded synthetic-h264 cameras, base then head (4)
+#   models_ab     bench/models.py at batch 64, fp16 with graphs, compiled and not, on .base/ and
+#                 on this tree, one after the other (8)
+#   crops         the one-kernel crop against PyTorch's taps (.footage/crop_probe.py) (1)
 #   phases        the daemon at 32 and 64 replayed cameras genlocked (every camera at phase 0,
 #                 as before 2026-11-27) and free-running (each at its own phase, the default),
 #                 one after the other (Note [Capture phases]) (6, H100); `genlocked`: its
@@ -91,8 +94,9 @@ run)
         "$@" > "$STATE/$name.log" 2>&1
         echo "$(date -u +%H:%M:%S) end $name rc=$?" >> "$STATE/steps.txt"
     }
-    ab_runs() {  # name, bench/pipeline.py arguments: on .base/, then on this tree
-        local name=$1; shift
+    ab_script() {  # name, script, its arguments: on .base/, then on this tree (--out added, and
+        # bench/pipeline.py's --log-dir)
+        local name=$1 script=$2; shift 2
         if [ ! -d .base ]; then
             echo "$(date -u +%H:%M:%S) $name: no .base/ carried" >> "$STATE/steps.txt"
             return
@@ -100,11 +104,15 @@ run)
         ln -sfn "$PWD/.models" .base/.models
         for side in base head; do
             local root=$PWD; [ $side = base ] && root=$PWD/.base
+            local logs=""; [ "$script" = bench/pipeline.py ] && logs="--log-dir '$STATE/logs-$name-$side'"
             step "$name-$side" bash -c "cd '$root' && . bench/gpu_host_env.sh && \
-                python3 bench/pipeline.py --transports cuda_ipc $* \
-                --out '$STATE/benchmarks-$name-$side.json' --log-dir '$STATE/logs-$name-$side'"
+                python3 $script $* $logs --out '$STATE/benchmarks-$name-$side.json'"
         done
         . bench/gpu_host_env.sh  # facecast.* back to this tree
+    }
+    ab_runs() {  # name, bench/pipeline.py arguments: on .base/, then on this tree
+        local name=$1; shift
+        ab_script "$name" bench/pipeline.py --transports cuda_ipc "$@"
     }
     for name in $*; do
         case $name in
@@ -141,6 +149,18 @@ run)
             # here, carried) and on this tree, one after the other on this machine: the ratio of
             # the changes since BASE, without MediaPipe.
             ab_runs ab --cameras 32 64 --source synthetic-replay --warmup-s 5 --measure-s 15 ;;
+        models_ab) # bench/models.py on .base/ and on this tree, one after the other: the goals'
+            # figures at batch 64 in fp16 with graphs, compiled and not.
+            ab_script models-ab bench/models.py --batch-sizes 64 --cameras 32 --variants fp16+graphs \
+                fp16+graphs+compile --budget-s 300 --face-landmarker-task .models/face_landmarker.task \
+                --docs "''" ;;
+        crops) # Note [One kernel for a batch of crops]: the kernel against PyTorch's taps at the
+            # measuring stage's and the detectors' shapes (.footage/crop_probe.py when carried).
+            if [ -f .footage/crop_probe.py ]; then
+                step crops python3 .footage/crop_probe.py
+            else
+                echo "$(date -u +%H:%M:%S) crops: no .footage/crop_probe.py" >> "$STATE/steps.txt"
+            fi ;;
         ab_decode) # ab's pair with 64 NVDEC-decoded synthetic-h264 cameras (needs .whl2a/.whl2b).
             ab_runs ab-decode --cameras 64 --source synthetic-h264 --decode gpu --warmup-s 4 \
                 --measure-s 10 ;;
