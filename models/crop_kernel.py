@@ -12,9 +12,10 @@ Note [One kernel for a batch of crops]
     [Sampling the frames where they lie]), the blend, the channel swap, the value range, and
     one store in the output's dtype. The arithmetic is crop_taps' in the same order, in float32
     throughout: for a float16 output crop_taps blends in float16, so there this is the more
-    exact of the two; for float32 the two agree to float rounding (the compiler may fuse a
-    multiply and an add). tests/models/test_crop_kernel.py holds them to each other on the
-    CPU (Triton's interpreter) and on the GPU.
+    exact of the two; for float32 the two agree to float rounding (the same operations, each
+    rounded on its own: the kernel is compiled without fused multiply-adds; the rotation's
+    cosine and sine may differ in their last bit). tests/models/test_crop_kernel.py holds them
+    to each other on the CPU (Triton's interpreter) and on the GPU.
     Triton compiles the kernel at its first call in a process and keeps it in its cache on
     disk (TRITON_CACHE_DIR; by default here $XDG_CACHE_HOME/facecast/triton, the daemon's
     cache directory under systemd, since the service user has no home): a second process
@@ -84,7 +85,8 @@ def crop(frames, frame_index: torch.Tensor, rects, out_hw: tuple[int, int], bord
         _kernel(_interpreted())[(-(-out_h * out_w // BLOCK), count)](
             pixels, pixels.stride(0), frames.frame_table, index, centre, size, rotation, out,
             out_h, out_w, (high - low) / 255.0, low,
-            ZERO_BORDER=border == "zero", BGR=bool(frames.bgr), BLOCK=BLOCK)
+            ZERO_BORDER=border == "zero", BGR=bool(frames.bgr), BLOCK=BLOCK,
+            enable_fp_fusion=False)  # each multiply and add rounded, as PyTorch's kernels round them
     except Exception as exc:  # noqa: BLE001 - a compiler or launcher failure: PyTorch's kernels
         _give_up(exc)
         return None
