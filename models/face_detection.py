@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 import torch
 
 from facecast.models import anchors as anchors_mod
-from facecast.models import crop_kernel
 from facecast.models import roi as roi_mod
 from facecast.models import tflite_convert
+from facecast.models import triton_kernels
 from facecast.models.cuda_graphs import (
     GraphCache,
     bucket,
@@ -390,7 +390,7 @@ class FaceDetector:
             index = torch.arange(padded, device=self.device)
             plans = self.plans_for(((height, width),) * padded)
             # Taps outside the graph (they never change) where the one-kernel crop cannot serve.
-            taps = (self.crop_taps(static, index, plans) if crop_kernel.unavailable_reason(self.device)
+            taps = (self.crop_taps(static, index, plans) if triton_kernels.unavailable_reason(self.device)
                     else None)
             return (lambda: self.core(static, index, plans, taps=taps)), {"pixels": pixels}
 

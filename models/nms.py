@@ -26,6 +26,8 @@ from typing import Callable, Iterable, TypeVar
 import numpy as np
 import torch
 
+from facecast.models import triton_kernels
+
 T = TypeVar("T")
 
 
@@ -239,7 +241,14 @@ def _pad_candidates(field: torch.Tensor, count: int) -> torch.Tensor:
 
 def _clusters(cand_boxes: torch.Tensor, cand_scores: torch.Tensor, cand_keypoints: torch.Tensor,
               cand_valid: torch.Tensor, iou_threshold: float, max_detections: int) -> Detections:
-    """The greedy clustering of sorted candidates and each cluster's blend."""
+    """The greedy clustering of sorted candidates and each cluster's blend (on a GPU in one
+    kernel: Note [Weighted NMS in one kernel])."""
+    if cand_boxes.is_cuda:
+        fused = triton_kernels.nms_clusters(cand_boxes, cand_scores, cand_keypoints, cand_valid,
+                                            iou_threshold, max_detections)
+        if fused is not None:
+            boxes, keypoints, scores, valid = fused
+            return Detections(boxes=boxes, keypoints=keypoints, scores=scores, valid=valid)
     num_kept = cand_boxes.shape[1]
     # same_face[b, i, j]: j joins a cluster that i leads. A leader always belongs to its own
     # cluster, even a degenerate one with zero area (whose IoU with itself is 0).

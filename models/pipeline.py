@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 import torch
 
 from facecast.models import anchors as anchors_mod
-from facecast.models import crop_kernel
 from facecast.models import roi as roi_mod
 from facecast.models import tflite_convert, tflite_ops
+from facecast.models import triton_kernels
 from facecast.models.cuda_graphs import GraphCache
 from facecast.models.face_detection import WHOLE_FRAME_INPUT_HW, FaceDetector
 from facecast.models.face_mesh import Face, FaceMeasurer, PendingMeasure
@@ -432,7 +432,7 @@ class FacePipeline:
         ``max_frames`` frames and the mesh over up to ``max_faces`` faces can meet, and with
         ``cuda_graphs`` capture their graphs for frames of each size (Note [Warm shapes]). Nothing to do on the CPU."""
         if self.device.type == "cuda":  # compiled before any batch needs it (Note [One kernel for a batch of crops])
-            crop_kernel.prepare(self.device, [(self.detector.model_dtype, "zero"),
+            triton_kernels.prepare(self.device, [(self.detector.model_dtype, "zero"),
                                               (self.measurer.model_dtype, "replicate")])
         self.detector.warm_up(frame_sizes_hw, max_frames)
         self.measurer.warm_up(max_faces)

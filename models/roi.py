@@ -36,7 +36,7 @@ Note [Crop taps made once]
     are made once, when the graph is built (FaceDetector.crop_taps), and each replay only blends:
     on the H100 (2026-11-26) the pass's crops were 130 kernels and 1.1 ms over 32 1080p frames.
     On a GPU both parts are now one Triton kernel (Note [One kernel for a batch of crops],
-    models/crop_kernel.py); the taps and their blend are what runs where it cannot.
+    models/triton_kernels.py); the taps and their blend are what runs where it cannot.
 
 Note [Crops on the CPU]
     On the CPU the per-pixel gathers above are slow: a 256x256 crop of a 720p frame took 1.74 ms
@@ -72,7 +72,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from facecast.models import crop_kernel
+from facecast.models import triton_kernels
 
 # Landmarks of the 468/478 mesh that MediaPipe's tasks FaceLandmarker uses for the tracking
 # ROI's rotation: the outer corners of the two eyes (subject's right, then left). The legacy
@@ -355,7 +355,7 @@ def crop_rois(
         if border not in ("replicate", "zero"):
             raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
         out_hw = (out_size_px, out_size_px) if isinstance(out_size_px, int) else tuple(out_size_px)
-        crops = crop_kernel.crop(frames, frame_index, rects, out_hw, border, dtype, value_range)
+        crops = triton_kernels.crop(frames, frame_index, rects, out_hw, border, dtype, value_range)
         if crops is not None:
             return crops
     return crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
