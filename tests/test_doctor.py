@@ -178,6 +178,20 @@ def test_cpu_runtime_is_litert_proven_by_loading_a_model(installed_models, monke
     assert "converted PyTorch module" in missing.detail
 
 
+def test_gpu_kernels_say_where_they_run_and_why_not(monkeypatch):
+    """Note [Kernels of our own]: not used without a GPU; on one, Triton's failure to compile
+    them is a warning that names the reason and what runs instead."""
+    from facecast.models import triton_kernels
+
+    assert doctor.check_gpu_kernels("cpu").detail == "not used: the models run on the CPU"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_kernels, "prepare", lambda device, crops: (
+        "RuntimeError: Failed to find C compiler. Please specify via CC environment variable."))
+    result = doctor.check_gpu_kernels("auto")
+    assert result.state == doctor.WARN
+    assert "Failed to find C compiler" in result.detail and "PyTorch's kernels" in result.detail
+
+
 @no_gpu_only
 def test_nvml_missing_is_a_line_not_a_traceback():
     result = doctor.check_nvml()

@@ -403,6 +403,27 @@ def check_cpu_runtime(models_device: str = "auto",
                        "attention mesh, body pose and face embeddings")
 
 
+def check_gpu_kernels(models_device: str = "auto") -> CheckResult:
+    """Whether Triton compiles and runs facecast's own kernels on the first GPU (the crops and
+    the weighted NMS: Note [Kernels of our own]), compiling them if this machine never did."""
+    import torch
+
+    from facecast.models import triton_kernels
+
+    if models_device == "cpu" or not torch.cuda.is_available():
+        return CheckResult("kernels", OK, "not used: the models run on the CPU")
+    device = torch.device("cuda", 0)
+    problem = triton_kernels.prepare(device, [(torch.float32, "replicate")])
+    if problem is not None:
+        return CheckResult("kernels", WARN, f"Triton cannot run facecast's kernels ({problem}): "
+                           "PyTorch's kernels crop and cluster instead, a little slower; Triton "
+                           "needs a C compiler and the Python headers, as PyCUDA's build does")
+    import triton
+
+    return CheckResult("kernels", OK, f"Triton {triton.__version__} runs facecast's kernels "
+                       "(the crops, the weighted NMS) on cuda:0")
+
+
 def check_blendshapes(task_path: str | None = None,
                       model_dir: str | os.PathLike | None = None) -> CheckResult:
     """Whether the Face streams will carry blendshapes and head translation (they need
@@ -466,6 +487,7 @@ def run_checks(loaded: config.Config | None = None) -> Iterator[CheckResult]:
     yield check_lsl_loopback()
     yield check_models(model_dir)
     yield check_cpu_runtime(models_device, model_dir)
+    yield check_gpu_kernels(models_device)
     yield check_blendshapes(task_path, model_dir)
     yield check_face_embedding(model_dir)
     yield check_participants(loaded.participants.gallery if loaded is not None else "")
