@@ -127,6 +127,11 @@ def drop_overlapping_batched(boxes: torch.Tensor, scores: torch.Tensor, groups: 
         :func:`box_iou`'s arithmetic on the same float32 boxes, so the kept set is the one the
         per-item loop keeps, not merely a close one.
     """
+    if boxes.is_cuda:  # Note [The duplicate filter in one kernel]
+        fused = triton_kernels.drop_overlapping(boxes, scores, groups, eligible, max_iou, max_kept,
+                                                max_group_size)
+        if fused is not None:
+            return fused
     count = boxes.shape[0]
     index = torch.arange(count, device=boxes.device)
     better = (scores[:, None] > scores[None, :]) | ((scores[:, None] == scores[None, :])

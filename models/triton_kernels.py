@@ -1,5 +1,6 @@
 """Kernels of facecast's own for chains of PyTorch kernels on a GPU, in Triton: the crops of
-:func:`facecast.models.roi.crop_rois` and the clustering of the detectors' weighted NMS.
+:func:`facecast.models.roi.crop_rois`, the clustering of the detectors' weighted NMS and the
+face stack's duplicate filter.
 
 Note [Kernels of our own]
     A CUDA graph takes the host's launches away but not the kernels: a chain of small PyTorch
@@ -43,6 +44,16 @@ Note [Weighted NMS in one kernel]
     with it is above the threshold (box_iou's arithmetic: the same memberships), and the
     cluster's box and keypoints its members' means weighted by their scores. The sums run in
     another order than PyTorch's reductions: the blends agree to float rounding.
+
+Note [The duplicate filter in one kernel]
+    The measuring stage's duplicate filter (Note [The duplicate filter as tensors], nms.py)
+    builds (N, N) pair tables and steps through the places of a frame's faces: 157 kernels,
+    0.3 ms of the FaceLandmarker stack's graph at 64 faces (H100, 2026-11-26). Here one program
+    per face decides its frame's faces greedily, best first (by score, ties to the lower
+    index: the filter's order), each kept unless its box overlaps a kept one's by an IoU above
+    the limit (box_iou's arithmetic), and then says whether its own face is kept and its rank;
+    every program of a frame repeats the frame's few steps, which costs less than sharing them.
+    The same kept set and ranks as the tensors'.
 """
 
 from __future__ import annotations
@@ -61,6 +72,8 @@ log = logging.getLogger(__name__)
 CROP_BLOCK = 256
 # The crops' output dtypes (the models' inputs).
 CROP_DTYPES = (torch.float32, torch.float16)
+# The most faces the duplicate filter's kernel takes (each program holds every face's box).
+MAX_FILTERED = 1024
 
 _failed: str | None = None  # why the kernels are not used, once one failed
 
@@ -128,6 +141,26 @@ def nms_clusters(boxes: torch.Tensor, scores: torch.Tensor, keypoints: torch.Ten
         SLOTS=max_detections, BLOCK_C=max(16, _power_of_two(candidates)),
         BLOCK_K=max(2, _power_of_two(coords)))
     return None if launched is None else (out_boxes, out_keypoints, out_scores, out_valid)
+
+
+def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,
+                     eligible: torch.Tensor, max_iou: float, max_kept: int, max_group_size: int):
+    """nms.drop_overlapping_batched in one kernel (Note [The duplicate filter in one kernel]):
+    (kept (N,) bool, rank (N,) long); None where the kernel cannot serve (float32 boxes and
+    scores, at most MAX_FILTERED faces)."""
+    count = boxes.shape[0]
+    if (boxes.dtype != torch.float32 or scores.dtype != torch.float32 or count > MAX_FILTERED
+            or unavailable_reason(boxes.device) is not None):
+        return None
+    kept = torch.empty(count, dtype=torch.bool, device=boxes.device)
+    rank = torch.empty(count, dtype=torch.int64, device=boxes.device)
+    if count == 0:
+        return kept, rank
+    launched = _launch(kept, "duplicates", (count,), (
+        boxes.contiguous(), scores.contiguous(), groups.contiguous(), eligible.contiguous(),
+        kept, rank, count, max_iou, max_kept), STEPS=max_group_size,
+        BLOCK_N=max(16, _power_of_two(count)))
+    return None if launched is None else (kept, rank)
 
 
 def prepare(device: torch.device, crops) -> str | None:
@@ -287,7 +320,52 @@ class _Kernels:
                 tl.store(out_scores + slot_at, tl.max(weights, axis=0))
                 tl.store(out_valid + slot_at, tl.max(members.to(tl.int32), axis=0) > 0)
 
-        self.crop, self.nms = crop, nms
+        @triton.jit(do_not_specialize=["boxes", "scores", "groups", "eligible", "kept", "rank",
+                                       "count", "max_iou", "max_kept"])
+        def duplicates(boxes, scores, groups, eligible, kept, rank, count, max_iou, max_kept,
+                       STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
+            me = tl.program_id(0)
+            j = tl.arange(0, BLOCK_N)
+            in_batch = j < count
+            x1 = tl.load(boxes + j * 4, mask=in_batch, other=0.0)
+            y1 = tl.load(boxes + j * 4 + 1, mask=in_batch, other=0.0)
+            x2 = tl.load(boxes + j * 4 + 2, mask=in_batch, other=0.0)
+            y2 = tl.load(boxes + j * 4 + 3, mask=in_batch, other=0.0)
+            score = tl.load(scores + j, mask=in_batch, other=0.0)
+            group = tl.load(groups + j, mask=in_batch, other=0)
+            my_group = tl.load(groups + me)
+            my_score = tl.load(scores + me)
+            mates = in_batch & (group == my_group)
+            undecided = mates & (tl.load(eligible + j, mask=in_batch, other=0) != 0)
+            area = tl.maximum(x2 - x1, 0.0) * tl.maximum(y2 - y1, 0.0)
+            is_kept = j < 0  # all False
+            for step in tl.static_range(STEPS):
+                # The best undecided face of the frame: the highest score, ties the lower index.
+                best = tl.max(tl.where(undecided, score, float("-inf")), axis=0)
+                first = tl.min(tl.where(undecided & (score == best), j, BLOCK_N), axis=0)
+                chosen = j == first  # none once every face is decided (first == BLOCK_N)
+                c_x1 = tl.sum(tl.where(chosen, x1, 0.0), axis=0)
+                c_y1 = tl.sum(tl.where(chosen, y1, 0.0), axis=0)
+                c_x2 = tl.sum(tl.where(chosen, x2, 0.0), axis=0)
+                c_y2 = tl.sum(tl.where(chosen, y2, 0.0), axis=0)
+                c_area = tl.sum(tl.where(chosen, area, 0.0), axis=0)
+                # box_iou's arithmetic (blocker first), against every face kept so far.
+                inter_w = tl.maximum(tl.minimum(x2, c_x2) - tl.maximum(x1, c_x1), 0.0)
+                inter_h = tl.maximum(tl.minimum(y2, c_y2) - tl.maximum(y1, c_y1), 0.0)
+                intersection = inter_w * inter_h
+                union = area + c_area - intersection
+                iou = tl.where(union > 0, tl.math.div_rn(intersection, tl.maximum(union, 1e-12)), 0.0)
+                blocked = tl.max((is_kept & (iou > max_iou)).to(tl.int32), axis=0) > 0
+                is_kept = is_kept | (chosen & ~blocked)
+                undecided = undecided & ~chosen
+            # Its rank: the kept faces of its frame that come before it.
+            before = (score > my_score) | ((score == my_score) & (j < me))
+            my_rank = tl.sum((is_kept & mates & before).to(tl.int64), axis=0)
+            me_kept = tl.max((is_kept & (j == me)).to(tl.int32), axis=0) > 0
+            tl.store(kept + me, me_kept & (my_rank < max_kept))
+            tl.store(rank + me, my_rank)
+
+        self.crop, self.nms, self.duplicates = crop, nms, duplicates
 
 
 @functools.lru_cache(maxsize=2)

@@ -148,6 +148,36 @@ def test_the_kernel_clusters_as_the_weighted_nms(interpreted, count, slots):
     assert triton_kernels.nms_clusters(*(c[:0] for c in candidates), 0.3, slots)[3].shape == (0, slots)
 
 
+def _faces_to_filter(count: int, seed: int, device="cpu"):
+    """A batch's faces for the duplicate filter: frames of up to 8 faces, interleaved, several
+    faces on one person (overlapping boxes), tied scores, some not eligible, padding rows."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = torch.randint(0, max(1, count // 5), (count,), generator=gen).float()
+    groups[-3:] = -1.0  # padding rows: copies of real ones, in a group of their own
+    people = torch.rand(count, 2, generator=gen) * 300
+    same = torch.randint(0, count, (count,), generator=gen)
+    centres = torch.where((torch.rand(count, 1, generator=gen) < 0.5), people[same], people)
+    centres = centres + torch.randn(count, 2, generator=gen) * 5
+    sizes = 60 + torch.rand(count, 1, generator=gen) * 40
+    boxes = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=1)
+    scores = (torch.rand(count, generator=gen) * 6).round() / 6
+    eligible = torch.rand(count, generator=gen) > 0.2
+    counts = torch.bincount((groups + 1).long())
+    steps = int(counts.max())
+    return [t.to(device) for t in (boxes, scores, groups, eligible)], steps
+
+
+@pytest.mark.parametrize("count, max_kept", [(64, 4), (45, 2), (7, 8)])
+def test_the_kernel_filters_duplicates_as_the_tensors(interpreted, count, max_kept):
+    """The same kept faces and ranks as nms.drop_overlapping_batched's tensors."""
+    (boxes, scores, groups, eligible), steps = _faces_to_filter(count, seed=count)
+    expected = nms.drop_overlapping_batched(boxes, scores, groups, eligible, 0.5, max_kept, steps)
+    assert 0 < int(expected[0].sum()) < int(eligible.sum())  # something was dropped
+    fused = triton_kernels.drop_overlapping(boxes, scores, groups, eligible, 0.5, max_kept, steps)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
+
+
 def test_where_the_kernel_cannot_serve_it_says_why_once(monkeypatch, caplog):
     """Not for CPU tensors (OpenCV crops there); not for other dtypes; a failing compiler or
     launcher is logged once, and from then on crop_rois keeps PyTorch's kernels."""
@@ -207,3 +237,15 @@ def test_on_the_gpu_the_weighted_nms_clusters_in_one_kernel():
     _assert_same_clusters(tuple(t.cpu() for t in fused), expected)
     found = nms.weighted_nms(candidates[0], candidates[1], candidates[2], candidates[3], 0.3, 8)
     assert torch.equal(found.valid.cpu(), expected.valid)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_the_duplicate_filter_is_one_kernel():
+    """On the GPU machine drop_overlapping_batched runs the kernel, with the tensors' result."""
+    (boxes, scores, groups, eligible), steps = _faces_to_filter(256, seed=5, device="cuda")
+    fused = triton_kernels.drop_overlapping(boxes, scores, groups, eligible, 0.5, 4, steps)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cuda"))
+    expected = nms.drop_overlapping_batched(boxes.cpu(), scores.cpu(), groups.cpu(), eligible.cpu(), 0.5, 4,
+                                            steps)
+    assert torch.equal(fused[0].cpu(), expected[0]) and torch.equal(fused[1].cpu(), expected[1])
