@@ -123,9 +123,10 @@ def nms_clusters(boxes: torch.Tensor, scores: torch.Tensor, keypoints: torch.Ten
     """nms._clusters (its sorted candidates: boxes (B, C, 4), scores (B, C), keypoints
     (B, C, K, 2), valid (B, C) bool) in one kernel (Note [Weighted NMS in one kernel]): the
     (boxes, keypoints, scores, valid) of (B, max_detections) slots; None where the kernel
-    cannot serve (float32 candidates only)."""
+    cannot serve (float32 candidates with keypoints only)."""
     if (boxes.dtype != torch.float32 or scores.dtype != torch.float32
-            or keypoints.dtype != torch.float32 or unavailable_reason(boxes.device) is not None):
+            or keypoints.dtype != torch.float32 or keypoints.shape[2] == 0
+            or unavailable_reason(boxes.device) is not None):
         return None
     rows, candidates = scores.shape
     coords = keypoints.shape[2] * 2
