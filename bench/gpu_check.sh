@@ -30,6 +30,7 @@
 #   ab            the daemon at 32 and 64 replayed cameras on a baseline commit (.base/, carried)
 #                 and on this tree, the same machine, one after the other (6, H100)
 #   ab_decode     ab with 64 NVDEC-decoded synthetic-h264 cameras, base then head (4)
+#   newcomers_ab  newcomers on .base/ and on this tree, one after the other (5, H100)
 #   models_ab     bench/models.py at batch 64, fp16 with graphs, compiled and not, on .base/ and
 #                 on this tree, one after the other (8)
 #   crops         the one-kernel crop against PyTorch's taps (.footage/crop_probe.py) (1)
@@ -149,6 +150,9 @@ run)
             # here, carried) and on this tree, one after the other on this machine: the ratio of
             # the changes since BASE, without MediaPipe.
             ab_runs ab --cameras 32 64 --source synthetic-replay --warmup-s 5 --measure-s 15 ;;
+        newcomers_ab) # newcomers' step on .base/ and on this tree, one after the other.
+            ab_runs newcomers-ab --newcomers --cameras 8 32 --source synthetic-replay --warmup-s 5 \
+                --measure-s 12 ;;
         models_ab) # bench/models.py on .base/ and on this tree, one after the other: the goals'
             # figures at batch 64 in fp16 with graphs, compiled and not.
             ab_script models-ab bench/models.py --batch-sizes 64 --cameras 32 --variants fp16+graphs \
