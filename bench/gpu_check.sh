@@ -33,7 +33,8 @@
 #   newcomers_ab  newcomers on .base/ and on this tree, one after the other (5, H100)
 #   models_ab     bench/models.py at batch 64, fp16 with graphs, compiled and not, on .base/ and
 #                 on this tree, one after the other (8)
-#   crops         the one-kernel crop against PyTorch's taps (.footage/crop_probe.py) (1)
+#   triton        bench/kernels.py: each Triton kernel (crops, weighted NMS, duplicate filter)
+#                 against the PyTorch chain it replaces (0.5)
 #   phases        the daemon at 32 and 64 replayed cameras genlocked (every camera at phase 0,
 #                 as before 2026-11-27) and free-running (each at its own phase, the default),
 #                 one after the other (Note [Capture phases]) (6, H100); `genlocked`: its
@@ -158,13 +159,8 @@ run)
             ab_script models-ab bench/models.py --batch-sizes 64 --cameras 32 --variants fp16+graphs \
                 fp16+graphs+compile --budget-s 300 --face-landmarker-task .models/face_landmarker.task \
                 --docs "''" ;;
-        crops) # Note [One kernel for a batch of crops]: the kernel against PyTorch's taps at the
-            # measuring stage's and the detectors' shapes (.footage/crop_probe.py when carried).
-            if [ -f .footage/crop_probe.py ]; then
-                step crops python3 .footage/crop_probe.py
-            else
-                echo "$(date -u +%H:%M:%S) crops: no .footage/crop_probe.py" >> "$STATE/steps.txt"
-            fi ;;
+        triton) # Note [Kernels of our own]: each Triton kernel against its PyTorch chain.
+            step triton python3 bench/kernels.py --out "$STATE/benchmarks-kernels.json" ;;
         ab_decode) # ab's pair with 64 NVDEC-decoded synthetic-h264 cameras (needs .whl2a/.whl2b).
             ab_runs ab-decode --cameras 64 --source synthetic-h264 --decode gpu --warmup-s 4 \
                 --measure-s 10 ;;

@@ -1,0 +1,192 @@
+"""Each of facecast's Triton kernels against the PyTorch chain it replaces (Note [Kernels of our
+own], models/triton_kernels.py): device time per call and how far the results are apart.
+
+    python3 bench/kernels.py --out /tmp/kernels.json        # a GPU (bench/gpu_check.sh: kernels)
+
+What is measured
+----------------
+*Crops*: `crop_rois` of the measuring stage (64 rotated rects of 100-400 px, 256x256, from 32
+random 1080p frames on the device), in float16 and float32, replicated and black borders; the
+chain is `crop_taps(...).crop(...)`, PyTorch's two parts (Note [Crop taps made once]). The
+detectors' inputs for 32 1080p frames (the letterbox of 128x128 and the whole frame at 288x512,
+float16, black border, -1..1): the chain both with its taps made per call and made once (as the
+detection pass's CUDA graph had them). Apart: grey levels (of 0..255) between the kernel's
+crops and the chain's in float32.
+*Weighted NMS's clustering*: 64 rows of 128 sorted candidates (boxes around three faces a row,
+tied scores, a degenerate box), 8 slots: `nms._clusters`' chain against the kernel; apart:
+whether the slots' validity and scores are equal, and the boxes' largest difference (px).
+*Duplicate filter*: 64 and 256 faces in interleaved frames of up to 8 (tests/models/
+test_triton_kernels.py's inputs): `nms.drop_overlapping_batched`'s tensors against the kernel;
+apart: whether the kept faces and ranks are equal.
+Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
+Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
+launches). `prepare_s`: compiling the crop kernel's four variants in this process (from
+Triton's cache on disk when it has them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "models"))
+import test_triton_kernels as inputs  # noqa: E402 - the tests' inputs, one definition
+
+from facecast.models import nms, roi, triton_kernels  # noqa: E402
+
+CALLS = 50
+
+
+def device_ms(call) -> float:
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(CALLS):
+        call()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / CALLS, 4)
+
+
+def host_us(call) -> float:
+    call()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    spent = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return round(spent / CALLS * 1e6, 1)
+
+
+class WithoutKernel:
+    """The PyTorch chain: the kernel's entry point answers None (cannot serve) meanwhile."""
+
+    def __init__(self, name: str):
+        self.name, self.kept = name, getattr(triton_kernels, name)
+
+    def __enter__(self):
+        setattr(triton_kernels, self.name, lambda *args, **kwargs: None)
+
+    def __exit__(self, *exc):
+        setattr(triton_kernels, self.name, self.kept)
+
+
+def crops(device) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    frames = torch.randint(0, 256, (32, 1080, 1920, 3), dtype=torch.uint8, generator=gen).to(device)
+    batch = roi.FrameBatch(frames, device)
+    count = 64
+    index = torch.randint(0, 32, (count,), generator=gen).to(device)
+    rects = roi.RotatedRects((torch.rand(count, 2, generator=gen) * torch.tensor([1920.0, 1080.0])).to(device),
+                             (torch.rand(count, 2, generator=gen) * 300 + 100).to(device),
+                             ((torch.rand(count, generator=gen) - 0.5) * 2).to(device))
+    found = {}
+    for dtype in (torch.float16, torch.float32):
+        for border in ("replicate", "zero"):
+            def chain():
+                return roi.crop_taps(batch, index, rects, 256, border, dtype).crop(batch)
+
+            def kernel():
+                return triton_kernels.crop(batch, index, rects, (256, 256), border, dtype, (0.0, 1.0))
+
+            truth = roi.crop_taps(batch, index, rects, 256, border, torch.float32).crop(batch)
+            found[f"mesh crops, 64 x 256, {str(dtype)[6:]}, {border}"] = {
+                "chain_ms": device_ms(chain), "kernel_ms": device_ms(kernel),
+                "kernel_apart_levels": round(((kernel().float() - truth).abs().max() * 255).item(), 5),
+                "chain_apart_levels": round(((chain().float() - truth).abs().max() * 255).item(), 5)}
+    found["mesh crops, 64 x 256, float16, replicate"].update(
+        chain_host_us=host_us(lambda: roi.crop_taps(batch, index, rects, 256, "replicate", torch.float16).crop(batch)),
+        kernel_host_us=host_us(lambda: triton_kernels.crop(batch, index, rects, (256, 256), "replicate",
+                                                           torch.float16, (0.0, 1.0))))
+    every = torch.arange(32, device=device)
+    sides = torch.tensor([[1920.0, 1920.0]] * 32)
+    letterbox = roi.RotatedRects((sides / 2 - torch.tensor([0.0, 420.0])).to(device), sides.to(device),
+                                 torch.zeros(32, device=device))
+    whole = roi.RotatedRects(torch.tensor([[960.0, 540.0]] * 32, device=device),
+                             torch.tensor([[1920.0, 1080.0]] * 32, device=device), torch.zeros(32, device=device))
+    for name, rects_of, size in (("letterbox 128x128", letterbox, (128, 128)), ("whole frame 288x512", whole, (288, 512))):
+        def taps(dtype, rr=rects_of, hw=size):
+            return roi.crop_taps(batch, every, rr, hw, "zero", dtype, value_range=(-1.0, 1.0), axis_aligned=True)
+
+        once = taps(torch.float16)
+        truth = taps(torch.float32).crop(batch)
+        kernel = (lambda rr=rects_of, hw=size: triton_kernels.crop(batch, every, rr, hw, "zero", torch.float16,
+                                                                   (-1.0, 1.0)))
+        found[f"detector inputs, 32 x {name}, float16"] = {
+            "chain_ms": device_ms(lambda: taps(torch.float16).crop(batch)),
+            "chain_taps_made_once_ms": device_ms(lambda: once.crop(batch)),
+            "kernel_ms": device_ms(kernel),
+            "kernel_apart_levels": round(((kernel().float() - truth).abs().max() * 127.5).item(), 5)}
+    return found
+
+
+def clustering(device) -> dict:
+    candidates = inputs._nms_candidates(rows=64, count=128, seed=3, device=device)
+    with WithoutKernel("nms_clusters"):
+        chain_ms = device_ms(lambda: nms._clusters(*candidates, 0.3, 8))
+        expected = nms._clusters(*candidates, 0.3, 8)
+    boxes, _, scores, valid = triton_kernels.nms_clusters(*candidates, 0.3, 8)
+    return {"weighted NMS clustering, 64 rows x 128 candidates, 8 slots": {
+        "chain_ms": chain_ms, "kernel_ms": device_ms(lambda: triton_kernels.nms_clusters(*candidates, 0.3, 8)),
+        "same_valid": bool(torch.equal(valid, expected.valid)),
+        "same_scores": bool(torch.equal(scores, expected.scores)),
+        "boxes_apart_px": round((boxes - expected.boxes).abs().max().item(), 6)}}
+
+
+def duplicates(device) -> dict:
+    found = {}
+    for count in (64, 256):
+        (boxes, scores, groups, eligible), steps = inputs._faces_to_filter(count, seed=5, device=device)
+        with WithoutKernel("drop_overlapping"):
+            chain_ms = device_ms(lambda: nms.drop_overlapping_batched(boxes, scores, groups, eligible, 0.5, 4, steps))
+            expected = nms.drop_overlapping_batched(boxes, scores, groups, eligible, 0.5, 4, steps)
+        kept, rank = triton_kernels.drop_overlapping(boxes, scores, groups, eligible, 0.5, 4, steps)
+        found[f"duplicate filter, {count} faces"] = {
+            "chain_ms": chain_ms,
+            "kernel_ms": device_ms(lambda: triton_kernels.drop_overlapping(boxes, scores, groups, eligible, 0.5, 4,
+                                                                             steps)),
+            "same_kept": bool(torch.equal(kept, expected[0])), "same_ranks": bool(torch.equal(rank, expected[1]))}
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device: the kernels are the GPU's")
+    device = torch.device("cuda")
+    import triton
+
+    started = time.perf_counter()
+    problem = triton_kernels.prepare(device, [(dtype, border) for dtype in triton_kernels.CROP_DTYPES
+                                              for border in ("replicate", "zero")])
+    if problem is not None:
+        print(f"bench/kernels.py: Triton's kernels cannot run here: {problem}", file=sys.stderr)
+        return 2
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"gpu": torch.cuda.get_device_name(device), "python": platform.python_version(),
+                          "torch": torch.__version__, "triton": triton.__version__},
+              "prepare_s": round(time.perf_counter() - started, 2),
+              "cases": {**crops(device), **clustering(device), **duplicates(device)}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print("| case | PyTorch chain ms | kernel ms | × |")
+    print("|---|---|---|---|")
+    for name, case in result["cases"].items():
+        print(f"| {name} | {case['chain_ms']} | {case['kernel_ms']} | "
+              f"{case['chain_ms'] / max(case['kernel_ms'], 1e-9):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
