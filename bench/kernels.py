@@ -16,7 +16,7 @@ crops and the chain's in float32.
 tied scores, a degenerate box), 8 slots: `nms._clusters`' chain against the kernel; apart:
 whether the slots' validity and scores are equal, and the boxes' largest difference (px).
 *Duplicate filter*: 64 and 256 faces in interleaved frames of up to 8 (tests/models/
-test_triton_kernels.py's inputs): `nms.drop_overlapping_batched`'s tensors against the kernel;
+triton_inputs.py): `nms.drop_overlapping_batched`'s tensors against the kernel;
 apart: whether the kept faces and ranks are equal.
 Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
 Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "models"))
-import test_triton_kernels as inputs  # noqa: E402 - the tests' inputs, one definition
+import triton_inputs as inputs  # noqa: E402 - the tests' inputs, one definition
 
 from facecast.models import nms, roi, triton_kernels  # noqa: E402
 
@@ -130,7 +130,7 @@ def crops(device) -> dict:
 
 
 def clustering(device) -> dict:
-    candidates = inputs._nms_candidates(rows=64, count=128, seed=3, device=device)
+    candidates = inputs.nms_candidates(rows=64, count=128, seed=3, device=device)
     with WithoutKernel("nms_clusters"):
         chain_ms = device_ms(lambda: nms._clusters(*candidates, 0.3, 8))
         expected = nms._clusters(*candidates, 0.3, 8)
@@ -145,7 +145,7 @@ def clustering(device) -> dict:
 def duplicates(device) -> dict:
     found = {}
     for count in (64, 256):
-        (boxes, scores, groups, eligible), steps = inputs._faces_to_filter(count, seed=5, device=device)
+        (boxes, scores, groups, eligible), steps = inputs.faces_to_filter(count, seed=5, device=device)
         with WithoutKernel("drop_overlapping"):
             chain_ms = device_ms(lambda: nms.drop_overlapping_batched(boxes, scores, groups, eligible, 0.5, 4, steps))
             expected = nms.drop_overlapping_batched(boxes, scores, groups, eligible, 0.5, 4, steps)

@@ -347,6 +347,13 @@ class FaceDetector:
         raw_boxes, raw_scores = raw
         # Decoded coordinates are in units of the detector's square side (anchors_mod.generate_anchors).
         size = spec.anchors.input_size_px
+        if (raw_boxes.is_cuda and raw_boxes.dim() == 3 and raw_boxes.shape[1] == plan.anchors.shape[0]
+                and raw_boxes.shape[2] == 4 + 2 * spec.num_keypoints):  # Note [Detections decoded in one kernel]
+            fused = triton_kernels.decode_detections(raw_boxes, raw_scores, plan.anchors, plan.rects, plan.input_hw,
+                                                     spec.coord_scale_px, size, spec.min_score)
+            if fused is not None:
+                boxes, scores, keypoints, valid = fused
+                return boxes, scores, keypoints, valid
         decoded = anchors_mod.decode(raw_boxes, raw_scores, plan.anchors, spec)
         frames = len(plan.rects)
         boxes = roi_mod.project_boxes(decoded.boxes * size, plan.rects, plan.input_hw)

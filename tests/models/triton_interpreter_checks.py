@@ -1,0 +1,120 @@
+"""Each Triton kernel (models/triton_kernels.py) against its PyTorch chain through Triton's
+interpreter, on the CPU: run by tests/models/test_triton_kernels.py in a process of its own with
+TRITON_INTERPRET=1, since Triton decides at its import whether its own library (tl.sum...) is
+interpreted, and any other test of the run may have imported it before (Note [Kernels of our
+own]). Not collected by pytest otherwise (the name does not start with test_)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import skimage.data
+import torch
+
+from facecast.models import nms, roi, triton_kernels
+from triton_inputs import (SPECS, assert_same_clusters, crop_rects, faces_to_filter, nms_candidates,
+                           raw_detections, two_photos)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Triton's interpreter: the kernels on CPU tensors (numpy), the arithmetic a GPU runs."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert triton_kernels._interpreted(), "run with TRITON_INTERPRET=1 (test_triton_kernels.py does)"
+    assert isinstance(triton.language.sum, InterpretedFunction), "Triton was imported before the variable"
+    monkeypatch.setattr(triton_kernels, "_failed", None)
+
+
+@pytest.mark.parametrize("bgr, out_hw, value_range, border", [
+    (True, (96, 96), (0.0, 1.0), "replicate"), (False, (64, 112), (-1.0, 1.0), "replicate"),
+    (True, (64, 112), (-1.0, 1.0), "zero"), (False, (96, 96), (0.0, 255.0), "zero")])
+def test_the_kernel_crops_as_the_gathers(interpreted, bgr, out_hw, value_range, border):
+    """float32: the gathers' values to float rounding (< 0.01 of a grey level); float16: the
+    float32 values rounded once (the gathers blend in float16, a little further off)."""
+    batch = roi.FrameBatch(two_photos(bgr), "cpu", bgr=bgr)
+    rects, index = crop_rects()
+    gathered = roi.crop_taps(batch, index, rects, out_hw, border=border, value_range=value_range).crop(batch)
+    grey = (value_range[1] - value_range[0]) / 255.0
+    fused = triton_kernels.crop(batch, index, rects, out_hw, border, torch.float32, value_range)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert fused.shape == gathered.shape == (len(SPECS), *out_hw, 3) and fused.dtype == torch.float32
+    assert (fused - gathered).abs().max().item() < 0.01 * grey
+    half = triton_kernels.crop(batch, index, rects, out_hw, border, torch.float16, value_range)
+    assert half.dtype == torch.float16
+    # Rounded to float16 once: half a unit in the last place of the largest magnitude.
+    bound = max(abs(value_range[0]), abs(value_range[1])) * 2.0 ** -11 + 0.01 * grey
+    assert (half.float() - gathered).abs().max().item() <= bound
+    if border == "zero":  # black beyond the frame
+        assert (fused[4] == value_range[0]).all()
+
+
+def test_the_kernel_reads_frames_where_they_lie(interpreted):
+    """Frames in rows of one buffer with a gap (FrameBatch.in_place: row offsets) crop as the
+    same frames stacked."""
+    astronaut = np.ascontiguousarray(skimage.data.astronaut()[:300, :400, ::-1])
+    coffee = np.ascontiguousarray(skimage.data.coffee()[:200, :400, ::-1])
+    buffer = torch.zeros(astronaut.nbytes + 4 * 400 * 3 + coffee.nbytes, dtype=torch.uint8)
+    first = buffer[:astronaut.nbytes].view(astronaut.shape)
+    second = buffer[-coffee.nbytes:].view(coffee.shape)
+    first.copy_(torch.from_numpy(astronaut))
+    second.copy_(torch.from_numpy(coffee))
+    in_place = roi.FrameBatch.in_place([first, second], "cpu")
+    assert in_place.row_offsets_px == [0, 304]
+    stacked = roi.FrameBatch([astronaut, coffee], "cpu")
+    rects = roi.RotatedRects(torch.tensor([[200.0, 130.0], [200.0, 190.0], [390.0, 10.0]]),
+                             torch.tensor([[150.0, 150.0], [180.0, 120.0], [60.0, 60.0]]),
+                             torch.tensor([0.35, -0.5, 0.0]))
+    index = torch.tensor([0, 1, 1])
+    where_they_lie = triton_kernels.crop(in_place, index, rects, (64, 64), "replicate", torch.float32, (0.0, 1.0))
+    assert torch.equal(where_they_lie,
+                       triton_kernels.crop(stacked, index, rects, (64, 64), "replicate", torch.float32, (0.0, 1.0)))
+    assert torch.equal(triton_kernels.crop(stacked, index[:0], rects[:0], (64, 64), "replicate", torch.float32,
+                                        (0.0, 1.0)), torch.zeros(0, 64, 64, 3))
+
+
+@pytest.mark.parametrize("count, slots", [(128, 8), (37, 4), (16, 8)])
+def test_the_kernel_clusters_as_the_weighted_nms(interpreted, count, slots):
+    """The same clusters (memberships, leaders' scores) and the same blends to float rounding
+    as nms._clusters, with a candidate count that is not a power of two, more slots than
+    clusters, degenerate boxes, tied scores and a row without a detection."""
+    candidates = nms_candidates(rows=6, count=count, seed=count)
+    expected = nms._clusters(*candidates, 0.3, slots)
+    assert expected.valid.any(dim=1)[:-1].all() and not expected.valid[-1].any()
+    fused = triton_kernels.nms_clusters(*candidates, 0.3, slots)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert_same_clusters(fused, expected)
+    assert triton_kernels.nms_clusters(*(c[:0] for c in candidates), 0.3, slots)[3].shape == (0, slots)
+
+
+@pytest.mark.parametrize("count, max_kept", [(64, 4), (45, 2), (7, 8)])
+def test_the_kernel_filters_duplicates_as_the_tensors(interpreted, count, max_kept):
+    """The same kept faces and ranks as nms.drop_overlapping_batched's tensors."""
+    (boxes, scores, groups, eligible), steps = faces_to_filter(count, seed=count)
+    expected = nms.drop_overlapping_batched(boxes, scores, groups, eligible, 0.5, max_kept, steps)
+    assert 0 < int(expected[0].sum()) < int(eligible.sum())  # something was dropped
+    fused = triton_kernels.drop_overlapping(boxes, scores, groups, eligible, 0.5, max_kept, steps)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
+
+
+@pytest.mark.parametrize("detector, input_hw", [("short", (128, 128)), ("full", (288, 512))])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100): inf, 0 after
+def test_the_kernel_decodes_detections_as_the_chains(interpreted, detector, input_hw):
+    """anchors.decode and the projection (FaceDetector.decode on the CPU): the same boxes,
+    keypoints and scores to float rounding, the same valid anchors."""
+    from facecast.models import anchors as anchors_mod
+    from facecast.models.face_detection import FaceDetector
+
+    spec = anchors_mod.FACE_SHORT_RANGE if detector == "short" else anchors_mod.FACE_FULL_RANGE
+    raw, plan = raw_detections(spec, input_hw, rows=3, seed=len(detector))
+    boxes, scores, keypoints, valid = FaceDetector.decode(None, raw, plan, spec)
+    fused = triton_kernels.decode_detections(*raw, plan.anchors, plan.rects, plan.input_hw, spec.coord_scale_px,
+                                             spec.anchors.input_size_px, spec.min_score)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert torch.allclose(fused[0], boxes, rtol=1e-6, atol=1e-3)
+    assert torch.allclose(fused[1], scores, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(fused[2], keypoints, rtol=1e-6, atol=1e-3)
+    assert torch.equal(fused[3], valid) and 0 < int(valid.sum()) < valid.numel()
+    assert fused[1][0, 0] == 0.0 and fused[1][0, 1] == 1.0  # the clamped logits
