@@ -12,6 +12,10 @@ detectors' inputs for 32 1080p frames (the letterbox of 128x128 and the whole fr
 float16, black border, -1..1): the chain both with its taps made per call and made once (as the
 detection pass's CUDA graph had them). Apart: grey levels (of 0..255) between the kernel's
 crops and the chain's in float32.
+*Detections decoded*: FaceDetector.decode for 32 inputs of each detector (the short-range one's
+128x128, the full-range one's over a 1080p frame, 288x512: tests/models/triton_inputs.py's raw
+outputs), anchors.decode and the projection against the kernel; apart: the boxes' largest
+difference (px), the scores', and how many anchors' validity differs.
 *Weighted NMS's clustering*: 64 rows of 128 sorted candidates (boxes around three faces a row,
 tied scores, a degenerate box), 8 slots: `nms._clusters`' chain against the kernel; apart:
 whether the slots' validity and scores are equal, and the boxes' largest difference (px).
@@ -129,6 +133,27 @@ def crops(device) -> dict:
     return found
 
 
+def decoding(device) -> dict:
+    from facecast.models import anchors as anchors_mod
+    from facecast.models.face_detection import FaceDetector
+
+    found = {}
+    for spec, input_hw in ((anchors_mod.FACE_SHORT_RANGE, (128, 128)), (anchors_mod.FACE_FULL_RANGE, (288, 512))):
+        raw, plan = inputs.raw_detections(spec, input_hw, rows=3, seed=1, device=device)
+        raw = tuple(part.repeat(11, 1, 1)[:32] for part in raw)  # 32 frames
+        plan = type(plan)(roi.RotatedRects.cat([plan.rects] * 11)[:32], plan.input_hw, plan.anchors)
+        with WithoutKernel("decode_detections"):
+            chain_ms = device_ms(lambda: FaceDetector.decode(None, raw, plan, spec))
+            expected = FaceDetector.decode(None, raw, plan, spec)
+        fused = FaceDetector.decode(None, raw, plan, spec)
+        found[f"detections decoded, 32 x {spec.name} at {input_hw[0]}x{input_hw[1]}"] = {
+            "chain_ms": chain_ms, "kernel_ms": device_ms(lambda: FaceDetector.decode(None, raw, plan, spec)),
+            "boxes_apart_px": round((fused[0] - expected[0]).abs().max().item(), 6),
+            "scores_apart": (fused[1] - expected[1]).abs().max().item(),
+            "valid_differ": int((fused[3] != expected[3]).sum())}
+    return found
+
+
 def clustering(device) -> dict:
     candidates = inputs.nms_candidates(rows=64, count=128, seed=3, device=device)
     with WithoutKernel("nms_clusters"):
@@ -177,7 +202,8 @@ def main() -> int:
               "machine": {"gpu": torch.cuda.get_device_name(device), "python": platform.python_version(),
                           "torch": torch.__version__, "triton": triton.__version__},
               "prepare_s": round(time.perf_counter() - started, 2),
-              "cases": {**crops(device), **clustering(device), **duplicates(device)}}
+              "cases": {**crops(device), **decoding(device), **clustering(device),
+                        **duplicates(device)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| case | PyTorch chain ms | kernel ms | × |")

@@ -18,7 +18,9 @@ Note [Kernels of our own]
     is missing, cannot compile (it builds its launcher with the machine's C compiler) or cannot
     launch, the PyTorch chains run as before and the reason is logged once
     (`unavailable_reason`). tests/models/test_triton_kernels.py holds each kernel to its chain,
-    on the CPU through Triton's interpreter and on the GPU compiled.
+    on the CPU through Triton's interpreter (tests/models/triton_interpreter_checks.py, in a
+    process of its own: Triton decides at its import whether its own library is interpreted)
+    and on the GPU compiled; bench/kernels.py times each against its chain.
 
 Note [One kernel for a batch of crops]
     On a GPU crop_rois was PyTorch's kernels in two parts (Note [Crop taps made once]): about 40
