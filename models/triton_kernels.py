@@ -249,7 +249,7 @@ def _give_up(exc: Exception) -> None:
     if _failed is None:
         _failed = f"{type(exc).__name__}: {exc}".strip()
         log.warning("Triton's kernels (Note [Kernels of our own]) cannot be used (%s); PyTorch's "
-                    "kernels crop and cluster from now on", _failed)
+                    "kernels do their work from now on", _failed)
 
 
 class _Kernels:

@@ -416,12 +416,12 @@ def check_gpu_kernels(models_device: str = "auto") -> CheckResult:
     problem = triton_kernels.prepare(device, [(torch.float32, "replicate")])
     if problem is not None:
         return CheckResult("kernels", WARN, f"Triton cannot run facecast's kernels ({problem}): "
-                           "PyTorch's kernels crop and cluster instead, a little slower; Triton "
+                           "PyTorch's kernels do their work instead, a little slower; Triton "
                            "needs a C compiler and the Python headers, as PyCUDA's build does")
     import triton
 
     return CheckResult("kernels", OK, f"Triton {triton.__version__} runs facecast's kernels "
-                       "(the crops, the weighted NMS) on cuda:0")
+                       "(crops, detections' decoding, weighted NMS, duplicate filter) on cuda:0")
 
 
 def check_blendshapes(task_path: str | None = None,
