@@ -431,7 +431,7 @@ class FacePipeline:
         """On a GPU, run once every batch bucket of the models that detection over up to
         ``max_frames`` frames and the mesh over up to ``max_faces`` faces can meet, and with
         ``cuda_graphs`` capture their graphs for frames of each size (Note [Warm shapes]). Nothing to do on the CPU."""
-        if self.device.type == "cuda":  # compiled before any batch needs it (Note [One kernel for a batch of crops])
+        if self.device.type == "cuda":  # compiled before any batch needs them (Note [Kernels of our own])
             triton_kernels.prepare(self.device, [(self.detector.model_dtype, "zero"),
                                               (self.measurer.model_dtype, "replicate")])
         self.detector.warm_up(frame_sizes_hw, max_frames)

@@ -11,7 +11,9 @@ Note [Kernels of our own]
     cache directory under systemd, whose user has no home): another process loads it in
     milliseconds. `prepare` compiles the crops at warm-up and a graph's eager warm-up runs
     compile the rest (Captured in cuda_graphs.py), so no batch waits for a compilation and none
-    happens while a graph is captured. Integer arguments and pointers are not specialised on
+    happens while a graph is captured (without graphs, a detection pass's decoding and NMS
+    compile at the first pass). A kernel is compiled once per value of its constants (the
+    block sizes, the slots, the border and channel order, the output's dtype), a few in all. Integer arguments and pointers are not specialised on
     (`do_not_specialize`): another size or an address with other alignment never needs another
     compilation. Kernels are compiled without fused multiply-adds (`enable_fp_fusion=False`):
     each multiply and add is rounded on its own, as PyTorch's kernels round them. Where Triton
@@ -203,7 +205,7 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
     launched = _launch(kept, "duplicates", (count,), (
         boxes.contiguous(), scores.contiguous(), groups.contiguous(), eligible.contiguous(),
         kept, rank, count, max_iou, max_kept), STEPS=max_group_size,
-        BLOCK_N=max(16, _power_of_two(count)))
+        BLOCK_N=max(64, _power_of_two(count)))  # the graphs' buckets up to 64 faces: one compilation
     return None if launched is None else (kept, rank)
 
 
