@@ -1,6 +1,7 @@
 """Kernels of facecast's own for chains of PyTorch kernels on a GPU, in Triton: the crops of
 :func:`facecast.models.roi.crop_rois`, the detectors' decoding and the clustering of their
-weighted NMS, and the face stack's duplicate filter.
+weighted NMS, and the face stack's duplicate filter. This module decides whether they can run
+and launches them; their code is triton_kernel_code.py, imported only then.
 
 Note [Kernels of our own]
     A CUDA graph takes the host's launches away but not the kernels: a chain of small PyTorch
@@ -102,7 +103,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if _failed is not None:
         return _failed
     try:
-        _kernels(_interpreted())
+        _kernels()
     except Exception as exc:  # noqa: BLE001 - any reason Triton cannot be had is a reason to say
         _give_up(exc)
     return _failed
@@ -230,7 +231,7 @@ def _launch(result: torch.Tensor, name: str, grid: tuple, args: tuple, **constan
     """``result`` once the kernel ``name`` is queued on the current stream; None if it could
     not be (compiler, launcher: then PyTorch's kernels, from now on)."""
     try:
-        getattr(_kernels(_interpreted()), name)[grid](*args, **constants, enable_fp_fusion=False)
+        getattr(_kernels(), name)[grid](*args, **constants, enable_fp_fusion=False)
     except Exception as exc:  # noqa: BLE001 - a compiler or launcher failure: PyTorch's kernels
         _give_up(exc)
         return None
@@ -254,218 +255,14 @@ def _give_up(exc: Exception) -> None:
                     "kernels do their work from now on", _failed)
 
 
-class _Kernels:
-    """The kernels, defined once per process (each compiled at its first launch)."""
-
-    def __init__(self) -> None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit(do_not_specialize=["pixels", "row_bytes", "frame_table", "frame_index", "centre",
-                                       "size", "rotation", "out", "out_h", "out_w", "scale", "low"])
-        def crop(pixels, row_bytes, frame_table, frame_index, centre, size, rotation, out,
-                 out_h, out_w, scale, low,
-                 ZERO_BORDER: tl.constexpr, BGR: tl.constexpr, BLOCK: tl.constexpr):
-            n = tl.program_id(1)
-            p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            in_crop = p < out_h * out_w
-            i = p // out_w
-            j = p - i * out_w
-            # The rect and its frame (FrameBatch.frame_table: row offset, height, width).
-            k = tl.load(frame_index + n)
-            row_offset = tl.load(frame_table + k * 3)
-            max_y = tl.load(frame_table + k * 3 + 1) - 1
-            max_x = tl.load(frame_table + k * 3 + 2) - 1
-            centre_x, centre_y = tl.load(centre + n * 2), tl.load(centre + n * 2 + 1)
-            width, height = tl.load(size + n * 2), tl.load(size + n * 2 + 1)
-            angle = tl.load(rotation + n)
-            cos, sin = tl.cos(angle), tl.sin(angle)
-            # Output pixel (j, i) samples centre + R(angle) · ((j / W − ½)·w, (i / H − ½)·h).
-            along_u = (tl.math.div_rn(j.to(tl.float32), out_w.to(tl.float32)) - 0.5) * width
-            along_v = (tl.math.div_rn(i.to(tl.float32), out_h.to(tl.float32)) - 0.5) * height
-            x = cos * along_u - sin * along_v + centre_x
-            y = sin * along_u + cos * along_v + centre_y
-            if ZERO_BORDER:  # before the clamping: a sample more than half a pixel out is black
-                inside_x = ((x >= -0.5) & (x <= max_x + 0.5)).to(tl.float32)
-                inside_y = ((y >= -0.5) & (y <= max_y + 0.5)).to(tl.float32)
-            x = tl.minimum(tl.maximum(x, 0.0), max_x)
-            y = tl.minimum(tl.maximum(y, 0.0), max_y)
-            x0 = tl.floor(x)
-            y0 = tl.floor(y)
-            weight_right = x - x0
-            weight_down = y - y0
-            weight_left = 1 - weight_right
-            weight_up = (1 - weight_down) * scale
-            weight_down = weight_down * scale
-            if ZERO_BORDER:
-                weight_left, weight_right = weight_left * inside_x, weight_right * inside_x
-                weight_up, weight_down = weight_up * inside_y, weight_down * inside_y
-            # The taps' bytes: the right and lower neighbours stay inside the frame (crop_taps).
-            left = x0.to(tl.int64) * 3
-            right = left + (x0 < max_x).to(tl.int64) * 3
-            up = (y0 + row_offset).to(tl.int64) * row_bytes
-            down = up + (y0 < max_y).to(tl.int64) * row_bytes
-            base = out + (n.to(tl.int64) * out_h * out_w + p) * 3
-            for channel in tl.static_range(3):
-                source = 2 - channel if BGR else channel
-                up_left = tl.load(pixels + up + left + source, mask=in_crop, other=0).to(tl.float32)
-                up_right = tl.load(pixels + up + right + source, mask=in_crop, other=0).to(tl.float32)
-                down_left = tl.load(pixels + down + left + source, mask=in_crop, other=0).to(tl.float32)
-                down_right = tl.load(pixels + down + right + source, mask=in_crop, other=0).to(tl.float32)
-                value = (up_left * weight_left + up_right * weight_right) * weight_up
-                value += (down_left * weight_left + down_right * weight_right) * weight_down
-                tl.store(base + channel, value + low, mask=in_crop)
-
-        @triton.jit(do_not_specialize=["boxes", "scores", "keypoints", "valid", "out_boxes",
-                                       "out_keypoints", "out_scores", "out_valid", "candidates",
-                                       "coords", "threshold"])
-        def nms(boxes, scores, keypoints, valid, out_boxes, out_keypoints, out_scores, out_valid,
-                candidates, coords, threshold,
-                SLOTS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-            row = tl.program_id(0).to(tl.int64)
-            c = tl.arange(0, BLOCK_C)
-            in_row = c < candidates
-            first = row * candidates + c
-            x1 = tl.load(boxes + first * 4, mask=in_row, other=0.0)
-            y1 = tl.load(boxes + first * 4 + 1, mask=in_row, other=0.0)
-            x2 = tl.load(boxes + first * 4 + 2, mask=in_row, other=0.0)
-            y2 = tl.load(boxes + first * 4 + 3, mask=in_row, other=0.0)
-            score = tl.load(scores + first, mask=in_row, other=0.0)
-            unclustered = tl.load(valid + first, mask=in_row, other=0) != 0
-            q = tl.arange(0, BLOCK_K)
-            point_mask = in_row[:, None] & (q < coords)[None, :]
-            points = tl.load(keypoints + first[:, None] * coords + q[None, :], mask=point_mask, other=0.0)
-            area = tl.maximum(x2 - x1, 0.0) * tl.maximum(y2 - y1, 0.0)
-            for slot in tl.static_range(SLOTS):
-                # The leader: the first unclustered candidate (argmax of a 0/1 row, 0 if none).
-                leader = tl.min(tl.where(unclustered, c, BLOCK_C), axis=0)
-                leader = tl.where(leader == BLOCK_C, 0, leader)
-                is_leader = c == leader
-                lead_x1 = tl.sum(tl.where(is_leader, x1, 0.0), axis=0)
-                lead_y1 = tl.sum(tl.where(is_leader, y1, 0.0), axis=0)
-                lead_x2 = tl.sum(tl.where(is_leader, x2, 0.0), axis=0)
-                lead_y2 = tl.sum(tl.where(is_leader, y2, 0.0), axis=0)
-                lead_area = tl.sum(tl.where(is_leader, area, 0.0), axis=0)
-                # box_iou's arithmetic, in its order.
-                inter_w = tl.maximum(tl.minimum(lead_x2, x2) - tl.maximum(lead_x1, x1), 0.0)
-                inter_h = tl.maximum(tl.minimum(lead_y2, y2) - tl.maximum(lead_y1, y1), 0.0)
-                intersection = inter_w * inter_h
-                union = lead_area + area - intersection
-                iou = tl.where(union > 0, tl.math.div_rn(intersection, tl.maximum(union, 1e-12)), 0.0)
-                members = ((iou > threshold) | is_leader) & unclustered
-                unclustered = unclustered & ~members
-                weights = tl.where(members, score, 0.0)
-                total = tl.maximum(tl.sum(weights, axis=0), 1e-12)
-                slot_at = row * SLOTS + slot
-                tl.store(out_boxes + slot_at * 4, tl.math.div_rn(tl.sum(weights * x1, axis=0), total))
-                tl.store(out_boxes + slot_at * 4 + 1, tl.math.div_rn(tl.sum(weights * y1, axis=0), total))
-                tl.store(out_boxes + slot_at * 4 + 2, tl.math.div_rn(tl.sum(weights * x2, axis=0), total))
-                tl.store(out_boxes + slot_at * 4 + 3, tl.math.div_rn(tl.sum(weights * y2, axis=0), total))
-                blended = tl.sum(weights[:, None] * points, axis=0)
-                tl.store(out_keypoints + slot_at * coords + q, tl.math.div_rn(blended, total), mask=q < coords)
-                tl.store(out_scores + slot_at, tl.max(weights, axis=0))
-                tl.store(out_valid + slot_at, tl.max(members.to(tl.int32), axis=0) > 0)
-
-        @triton.jit(do_not_specialize=["boxes", "scores", "groups", "eligible", "kept", "rank",
-                                       "count", "max_iou", "max_kept"])
-        def duplicates(boxes, scores, groups, eligible, kept, rank, count, max_iou, max_kept,
-                       STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
-            me = tl.program_id(0)
-            j = tl.arange(0, BLOCK_N)
-            in_batch = j < count
-            x1 = tl.load(boxes + j * 4, mask=in_batch, other=0.0)
-            y1 = tl.load(boxes + j * 4 + 1, mask=in_batch, other=0.0)
-            x2 = tl.load(boxes + j * 4 + 2, mask=in_batch, other=0.0)
-            y2 = tl.load(boxes + j * 4 + 3, mask=in_batch, other=0.0)
-            score = tl.load(scores + j, mask=in_batch, other=0.0)
-            group = tl.load(groups + j, mask=in_batch, other=0)
-            my_group = tl.load(groups + me)
-            my_score = tl.load(scores + me)
-            mates = in_batch & (group == my_group)
-            undecided = mates & (tl.load(eligible + j, mask=in_batch, other=0) != 0)
-            area = tl.maximum(x2 - x1, 0.0) * tl.maximum(y2 - y1, 0.0)
-            is_kept = j < 0  # all False
-            for step in tl.static_range(STEPS):
-                # The best undecided face of the frame: the highest score, ties the lower index.
-                best = tl.max(tl.where(undecided, score, float("-inf")), axis=0)
-                first = tl.min(tl.where(undecided & (score == best), j, BLOCK_N), axis=0)
-                chosen = j == first  # none once every face is decided (first == BLOCK_N)
-                c_x1 = tl.sum(tl.where(chosen, x1, 0.0), axis=0)
-                c_y1 = tl.sum(tl.where(chosen, y1, 0.0), axis=0)
-                c_x2 = tl.sum(tl.where(chosen, x2, 0.0), axis=0)
-                c_y2 = tl.sum(tl.where(chosen, y2, 0.0), axis=0)
-                c_area = tl.sum(tl.where(chosen, area, 0.0), axis=0)
-                # box_iou's arithmetic (blocker first), against every face kept so far.
-                inter_w = tl.maximum(tl.minimum(x2, c_x2) - tl.maximum(x1, c_x1), 0.0)
-                inter_h = tl.maximum(tl.minimum(y2, c_y2) - tl.maximum(y1, c_y1), 0.0)
-                intersection = inter_w * inter_h
-                union = area + c_area - intersection
-                iou = tl.where(union > 0, tl.math.div_rn(intersection, tl.maximum(union, 1e-12)), 0.0)
-                blocked = tl.max((is_kept & (iou > max_iou)).to(tl.int32), axis=0) > 0
-                is_kept = is_kept | (chosen & ~blocked)
-                undecided = undecided & ~chosen
-            # Its rank: the kept faces of its frame that come before it.
-            before = (score > my_score) | ((score == my_score) & (j < me))
-            my_rank = tl.sum((is_kept & mates & before).to(tl.int64), axis=0)
-            me_kept = tl.max((is_kept & (j == me)).to(tl.int32), axis=0) > 0
-            tl.store(kept + me, me_kept & (my_rank < max_kept))
-            tl.store(rank + me, my_rank)
-
-        @triton.jit(do_not_specialize=["raw_boxes", "raw_scores", "anchors", "centre", "size",
-                                       "rotation", "boxes", "scores", "keypoints", "valid", "count",
-                                       "coords", "input_h", "input_w", "coord_scale", "anchor_size",
-                                       "min_score"])
-        def decode(raw_boxes, raw_scores, anchors, centre, size, rotation, boxes, scores, keypoints,
-                   valid, count, coords, input_h, input_w, coord_scale, anchor_size, min_score,
-                   KEYPOINTS: tl.constexpr, BLOCK: tl.constexpr):
-            row = tl.program_id(1).to(tl.int64)
-            a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            in_row = a < count
-            first = row * count + a
-            raw = raw_boxes + first * coords
-            anchor_x = tl.load(anchors + a * 2, mask=in_row, other=0.0)
-            anchor_y = tl.load(anchors + a * 2 + 1, mask=in_row, other=0.0)
-            centre_x, centre_y = tl.load(centre + row * 2), tl.load(centre + row * 2 + 1)
-            width, height = tl.load(size + row * 2), tl.load(size + row * 2 + 1)
-            angle = tl.load(rotation + row)
-            cos, sin = tl.cos(angle), tl.sin(angle)
-            # anchors.decode: centre over the scale plus the anchor, half the size over the scale.
-            box_x = tl.load(raw, mask=in_row, other=0.0).to(tl.float32) / coord_scale + anchor_x
-            box_y = tl.load(raw + 1, mask=in_row, other=0.0).to(tl.float32) / coord_scale + anchor_y
-            half_w = tl.load(raw + 2, mask=in_row, other=0.0).to(tl.float32) / coord_scale / 2
-            half_h = tl.load(raw + 3, mask=in_row, other=0.0).to(tl.float32) / coord_scale / 2
-            # roi.project_points of decoded * the anchors' input size: over the input's size, less
-            # a half, times the rect's size, rotated onto the frame about the rect's centre.
-            for corner in tl.static_range(2):
-                sign = -1.0 if corner == 0 else 1.0
-                u = (box_x + sign * half_w) * anchor_size / input_w - 0.5
-                v = (box_y + sign * half_h) * anchor_size / input_h - 0.5
-                u, v = u * width, v * height
-                tl.store(boxes + first * 4 + corner * 2, cos * u - sin * v + centre_x, mask=in_row)
-                tl.store(boxes + first * 4 + corner * 2 + 1, sin * u + cos * v + centre_y, mask=in_row)
-            for point in tl.static_range(KEYPOINTS):
-                u = (tl.load(raw + 4 + point * 2, mask=in_row, other=0.0).to(tl.float32) / coord_scale
-                     + anchor_x) * anchor_size / input_w - 0.5
-                v = (tl.load(raw + 5 + point * 2, mask=in_row, other=0.0).to(tl.float32) / coord_scale
-                     + anchor_y) * anchor_size / input_h - 0.5
-                u, v = u * width, v * height
-                at = keypoints + (first * KEYPOINTS + point) * 2
-                tl.store(at, cos * u - sin * v + centre_x, mask=in_row)
-                tl.store(at + 1, sin * u + cos * v + centre_y, mask=in_row)
-            logit = tl.load(raw_scores + first, mask=in_row, other=0.0).to(tl.float32)
-            score = 1.0 / (1.0 + tl.exp(-tl.minimum(tl.maximum(logit, -100.0), 100.0)))
-            tl.store(scores + first, score, mask=in_row)
-            tl.store(valid + first, score >= min_score, mask=in_row)
-
-        self.crop, self.nms, self.duplicates, self.decode = crop, nms, duplicates, decode
-
-
-@functools.lru_cache(maxsize=2)
-def _kernels(interpreted: bool) -> _Kernels:
-    """The kernels, one set per process (Triton decides at their definition whether they are
-    interpreted, hence one set for each)."""
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """The kernels' module, imported once per process (each kernel compiled at its first
+    launch)."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(_cache_home() / "facecast" / "triton"))
-    return _Kernels()
+    from facecast.models import triton_kernel_code
+
+    return triton_kernel_code
 
 
 def _cache_home() -> Path:

@@ -51,7 +51,7 @@ def test_where_the_kernel_cannot_serve_it_says_why_once(monkeypatch, caplog):
     rects, index = crop_rects()
     assert triton_kernels.crop(batch, index, rects, (8, 8), "zero", torch.float32, (0.0, 1.0)) is None
 
-    def no_compiler(interpreted):
+    def no_compiler():
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
 
     monkeypatch.setattr(triton_kernels, "_kernels", no_compiler)
