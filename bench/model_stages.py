@@ -13,7 +13,11 @@ steps (the crops, the landmark model, the blendshape model, the duplicate filter
 transformation matrix, head pose, decoding, projection, weighted NMS, the merge: see STEPS). Every
 operator's own kernel time (its ``self_device_time_total``) is given to the innermost step around
 it, so a step's figure is the device's busy time for it, without the launch gaps an eager run has
-between kernels; "kernels" is how many it launched. The same stack is then timed replayed from its
+between kernels; "kernels" is how many it launched. facecast's Triton kernels belong to no
+operator: each is given to its step by its name (TRITON_STEPS; the decoding kernel also does the
+projection, under "anchor decoding"), any other kernel of no operator to "other (no
+operator)". (Until 2026-11-27 11:00 the script skipped them: its run of 10:13 that day had no
+row for them.) The same stack is then timed replayed from its
 CUDA graphs (``cuda_graphs=True``), wall milliseconds with the device synchronised, as the daemon
 runs it (`stack`: results on the device; `results`: Face objects on the host). On the CPU the
 figures are each operator's own CPU time instead (a check that the script runs, not a figure to
@@ -56,6 +60,10 @@ STEPS = (
     ("face_detection.FaceDetector", "merge", "merge"),
 )
 SCOPE = "step:"
+# facecast's Triton kernels (models/triton_kernel_code.py) are launched by Triton, not by a
+# PyTorch operator: the profile has them as kernels of no operator, given to their steps by name.
+TRITON_STEPS = {"facecast_crop": "crops", "facecast_decode": "anchor decoding",
+                "facecast_nms_clusters": "weighted NMS", "facecast_duplicates": "duplicate filter"}
 
 
 def install_scopes() -> None:
@@ -119,6 +127,12 @@ def steps_of(run, device) -> dict:
             torch.cuda.synchronize(device)
     found: dict[str, list] = {}
     for event in prof.events():
+        if event.device_type.name != "CPU" and cuda:  # a kernel of no operator
+            step = TRITON_STEPS.get(event.name, "other (no operator)")
+            row = found.setdefault(step, [0, 0.0])
+            row[0] += 1
+            row[1] += event.time_range.elapsed_us()
+            continue
         if event.device_type.name != "CPU" or event.name.startswith(SCOPE):
             continue
         spent_us = event.self_device_time_total if cuda else event.self_cpu_time_total

@@ -1,7 +1,9 @@
 """The code of facecast's Triton kernels (Note [Kernels of our own] in triton_kernels.py, which
 launches them): imported only where they are to run, since importing it imports Triton. Triton
 resolves the functions a kernel calls among this module's globals, and decides at their
-definition (this module's import) whether they are compiled or interpreted (TRITON_INTERPRET=1)."""
+definition (this module's import) whether they are compiled or interpreted (TRITON_INTERPRET=1).
+The kernels' names start with facecast_: a profile names its kernels by them
+(bench/model_stages.py gives each to its step by its name)."""
 
 import triton
 import triton.language as tl
@@ -9,7 +11,7 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["pixels", "row_bytes", "frame_table", "frame_index", "centre",
                                "size", "rotation", "out", "out_h", "out_w", "scale", "low"])
-def crop(pixels, row_bytes, frame_table, frame_index, centre, size, rotation, out,
+def facecast_crop(pixels, row_bytes, frame_table, frame_index, centre, size, rotation, out,
          out_h, out_w, scale, low,
          ZERO_BORDER: tl.constexpr, BGR: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(1)
@@ -80,7 +82,7 @@ def iou_with_one(x1, y1, x2, y2, area, one):
 @triton.jit(do_not_specialize=["boxes", "scores", "keypoints", "valid", "out_boxes",
                                "out_keypoints", "out_scores", "out_valid", "candidates",
                                "coords", "threshold"])
-def nms(boxes, scores, keypoints, valid, out_boxes, out_keypoints, out_scores, out_valid,
+def facecast_nms_clusters(boxes, scores, keypoints, valid, out_boxes, out_keypoints, out_scores, out_valid,
         candidates, coords, threshold,
         SLOTS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -119,7 +121,7 @@ def nms(boxes, scores, keypoints, valid, out_boxes, out_keypoints, out_scores, o
 
 @triton.jit(do_not_specialize=["boxes", "scores", "groups", "eligible", "kept", "rank",
                                "count", "max_iou", "max_kept"])
-def duplicates(boxes, scores, groups, eligible, kept, rank, count, max_iou, max_kept,
+def facecast_duplicates(boxes, scores, groups, eligible, kept, rank, count, max_iou, max_kept,
                STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
     me = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -156,7 +158,7 @@ def duplicates(boxes, scores, groups, eligible, kept, rank, count, max_iou, max_
                                "rotation", "boxes", "scores", "keypoints", "valid", "count",
                                "coords", "input_h", "input_w", "coord_scale", "anchor_size",
                                "min_score"])
-def decode(raw_boxes, raw_scores, anchors, centre, size, rotation, boxes, scores, keypoints,
+def facecast_decode(raw_boxes, raw_scores, anchors, centre, size, rotation, boxes, scores, keypoints,
            valid, count, coords, input_h, input_w, coord_scale, anchor_size, min_score,
            KEYPOINTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(1).to(tl.int64)

@@ -130,7 +130,7 @@ def crop(frames, frame_index: torch.Tensor, rects, out_hw: tuple[int, int], bord
     centre, size, rotation = (part.to(device=device, dtype=torch.float32).contiguous()
                               for part in (rects.center_xy_px, rects.size_wh_px, rects.rotation_rad))
     index = frame_index.to(device=device, dtype=torch.int64).contiguous()
-    return _launch(out, "crop", (-(-out_h * out_w // CROP_BLOCK), count), (
+    return _launch(out, "facecast_crop", (-(-out_h * out_w // CROP_BLOCK), count), (
         pixels, pixels.stride(0), frames.frame_table, index, centre, size, rotation, out,
         out_h, out_w, (high - low) / 255.0, low), ZERO_BORDER=border == "zero",
         BGR=bool(frames.bgr), BLOCK=CROP_BLOCK)
@@ -154,7 +154,7 @@ def nms_clusters(boxes: torch.Tensor, scores: torch.Tensor, keypoints: torch.Ten
     out_valid = torch.empty(rows, max_detections, dtype=torch.bool, device=boxes.device)
     if rows == 0:
         return out_boxes, out_keypoints, out_scores, out_valid
-    launched = _launch(out_boxes, "nms", (rows,), (
+    launched = _launch(out_boxes, "facecast_nms_clusters", (rows,), (
         boxes.contiguous(), scores.contiguous(), keypoints.contiguous(), valid.contiguous(),
         out_boxes, out_keypoints, out_scores, out_valid, candidates, coords, iou_threshold),
         SLOTS=max_detections, BLOCK_C=max(16, _power_of_two(candidates)),
@@ -182,7 +182,7 @@ def decode_detections(raw_boxes: torch.Tensor, raw_scores: torch.Tensor, anchors
         return boxes, scores, keypoints, valid
     centre, size, rotation = (part.to(device=device, dtype=torch.float32).contiguous()
                               for part in (rects.center_xy_px, rects.size_wh_px, rects.rotation_rad))
-    launched = _launch(boxes, "decode", (-(-count // DECODE_BLOCK), rows), (
+    launched = _launch(boxes, "facecast_decode", (-(-count // DECODE_BLOCK), rows), (
         raw_boxes.contiguous(), raw_scores.contiguous(), anchors.to(device, torch.float32).contiguous(),
         centre, size, rotation, boxes, scores, keypoints, valid, count, coords, float(input_hw[0]),
         float(input_hw[1]), float(coord_scale), float(anchor_size), float(min_score)),
@@ -203,7 +203,7 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
     rank = torch.empty(count, dtype=torch.int64, device=boxes.device)
     if count == 0:
         return kept, rank
-    launched = _launch(kept, "duplicates", (count,), (
+    launched = _launch(kept, "facecast_duplicates", (count,), (
         boxes.contiguous(), scores.contiguous(), groups.contiguous(), eligible.contiguous(),
         kept, rank, count, max_iou, max_kept), STEPS=max_group_size,
         BLOCK_N=max(64, _power_of_two(count)))  # the graphs' buckets up to 64 faces: one compilation
