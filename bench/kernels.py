@@ -22,6 +22,8 @@ whether the slots' validity and scores are equal, and the boxes' largest differe
 *Duplicate filter*: 64 and 256 faces in interleaved frames of up to 8 (tests/models/
 triton_inputs.py): `nms.drop_overlapping_batched`'s tensors against the kernel;
 apart: whether the kept faces and ranks are equal.
+*Transformation matrices*: FaceGeometry.matrices (squaring) of 64 made-up faces of 478
+landmarks (tests/models/triton_inputs.py); apart: the matrices' largest difference.
 Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
 Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
 launches). `prepare_s`: compiling the crop kernel's four variants in this process (from
@@ -154,6 +156,17 @@ def decoding(device) -> dict:
     return found
 
 
+def matrices(device) -> dict:
+    geometry, landmarks, sizes = inputs.faces_for_geometry(64, seed=4, device=device)
+    with WithoutKernel("face_matrices"):
+        chain_ms = device_ms(lambda: geometry.matrices(landmarks, sizes))
+        expected = geometry.matrices(landmarks, sizes)
+    fused = geometry.matrices(landmarks, sizes)
+    return {"transformation matrices, 64 faces": {
+        "chain_ms": chain_ms, "kernel_ms": device_ms(lambda: geometry.matrices(landmarks, sizes)),
+        "apart": (fused - expected).abs().max().item()}}
+
+
 def clustering(device) -> dict:
     candidates = inputs.nms_candidates(rows=64, count=128, seed=3, device=device)
     with WithoutKernel("nms_clusters"):
@@ -203,7 +216,7 @@ def main() -> int:
                           "torch": torch.__version__, "triton": triton.__version__},
               "prepare_s": round(time.perf_counter() - started, 2),
               "cases": {**crops(device), **decoding(device), **clustering(device),
-                        **duplicates(device)}}
+                        **duplicates(device), **matrices(device)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| case | PyTorch chain ms | kernel ms | × |")

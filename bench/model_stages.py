@@ -63,7 +63,8 @@ SCOPE = "step:"
 # facecast's Triton kernels (models/triton_kernel_code.py) are launched by Triton, not by a
 # PyTorch operator: the profile has them as kernels of no operator, given to their steps by name.
 TRITON_STEPS = {"facecast_crop": "crops", "facecast_decode": "anchor decoding",
-                "facecast_nms_clusters": "weighted NMS", "facecast_duplicates": "duplicate filter"}
+                "facecast_nms_clusters": "weighted NMS", "facecast_duplicates": "duplicate filter",
+                "facecast_face_matrices": "transformation matrix"}
 
 
 def install_scopes() -> None:

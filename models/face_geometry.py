@@ -73,6 +73,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from facecast.models import triton_kernels
+
 NUM_CANONICAL_VERTICES = 468
 VERTICAL_FOV_DEG = 63.0  # MediaPipe FaceLandmarker's environment (face_landmarker_graph.cc)
 NEAR_PLANE = 1.0
@@ -384,6 +386,12 @@ class FaceGeometry:
         landmarks); frame_wh_px: (N, 2) width, height of each face's frame.
         """
         used, canonical = self._model_on(landmarks_px.device)
+        if landmarks_px.is_cuda and self.procrustes_method == "squaring":  # Note [The transformation matrix in one kernel]
+            fused = triton_kernels.face_matrices(landmarks_px, frame_wh_px, used, canonical, self.near,
+                                                 self.near_height, NUM_CANONICAL_VERTICES, PROCRUSTES_SQUARINGS,
+                                                 _SQUARINGS_PER_NORMALISATION)
+            if fused is not None:
+                return fused
         size = frame_wh_px.to(device=landmarks_px.device, dtype=torch.float64)
         # Normalise (x/W, y/H, z/W), flip y (top-left origin), scale onto the near plane: per
         # face one factor and one offset per axis, (N, 1, 3) each; only the points the fit

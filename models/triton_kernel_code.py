@@ -199,3 +199,128 @@ def facecast_decode(raw_boxes, raw_scores, anchors, centre, size, rotation, boxe
     score = 1.0 / (1.0 + tl.exp(-tl.minimum(tl.maximum(logit, -100.0), 100.0)))
     tl.store(scores + first, score, mask=in_row)
     tl.store(valid + first, score >= min_score, mask=in_row)
+
+
+@triton.jit
+def _masked_sum(values, mask):
+    return tl.sum(tl.where(mask, values, 0.0), axis=0)
+
+
+@triton.jit
+def _fit(tx, ty, tz, weights, wc_x, wc_y, wc_z, centre_x, centre_y, centre_z, variance,
+         SQUARINGS: tl.constexpr, EVERY: tl.constexpr):
+    """ProcrustesSource.fit of one face's target points (tx, ty, tz over the fit's points),
+    best_rotation by squaring: (scale, the rotation's nine entries row by row, translation)."""
+    target_x, target_y, target_z = tl.sum(weights * tx, 0), tl.sum(weights * ty, 0), tl.sum(weights * tz, 0)
+    # C[a][b] = Σ_k target_k[a] (w (source - centre))_k[b]; S = Cᵀ (Horn's S, row-major).
+    c_xx, c_xy, c_xz = tl.sum(tx * wc_x, 0), tl.sum(tx * wc_y, 0), tl.sum(tx * wc_z, 0)
+    c_yx, c_yy, c_yz = tl.sum(ty * wc_x, 0), tl.sum(ty * wc_y, 0), tl.sum(ty * wc_z, 0)
+    c_zx, c_zy, c_zz = tl.sum(tz * wc_x, 0), tl.sum(tz * wc_y, 0), tl.sum(tz * wc_z, 0)
+    s_xx, s_xy, s_xz = c_xx, c_yx, c_zx
+    s_yx, s_yy, s_yz = c_xy, c_yy, c_zy
+    s_zx, s_zy, s_zz = c_xz, c_yz, c_zz
+    # Horn's N (face_geometry._HORN_UPPER), shifted by √3·|S| (Note [Procrustes without a solver]).
+    shift = 1.7320508075688772 * tl.sqrt(s_xx * s_xx + s_xy * s_xy + s_xz * s_xz + s_yx * s_yx + s_yy * s_yy
+                                         + s_yz * s_yz + s_zx * s_zx + s_zy * s_zy + s_zz * s_zz)
+    r = tl.arange(0, 4)[:, None]
+    c = tl.arange(0, 4)[None, :]
+    n01, n02, n03 = s_yz - s_zy, s_zx - s_xz, s_xy - s_yx
+    n12, n13, n23 = s_xy + s_yx, s_zx + s_xz, s_yz + s_zy
+    powered = (tl.where((r == 0) & (c == 0), s_xx + s_yy + s_zz + shift, 0.0)
+               + tl.where((r == 1) & (c == 1), s_xx - s_yy - s_zz + shift, 0.0)
+               + tl.where((r == 2) & (c == 2), -s_xx + s_yy - s_zz + shift, 0.0)
+               + tl.where((r == 3) & (c == 3), -s_xx - s_yy + s_zz + shift, 0.0)
+               + tl.where(((r == 0) & (c == 1)) | ((r == 1) & (c == 0)), n01, 0.0)
+               + tl.where(((r == 0) & (c == 2)) | ((r == 2) & (c == 0)), n02, 0.0)
+               + tl.where(((r == 0) & (c == 3)) | ((r == 3) & (c == 0)), n03, 0.0)
+               + tl.where(((r == 1) & (c == 2)) | ((r == 2) & (c == 1)), n12, 0.0)
+               + tl.where(((r == 1) & (c == 3)) | ((r == 3) & (c == 1)), n13, 0.0)
+               + tl.where(((r == 2) & (c == 3)) | ((r == 3) & (c == 2)), n23, 0.0))
+    for step in tl.static_range(SQUARINGS):
+        if step % EVERY == 0:  # trace 1 again (a zero matrix stays zero)
+            trace = tl.sum(tl.sum(tl.where(r == c, powered, 0.0), axis=1), axis=0)
+            powered = powered / tl.maximum(trace, 2.2250738585072014e-308)
+        powered = tl.sum(powered[:, :, None] * powered[None, :, :], axis=1)
+    diagonal = tl.sum(tl.where(r == c, powered, 0.0), axis=1)  # (4,) by row
+    index = tl.arange(0, 4)
+    column = tl.min(tl.where(diagonal == tl.max(diagonal, 0), index, 4), 0)
+    quaternion = tl.sum(tl.where(c == column, powered, 0.0), axis=1)
+    norm = tl.sqrt(tl.sum(quaternion * quaternion, 0))
+    unit = tl.where(norm > 0, quaternion / tl.maximum(norm, 2.2250738585072014e-308),
+                    tl.where(index == 0, 1.0, 0.0))
+    w, x, y, z = (_masked_sum(unit, index == 0), _masked_sum(unit, index == 1),
+                  _masked_sum(unit, index == 2), _masked_sum(unit, index == 3))
+    # face_geometry.QUATERNION_ROTATION.
+    r00, r01, r02 = w * w + x * x - y * y - z * z, 2 * x * y - 2 * w * z, 2 * x * z + 2 * w * y
+    r10, r11, r12 = 2 * x * y + 2 * w * z, w * w - x * x + y * y - z * z, 2 * y * z - 2 * w * x
+    r20, r21, r22 = 2 * x * z - 2 * w * y, 2 * y * z + 2 * w * x, w * w - x * x - y * y + z * z
+    scale = (r00 * c_xx + r01 * c_xy + r02 * c_xz + r10 * c_yx + r11 * c_yy + r12 * c_yz
+             + r20 * c_zx + r21 * c_zy + r22 * c_zz) / variance
+    t_x = target_x - scale * (r00 * centre_x + r01 * centre_y + r02 * centre_z)
+    t_y = target_y - scale * (r10 * centre_x + r11 * centre_y + r12 * centre_z)
+    t_z = target_z - scale * (r20 * centre_x + r21 * centre_y + r22 * centre_z)
+    return scale, r00, r01, r02, r10, r11, r12, r20, r21, r22, t_x, t_y, t_z
+
+
+@triton.jit(do_not_specialize=["landmarks", "frame_wh", "used", "weights", "weighted_centred",
+                               "source_centre", "variance", "out", "points", "used_count",
+                               "near", "near_height"])
+def facecast_face_matrices(landmarks, frame_wh, used, weights, weighted_centred, source_centre,
+                           variance, out, points, used_count, near, near_height,
+                           MESH: tl.constexpr, BLOCK_MESH: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SQUARINGS: tl.constexpr, EVERY: tl.constexpr):
+    """FaceGeometry.matrices of one face (Note [Face geometry as MediaPipe computes it])."""
+    face = tl.program_id(0).to(tl.int64)
+    mesh = landmarks + face * points * 3
+    width = tl.load(frame_wh + face * 2)
+    height = tl.load(frame_wh + face * 2 + 1)
+    near_width = near_height * width / height
+    per_x = near_width / width
+    per_y = -near_height / height
+    # The mean depth of the MESH points, on x's scale.
+    m = tl.arange(0, BLOCK_MESH)
+    depth_sum = tl.sum(tl.load(mesh + m * 3 + 2, mask=m < MESH, other=0.0).to(tl.float64), 0)
+    depth_offset = depth_sum / MESH * per_x
+    k = tl.arange(0, BLOCK_K)
+    in_fit = k < used_count
+    point = tl.load(used + k, mask=in_fit, other=0)
+    # The fit's points on the near plane (x/W, y/H, z/W; y flipped), as FaceGeometry.matrices.
+    screen_x = tl.where(in_fit, -near_width / 2 + tl.load(mesh + point * 3, mask=in_fit, other=0.0)
+                        .to(tl.float64) * per_x, 0.0)
+    screen_y = tl.where(in_fit, near_height / 2 + tl.load(mesh + point * 3 + 1, mask=in_fit, other=0.0)
+                        .to(tl.float64) * per_y, 0.0)
+    screen_z = tl.load(mesh + point * 3 + 2, mask=in_fit, other=0.0).to(tl.float64) * per_x
+    wk = tl.load(weights + k, mask=in_fit, other=0.0)
+    wc_x = tl.load(weighted_centred + k * 3, mask=in_fit, other=0.0)
+    wc_y = tl.load(weighted_centred + k * 3 + 1, mask=in_fit, other=0.0)
+    wc_z = tl.load(weighted_centred + k * 3 + 2, mask=in_fit, other=0.0)
+    centre_x, centre_y, centre_z = tl.load(source_centre), tl.load(source_centre + 1), tl.load(source_centre + 2)
+    spread = tl.load(variance)
+    # The three fits of FaceGeometry.matrices: the screen points (z flipped), then twice the
+    # points unprojected at the scale so far. Lanes past the fit's points are 0 throughout.
+    first = _fit(screen_x, screen_y, -screen_z, wk, wc_x, wc_y, wc_z, centre_x, centre_y, centre_z, spread,
+                 SQUARINGS, EVERY)[0]
+    depth = tl.where(in_fit, (screen_z - depth_offset + near) / first, 0.0)
+    second = _fit(screen_x * (depth / near), screen_y * (depth / near), -depth, wk, wc_x, wc_y, wc_z,
+                  centre_x, centre_y, centre_z, spread, SQUARINGS, EVERY)[0]
+    depth = tl.where(in_fit, (screen_z - depth_offset + near) / (first * second), 0.0)
+    scale, r00, r01, r02, r10, r11, r12, r20, r21, r22, t_x, t_y, t_z = _fit(
+        screen_x * (depth / near), screen_y * (depth / near), -depth, wk, wc_x, wc_y, wc_z,
+        centre_x, centre_y, centre_z, spread, SQUARINGS, EVERY)
+    at = out + face * 16
+    tl.store(at + 0, scale * r00)
+    tl.store(at + 1, scale * r01)
+    tl.store(at + 2, scale * r02)
+    tl.store(at + 3, t_x)
+    tl.store(at + 4, scale * r10)
+    tl.store(at + 5, scale * r11)
+    tl.store(at + 6, scale * r12)
+    tl.store(at + 7, t_y)
+    tl.store(at + 8, scale * r20)
+    tl.store(at + 9, scale * r21)
+    tl.store(at + 10, scale * r22)
+    tl.store(at + 11, t_z)
+    tl.store(at + 12, 0.0)
+    tl.store(at + 13, 0.0)
+    tl.store(at + 14, 0.0)
+    tl.store(at + 15, 1.0)

@@ -421,7 +421,8 @@ def check_gpu_kernels(models_device: str = "auto") -> CheckResult:
     import triton
 
     return CheckResult("kernels", OK, f"Triton {triton.__version__} runs facecast's kernels "
-                       "(crops, detections' decoding, weighted NMS, duplicate filter) on cuda:0")
+                       "(crops, detections' decoding, weighted NMS, duplicate filter, transformation "
+                       "matrix) on cuda:0")
 
 
 def check_blendshapes(task_path: str | None = None,

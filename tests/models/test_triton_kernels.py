@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from facecast.models import nms, roi, triton_kernels
-from triton_inputs import (assert_same_clusters, crop_rects, faces_to_filter, nms_candidates, raw_detections,
-                           two_photos)
+from triton_inputs import (assert_same_clusters, crop_rects, faces_for_geometry, faces_to_filter, nms_candidates,
+                           raw_detections, two_photos)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device on this machine")
 
@@ -132,3 +132,22 @@ def test_on_the_gpu_detections_are_decoded_in_one_kernel():
     assert torch.allclose(fused[1].cpu(), scores, rtol=1e-5, atol=1e-6)
     assert torch.allclose(fused[2].cpu(), keypoints, rtol=1e-6, atol=1e-3)
     assert (fused[3].cpu() != valid).sum() <= 2  # an anchor on the minimum score may tip
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_the_transformation_matrices_are_one_kernel():
+    """On the GPU machine FaceGeometry.matrices runs the kernel, with the chain's matrices (the
+    same squaring on the CPU)."""
+    geometry, landmarks, sizes = faces_for_geometry(64, seed=4)
+    expected = geometry.matrices(landmarks, sizes)  # the chain, on the CPU
+    used, canonical = geometry._model_on(torch.device("cuda"))
+    from facecast.models import face_geometry
+
+    fused = triton_kernels.face_matrices(landmarks.cuda(), sizes.cuda(), used, canonical, geometry.near,
+                                         geometry.near_height, face_geometry.NUM_CANONICAL_VERTICES,
+                                         face_geometry.PROCRUSTES_SQUARINGS,
+                                         face_geometry._SQUARINGS_PER_NORMALISATION)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cuda"))
+    assert torch.allclose(fused.cpu(), expected, rtol=1e-9, atol=1e-9)
+    assert torch.allclose(geometry.matrices(landmarks.cuda(), sizes.cuda()).cpu(), expected, rtol=1e-9, atol=1e-9)

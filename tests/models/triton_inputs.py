@@ -104,3 +104,31 @@ def raw_detections(spec, input_hw, rows: int, seed: int, device="cpu"):
                              torch.tensor([0.0, 0.0, 0.4])[:rows])
     plan = DetectorPlan(rects.to(device), input_hw, anchors.to(device))
     return (raw_boxes.to(device), raw_scores.to(device)), plan
+
+
+def faces_for_geometry(count: int, seed: int, device="cpu"):
+    """A made-up canonical face (468 vertices, 33 of them weighted, as MediaPipe's metadata) and
+    ``count`` faces of 478 landmarks in frame pixels: the canonical face turned, scaled, moved
+    and perturbed, in frames of three sizes. Returns (FaceGeometry, landmarks, frames' sizes)."""
+    from facecast.models import face_geometry
+
+    gen = torch.Generator().manual_seed(seed)
+    vertices = torch.randn(468, 3, generator=gen, dtype=torch.float64) * torch.tensor([6.0, 8.0, 4.0],
+                                                                                        dtype=torch.float64)
+    weights = torch.zeros(468, dtype=torch.float64)
+    weights[torch.randperm(468, generator=gen)[:33]] = torch.rand(33, generator=gen, dtype=torch.float64) + 0.1
+    geometry = face_geometry.FaceGeometry(face_geometry.GeometryMetadata(vertices.numpy(), weights.numpy()))
+    sizes = torch.tensor([[1920.0, 1080.0], [1280.0, 720.0], [640.0, 480.0]])[torch.arange(count) % 3]
+    angles = (torch.rand(count, 3, generator=gen) - 0.5) * 1.2
+    landmarks = torch.empty(count, 478, 3)
+    for n in range(count):
+        a, b, c = angles[n].tolist()
+        turn = torch.tensor([[math.cos(a), -math.sin(a), 0], [math.sin(a), math.cos(a), 0], [0, 0, 1]])
+        turn = turn @ torch.tensor([[1, 0, 0], [0, math.cos(b), -math.sin(b)], [0, math.sin(b), math.cos(b)]])
+        turn = turn @ torch.tensor([[math.cos(c), 0, math.sin(c)], [0, 1, 0], [-math.sin(c), 0, math.cos(c)]])
+        face = vertices.float() @ turn.T * (4 + 6 * torch.rand(1, generator=gen))
+        face = face * torch.tensor([1.0, -1.0, 1.0]) + torch.cat([sizes[n] * (0.3 + 0.4 * torch.rand(2, generator=gen)),
+                                                               torch.zeros(1)])
+        landmarks[n, :468] = face + torch.randn(468, 3, generator=gen)
+        landmarks[n, 468:] = face[:10]
+    return geometry, landmarks.to(device), sizes.to(device)

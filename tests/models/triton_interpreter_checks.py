@@ -12,8 +12,8 @@ import skimage.data
 import torch
 
 from facecast.models import nms, roi, triton_kernels
-from triton_inputs import (SPECS, assert_same_clusters, crop_rects, faces_to_filter, nms_candidates,
-                           raw_detections, two_photos)
+from triton_inputs import (SPECS, assert_same_clusters, crop_rects, faces_for_geometry, faces_to_filter,
+                           nms_candidates, raw_detections, two_photos)
 
 
 @pytest.fixture
@@ -118,3 +118,20 @@ def test_the_kernel_decodes_detections_as_the_chains(interpreted, detector, inpu
     assert torch.allclose(fused[2], keypoints, rtol=1e-6, atol=1e-3)
     assert torch.equal(fused[3], valid) and 0 < int(valid.sum()) < valid.numel()
     assert fused[1][0, 0] == 0.0 and fused[1][0, 1] == 1.0  # the clamped logits
+
+
+def test_the_kernel_makes_the_transformation_matrices_as_the_chain(interpreted):
+    """FaceGeometry.matrices by squaring (the GPU's chain, here on the CPU): the same matrices
+    to float64 rounding, for faces turned, scaled and moved in frames of three sizes."""
+    from facecast.models import face_geometry
+
+    geometry, landmarks, sizes = faces_for_geometry(7, seed=3)
+    expected = geometry.matrices(landmarks, sizes)
+    used, canonical = geometry._model_on(landmarks.device)
+    fused = triton_kernels.face_matrices(landmarks, sizes, used, canonical, geometry.near, geometry.near_height,
+                                         face_geometry.NUM_CANONICAL_VERTICES, face_geometry.PROCRUSTES_SQUARINGS,
+                                         face_geometry._SQUARINGS_PER_NORMALISATION)
+    assert fused is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert fused.dtype == torch.float64 and fused.shape == (7, 4, 4)
+    assert torch.allclose(fused, expected, rtol=1e-9, atol=1e-9), (fused - expected).abs().max()
+    assert not torch.allclose(expected[0], expected[1])  # the faces differ
