@@ -24,6 +24,8 @@ triton_inputs.py): `nms.drop_overlapping_batched`'s tensors against the kernel;
 apart: whether the kept faces and ranks are equal.
 *Transformation matrices*: FaceGeometry.matrices (squaring) of 64 made-up faces of 478
 landmarks (tests/models/triton_inputs.py); apart: the matrices' largest difference.
+*A layer norm*: one of the blendshape model's (64 faces' 97 tokens of 64 channels), its ten
+operators as PyTorch's kernels against the kernel; apart: the largest difference.
 Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
 Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
 launches). `prepare_s`: compiling the crop kernel's four variants in this process (from
@@ -167,6 +169,23 @@ def matrices(device) -> dict:
         "apart": (fused - expected).abs().max().item()}}
 
 
+def layer_norms(device) -> dict:
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(64, 64, 1, 97, generator=gen) * 4 + 2).to(device)
+    gamma = (torch.rand(64, generator=gen) + 0.5).to(device)
+
+    def chain():  # LayerNormOverChannels' ten operators, as PyTorch's kernels run them
+        mean = x.mean(dim=1, keepdim=True)
+        negated = -mean
+        scaled = torch.rsqrt(torch.square(x - mean).mean(dim=1, keepdim=True) + 1e-6) * gamma[None, :, None, None]
+        return x * scaled + negated * scaled
+
+    fused = triton_kernels.layer_norm_over_channels(x, gamma, 1e-6)
+    return {"a layer norm of the blendshape model, 64 faces (64 channels x 97 tokens)": {
+        "chain_ms": device_ms(chain), "kernel_ms": device_ms(lambda: triton_kernels.layer_norm_over_channels(
+            x, gamma, 1e-6)), "apart": (fused - chain()).abs().max().item()}}
+
+
 def clustering(device) -> dict:
     candidates = inputs.nms_candidates(rows=64, count=128, seed=3, device=device)
     with WithoutKernel("nms_clusters"):
@@ -216,7 +235,7 @@ def main() -> int:
                           "torch": torch.__version__, "triton": triton.__version__},
               "prepare_s": round(time.perf_counter() - started, 2),
               "cases": {**crops(device), **decoding(device), **clustering(device),
-                        **duplicates(device), **matrices(device)}}
+                        **duplicates(device), **matrices(device), **layer_norms(device)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| case | PyTorch chain ms | kernel ms | × |")

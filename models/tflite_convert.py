@@ -441,6 +441,75 @@ def use_cpu_kernels(module: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
+def fuse_layer_norms(module: TFLiteModule) -> int:
+    """Put one step (:class:`~facecast.models.tflite_ops.LayerNormOverChannels`) in place of
+    each layer norm over an image's channels that TFLite stores as ten operators: MEAN over
+    the channels, NEG, SQUARED_DIFFERENCE, MEAN, ADD of epsilon, RSQRT, MUL by gamma, the
+    input and the negated mean each times that, ADD (the blendshape model has eight: Note [Layer
+    norms in one kernel]). A chain is fused only when it is wired so, one operator after the
+    other, and nothing outside it reads what it computes on the way. The values are the chain's
+    (it runs the same operators where the kernel does not). Returns how many were fused;
+    applying it twice fuses nothing more."""
+    readers = _readers(module)
+    steps, kept, fused = list(module.steps), [], 0
+    position = 0
+    while position < len(steps):
+        chain = steps[position:position + len(tflite_ops.LayerNormOverChannels.WIRING)]
+        eps = _layer_norm_eps(module, chain, readers)
+        if eps is None:
+            kept.append(steps[position])
+            position += 1
+            continue
+        last = chain[-1]
+        last.compute = tflite_ops.LayerNormOverChannels([step.compute for step in chain], eps)
+        last.input_slots = list(chain[0].input_slots)
+        last.op_type = "LAYER_NORM (fused)"
+        kept.append(last)
+        position += len(chain)
+        fused += 1
+    if fused:
+        module.steps = torch.nn.ModuleList(kept)
+        module._free_after = _free_after(kept, module.output_slots)
+        module._plan = None
+    return fused
+
+
+def _layer_norm_eps(module: TFLiteModule, chain: list, readers: dict) -> float | None:
+    """The epsilon of the ten steps ``chain`` when they are a layer norm over an image's channels
+    as fuse_layer_norms describes it; else None."""
+    wiring = tflite_ops.LayerNormOverChannels.WIRING
+    types = ("MEAN", "NEG", "SQUARED_DIFFERENCE", "MEAN", "ADD", "RSQRT", "MUL", "MUL", "MUL", "ADD")
+    if len(chain) != len(wiring) or tuple(step.op_type for step in chain) != types:
+        return None
+    if any(len(step.output_slots) != 1 for step in chain):
+        return None
+    x = chain[0].input_slots
+    if len(x) != 1 or not tflite_ops.is_image(module._tensor_shapes[x[0]]):
+        return None
+    slot = {"x": x[0], **{name: chain[position].output_slots[0] for name, position, _ in wiring}}
+    for name, position, inputs in wiring:
+        if chain[position].input_slots != [slot[i] for i in inputs]:
+            return None
+    channels = module._tensor_shapes[x[0]][3]
+    for mean in (chain[0].compute, chain[3].compute):
+        if getattr(mean, "name", "") != "MEAN[3], keep_dims=True":
+            return None
+    binaries = [chain[i].compute for i in (2, 4, 6, 7, 8, 9)]
+    if not all(isinstance(b, tflite_ops.Binary) and b.direct and b.activation == 0 for b in binaries):
+        return None
+    add_eps, times_gamma = chain[4].compute, chain[6].compute
+    eps_buffer = getattr(add_eps, "constant1", None)
+    gamma = getattr(times_gamma, "constant1", None)
+    if (eps_buffer is None or eps_buffer.numel() != 1 or gamma is None
+            or tuple(gamma.shape) != (1, channels, 1, 1)):
+        return None
+    inside = {slot[name] for name, _, _ in wiring if name != "out"}  # read only within the chain
+    if inside & set(module.output_slots) or any(
+            reader not in chain for computed in inside for reader in readers.get(computed, [])):
+        return None
+    return float(eps_buffer.reshape(()))
+
+
 def _readers(module: TFLiteModule) -> dict[int, list]:
     """Tensor slot -> the steps that read it."""
     readers: dict[int, list] = {}

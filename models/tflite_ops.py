@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from facecast.models import triton_kernels
+
 
 class UnsupportedOp(ValueError):
     """The model uses an operator (or an operator variant) that the converter does not implement."""
@@ -583,6 +585,35 @@ class ChannelPRelu(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.prelu(x, self.alpha)
+
+
+class LayerNormOverChannels(torch.nn.Module):
+    """A layer norm over an image's channels as TFLite stores one, ten operators (see
+    tflite_convert.fuse_layer_norms), in one step: on a GPU one kernel (Note [Layer norms in one
+    kernel], models/triton_kernels.py), elsewhere (or where the kernel cannot serve) the ten
+    operators themselves, in their order."""
+
+    # The chain's operators, by the names of their outputs: (name, operator's position, inputs).
+    WIRING = (("mean", 0, ("x",)), ("negated_mean", 1, ("mean",)), ("squares", 2, ("x", "mean")),
+              ("variance", 3, ("squares",)), ("variance_eps", 4, ("variance",)),
+              ("scale", 5, ("variance_eps",)), ("scaled_gamma", 6, ("scale",)),
+              ("x_scaled", 7, ("x", "scaled_gamma")), ("mean_scaled", 8, ("negated_mean", "scaled_gamma")),
+              ("out", 9, ("x_scaled", "mean_scaled")))
+
+    def __init__(self, chain: list[torch.nn.Module], eps: float):
+        super().__init__()
+        self.chain = torch.nn.ModuleList(chain)
+        self.eps = eps  # a Python number: reading the buffer on a GPU would wait for it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            fused = triton_kernels.layer_norm_over_channels(x, self.chain[6].constant1.reshape(-1), self.eps)
+            if fused is not None:
+                return fused
+        values = {"x": x}
+        for name, position, inputs in self.WIRING:
+            values[name] = self.chain[position](*(values[i] for i in inputs))
+        return values["out"]
 
 
 class Unary(torch.nn.Module):

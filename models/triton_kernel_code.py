@@ -324,3 +324,28 @@ def facecast_face_matrices(landmarks, frame_wh, used, weights, weighted_centred,
     tl.store(at + 13, 0.0)
     tl.store(at + 14, 0.0)
     tl.store(at + 15, 1.0)
+
+
+@triton.jit(do_not_specialize=["x", "gamma", "out", "positions", "height", "width", "stride_n",
+                               "stride_c", "stride_h", "stride_w", "channels", "eps"])
+def facecast_layer_norm(x, gamma, out, positions, height, width, stride_n, stride_c, stride_h, stride_w,
+                        channels, eps, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """tflite_ops.LayerNormOverChannels of BLOCK_P positions: x (N, C, H, W) normalised over C,
+    read and written at x's strides (``out`` has them too), in the chain's order of operations."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.arange(0, BLOCK_C)
+    in_x = p < positions
+    in_c = c < channels
+    n = (p // (height * width)).to(tl.int64)
+    h = ((p // width) % height).to(tl.int64)
+    w = (p % width).to(tl.int64)
+    at = n * stride_n + h * stride_h + w * stride_w  # the position's first channel
+    mask = in_x[:, None] & in_c[None, :]
+    offsets = at[:, None] + c[None, :].to(tl.int64) * stride_c
+    values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(values, axis=1) / channels
+    difference = tl.where(mask, values - mean[:, None], 0.0)
+    variance = tl.sum(difference * difference, axis=1) / channels
+    scale = 1.0 / tl.sqrt(variance + eps)
+    scaled = scale[:, None] * tl.load(gamma + c, mask=in_c, other=0.0)[None, :]
+    tl.store(out + offsets, values * scaled + (-mean)[:, None] * scaled, mask=mask)

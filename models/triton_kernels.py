@@ -1,6 +1,7 @@
 """Kernels of facecast's own for chains of PyTorch kernels on a GPU, in Triton: the crops of
 :func:`facecast.models.roi.crop_rois`, the detectors' decoding and the clustering of their
-weighted NMS, and the face stack's duplicate filter and transformation matrix. This module decides whether they can run
+weighted NMS, the face stack's duplicate filter and transformation matrix, and the layer norms
+of the blendshape model. This module decides whether they can run
 and launches them; their code is triton_kernel_code.py, imported only then.
 
 Note [Kernels of our own]
@@ -70,6 +71,15 @@ Note [The transformation matrix in one kernel]
     in registers, in the same order of operations but for the sums' (float64: the matrices
     agree to ~1e-12).
 
+Note [Layer norms in one kernel]
+    The blendshape model (an MLP-Mixer) normalises its 97 tokens' 64 channels eight times, each
+    as TFLite stores it: ten operators (mean, negation, squared difference, mean, plus epsilon,
+    reciprocal square root, times gamma, two products, a sum), ten kernels on a GPU, 80 of its
+    136. tflite_convert.fuse_layer_norms finds that chain and puts one step in its place
+    (tflite_ops.LayerNormOverChannels), which on a GPU is this kernel: one program for a block
+    of positions, each position's channels read once, the chain's operations in its order (the
+    sums in another: float32 rounding apart); elsewhere the same ten operators in PyTorch.
+
 Note [The duplicate filter in one kernel]
     The measuring stage's duplicate filter (Note [The duplicate filter as tensors], nms.py)
     builds (N, N) pair tables and steps through the places of a frame's faces: 157 kernels,
@@ -97,6 +107,8 @@ log = logging.getLogger(__name__)
 CROP_BLOCK = 256
 # The crops' output dtypes (the models' inputs).
 CROP_DTYPES = (torch.float32, torch.float16)
+# Positions per program of a layer norm.
+LAYER_NORM_BLOCK = 16
 # Anchors per program of the detectors' decoding.
 DECODE_BLOCK = 128
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
@@ -219,6 +231,25 @@ def face_matrices(landmarks_px: torch.Tensor, frame_wh_px: torch.Tensor, used: t
         landmarks_px.shape[1], used.shape[0], float(near), float(near_height)),
         MESH=mesh_points, BLOCK_MESH=_power_of_two(mesh_points), BLOCK_K=max(16, _power_of_two(used.shape[0])),
         SQUARINGS=squarings, EVERY=squarings_per_normalisation)
+
+
+def layer_norm_over_channels(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """tflite_ops.LayerNormOverChannels (x (N, C, H, W) float32, gamma (C,)) in one kernel (Note
+    [Layer norms in one kernel]); None where the kernel cannot serve."""
+    if (x.dim() != 4 or x.dtype != torch.float32 or x.shape[1] > 1024
+            or unavailable_reason(x.device) is not None):
+        return None
+    out = torch.empty_like(x)  # x's strides, where x is dense
+    if out.stride() != x.stride():
+        x = x.contiguous()
+        out = torch.empty_like(x)
+    count, channels, height, width = x.shape
+    positions = count * height * width
+    if positions == 0:
+        return out
+    return _launch(out, "facecast_layer_norm", (-(-positions // LAYER_NORM_BLOCK),), (
+        x, gamma.contiguous(), out, positions, height, width, x.stride(0), x.stride(1), x.stride(2),
+        x.stride(3), channels, float(eps)), BLOCK_P=LAYER_NORM_BLOCK, BLOCK_C=max(16, _power_of_two(channels)))
 
 
 def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,

@@ -422,7 +422,7 @@ def check_gpu_kernels(models_device: str = "auto") -> CheckResult:
 
     return CheckResult("kernels", OK, f"Triton {triton.__version__} runs facecast's kernels "
                        "(crops, detections' decoding, weighted NMS, duplicate filter, transformation "
-                       "matrix) on cuda:0")
+                       "matrix, layer norms) on cuda:0")
 
 
 def check_blendshapes(task_path: str | None = None,

@@ -255,6 +255,28 @@ def test_folding_zero_pads_into_convolutions_changes_no_output(installed_models,
             assert (expected - got).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+def test_the_blendshape_models_layer_norms_are_one_step_each_with_the_same_outputs(landmarker_bundle):
+    """Note [Layer norms in one kernel]: the eight ten-operator layer norms of the blendshape
+    model become one step each (61 steps where there were 133), with the same scores to the
+    bit on the CPU (the step runs the same operators there); a chain whose inner value
+    something else reads is left alone."""
+    path = landmarker_bundle.face_blendshapes
+    plain, fused = tflite_convert.convert(path).eval(), tflite_convert.convert(path).eval()
+    assert tflite_convert.fuse_layer_norms(fused) == 8
+    assert tflite_convert.fuse_layer_norms(fused) == 0
+    assert len(plain.steps) == 133 and len(fused.steps) == 61
+    assert sum(isinstance(step.compute, tflite_ops.LayerNormOverChannels) for step in fused.steps) == 8
+    points = torch.rand(6, 146, 2, generator=torch.Generator().manual_seed(5)) * torch.tensor([1920.0, 1080.0])
+    with torch.inference_mode():
+        assert torch.equal(plain(points)[0], fused(points)[0])
+    # An inner value of the first chain (its mean) made a model output: that chain stays.
+    watched = tflite_convert.convert(path).eval()
+    first_mean = next(step for step in watched.steps if step.op_type == "MEAN" and step.input_slots
+                      and watched._tensor_shapes[step.input_slots[0]][-1] == 64)
+    watched.output_slots.append(first_mean.output_slots[0])
+    assert tflite_convert.fuse_layer_norms(watched) == 7
+
+
 @pytest.mark.parametrize("name, moved", [("face_detection_full_range", 40),
                                          ("face_landmark_with_attention", 66)])
 def test_moving_depthwise_biases_into_their_readers_changes_no_output(installed_models, photos,

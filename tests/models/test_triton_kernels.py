@@ -151,3 +151,23 @@ def test_on_the_gpu_the_transformation_matrices_are_one_kernel():
     assert fused is not None, triton_kernels.unavailable_reason(torch.device("cuda"))
     assert torch.allclose(fused.cpu(), expected, rtol=1e-9, atol=1e-9)
     assert torch.allclose(geometry.matrices(landmarks.cuda(), sizes.cuda()).cpu(), expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_the_blendshape_models_layer_norms_are_one_kernel_each(landmarker_bundle):
+    """On the GPU machine the fused model (a kernel per layer norm) gives the unfused model's
+    scores, both on the GPU."""
+    from facecast.models import tflite_convert, tflite_ops
+
+    path = landmarker_bundle.face_blendshapes
+    plain = tflite_convert.convert(path).eval().cuda()
+    fused = tflite_convert.convert(path)
+    assert tflite_convert.fuse_layer_norms(fused) == 8
+    fused = fused.eval().cuda()
+    step = next(s.compute for s in fused.steps if isinstance(s.compute, tflite_ops.LayerNormOverChannels))
+    x = torch.randn(2, 64, 1, 97, device="cuda")
+    assert triton_kernels.layer_norm_over_channels(x, step.chain[6].constant1.reshape(-1), step.eps) is not None
+    points = torch.rand(64, 146, 2, generator=torch.Generator().manual_seed(5)).cuda() * 1000
+    with torch.inference_mode():
+        assert torch.allclose(plain(points)[0], fused(points)[0], atol=1e-5)

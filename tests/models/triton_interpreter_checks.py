@@ -135,3 +135,22 @@ def test_the_kernel_makes_the_transformation_matrices_as_the_chain(interpreted):
     assert fused.dtype == torch.float64 and fused.shape == (7, 4, 4)
     assert torch.allclose(fused, expected, rtol=1e-9, atol=1e-9), (fused - expected).abs().max()
     assert not torch.allclose(expected[0], expected[1])  # the faces differ
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels last"])
+def test_the_kernel_normalises_layers_as_the_chain(interpreted, layout):
+    """tflite_ops.LayerNormOverChannels' ten operators (written out here) against the kernel,
+    for the blendshape model's (N, 64, 1, 97) activations in either memory layout."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 64, 1, 97, generator=gen) * 4 + 2
+    if layout == "channels last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    gamma = torch.rand(64, generator=gen) + 0.5
+    eps = 1.0133e-06
+    mean = x.mean(dim=1, keepdim=True)
+    scaled = torch.rsqrt(torch.square(x - mean).mean(dim=1, keepdim=True) + eps) * gamma[None, :, None, None]
+    expected = x * scaled + (-mean) * scaled
+    got = triton_kernels.layer_norm_over_channels(x, gamma, eps)
+    assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert got.stride() == x.stride()
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got - expected).abs().max()
