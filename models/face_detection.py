@@ -397,8 +397,8 @@ class FaceDetector:
             index = torch.arange(padded, device=self.device)
             plans = self.plans_for(((height, width),) * padded)
             # Taps outside the graph (they never change) where the one-kernel crop cannot serve.
-            taps = (self.crop_taps(static, index, plans) if triton_kernels.unavailable_reason(self.device)
-                    else None)
+            taps = (self.crop_taps(static, index, plans)
+                    if triton_kernels.unavailable_reason(self.device, "facecast_crop") else None)
             return (lambda: self.core(static, index, plans, taps=taps)), {"pixels": pixels}
 
         captured = self.graphs.get("detect", (height, width, padded, batch.bgr), build)

@@ -19,8 +19,9 @@ Note [Kernels of our own]
     (`do_not_specialize`): another size or an address with other alignment never needs another
     compilation. Kernels are compiled without fused multiply-adds (`enable_fp_fusion=False`):
     each multiply and add is rounded on its own, as PyTorch's kernels round them. Where Triton
-    is missing, cannot compile (it builds its launcher with the machine's C compiler) or cannot
-    launch, the PyTorch chains run as before and the reason is logged once
+    is missing or cannot compile (it builds its launcher with the machine's C compiler), the
+    PyTorch chains run as before and the reason is logged once; a kernel whose compilation or
+    launch fails is given up alone, said once with its name, and the others go on
     (`unavailable_reason`). tests/models/test_triton_kernels.py holds each kernel to its chain,
     on the CPU through Triton's interpreter (tests/models/triton_interpreter_checks.py, in a
     process of its own: Triton decides at its import whether its own library is interpreted)
@@ -114,20 +115,20 @@ DECODE_BLOCK = 128
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
 
-_failed: str | None = None  # why the kernels are not used, once one failed
+_unavailable: str | None = None  # why no kernel can be used here (Triton missing, its import)
+_failed: dict[str, str] = {}  # kernel name -> why it is not used, once it failed
 
 
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why the kernels cannot run on ``device`` (None: they can)."""
+def unavailable_reason(device: torch.device, kernel: str | None = None) -> str | None:
+    """Why the kernels (or the one named ``kernel``) cannot run on ``device`` (None: they can)."""
     if device.type != "cuda" and not _interpreted():
         return "the kernels are for CUDA devices"
-    if _failed is not None:
-        return _failed
-    try:
-        _kernels()
-    except Exception as exc:  # noqa: BLE001 - any reason Triton cannot be had is a reason to say
-        _give_up(exc)
-    return _failed
+    if _unavailable is None:
+        try:
+            _kernels()
+        except Exception as exc:  # noqa: BLE001 - any reason Triton cannot be had is a reason to say
+            _give_up(None, exc)
+    return _unavailable or (_failed.get(kernel) if kernel is not None else None)
 
 
 def crop(frames, frame_index: torch.Tensor, rects, out_hw: tuple[int, int], border: str,
@@ -135,7 +136,7 @@ def crop(frames, frame_index: torch.Tensor, rects, out_hw: tuple[int, int], bord
     """:func:`roi.crop_rois` (its arguments, checked there) in one kernel (Note [One kernel for
     a batch of crops]): (N, H, W, 3) of ``dtype``; None where the kernel cannot serve (then
     PyTorch's kernels crop)."""
-    if dtype not in CROP_DTYPES or unavailable_reason(frames.pixels.device) is not None:
+    if dtype not in CROP_DTYPES or unavailable_reason(frames.pixels.device, "facecast_crop") is not None:
         return None
     out_h, out_w = out_hw
     count = len(rects)
@@ -165,7 +166,7 @@ def nms_clusters(boxes: torch.Tensor, scores: torch.Tensor, keypoints: torch.Ten
     cannot serve (float32 candidates with keypoints only)."""
     if (boxes.dtype != torch.float32 or scores.dtype != torch.float32
             or keypoints.dtype != torch.float32 or keypoints.shape[2] == 0
-            or unavailable_reason(boxes.device) is not None):
+            or unavailable_reason(boxes.device, "facecast_nms_clusters") is not None):
         return None
     rows, candidates = scores.shape
     coords = keypoints.shape[2] * 2
@@ -190,7 +191,7 @@ def decode_detections(raw_boxes: torch.Tensor, raw_scores: torch.Tensor, anchors
     (Note [Detections decoded in one kernel]): (boxes (B, A, 4), scores (B, A), keypoints
     (B, A, K, 2), valid (B, A)), float32, for raw_boxes (B, A, 4 + 2K) and raw_scores (B, A[, 1])
     of B inputs sampled by ``rects`` (B); None where the kernel cannot serve."""
-    if raw_boxes.dim() != 3 or unavailable_reason(raw_boxes.device) is not None:
+    if raw_boxes.dim() != 3 or unavailable_reason(raw_boxes.device, "facecast_decode") is not None:
         return None
     rows, count, coords = raw_boxes.shape
     keypoints_count = (coords - 4) // 2
@@ -219,7 +220,7 @@ def face_matrices(landmarks_px: torch.Tensor, frame_wh_px: torch.Tensor, used: t
     kernel]): (N, 4, 4) float64; None where the kernel cannot serve."""
     if (landmarks_px.dim() != 3 or landmarks_px.shape[1] < mesh_points or landmarks_px.shape[2] != 3
             or landmarks_px.dtype not in (torch.float32, torch.float16)
-            or unavailable_reason(landmarks_px.device) is not None):
+            or unavailable_reason(landmarks_px.device, "facecast_face_matrices") is not None):
         return None
     count, device = landmarks_px.shape[0], landmarks_px.device
     out = torch.empty(count, 4, 4, dtype=torch.float64, device=device)
@@ -237,7 +238,7 @@ def layer_norm_over_channels(x: torch.Tensor, gamma: torch.Tensor, eps: float) -
     """tflite_ops.LayerNormOverChannels (x (N, C, H, W) float32, gamma (C,)) in one kernel (Note
     [Layer norms in one kernel]); None where the kernel cannot serve."""
     if (x.dim() != 4 or x.dtype != torch.float32 or x.shape[1] > 1024
-            or unavailable_reason(x.device) is not None):
+            or unavailable_reason(x.device, "facecast_layer_norm") is not None):
         return None
     out = torch.empty_like(x)  # x's strides, where x is dense
     if out.stride() != x.stride():
@@ -259,7 +260,7 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
     scores, at most MAX_FILTERED faces)."""
     count = boxes.shape[0]
     if (boxes.dtype != torch.float32 or scores.dtype != torch.float32 or count > MAX_FILTERED
-            or unavailable_reason(boxes.device) is not None):
+            or unavailable_reason(boxes.device, "facecast_duplicates") is not None):
         return None
     kept = torch.empty(count, dtype=torch.bool, device=boxes.device)
     rank = torch.empty(count, dtype=torch.int64, device=boxes.device)
@@ -273,29 +274,30 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
 
 
 def prepare(device: torch.device, crops) -> str | None:
-    """Compile the crop kernel now for each (dtype, border) of ``crops`` (warm-up: Note
-    [Kernels of our own]); the reason the kernels cannot be used, or None."""
+    """Compile the crop kernel now for each (dtype, border) of ``crops`` (warm-up: Note [Kernels
+    of our own]); the reason it cannot be used, or None."""
     from facecast.models.roi import FrameBatch, RotatedRects
 
-    if unavailable_reason(device) is not None:
-        return _failed
+    if unavailable_reason(device, "facecast_crop") is not None:
+        return unavailable_reason(device, "facecast_crop")
     frames = FrameBatch(torch.zeros(1, 4, 4, 3, dtype=torch.uint8, device=device), device)
     rects = RotatedRects(torch.full((1, 2), 2.0, device=device), torch.full((1, 2), 4.0, device=device),
                          torch.zeros(1, device=device))
     index = torch.zeros(1, dtype=torch.long, device=device)
     for dtype, border in dict.fromkeys(crops):
         if crop(frames, index, rects, (2, 2), border, dtype, (0.0, 1.0)) is None:
-            return _failed
+            return unavailable_reason(device, "facecast_crop")
     return None
 
 
 def _launch(result: torch.Tensor, name: str, grid: tuple, args: tuple, **constants) -> torch.Tensor | None:
     """``result`` once the kernel ``name`` is queued on the current stream; None if it could
-    not be (compiler, launcher: then PyTorch's kernels, from now on)."""
+    not be (its compilation or launch failed: then PyTorch's kernels do its work, from now on;
+    the other kernels go on)."""
     try:
         getattr(_kernels(), name)[grid](*args, **constants, enable_fp_fusion=False)
     except Exception as exc:  # noqa: BLE001 - a compiler or launcher failure: PyTorch's kernels
-        _give_up(exc)
+        _give_up(name, exc)
         return None
     return result
 
@@ -309,12 +311,19 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _give_up(exc: Exception) -> None:
-    global _failed
-    if _failed is None:
-        _failed = f"{type(exc).__name__}: {exc}".strip()
-        log.warning("Triton's kernels (Note [Kernels of our own]) cannot be used (%s); PyTorch's "
-                    "kernels do their work from now on", _failed)
+def _give_up(kernel: str | None, exc: Exception) -> None:
+    """Say once why a kernel (or, with None, every kernel) is not used from now on."""
+    global _unavailable
+    reason = f"{type(exc).__name__}: {exc}".strip()
+    if kernel is None:
+        if _unavailable is None:
+            _unavailable = reason
+            log.warning("Triton's kernels (Note [Kernels of our own]) cannot be used (%s); PyTorch's "
+                        "kernels do their work from now on", reason)
+    elif kernel not in _failed:
+        _failed[kernel] = reason
+        log.warning("Triton's kernel %s (Note [Kernels of our own]) cannot be used (%s); PyTorch's "
+                    "kernels do its work from now on", kernel, reason)
 
 
 @functools.lru_cache(maxsize=1)

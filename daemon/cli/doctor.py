@@ -420,9 +420,9 @@ def check_gpu_kernels(models_device: str = "auto") -> CheckResult:
                            "needs a C compiler and the Python headers, as PyCUDA's build does")
     import triton
 
-    return CheckResult("kernels", OK, f"Triton {triton.__version__} runs facecast's kernels "
-                       "(crops, detections' decoding, weighted NMS, duplicate filter, transformation "
-                       "matrix, layer norms) on cuda:0")
+    return CheckResult("kernels", OK, f"Triton {triton.__version__} compiled and ran facecast's crop "
+                       "kernel on cuda:0; its other kernels (detections' decoding, weighted NMS, "
+                       "duplicate filter, transformation matrix, layer norms) compile at their first use")
 
 
 def check_blendshapes(task_path: str | None = None,

@@ -45,13 +45,14 @@ def test_where_the_kernel_cannot_serve_it_says_why_once(monkeypatch, caplog):
     """Not for CPU tensors (OpenCV crops there); not for other dtypes; a failing compiler or
     launcher is logged once, and from then on crop_rois keeps PyTorch's kernels."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(triton_kernels, "_failed", None)
+    monkeypatch.setattr(triton_kernels, "_unavailable", None)
+    monkeypatch.setattr(triton_kernels, "_failed", {})
     assert triton_kernels.unavailable_reason(torch.device("cpu")) == "the kernels are for CUDA devices"
     batch = roi.FrameBatch(two_photos(True), "cpu")
     rects, index = crop_rects()
     assert triton_kernels.crop(batch, index, rects, (8, 8), "zero", torch.float32, (0.0, 1.0)) is None
 
-    def no_compiler():
+    def no_compiler():  # Triton's import or the kernels' module failing
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
 
     monkeypatch.setattr(triton_kernels, "_kernels", no_compiler)
@@ -64,6 +65,46 @@ def test_where_the_kernel_cannot_serve_it_says_why_once(monkeypatch, caplog):
     warnings = [r.getMessage() for r in caplog.records if "Triton's kernels" in r.getMessage()]
     assert len(warnings) == 1 and "C compiler" in warnings[0] and "PyTorch's kernels" in warnings[0]
     assert triton_kernels.crop(batch, index, rects, (8, 8), "zero", torch.bfloat16, (0.0, 1.0)) is None
+
+
+def test_a_kernel_that_fails_leaves_the_others_in_use(monkeypatch, caplog):
+    """A kernel whose compilation or launch fails is given up alone, said once with its name;
+    the other kernels are still asked for."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as for a GPU: the kernels are asked for
+    monkeypatch.setattr(triton_kernels, "_unavailable", None)
+    monkeypatch.setattr(triton_kernels, "_failed", {})
+    launched = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                if self.name == "facecast_crop":
+                    raise RuntimeError("PTX .version 9.0 does not support .target sm_120")
+                launched.append(self.name)
+            return launch
+
+    class Kernels:
+        def __getattr__(self, name):
+            return Kernel(name)
+
+    monkeypatch.setattr(triton_kernels, "_kernels", Kernels)
+    batch = roi.FrameBatch(two_photos(True), "cpu")
+    rects, index = crop_rects()
+    device = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="facecast.models.triton_kernels"):
+        for _ in range(2):
+            assert triton_kernels.crop(batch, index, rects, (8, 8), "zero", torch.float32, (0.0, 1.0)) is None
+        (boxes, scores, groups, eligible), steps = faces_to_filter(8, seed=1)
+        assert triton_kernels.drop_overlapping(boxes, scores, groups, eligible, 0.5, 4, steps) is not None
+    assert launched == ["facecast_duplicates"]
+    assert triton_kernels.unavailable_reason(device, "facecast_crop").startswith("RuntimeError: PTX")
+    assert triton_kernels.unavailable_reason(device, "facecast_duplicates") is None
+    assert triton_kernels.unavailable_reason(device) is None
+    warnings = [r.getMessage() for r in caplog.records if "Triton's kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "facecast_crop" in warnings[0] and "sm_120" in warnings[0]
 
 
 @pytest.mark.gpu

@@ -24,7 +24,8 @@ def interpreted(monkeypatch):
 
     assert triton_kernels._interpreted(), "run with TRITON_INTERPRET=1 (test_triton_kernels.py does)"
     assert isinstance(triton.language.sum, InterpretedFunction), "Triton was imported before the variable"
-    monkeypatch.setattr(triton_kernels, "_failed", None)
+    monkeypatch.setattr(triton_kernels, "_unavailable", None)
+    monkeypatch.setattr(triton_kernels, "_failed", {})
 
 
 @pytest.mark.parametrize("bgr, out_hw, value_range, border", [
