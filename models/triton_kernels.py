@@ -269,7 +269,7 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
     launched = _launch(kept, "facecast_duplicates", (count,), (
         boxes.contiguous(), scores.contiguous(), groups.contiguous(), eligible.contiguous(),
         kept, rank, count, max_iou, max_kept), STEPS=max_group_size,
-        BLOCK_N=max(64, _power_of_two(count)))  # the graphs' buckets up to 64 faces: one compilation
+        BLOCK_N=max(256, _power_of_two(count)))  # every graph bucket (up to 256 faces): one compilation
     return None if launched is None else (kept, rank)
 
 
