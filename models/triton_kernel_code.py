@@ -1,5 +1,5 @@
-"""The code of facecast's Triton kernels (Note [Kernels of our own] in triton_kernels.py, which
-launches them): imported only where they are to run, since importing it imports Triton. Triton
+"""The code of facecast's Triton kernels (Note [Kernels of our own]; triton_kernels.py launches
+them): imported only where they are to run, since importing it imports Triton. Triton
 resolves the functions a kernel calls among this module's globals, and decides at their
 definition (this module's import) whether they are compiled or interpreted (TRITON_INTERPRET=1).
 The kernels' names start with facecast_: a profile names its kernels by them
