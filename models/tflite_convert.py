@@ -468,9 +468,7 @@ def fuse_layer_norms(module: TFLiteModule) -> int:
         position += len(chain)
         fused += 1
     if fused:
-        module.steps = torch.nn.ModuleList(kept)
-        module._free_after = _free_after(kept, module.output_slots)
-        module._plan = None
+        _replace_steps(module, kept)
     return fused
 
 
@@ -631,7 +629,12 @@ def fuse_zero_padding(module: TFLiteModule) -> int:
             readers.setdefault(slot, []).append(target)
         folded += 1
     if folded:
-        module.steps = torch.nn.ModuleList(kept)
-        module._free_after = _free_after(kept, module.output_slots)
-        module._plan = None
+        _replace_steps(module, kept)
     return folded
+
+
+def _replace_steps(module: TFLiteModule, steps: list) -> None:
+    """The module runs ``steps`` from now on (what each frees, and its plan, made again)."""
+    module.steps = torch.nn.ModuleList(steps)
+    module._free_after = _free_after(steps, module.output_slots)
+    module._plan = None
