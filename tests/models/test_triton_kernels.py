@@ -212,3 +212,47 @@ def test_on_the_gpu_the_blendshape_models_layer_norms_are_one_kernel_each(landma
     points = torch.rand(64, 146, 2, generator=torch.Generator().manual_seed(5)).cuda() * 1000
     with torch.inference_mode():
         assert torch.allclose(plain(points)[0], fused(points)[0], atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "fp16"])
+def test_on_the_gpu_the_face_stack_gives_the_same_faces_with_and_without_the_kernels(
+        landmarker_bundle, photos, monkeypatch, half):
+    """FaceLandmarker's stack with CUDA graphs, on real photos, tracked over frames: with every
+    kernel, and with none (PyTorch's chains), the same faces: boxes, landmarks, presence,
+    blendshapes, head pose and transformation matrix, to float rounding."""
+    import numpy as np
+
+    from facecast.models.pipeline import FacePipeline
+    from test_speed_paths import scene_1080p
+
+    frames = [[scene_1080p(photos, 4 * step), scene_1080p(photos, 60 - 4 * step)] for step in range(4)]
+
+    def faces_of(pipeline):
+        return [pipeline.track(pair, ["a", "b"]) for pair in frames]
+
+    with monkeypatch.context() as without:
+        without.setattr(triton_kernels, "_unavailable", "left out for the comparison")
+        chains = faces_of(FacePipeline("cuda", max_faces=4, face_landmarker_task=landmarker_bundle.task_path,
+                                       half=half, cuda_graphs=True))
+    assert triton_kernels.unavailable_reason(torch.device("cuda")) is None
+    kernels = faces_of(FacePipeline("cuda", max_faces=4, face_landmarker_task=landmarker_bundle.task_path,
+                                    half=half, cuda_graphs=True))
+    assert [[len(f) for f in step] for step in chains] == [[len(f) for f in step] for step in kernels]
+    assert sum(len(f) for step in chains for f in step) >= 20
+    # Bounds of float rounding's size: in float16 the crops' last bits move the landmark model's
+    # outputs as far as its own rounding does (docs/benchmarks.md: fp16 against fp32, the
+    # landmark median 0.027 % of the face width and blendshapes within 0.02).
+    width_share, presence, blendshape, degrees, matrix = ((0.01, 0.01, 0.03, 0.5, 0.5) if half
+                                                          else (0.002, 1e-3, 2e-3, 0.1, 0.05))
+    for step_chains, step_kernels in zip(chains, kernels):
+        for frame_chains, frame_kernels in zip(step_chains, step_kernels):
+            for ref, got in zip(sorted(frame_chains, key=lambda f: f.box), sorted(frame_kernels, key=lambda f: f.box)):
+                bound = width_share * (ref.box[2] - ref.box[0])
+                assert np.abs(np.subtract(ref.box, got.box)).max() <= bound
+                assert np.abs(ref.landmarks[:, :2] - got.landmarks[:, :2]).max() <= bound
+                assert abs(ref.presence - got.presence) <= presence
+                assert np.abs(ref.blendshapes - got.blendshapes).max() <= blendshape
+                assert np.abs(np.subtract(ref.head_pose, got.head_pose)).max() <= degrees
+                assert np.abs(ref.transform_matrix - got.transform_matrix).max() <= matrix
