@@ -12,8 +12,9 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["pixels", "row_bytes", "frame_table", "frame_index", "centre",
                                "size", "rotation", "out", "out_h", "out_w", "scale", "low"])
 def facecast_crop(pixels, row_bytes, frame_table, frame_index, centre, size, rotation, out,
-         out_h, out_w, scale, low,
-         ZERO_BORDER: tl.constexpr, BGR: tl.constexpr, BLOCK: tl.constexpr):
+                  out_h, out_w, scale, low,
+                  ZERO_BORDER: tl.constexpr, BGR: tl.constexpr, BLOCK: tl.constexpr):
+    """roi.crop_rois of BLOCK output pixels of one crop (Note [One kernel for a batch of crops])."""
     n = tl.program_id(1)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_crop = p < out_h * out_w
@@ -64,6 +65,7 @@ def facecast_crop(pixels, row_bytes, frame_table, frame_index, centre, size, rot
         value += (down_left * weight_left + down_right * weight_right) * weight_down
         tl.store(base + channel, value + low, mask=in_crop)
 
+
 @triton.jit
 def iou_with_one(x1, y1, x2, y2, area, one):
     """IoU of the box where ``one`` is true with each box of the row: box_iou's
@@ -79,12 +81,14 @@ def iou_with_one(x1, y1, x2, y2, area, one):
     union = one_area + area - intersection
     return tl.where(union > 0, tl.math.div_rn(intersection, tl.maximum(union, 1e-12)), 0.0)
 
+
 @triton.jit(do_not_specialize=["boxes", "scores", "keypoints", "valid", "out_boxes",
                                "out_keypoints", "out_scores", "out_valid", "candidates",
                                "coords", "threshold"])
-def facecast_nms_clusters(boxes, scores, keypoints, valid, out_boxes, out_keypoints, out_scores, out_valid,
-        candidates, coords, threshold,
-        SLOTS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+def facecast_nms_clusters(boxes, scores, keypoints, valid, out_boxes, out_keypoints, out_scores,
+                          out_valid, candidates, coords, threshold,
+                          SLOTS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """nms._clusters of one row of sorted candidates (Note [Weighted NMS in one kernel])."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     in_row = c < candidates
@@ -119,10 +123,13 @@ def facecast_nms_clusters(boxes, scores, keypoints, valid, out_boxes, out_keypoi
         tl.store(out_scores + slot_at, tl.max(weights, axis=0))
         tl.store(out_valid + slot_at, tl.max(members.to(tl.int32), axis=0) > 0)
 
+
 @triton.jit(do_not_specialize=["boxes", "scores", "groups", "eligible", "kept", "rank",
                                "count", "max_iou", "max_kept"])
 def facecast_duplicates(boxes, scores, groups, eligible, kept, rank, count, max_iou, max_kept,
-               STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
+                        STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """nms.drop_overlapping_batched's answer for one face: its frame decided greedily here
+    (Note [The duplicate filter in one kernel])."""
     me = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
     in_batch = j < count
@@ -154,13 +161,16 @@ def facecast_duplicates(boxes, scores, groups, eligible, kept, rank, count, max_
     tl.store(kept + me, me_kept & (my_rank < max_kept))
     tl.store(rank + me, my_rank)
 
+
 @triton.jit(do_not_specialize=["raw_boxes", "raw_scores", "anchors", "centre", "size",
                                "rotation", "boxes", "scores", "keypoints", "valid", "count",
                                "coords", "input_h", "input_w", "coord_scale", "anchor_size",
                                "min_score"])
 def facecast_decode(raw_boxes, raw_scores, anchors, centre, size, rotation, boxes, scores, keypoints,
-           valid, count, coords, input_h, input_w, coord_scale, anchor_size, min_score,
-           KEYPOINTS: tl.constexpr, BLOCK: tl.constexpr):
+                    valid, count, coords, input_h, input_w, coord_scale, anchor_size, min_score,
+                    KEYPOINTS: tl.constexpr, BLOCK: tl.constexpr):
+    """FaceDetector.decode of BLOCK anchors of one input (Note [Detections decoded in one
+    kernel])."""
     row = tl.program_id(1).to(tl.int64)
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_row = a < count
