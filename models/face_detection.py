@@ -352,8 +352,7 @@ class FaceDetector:
             fused = triton_kernels.decode_detections(raw_boxes, raw_scores, plan.anchors, plan.rects, plan.input_hw,
                                                      spec.coord_scale_px, size, spec.min_score)
             if fused is not None:
-                boxes, scores, keypoints, valid = fused
-                return boxes, scores, keypoints, valid
+                return fused
         decoded = anchors_mod.decode(raw_boxes, raw_scores, plan.anchors, spec)
         frames = len(plan.rects)
         boxes = roi_mod.project_boxes(decoded.boxes * size, plan.rects, plan.input_hw)

@@ -349,11 +349,11 @@ def crop_rois(
     [Sampling the frames where they lie]. Shapes depend only on N and S, and nothing waits for
     the device: the call can be captured in a CUDA graph.
     """
+    if border not in ("replicate", "zero"):
+        raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
     if frames.device.type == "cpu" and dtype == torch.float32:
         return _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range)
     if frames.device.type == "cuda":  # Note [One kernel for a batch of crops]
-        if border not in ("replicate", "zero"):
-            raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
         out_hw = (out_size_px, out_size_px) if isinstance(out_size_px, int) else tuple(out_size_px)
         crops = triton_kernels.crop(frames, frame_index, rects, out_hw, border, dtype, value_range)
         if crops is not None:
@@ -366,8 +366,6 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
                            out_size_px: int | tuple[int, int], border: str,
                            value_range: tuple[float, float]) -> torch.Tensor:
     """:func:`crop_rois` on the CPU, one warpAffine a rect (Note [Crops on the CPU])."""
-    if border not in ("replicate", "zero"):
-        raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
     out_h, out_w = (out_size_px, out_size_px) if isinstance(out_size_px, int) else out_size_px
     low, high = value_range
     scale = (high - low) / 255.0

@@ -278,8 +278,8 @@ def prepare(device: torch.device, crops) -> str | None:
     of our own]); the reason it cannot be used, or None."""
     from facecast.models.roi import FrameBatch, RotatedRects
 
-    if unavailable_reason(device, "facecast_crop") is not None:
-        return unavailable_reason(device, "facecast_crop")
+    if (reason := unavailable_reason(device, "facecast_crop")) is not None:
+        return reason
     frames = FrameBatch(torch.zeros(1, 4, 4, 3, dtype=torch.uint8, device=device), device)
     rects = RotatedRects(torch.full((1, 2), 2.0, device=device), torch.full((1, 2), 4.0, device=device),
                          torch.zeros(1, device=device))
