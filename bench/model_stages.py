@@ -128,23 +128,23 @@ def steps_of(run, device) -> dict:
             torch.cuda.synchronize(device)
     found: dict[str, list] = {}
     for event in prof.events():
-        if event.device_type.name != "CPU" and cuda:  # a kernel of no operator
-            step = TRITON_STEPS.get(event.name, "other (no operator)")
-            row = found.setdefault(step, [0, 0.0])
-            row[0] += 1
-            row[1] += event.time_range.elapsed_us()
-            continue
-        if event.device_type.name != "CPU" or event.name.startswith(SCOPE):
-            continue
-        spent_us = event.self_device_time_total if cuda else event.self_cpu_time_total
-        if spent_us <= 0:
-            continue
-        parent, step = event.cpu_parent, "other"
-        while parent is not None:
-            if parent.name.startswith(SCOPE):
-                step = parent.name[len(SCOPE):]
-                break
-            parent = parent.cpu_parent
+        if event.device_type.name != "CPU":
+            if not cuda:
+                continue
+            # A kernel of no operator: by its name.
+            step, spent_us = TRITON_STEPS.get(event.name, "other (no operator)"), event.time_range.elapsed_us()
+        else:
+            if event.name.startswith(SCOPE):
+                continue
+            spent_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+            if spent_us <= 0:
+                continue
+            parent, step = event.cpu_parent, "other"
+            while parent is not None:
+                if parent.name.startswith(SCOPE):
+                    step = parent.name[len(SCOPE):]
+                    break
+                parent = parent.cpu_parent
         row = found.setdefault(step, [0, 0.0])
         row[0] += 1
         row[1] += spent_us

@@ -404,8 +404,8 @@ def check_cpu_runtime(models_device: str = "auto",
 
 
 def check_gpu_kernels(models_device: str = "auto") -> CheckResult:
-    """Whether Triton compiles and runs facecast's own kernels on the first GPU (the crops and
-    the weighted NMS: Note [Kernels of our own]), compiling them if this machine never did."""
+    """Whether Triton compiles and runs facecast's own kernels on the first GPU (Note [Kernels of
+    our own]), proven with the crop kernel, compiled if this machine never did."""
     import torch
 
     from facecast.models import triton_kernels
