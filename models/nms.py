@@ -133,6 +133,8 @@ def drop_overlapping_batched(boxes: torch.Tensor, scores: torch.Tensor, groups: 
         if fused is not None:
             return fused
     count = boxes.shape[0]
+    if max_group_size == 1:  # every item alone in its group: kept where eligible, first
+        return eligible & (max_kept > 0), torch.zeros(count, dtype=torch.long, device=boxes.device)
     index = torch.arange(count, device=boxes.device)
     better = (scores[:, None] > scores[None, :]) | ((scores[:, None] == scores[None, :])
                                                     & (index[:, None] < index[None, :]))
