@@ -273,15 +273,15 @@ def _fit(tx, ty, tz, weights, wc_x, wc_y, wc_z, centre_x, centre_y, centre_z, va
 
 
 @triton.jit(do_not_specialize=["landmarks", "frame_wh", "used", "weights", "weighted_centred",
-                               "source_centre", "variance", "out", "points", "used_count",
-                               "near", "near_height"])
+                               "source_centre", "variance", "out", "points", "used_count", "planes"])
 def facecast_face_matrices(landmarks, frame_wh, used, weights, weighted_centred, source_centre,
-                           variance, out, points, used_count, near, near_height,
+                           variance, out, points, used_count, planes,
                            MESH: tl.constexpr, BLOCK_MESH: tl.constexpr, BLOCK_K: tl.constexpr,
                            SQUARINGS: tl.constexpr, EVERY: tl.constexpr):
     """FaceGeometry.matrices of one face (Note [Face geometry as MediaPipe computes it])."""
     face = tl.program_id(0).to(tl.int64)
     mesh = landmarks + face * points * 3
+    near, near_height = tl.load(planes), tl.load(planes + 1)  # float64 (not float32 arguments)
     width = tl.load(frame_wh + face * 2)
     height = tl.load(frame_wh + face * 2 + 1)
     near_width = near_height * width / height

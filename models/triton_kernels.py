@@ -229,9 +229,19 @@ def face_matrices(landmarks_px: torch.Tensor, frame_wh_px: torch.Tensor, used: t
     return _launch(out, "facecast_face_matrices", (count,), (
         landmarks_px.contiguous(), frame_wh_px.to(device=device, dtype=torch.float64).contiguous(), used,
         source.weights, source.weighted_centred, source.centre, source.variance.reshape(1), out,
-        landmarks_px.shape[1], used.shape[0], float(near), float(near_height)),
+        landmarks_px.shape[1], used.shape[0], _float64_numbers(device, (float(near), float(near_height)))),
         MESH=mesh_points, BLOCK_MESH=_power_of_two(mesh_points), BLOCK_K=max(16, _power_of_two(used.shape[0])),
         SQUARINGS=squarings, EVERY=squarings_per_normalisation)
+
+
+@functools.lru_cache(maxsize=8)
+def _float64_numbers(device: torch.device, numbers: tuple[float, ...]) -> torch.Tensor:
+    """``numbers`` as a float64 tensor on the device, made once (a copy made while a graph is
+    captured would be a host-to-device copy, which it cannot hold): a kernel reads them from
+    memory because a Python float argument reaches a Triton kernel as float32, which rounds
+    away the float64 chain's last 29 bits (seen on the GPU: matrices 5e-6 apart)."""
+    with torch.inference_mode(False):
+        return torch.tensor(numbers, dtype=torch.float64, device=device)
 
 
 def layer_norm_over_channels(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor | None:

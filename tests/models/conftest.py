@@ -31,6 +31,19 @@ def photos() -> dict[str, np.ndarray]:
     return face_photos()
 
 
+@pytest.fixture
+def without_tf32():
+    """float32 convolutions and matrix products in float32 on a GPU (cuDNN's default rounds
+    their inputs to TF32's 10-bit mantissa: two inputs a rounding apart can come out 1e-3
+    apart), for comparisons of float32 arithmetic; as it was afterwards."""
+    import torch
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def pytest_terminal_summary(terminalreporter):
     if not PARITY_TABLE:
         return
