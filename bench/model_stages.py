@@ -15,9 +15,10 @@ operator's own kernel time (its ``self_device_time_total``) is given to the inne
 it, so a step's figure is the device's busy time for it, without the launch gaps an eager run has
 between kernels; "kernels" is how many it launched. facecast's Triton kernels belong to no
 operator: each is given to its step by its name (TRITON_STEPS; the decoding kernel also does the
-projection, under "anchor decoding"), any other kernel of no operator to "other (no
-operator)". (Until 2026-11-27 11:00 the script skipped them: its run of 10:13 that day had no
-row for them.) The same stack is then timed replayed from its
+projection, under "anchor decoding"). (Until 2026-11-27 11:00 the script skipped them: its run
+of 10:13 that day had no row for them; its run of 11:51 added every device event of the profile
+a second time, the steps' GPU ranges too, as "other (no operator)", 92-94 % of its totals.)
+The same stack is then timed replayed from its
 CUDA graphs (``cuda_graphs=True``), wall milliseconds with the device synchronised, as the daemon
 runs it (`stack`: results on the device; `results`: Face objects on the host). On the CPU the
 figures are each operator's own CPU time instead (a check that the script runs, not a figure to
@@ -131,8 +132,12 @@ def steps_of(run, device) -> dict:
         if event.device_type.name != "CPU":
             if not cuda:
                 continue
-            # A kernel of no operator: by its name.
-            step, spent_us = TRITON_STEPS.get(event.name, "other (no operator)"), event.time_range.elapsed_us()
+            # The device's own events: every kernel (those of an operator are counted with it,
+            # below) and the scopes' ranges; facecast's Triton kernels, of no operator, by name.
+            step = TRITON_STEPS.get(event.name)
+            if step is None:
+                continue
+            spent_us = event.time_range.elapsed_us()
         else:
             if event.name.startswith(SCOPE):
                 continue
