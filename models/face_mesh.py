@@ -365,10 +365,11 @@ class FaceMeasurer:
         queued on the device (nothing here waits for it: Note [Measuring on the device])."""
         owner = np.asarray(owners)
         largest = int(np.bincount(owner).max())
-        # The duplicate filter's steps: on a GPU a graph's (and the kernel's compiled) constant,
-        # one bucket for every batch up to max_faces; on the CPU the largest frame's, which
-        # gives the same answer in fewer operations (none for one face a frame).
-        group_steps = bucket(max(self.max_faces, largest)) if self.device.type == "cuda" else largest
+        # The duplicate filter's steps: a graph's constant (and on a GPU the kernel's compiled
+        # one), one bucket for every batch up to max_faces; eagerly on the CPU the largest
+        # frame's, which gives the same answer in fewer operations (none for one face a frame).
+        fixed = self.device.type == "cuda" or self.graphs.replays("mesh")
+        group_steps = bucket(max(self.max_faces, largest)) if fixed else largest
         chunks = self._chunks(owner)
         # One host-to-device copy of the per-ROI facts, each chunk's rows padded to its graph.
         sizes_wh = np.asarray(batch.sizes_hw, np.float32)[:, ::-1]
