@@ -359,3 +359,40 @@ def facecast_layer_norm(x, gamma, out, positions, height, width, stride_n, strid
     scale = 1.0 / tl.sqrt(variance + eps)
     scaled = scale[:, None] * tl.load(gamma + c, mask=in_c, other=0.0)[None, :]
     tl.store(out + offsets, values * scaled + (-mean)[:, None] * scaled, mask=mask)
+
+
+@triton.jit(do_not_specialize=["x", "weight", "bias", "out", "pixels", "height", "width",
+                               "channels", "out_h", "out_w", "x_n", "x_c", "x_h", "x_w", "out_n",
+                               "out_c", "out_h_stride", "out_w_stride", "pad_top", "pad_left"])
+def facecast_depthwise(x, weight, bias, out, pixels, height, width, channels, out_h, out_w,
+                       x_n, x_c, x_h, x_w, out_n, out_c, out_h_stride, out_w_stride, pad_top, pad_left,
+                       KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A depthwise convolution (tflite_ops.Conv2d with one filter per channel) of BLOCK_P output
+    pixels and BLOCK_C channels (Note [Depthwise convolutions in one kernel]): x (N, C, H, W)
+    at its strides, zeros beyond its edges (pad_top, pad_left before it), weight (C, KH·KW), the
+    taps summed in float32 in row order, then the bias; out (N, C, out_h, out_w) at its strides,
+    in its dtype."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_p = p < pixels
+    in_c = c < channels
+    n = (p // (out_h * out_w)).to(tl.int64)
+    row = (p // out_w) % out_h
+    column = p % out_w
+    channel = c.to(tl.int64)
+    total = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    for kh in tl.static_range(KH):
+        y = row * STRIDE - pad_top + kh
+        for kw in tl.static_range(KW):
+            x_at = column * STRIDE - pad_left + kw
+            inside = in_p & (y >= 0) & (y < height) & (x_at >= 0) & (x_at < width)
+            offsets = (n * x_n + y.to(tl.int64) * x_h + x_at.to(tl.int64) * x_w)[:, None] + channel[None, :] * x_c
+            values = tl.load(x + offsets, mask=inside[:, None] & in_c[None, :], other=0.0).to(tl.float32)
+            tap = tl.load(weight + c * (KH * KW) + (kh * KW + kw), mask=in_c, other=0.0).to(tl.float32)
+            total += values * tap[None, :]
+    if HAS_BIAS:
+        total += tl.load(bias + c, mask=in_c, other=0.0).to(tl.float32)[None, :]
+    at = (n * out_n + row.to(tl.int64) * out_h_stride + column.to(tl.int64) * out_w_stride)[:, None] \
+        + channel[None, :] * out_c
+    tl.store(out + at, total.to(out.dtype.element_ty), mask=in_p[:, None] & in_c[None, :])
