@@ -26,10 +26,6 @@ apart: whether the kept faces and ranks are equal.
 landmarks (tests/models/triton_inputs.py); apart: the matrices' largest difference.
 *A layer norm*: one of the blendshape model's (64 faces' 97 tokens of 64 channels), its ten
 operators as PyTorch's kernels against the kernel; apart: the largest difference.
-*Depthwise convolutions*: the v2 landmarker's 34 (3x3, 8 to 64 channels, 128x128 to 2x2) at
-batch 64, channels_last, each timed alone and the sums added: cuDNN (F.conv2d) in float16 with
-the biases, as the model ran them before the kernel, and in float32 without them, as the model
-runs them (folded), against the kernel the same way; apart: the largest difference.
 Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
 Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
 launches). `prepare_s`: compiling the crop kernel's four variants in this process (from
@@ -190,41 +186,6 @@ def layer_norms(device) -> dict:
             x, gamma, 1e-6)), "apart": (fused - chain()).abs().max().item()}}
 
 
-# The v2 landmarker's depthwise convolutions at a 256x256 input, all 3x3, stride 1, padding 1,
-# with biases: (channels, input side, how many).
-V2_LANDMARKER_DEPTHWISE = ((8, 128, 4), (16, 64, 5), (32, 32, 5), (64, 16, 5), (64, 8, 5), (64, 4, 5), (64, 2, 5))
-
-
-def depthwise(device) -> dict:
-    """The v2 landmarker's 34 depthwise convolutions at batch 64, summed: in float16 as the
-    model ran them before the kernel (cuDNN, then its bias), in float32 as it runs them
-    (cuDNN without the bias, folded into the next convolution: Note [Convolutions on the GPU])
-    against the kernel without a bias (where float32 is not yet given to it)."""
-    import torch.nn.functional as F
-
-    found = {}
-    for dtype, with_bias in ((torch.float16, True), (torch.float32, False)):
-        chain_ms = kernel_ms = apart = 0.0
-        for channels, side, layers in V2_LANDMARKER_DEPTHWISE:
-            x, weight, bias, _ = inputs.depthwise_inputs((channels, (side, side), 3, 1, (1, 1, 1, 1)), batch=64,
-                                                         seed=channels + side, dtype=dtype, device=device)
-            bias = bias if with_bias else None
-            weight_cl = weight.contiguous(memory_format=torch.channels_last)
-            saved = triton_kernels.DEPTHWISE_DTYPES
-            triton_kernels.DEPTHWISE_DTYPES = (torch.float16, torch.float32)
-            try:
-                fused = triton_kernels.depthwise_conv(x, weight, bias, 1, (1, 1, 1, 1))
-                kernel_ms += layers * device_ms(lambda: triton_kernels.depthwise_conv(x, weight, bias, 1, (1, 1, 1, 1)))
-            finally:
-                triton_kernels.DEPTHWISE_DTYPES = saved
-            chain_ms += layers * device_ms(lambda: F.conv2d(x, weight_cl, bias, 1, 1, 1, channels))
-            apart = max(apart, (fused.float() - F.conv2d(x, weight_cl, bias, 1, 1, 1, channels).float()).abs().max().item())
-        name = "float16 with biases" if with_bias else "float32 without biases"
-        found[f"the v2 landmarker's 34 depthwise convolutions, batch 64, {name}"] = {
-            "chain_ms": round(chain_ms, 4), "kernel_ms": round(kernel_ms, 4), "apart": apart}
-    return found
-
-
 def clustering(device) -> dict:
     candidates = inputs.nms_candidates(rows=64, count=128, seed=3, device=device)
     with WithoutKernel("nms_clusters"):
@@ -274,7 +235,7 @@ def main() -> int:
                           "torch": torch.__version__, "triton": triton.__version__},
               "prepare_s": round(time.perf_counter() - started, 2),
               "cases": {**crops(device), **decoding(device), **clustering(device),
-                        **duplicates(device), **matrices(device), **layer_norms(device), **depthwise(device)}}
+                        **duplicates(device), **matrices(device), **layer_norms(device)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| case | PyTorch chain ms | kernel ms | × |")

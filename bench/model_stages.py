@@ -65,9 +65,7 @@ SCOPE = "step:"
 # PyTorch operator: the profile has them as kernels of no operator, given to their steps by name.
 TRITON_STEPS = {"facecast_crop": "crops", "facecast_decode": "anchor decoding",
                 "facecast_nms_clusters": "weighted NMS", "facecast_duplicates": "duplicate filter",
-                "facecast_face_matrices": "transformation matrix", "facecast_layer_norm": "blendshape model",
-                # every float16 model's (by name the profile cannot tell whose)
-                "facecast_depthwise": "depthwise convolutions (the models')"}
+                "facecast_face_matrices": "transformation matrix", "facecast_layer_norm": "blendshape model"}
 
 
 def install_scopes() -> None:

@@ -332,11 +332,6 @@ class Conv2d(torch.nn.Module):
             y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
                          self.groups)
             return _apply_activation(y, self.activation)
-        if x.dtype in triton_kernels.DEPTHWISE_DTYPES and self.is_depthwise():
-            # Note [Depthwise convolutions in one kernel]: the taps and the bias in one pass.
-            fused = triton_kernels.depthwise_conv(x, self.weight, self.bias, self.stride[0], self.padding_ltrb())
-            if fused is not None:
-                return _apply_activation(fused, self.activation)
         fused_relu = self.activation == 1 and self.bias is not None
         if self.is_pointwise() and not (fused_relu and x.dtype == torch.float32):
             return pointwise_rows(x, self.weight, self.bias, self.activation)
@@ -354,18 +349,6 @@ class Conv2d(torch.nn.Module):
         return (self.groups == 1 and tuple(self.weight.shape[2:]) == (1, 1)
                 and tuple(self.stride) == (1, 1) and tuple(self.dilation) == (1, 1)
                 and self.explicit_padding is None and tuple(self.conv_padding) == (0, 0))
-
-    def is_depthwise(self) -> bool:
-        """One filter per channel (DEPTHWISE_CONV_2D), the same stride both ways, undilated."""
-        return (self.groups > 1 and self.weight.shape[1] == 1 and self.weight.shape[0] == self.groups
-                and self.stride[0] == self.stride[1] and tuple(self.dilation) == (1, 1))
-
-    def padding_ltrb(self) -> tuple[int, int, int, int]:
-        """The zero padding left, right, top and bottom of the input, explicit or symmetric."""
-        if self.explicit_padding is not None:
-            return self.explicit_padding
-        top, left = self.conv_padding
-        return (left, left, top, top)
 
     def covers_whole_input(self) -> bool:
         """True when the kernel spans the whole unpadded input (one output pixel: a fully

@@ -1,8 +1,7 @@
 """Kernels of facecast's own for chains of PyTorch kernels on a GPU, in Triton: the crops of
 :func:`facecast.models.roi.crop_rois`, the detectors' decoding and the clustering of their
-weighted NMS, the face stack's duplicate filter and transformation matrix, the layer norms
-of the blendshape model, and the float16 models' depthwise convolutions. This module decides
-whether they can run
+weighted NMS, the face stack's duplicate filter and transformation matrix, and the layer norms
+of the blendshape model. This module decides whether they can run
 and launches them; their code is triton_kernel_code.py, imported only then.
 
 Note [Kernels of our own]
@@ -82,20 +81,6 @@ Note [Layer norms in one kernel]
     of positions, each position's channels read once, the chain's operations in its order (the
     sums in another: float32 rounding apart); elsewhere the same ten operators in PyTorch.
 
-Note [Depthwise convolutions in one kernel]
-    In float16 cuDNN's depthwise convolutions over channels_last activations were the slowest
-    part of the models: the v2 landmarker's 34 took 1,166 µs at batch 64 on an H100, against
-    256 µs in float32 (bench/conv_kernels.py, 2026-11-26), 965 of them without their biases,
-    which PyTorch adds in a pass of its own (in float32 they are folded into the next
-    convolution, which float16's rounding does not allow: Note [Convolutions on the GPU]); the
-    landmark model took more device time in float16 than in float32 (4,137 against 3,520 µs,
-    2026-11-27). Here one program computes a block of output pixels for up to 64 channels of
-    the NHWC activations (a pixel's channels are adjacent): each of the k·k taps read once,
-    zeros beyond the edges (TF's padding, asymmetric for SAME with a stride), the products
-    summed in float32 in the taps' row order, then the bias, rounded once to the output's
-    dtype, written channels_last as cuDNN writes it. float16 only (DEPTHWISE_DTYPES) until
-    bench/kernels.py has measured it against float32's folded cuDNN convolutions.
-
 Note [The duplicate filter in one kernel]
     The measuring stage's duplicate filter (Note [The duplicate filter as tensors], nms.py)
     builds (N, N) pair tables and steps through the places of a frame's faces: 157 kernels,
@@ -129,12 +114,6 @@ LAYER_NORM_BLOCK = 16
 DECODE_BLOCK = 128
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
-# Output pixels per program of a depthwise convolution, and its most channels (more: programs
-# along the grid's y).
-DEPTHWISE_BLOCK = 64
-DEPTHWISE_CHANNELS = 64
-# The dtypes whose depthwise convolutions run here (Note [Depthwise convolutions in one kernel]).
-DEPTHWISE_DTYPES = (torch.float16,)
 
 _unavailable: str | None = None  # why no kernel can be used here (Triton missing, its import)
 _failed: dict[str, str] = {}  # kernel name -> why it is not used, once it failed
@@ -282,34 +261,6 @@ def layer_norm_over_channels(x: torch.Tensor, gamma: torch.Tensor, eps: float) -
     return _launch(out, "facecast_layer_norm", (-(-positions // LAYER_NORM_BLOCK),), (
         x, gamma.contiguous(), out, positions, height, width, x.stride(0), x.stride(1), x.stride(2),
         x.stride(3), channels, float(eps)), BLOCK_P=LAYER_NORM_BLOCK, BLOCK_C=max(16, _power_of_two(channels)))
-
-
-def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: int,
-                   padding_ltrb: tuple[int, int, int, int]) -> torch.Tensor | None:
-    """A depthwise convolution (x (N, C, H, W); weight (C, 1, KH, KW); bias (C,) or None; one
-    stride both ways; TF's zero padding left, right, top, bottom) in one kernel (Note
-    [Depthwise convolutions in one kernel]): (N, C, OH, OW) of x's dtype, channels_last (as
-    cuDNN gives it for channels_last input); None where the kernel cannot serve."""
-    if (x.dim() != 4 or x.dtype not in DEPTHWISE_DTYPES or weight.dim() != 4 or weight.shape[1] != 1
-            or weight.shape[0] != x.shape[1]
-            or unavailable_reason(x.device, "facecast_depthwise") is not None):
-        return None
-    count, channels, height, width = x.shape
-    kernel_h, kernel_w = weight.shape[2:]
-    left, right, top, bottom = padding_ltrb
-    out_h = (height + top + bottom - kernel_h) // stride + 1
-    out_w = (width + left + right - kernel_w) // stride + 1
-    out = torch.empty(count, channels, max(out_h, 0), max(out_w, 0), dtype=x.dtype, device=x.device,
-                      memory_format=torch.channels_last)
-    pixels = out.shape[0] * out.shape[2] * out.shape[3]
-    if pixels == 0:
-        return out
-    taps = weight.reshape(channels, kernel_h * kernel_w)  # a view of (C, 1, KH, KW) in either layout
-    block_c = min(DEPTHWISE_CHANNELS, max(16, _power_of_two(channels)))
-    return _launch(out, "facecast_depthwise", (-(-pixels // DEPTHWISE_BLOCK), -(-channels // block_c)), (
-        x, taps, bias if bias is not None else taps, out, pixels, height, width, channels, out_h, out_w,
-        *x.stride(), *out.stride(), top, left), KH=kernel_h, KW=kernel_w, STRIDE=stride,
-        HAS_BIAS=bias is not None, BLOCK_P=DEPTHWISE_BLOCK, BLOCK_C=block_c)
 
 
 def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,

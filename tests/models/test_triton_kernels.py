@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from facecast.models import nms, roi, triton_kernels
-from triton_inputs import (DEPTHWISE_CASES, assert_same_clusters, crop_rects, depthwise_inputs, faces_for_geometry,
-                           faces_to_filter, nms_candidates, raw_detections, two_photos)
+from triton_inputs import (assert_same_clusters, crop_rects, faces_for_geometry, faces_to_filter, nms_candidates,
+                           raw_detections, two_photos)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device on this machine")
 
@@ -192,30 +192,6 @@ def test_on_the_gpu_the_transformation_matrices_are_one_kernel():
     assert fused is not None, triton_kernels.unavailable_reason(torch.device("cuda"))
     assert torch.allclose(fused.cpu(), expected, rtol=1e-9, atol=1e-9)
     assert torch.allclose(geometry.matrices(landmarks.cuda(), sizes.cuda()).cpu(), expected, rtol=1e-9, atol=1e-9)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", DEPTHWISE_CASES, ids=lambda case: f"{case[0]}ch-{case[2]}x{case[2]}-s{case[3]}")
-def test_on_the_gpu_a_float16_depthwise_convolution_is_one_kernel(monkeypatch, case):
-    """On the GPU machine a float16 depthwise Conv2d runs the kernel: the float64 convolution's
-    values rounded once, as cuDNN's (which the model runs where the kernel cannot serve)."""
-    from facecast.models import tflite_ops
-
-    x, weight, bias, expected = depthwise_inputs(case, batch=4, seed=12, dtype=torch.float16, device="cuda")
-    channels, _, _, stride, padding = case
-    got = triton_kernels.depthwise_conv(x, weight, bias, stride, padding)
-    assert got is not None, triton_kernels.unavailable_reason(torch.device("cuda"))
-    assert got.is_contiguous(memory_format=torch.channels_last)
-    bound = 2.0 ** -10  # half a unit of float16 at magnitudes up to 2, relative beyond
-    assert ((got.double() - expected).abs() / expected.abs().clamp_min(1.0)).max() <= bound
-    conv = tflite_ops.Conv2d(weight.float().cpu().numpy(), bias.float().cpu().numpy(), (stride, stride), (1, 1),
-                             channels, padding, activation=0).to("cuda", torch.float16)
-    assert conv.is_depthwise() and torch.equal(conv(x), got)  # the model's convolution is the kernel
-    with monkeypatch.context() as without:
-        without.setattr(triton_kernels, "_unavailable", "left out for the comparison")
-        cudnn = conv(x)
-    assert ((cudnn.double() - expected).abs() / expected.abs().clamp_min(1.0)).max() <= 2 * bound
 
 
 @pytest.mark.gpu

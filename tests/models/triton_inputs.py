@@ -132,29 +132,3 @@ def faces_for_geometry(count: int, seed: int, device="cpu"):
         landmarks[n, :468] = face + torch.randn(468, 3, generator=gen)
         landmarks[n, 468:] = face[:10]
     return geometry, landmarks.to(device), sizes.to(device)
-
-
-# Depthwise convolutions as the models have them: (channels, input H and W, kernel, stride,
-# TF's padding left, right, top, bottom): the v2 landmarker's 3x3 ones (symmetric), a strided
-# SAME one with its extra row and column after, and a 5x5 one.
-DEPTHWISE_CASES = [
-    (8, (32, 32), 3, 1, (1, 1, 1, 1)),
-    (24, (17, 20), 3, 2, (0, 1, 0, 1)),
-    (96, (9, 9), 5, 1, (2, 2, 2, 2)),
-    (160, (6, 7), 3, 1, (1, 1, 1, 1)),
-]
-
-
-def depthwise_inputs(case, batch: int, seed: int, dtype=torch.float32, device="cpu"):
-    """x (batch, C, H, W) channels_last (the models' activations), weight (C, 1, K, K) and bias
-    (C,) of one of DEPTHWISE_CASES, and the float64 result: F.conv2d over the zero-padded input."""
-    import torch.nn.functional as F
-
-    channels, (height, width), kernel, stride, padding = case
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, channels, height, width, generator=gen).to(dtype)
-    weight = (torch.randn(channels, 1, kernel, kernel, generator=gen) / kernel).to(dtype)
-    bias = torch.randn(channels, generator=gen).to(dtype)
-    expected = F.conv2d(F.pad(x.double(), padding), weight.double(), bias.double(), stride, groups=channels)
-    return (x.to(device).contiguous(memory_format=torch.channels_last), weight.to(device), bias.to(device),
-            expected.to(device))

@@ -12,8 +12,8 @@ import skimage.data
 import torch
 
 from facecast.models import nms, roi, triton_kernels
-from triton_inputs import (DEPTHWISE_CASES, SPECS, assert_same_clusters, crop_rects, depthwise_inputs,
-                           faces_for_geometry, faces_to_filter, nms_candidates, raw_detections, two_photos)
+from triton_inputs import (SPECS, assert_same_clusters, crop_rects, faces_for_geometry, faces_to_filter,
+                           nms_candidates, raw_detections, two_photos)
 
 
 @pytest.fixture
@@ -155,23 +155,3 @@ def test_the_kernel_normalises_layers_as_the_chain(interpreted, layout):
     assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
     assert got.stride() == x.stride()
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got - expected).abs().max()
-
-
-@pytest.mark.parametrize("case", DEPTHWISE_CASES, ids=lambda case: f"{case[0]}ch-{case[2]}x{case[2]}-s{case[3]}")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_the_kernel_convolves_each_channel_as_a_depthwise_convolution(interpreted, monkeypatch, case, dtype):
-    """A depthwise convolution with its bias and TF's zero padding against the float64
-    convolution of the same inputs: float32 to float rounding; float16 rounded once at the end
-    (the taps summed in float32). Without the bias too; channels_last out, as cuDNN's."""
-    monkeypatch.setattr(triton_kernels, "DEPTHWISE_DTYPES", (torch.float16, torch.float32))
-    x, weight, bias, expected = depthwise_inputs(case, batch=2, seed=11, dtype=dtype)
-    channels, _, kernel, stride, padding = case
-    got = triton_kernels.depthwise_conv(x, weight, bias, stride, padding)
-    assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
-    assert got.shape == expected.shape and got.dtype == dtype
-    assert got.is_contiguous(memory_format=torch.channels_last)
-    bound = 1e-5 if dtype == torch.float32 else 2.0 ** -10  # float16: half a unit at magnitudes up to 2
-    assert ((got.double() - expected).abs() / expected.abs().clamp_min(1.0)).max() <= bound
-    unbiased = triton_kernels.depthwise_conv(x, weight, None, stride, padding)
-    reference = expected - bias.double()[None, :, None, None]
-    assert ((unbiased.double() - reference).abs() / reference.abs().clamp_min(1.0)).max() <= bound
