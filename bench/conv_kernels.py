@@ -13,6 +13,14 @@ Variants, per convolution, with the model's own weights and the input it gets on
                    epilogue (tflite_ops.pointwise_rows)
   facecast         the convolution as FacePipeline prepares it now (in float32, depthwise
                    biases moved into their 1x1 readers; then Conv2d.forward's choice)
+  NCHW             float16 depthwise convolutions only: cuDNN on the input and weight made
+                   contiguous (NCHW) once, outside the timing (the convolution alone)
+  NCHW+layout      the same with both layout changes timed: the input to NCHW, the output back
+                   to channels_last (what the model would run)
+  in float32       float16 depthwise convolutions only: the input cast to float32, cuDNN's
+                   float32 convolution with the bias, cast back (in CUDA graphs on an H100,
+                   2026-11-27, cuDNN's float16 depthwise convolutions over channels_last took 3.8
+                   times its float32 ones: docs/benchmarks.md)
 Every variant pads as the model needs (an explicit F.pad for TF's asymmetric SAME padding).
 The table sums each variant over the convolutions it applies to, by kind; "F.conv2d" and
 "facecast" apply to all, so their totals compare the models' whole convolution time.
@@ -109,10 +117,19 @@ def variants(before: tflite_ops.Conv2d, now: tflite_ops.Conv2d, x: torch.Tensor)
         out["PyTorch dw"] = pytorch_depthwise
     if before.is_pointwise():
         out["rows"] = lambda: tflite_ops.pointwise_rows(x, w, b, act)
+    if before.groups > 1 and x.dtype == torch.float16:
+        x_nchw, w_nchw = padded().contiguous(), w.contiguous()
+        out["NCHW"] = lambda: tflite_ops._apply_activation(F.conv2d(x_nchw, w_nchw, b, *geometry), act)
+        out["NCHW+layout"] = lambda: tflite_ops._apply_activation(
+            F.conv2d(padded().contiguous(), w_nchw, b, *geometry), act).contiguous(memory_format=torch.channels_last)
+        w32, b32 = w.float(), (b.float() if b is not None else None)
+        out["in float32"] = lambda: tflite_ops._apply_activation(
+            F.conv2d(padded().float(), w32, b32, *geometry), act).half()
     return out
 
 
-COLUMNS = ["F.conv2d", "no bias", "fused ReLU", "fused add+ReLU", "PyTorch dw", "rows", "facecast"]
+COLUMNS = ["F.conv2d", "no bias", "fused ReLU", "fused add+ReLU", "PyTorch dw", "rows", "facecast", "NCHW",
+           "NCHW+layout", "in float32"]
 
 
 def measure(name, before, now, shape, dtype) -> dict:
@@ -136,7 +153,7 @@ def measure(name, before, now, shape, dtype) -> dict:
                     continue
                 if label == "F.conv2d":
                     reference = fn().float()
-                elif label in ("facecast", "rows", "fused ReLU"):
+                elif label in ("facecast", "rows", "fused ReLU", "NCHW", "NCHW+layout", "in float32"):
                     row.setdefault("max_abs_diff", {})[label] = float(
                         (fn().float() - reference).abs().max())
             layers.append(row)

@@ -41,7 +41,8 @@
 #                 first half alone, to follow `pipeline` (3)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
-#   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32 (1)
+#   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32, and the
+#                 float16 depthwise ones in NCHW and in float32 (the lead of 2026-11-27) (1)
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
 #   roi_workers   64 replayed cameras with one roi_landmark worker, then two (the default's
