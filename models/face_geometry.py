@@ -322,7 +322,7 @@ class ProcrustesSource:
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scale (N,), rotation (N, 3, 3), translation (N, 3) of :func:`weighted_procrustes`
         for targets (N, K, 3)."""
-        target_centre = torch.einsum("k,nkc->nc", self.weights, target)  # (N, 3)
+        target_centre = self.weights @ target  # (N, 3): Σ_k w_k target_k
         # Σ_k w_k (target_k - target centre) ⊗ (source_k - source centre), one batched matmul;
         # the target centre's share is Σ_k w_k (source_k - centre) = 0, so it needs no subtracting.
         covariance = target.transpose(1, 2) @ self.weighted_centred
