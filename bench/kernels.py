@@ -26,6 +26,9 @@ apart: whether the kept faces and ranks are equal.
 landmarks (tests/models/triton_inputs.py); apart: the matrices' largest difference.
 *A layer norm*: one of the blendshape model's (64 faces' 97 tokens of 64 channels), its ten
 operators as PyTorch's kernels against the kernel; apart: the largest difference.
+*PReLUs*: the v2 landmarker's largest activation (64 faces, 16 channels of 128x128, channels
+last), float16 and float32: F.prelu, and a residual ADD with its PRELU (two kernels), against
+the kernel; apart: the largest difference (0: the same values).
 Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
 Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
 launches). `prepare_s`: compiling the crop kernel's four variants in this process (from
@@ -43,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "models"))
 import triton_inputs as inputs  # noqa: E402 - the tests' inputs, one definition
@@ -186,6 +190,26 @@ def layer_norms(device) -> dict:
             x, gamma, 1e-6)), "apart": (fused - chain()).abs().max().item()}}
 
 
+def prelus(device) -> dict:
+    found = {}
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float16, torch.float32):
+        x, other = ((torch.randn(64, 16, 128, 128, generator=gen) * 3).to(device, dtype)
+                    .contiguous(memory_format=torch.channels_last) for _ in range(2))
+        alpha = (torch.rand(16, generator=gen) - 0.3).to(device, dtype)
+        name = str(dtype).replace("torch.", "")
+        found[f"a PRELU of the v2 landmarker, 64 faces (16 channels x 128 x 128), {name}"] = {
+            "chain_ms": device_ms(lambda: F.prelu(x, alpha)),
+            "kernel_ms": device_ms(lambda: triton_kernels.prelu(x, alpha)),
+            "apart": (triton_kernels.prelu(x, alpha).float() - F.prelu(x, alpha).float()).abs().max().item()}
+        found[f"a residual ADD and its PRELU, the same, {name}"] = {
+            "chain_ms": device_ms(lambda: F.prelu(x + other, alpha)),
+            "kernel_ms": device_ms(lambda: triton_kernels.prelu(x, alpha, other)),
+            "apart": (triton_kernels.prelu(x, alpha, other).float() - F.prelu(x + other, alpha).float())
+            .abs().max().item()}
+    return found
+
+
 def clustering(device) -> dict:
     candidates = inputs.nms_candidates(rows=64, count=128, seed=3, device=device)
     with WithoutKernel("nms_clusters"):
@@ -235,7 +259,8 @@ def main() -> int:
                           "torch": torch.__version__, "triton": triton.__version__},
               "prepare_s": round(time.perf_counter() - started, 2),
               "cases": {**crops(device), **decoding(device), **clustering(device),
-                        **duplicates(device), **matrices(device), **layer_norms(device)}}
+                        **duplicates(device), **matrices(device), **layer_norms(device),
+                        **prelus(device)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| case | PyTorch chain ms | kernel ms | × |")

@@ -243,7 +243,8 @@ class FacePipeline:
         """A loaded model, ready to run here. On the CPU, one that LiteRT can run (``litert``,
         at its own input size and at ``image_sizes_hw``: Note [LiteRT on the CPU]) in LiteRT
         where ``cpu_runtime`` says so and it loads there. Otherwise the converted model: zero
-        PADs folded into their convolutions, layer norms' operator chains into one step each, depthwise
+        PADs folded into their convolutions, layer norms' operator chains into one step each, each
+        residual ADD with the PRELU that reads it into one, depthwise
         biases into the 1x1 convolutions that read them (float32), on the
         device, in the model dtype, eval mode; on CUDA with channels_last convolution weights (the
         activations already are: Note [Batch and layout]), which spares
@@ -259,6 +260,7 @@ class FacePipeline:
         if isinstance(module, tflite_convert.TFLiteModule):
             tflite_convert.fuse_zero_padding(module)
             tflite_convert.fuse_layer_norms(module)  # Note [Layer norms in one kernel]
+            tflite_convert.fuse_residual_prelus(module)  # Note [PReLUs in one kernel]
             if not self.half:  # Note [Convolutions on the GPU]: float32 only
                 tflite_convert.fold_depthwise_bias(module)
         module = module.to(self.device, dtype=self.model_dtype).eval()

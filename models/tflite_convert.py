@@ -508,6 +508,37 @@ def _layer_norm_eps(module: TFLiteModule, chain: list, readers: dict) -> float |
     return float(eps_buffer.reshape(()))
 
 
+def fuse_residual_prelus(module: TFLiteModule) -> int:
+    """Put one step (:class:`~facecast.models.tflite_ops.ResidualPRelu`) in place of each ADD of
+    two images of its own shape (no broadcast, no constant, no fused activation) whose output
+    only a per-channel PRELU reads, and is no model output: on a GPU one kernel for both (Note
+    [PReLUs in one kernel]). The values are the two operators'; the ADD's output no longer
+    exists for :meth:`TFLiteModule.trace`. Returns how many pairs were fused; applying it twice
+    fuses nothing more."""
+    readers = _readers(module)
+    fused_adds = set()
+    for step in module.steps:
+        add = step.compute
+        if not (step.op_type == "ADD" and isinstance(add, tflite_ops.Binary) and add.direct
+                and add.activation == 0 and len(step.input_slots) == 2 and len(step.output_slots) == 1
+                and tflite_ops.is_image(add.out_shape)
+                and all(shape == add.out_shape for shape in add.operand_shapes)
+                and step.output_slots[0] not in module.output_slots):
+            continue
+        consumers = readers.get(step.output_slots[0], [])
+        if not (len(consumers) == 1 and type(consumers[0].compute) is tflite_ops.ChannelPRelu
+                and consumers[0].input_slots == step.output_slots):
+            continue
+        prelu = consumers[0]
+        prelu.compute = tflite_ops.ResidualPRelu(prelu.compute.alpha)
+        prelu.input_slots = list(step.input_slots)
+        prelu.op_type = "ADD+PRELU (fused)"
+        fused_adds.add(id(step))
+    if fused_adds:
+        _replace_steps(module, [step for step in module.steps if id(step) not in fused_adds])
+    return len(fused_adds)
+
+
 def _readers(module: TFLiteModule) -> dict[int, list]:
     """Tensor slot -> the steps that read it."""
     readers: dict[int, list] = {}

@@ -584,7 +584,24 @@ class ChannelPRelu(torch.nn.Module):
         self.register_buffer("alpha", alpha_held.reshape(-1).clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not torch.compiler.is_compiling():  # compiled: inductor fuses it itself
+            fused = triton_kernels.prelu(x, self.alpha)  # Note [PReLUs in one kernel]
+            if fused is not None:
+                return fused
         return F.prelu(x, self.alpha)
+
+
+class ResidualPRelu(ChannelPRelu):
+    """An ADD of two images and the PRELU that is its only reader, in one step
+    (tflite_convert.fuse_residual_prelus): on a GPU one kernel (Note [PReLUs in one kernel]),
+    elsewhere the two operators. Same values."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not torch.compiler.is_compiling():
+            fused = triton_kernels.prelu(x, self.alpha, residual)
+            if fused is not None:
+                return fused
+        return F.prelu(x + residual, self.alpha)
 
 
 class LayerNormOverChannels(torch.nn.Module):

@@ -359,3 +359,20 @@ def facecast_layer_norm(x, gamma, out, positions, height, width, stride_n, strid
     scale = 1.0 / tl.sqrt(variance + eps)
     scaled = scale[:, None] * tl.load(gamma + c, mask=in_c, other=0.0)[None, :]
     tl.store(out + offsets, values * scaled + (-mean)[:, None] * scaled, mask=mask)
+
+
+@triton.jit(do_not_specialize=["channels"])
+def facecast_prelu(x, residual, alpha, out, count, channels,
+                   RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """tflite_ops.ChannelPRelu of BLOCK values of a channels-last image (flat position p is
+    channel p % channels), or with RESIDUAL tflite_ops.ResidualPRelu's, of x + residual
+    rounded to x's dtype as PyTorch's add rounds it (Note [PReLUs in one kernel])."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = p < count
+    values = tl.load(x + p, mask=inside, other=0.0)
+    if RESIDUAL:
+        summed = values.to(tl.float32) + tl.load(residual + p, mask=inside, other=0.0).to(tl.float32)
+        values = summed.to(values.dtype)
+    values = values.to(tl.float32)
+    slope = tl.load(alpha + p % channels, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + p, tl.where(values > 0, values, slope * values).to(out.dtype.element_ty), mask=inside)

@@ -1,7 +1,7 @@
 """Kernels of facecast's own for chains of PyTorch kernels on a GPU, in Triton: the crops of
 :func:`facecast.models.roi.crop_rois`, the detectors' decoding and the clustering of their
-weighted NMS, the face stack's duplicate filter and transformation matrix, and the layer norms
-of the blendshape model. This module decides whether they can run
+weighted NMS, the face stack's duplicate filter and transformation matrix, the layer norms
+of the blendshape model, and the landmark models' PReLUs (with the residual add before them). This module decides whether they can run
 and launches them; their code is triton_kernel_code.py, imported only then.
 
 Note [Kernels of our own]
@@ -90,6 +90,21 @@ Note [The duplicate filter in one kernel]
     the limit (box_iou's arithmetic), and then says whether its own face is kept and its rank;
     every program of a frame repeats the frame's few steps, which costs less than sharing them.
     The same kept set and ranks as the tensors'.
+
+Note [PReLUs in one kernel]
+    The v2 landmarker (the FaceLandmarker stack's landmark model) is 34 residual blocks of a
+    1x1 convolution, a PRELU, a depthwise convolution, a 1x1 convolution, the ADD of the block's
+    input, and a PRELU: 69 PRELUs and 34 ADDs, each a kernel over the whole activation. PyTorch's
+    F.prelu over channels_last activations broadcasts its slopes along the channels, which its
+    elementwise kernels do without vectorised loads: in a profile of the landmark model at 64
+    faces in float16 (H100, 2026-11-27, .footage probe) its PReLUs took 0.70 ms a forward and
+    its ADDs 0.27 of the 3.4 ms. Here one kernel does a PRELU (tflite_ops.ChannelPRelu) over a
+    channels-last image read as the flat array it is (position p is channel p % C), and
+    tflite_convert.fuse_residual_prelus puts one step in place of an ADD whose only reader is a
+    PRELU (tflite_ops.ResidualPRelu): one pass reads both operands and writes the PRELU of
+    their sum. The sum is rounded to the activation's dtype before the PRELU, as PyTorch's ADD
+    stores it, and the PRELU is PyTorch's (x if x > 0 else slope · x, in float32, rounded
+    once): the same values, bit for bit. Images in other layouts run PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -112,6 +127,10 @@ CROP_DTYPES = (torch.float32, torch.float16)
 LAYER_NORM_BLOCK = 16
 # Anchors per program of the detectors' decoding.
 DECODE_BLOCK = 128
+# Values per program of the PReLUs.
+PRELU_BLOCK = 1024
+# The PReLUs' activation dtypes.
+PRELU_DTYPES = (torch.float16, torch.float32)
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
 
@@ -261,6 +280,25 @@ def layer_norm_over_channels(x: torch.Tensor, gamma: torch.Tensor, eps: float) -
     return _launch(out, "facecast_layer_norm", (-(-positions // LAYER_NORM_BLOCK),), (
         x, gamma.contiguous(), out, positions, height, width, x.stride(0), x.stride(1), x.stride(2),
         x.stride(3), channels, float(eps)), BLOCK_P=LAYER_NORM_BLOCK, BLOCK_C=max(16, _power_of_two(channels)))
+
+
+def prelu(x: torch.Tensor, alpha: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """F.prelu(x, alpha), or with ``residual`` F.prelu(x + residual, alpha), of an image (N, C,
+    H, W) held channels-last, in one kernel (Note [PReLUs in one kernel]); None where the kernel
+    cannot serve (another layout or dtype, a residual held otherwise than x)."""
+    if (x.dim() != 4 or x.dtype not in PRELU_DTYPES or not x.is_contiguous(memory_format=torch.channels_last)
+            or alpha.numel() != x.shape[1] or x.numel() >= 2 ** 31
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                          or residual.stride() != x.stride()))
+            or unavailable_reason(x.device, "facecast_prelu") is not None):
+        return None
+    out = torch.empty_like(x)  # x's strides
+    count = x.numel()
+    if count == 0:
+        return out
+    return _launch(out, "facecast_prelu", (-(-count // PRELU_BLOCK),), (
+        x, x if residual is None else residual, alpha.to(x.dtype).contiguous(), out, count, x.shape[1]),
+        RESIDUAL=residual is not None, BLOCK=PRELU_BLOCK)
 
 
 def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,

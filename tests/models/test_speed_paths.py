@@ -277,6 +277,33 @@ def test_the_blendshape_models_layer_norms_are_one_step_each_with_the_same_outpu
     assert tflite_convert.fuse_layer_norms(watched) == 7
 
 
+def test_the_landmarkers_residual_adds_join_the_prelus_that_read_them_with_the_same_outputs(
+        landmarker_bundle, installed_models, photos):
+    """Note [PReLUs in one kernel]: each ADD of a residual block whose only reader is a PRELU
+    becomes one step with it (the v2 landmarker's 34, the attention mesh's 66), with the same
+    outputs to the bit on the CPU (the step runs the same two operators there), on real
+    photos; an ADD whose output something else reads too is left alone."""
+    _require_models(installed_models)
+    for path, pairs in ((landmarker_bundle.face_landmarks_detector, 34),
+                        (installed_models["face_landmark_with_attention"], 66)):
+        plain, fused = tflite_convert.convert(path).eval(), tflite_convert.convert(path).eval()
+        assert tflite_convert.fuse_residual_prelus(fused) == pairs
+        assert tflite_convert.fuse_residual_prelus(fused) == 0
+        assert len(fused.steps) == len(plain.steps) - pairs
+        assert sum(isinstance(step.compute, tflite_ops.ResidualPRelu) for step in fused.steps) == pairs
+        size = plain.input_shapes[0][1]
+        inputs = torch.from_numpy(np.stack([
+            cv2.resize(photo, (size, size)) for photo in photos.values()]).astype(np.float32) / 127.5 - 1)
+        with torch.inference_mode():
+            for expected, got in zip(plain(inputs), fused(inputs)):
+                assert torch.equal(expected, got)
+    # The first block's sum made a model output too: that pair stays apart.
+    watched = tflite_convert.convert(landmarker_bundle.face_landmarks_detector).eval()
+    first_add = next(step for step in watched.steps if step.op_type == "ADD")
+    watched.output_slots.append(first_add.output_slots[0])
+    assert tflite_convert.fuse_residual_prelus(watched) == 33
+
+
 @pytest.mark.parametrize("name, moved", [("face_detection_full_range", 40),
                                          ("face_landmark_with_attention", 66)])
 def test_moving_depthwise_biases_into_their_readers_changes_no_output(installed_models, photos,

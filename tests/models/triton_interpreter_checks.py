@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import skimage.data
 import torch
+import torch.nn.functional as F
 
 from facecast.models import nms, roi, triton_kernels
 from triton_inputs import (SPECS, assert_same_clusters, crop_rects, faces_for_geometry, faces_to_filter,
@@ -155,3 +156,24 @@ def test_the_kernel_normalises_layers_as_the_chain(interpreted, layout):
     assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
     assert got.stride() == x.stride()
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("residual", [False, True], ids=["prelu", "add+prelu"])
+def test_the_kernel_applies_prelus_as_pytorch(interpreted, dtype, residual):
+    """tflite_ops.ChannelPRelu's F.prelu (and ResidualPRelu's of a sum) against the kernel, bit for
+    bit, over a channels-last image of 24 channels whose size is no multiple of the kernel's
+    block; an image held otherwise, or a residual held otherwise than x, is left to PyTorch."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 24, 13, 17, generator=gen) * 3).to(dtype).contiguous(memory_format=torch.channels_last)
+    other = (torch.randn(3, 24, 13, 17, generator=gen) * 3).to(dtype).contiguous(memory_format=torch.channels_last)
+    alpha = (torch.rand(24, generator=gen) - 0.3).to(dtype)
+    expected = F.prelu(x + other if residual else x, alpha)
+    got = triton_kernels.prelu(x, alpha, other if residual else None)
+    assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert got.dtype == dtype and got.stride() == x.stride()
+    assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+    assert (expected < 0).any() and (expected > 0).any()  # both sides of the PRELU were taken
+    assert triton_kernels.prelu(x.contiguous(), alpha) is None
+    if residual:
+        assert triton_kernels.prelu(x, alpha, other.contiguous()) is None
