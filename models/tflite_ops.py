@@ -235,8 +235,33 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 #         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms (float16).
 #     cuDNN's fused convolution + add + ReLU (for a residual add) was slower than all three
 #     passes (25 ms for the same depthwise convolutions), and PyTorch's own depthwise kernel
-#     slower than cuDNN's at these batches: neither is used. The sums are the same up to float
-#     rounding (fp16: the outputs of a 1x1 convolution within 1 unit in the last place).
+#     slower than cuDNN's at these batches but for a few float16 shapes (Note [Float16
+#     depthwise convolutions]). The sums are the same up to float rounding (fp16: the outputs
+#     of a 1x1 convolution within 1 unit in the last place).
+
+# Note [Float16 depthwise convolutions]
+#     cuDNN's float16 depthwise convolutions over channels_last activations are its fastest for
+#     most of the models' shapes, but for two kinds of the landmark models' it is several times
+#     slower than the alternatives (H100, cuDNN 9.19, 64 faces, each convolution in a CUDA
+#     graph with its bias, bench/conv_kernels.py, 2026-11-27):
+#       - few channels over many pixels: the v2 landmarker's four 8-channel 128x128
+#         convolutions took 180 us each, 94 as cuDNN's float32 convolution with the casts to
+#         and from float32 (103 in PyTorch's own kernel). The full-range detector's 8-channel
+#         96x96 ones at 288 inputs are fast (105 us; 248 in float32), so the rule is both:
+#         at most FLOAT32_DEPTHWISE_MAX_CHANNELS channels over at least
+#         FLOAT32_DEPTHWISE_MIN_PIXELS pixels;
+#       - 2x2 images: the v2 landmarker's five 64-channel ones 35 us each, the attention mesh's
+#         five 32-channel ones 20, PyTorch's own kernel 4.7 and 4.5 (its 128-channel ones 2.5
+#         either way): at most NATIVE_DEPTHWISE_MAX_PIXELS pixels.
+#     The others stay cuDNN's (within 1 us of the best, or the best). In float32 cuDNN was the
+#     fastest for every shape. The same sums: the float32 convolution rounds once to float16
+#     where cuDNN's float16 one rounds the sum and then the sum plus the bias (its outputs are
+#     the more exact), PyTorch's kernel accumulates in float32 as cuDNN's does. The landmark
+#     model's forward at 64 faces in float16, in a CUDA graph: 2.85 ms -> 2.67 with every
+#     depthwise convolution in float32, and with this choice: docs/benchmarks.md.
+FLOAT32_DEPTHWISE_MAX_CHANNELS = 8
+FLOAT32_DEPTHWISE_MIN_PIXELS = 128 * 128
+NATIVE_DEPTHWISE_MAX_PIXELS = 2 * 2
 
 # Note [Convolutions on the CPU]
 #     On a GPU: Note [Convolutions on the GPU]. On the CPU, F.conv2d picks its kernel by a
@@ -340,9 +365,26 @@ class Conv2d(torch.nn.Module):
         if fused_relu:
             return torch.cudnn_convolution_relu(x, self.weight, self.bias, self.stride,
                                                 self.conv_padding, self.dilation, self.groups)
+        if self.groups > 1 and x.dtype == torch.float16:
+            return self._float16_depthwise(x)
         y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
                      self.groups)
         return _apply_activation(y, self.activation)
+
+    def _float16_depthwise(self, x: torch.Tensor) -> torch.Tensor:
+        """A float16 depthwise convolution on a GPU (padded already): cuDNN's, or where it is
+        measured slow, cuDNN's float32 one or PyTorch's own (Note [Float16 depthwise
+        convolutions])."""
+        channels, pixels = x.shape[1], x.shape[2] * x.shape[3]
+        geometry = (self.stride, self.conv_padding, self.dilation, self.groups)
+        if channels <= FLOAT32_DEPTHWISE_MAX_CHANNELS and pixels >= FLOAT32_DEPTHWISE_MIN_PIXELS:
+            bias = self.bias.float() if self.bias is not None else None
+            y = F.conv2d(x.float(), self.weight.float(), bias, *geometry)
+            return _apply_activation(y, self.activation).half()
+        if pixels <= NATIVE_DEPTHWISE_MAX_PIXELS:
+            with torch.backends.cudnn.flags(enabled=False):
+                return _apply_activation(F.conv2d(x, self.weight, self.bias, *geometry), self.activation)
+        return _apply_activation(F.conv2d(x, self.weight, self.bias, *geometry), self.activation)
 
     def is_pointwise(self) -> bool:
         """A 1x1, stride-1, unpadded, ungrouped convolution: a matrix product of the NHWC rows."""

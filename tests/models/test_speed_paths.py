@@ -379,6 +379,40 @@ def test_each_gpu_convolution_kernel_is_the_convolution(dtype):
             (weight_shape, stride, groups, activation)
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_float16_depthwise_convolutions_take_the_kernel_chosen_for_their_shape(monkeypatch):
+    """Note [Float16 depthwise convolutions]: 8 channels over 128x128 run cuDNN's float32
+    convolution, 2x2 images PyTorch's own kernel, the rest cuDNN's float16 one; each is the
+    convolution (against float32 on the CPU) to float16 rounding."""
+    generator = torch.Generator().manual_seed(12)
+    seen = []
+    conv2d = F.conv2d
+
+    def watched(x, *args, **kwargs):
+        seen.append((x.dtype, torch.backends.cudnn.enabled))
+        return conv2d(x, *args, **kwargs)
+
+    cases = [((2, 8, 128, 128), (torch.float32, True)), ((16, 64, 2, 2), (torch.float16, False)),
+             ((4, 16, 64, 64), (torch.float16, True))]
+    for shape, expected_kernel in cases:
+        channels = shape[1]
+        x = torch.randn(shape, generator=generator)
+        weight = torch.randn(channels, 1, 3, 3, generator=generator) * 0.3
+        bias = torch.randn(channels, generator=generator)
+        conv = tflite_ops.Conv2d(weight.numpy(), bias.numpy(), (1, 1), (1, 1), channels, (1, 1, 1, 1), 0)
+        expected = F.conv2d(F.pad(x, (1, 1, 1, 1)), weight, bias, groups=channels)
+        conv = conv.to("cuda", dtype=torch.float16)
+        conv.weight = conv.weight.contiguous(memory_format=torch.channels_last)
+        seen.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(F, "conv2d", watched)
+            got = conv(x.to("cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last))
+        assert seen == [expected_kernel], shape
+        assert got.dtype == torch.float16 and got.shape == expected.shape
+        assert torch.allclose(got.float().cpu(), expected, atol=1e-2, rtol=1e-2), shape
+
+
 def test_channel_prelu_is_the_tflite_formula(installed_models):
     _require_models(installed_models)
     alpha = torch.tensor([0.25, -0.5, 2.0]).reshape(1, 3, 1, 1)
