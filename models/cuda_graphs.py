@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from facecast.models import triton_kernels
+
 log = logging.getLogger(__name__)
 
 # Note [CUDA graphs of the pipeline]
@@ -190,16 +192,17 @@ class Captured:
         self.fn = fn
         previous = torch.cuda.current_stream(device)
         side.wait_stream(previous)  # the cache's one side stream (Note [One side stream])
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation (cuDNN plans, cached index tensors) stays out of the graph
-                fn()
-        previous.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.outputs = fn()
-        finally:
-            torch.cuda.set_stream(previous)
+        with triton_kernels.graph_work():  # the kernels for graphs only (Note [PReLUs in one kernel])
+            with torch.cuda.stream(side):
+                for _ in range(2):  # lazy initialisation (cuDNN plans, cached index tensors) stays out of the graph
+                    fn()
+            previous.wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.outputs = fn()
+            finally:
+                torch.cuda.set_stream(previous)
 
     def replay(self):
         self.graph.replay()

@@ -105,10 +105,18 @@ Note [PReLUs in one kernel]
     their sum. The sum is rounded to the activation's dtype before the PRELU, as PyTorch's ADD
     stores it, and the PRELU is PyTorch's (x if x > 0 else slope · x, in float32, rounded
     once): the same values, bit for bit. Images in other layouts run PyTorch's kernels.
+    Only in CUDA graphs (their warm-up runs and capture: `graph_work`, cuda_graphs.Captured):
+    on the host a Triton launch costs more than PyTorch's, and eager runs are bound by the
+    host's launches. With the kernel in eager runs too, the stacks in float32 without graphs
+    were slower: FaceLandmarker's 5,471 -> 4,733 faces/s at 64 faces, the attention mesh's
+    7,161 -> 5,277, while in float16 with graphs they went 12,674 -> 15,399 and 12,778 ->
+    16,367 (bench/models.py, H100, one loan, 2026-11-27).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -135,6 +143,7 @@ PRELU_DTYPES = (torch.float16, torch.float32)
 MAX_FILTERED = 1024
 
 _unavailable: str | None = None  # why no kernel can be used here (Triton missing, its import)
+_graph_work = contextvars.ContextVar("facecast_graph_work", default=False)  # see graph_work
 _failed: dict[str, str] = {}  # kernel name -> why it is not used, once it failed
 
 
@@ -282,12 +291,25 @@ def layer_norm_over_channels(x: torch.Tensor, gamma: torch.Tensor, eps: float) -
         x.stride(3), channels, float(eps)), BLOCK_P=LAYER_NORM_BLOCK, BLOCK_C=max(16, _power_of_two(channels)))
 
 
+@contextlib.contextmanager
+def graph_work():
+    """The work of a CUDA graph (its warm-up runs and its capture, cuda_graphs.Captured): the
+    kernels that pay only where the host's launches are not replayed (`prelu`) serve
+    meanwhile."""
+    token = _graph_work.set(True)
+    try:
+        yield
+    finally:
+        _graph_work.reset(token)
+
+
 def prelu(x: torch.Tensor, alpha: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """F.prelu(x, alpha), or with ``residual`` F.prelu(x + residual, alpha), of an image (N, C,
     H, W) held channels-last, in one kernel (Note [PReLUs in one kernel]); None where the kernel
-    cannot serve (another layout or dtype, a residual held otherwise than x)."""
-    if (x.dim() != 4 or x.dtype not in PRELU_DTYPES or not x.is_contiguous(memory_format=torch.channels_last)
-            or alpha.numel() != x.shape[1] or x.numel() >= 2 ** 31
+    cannot serve (outside `graph_work`, another layout or dtype, a residual held otherwise than
+    x)."""
+    if (not _graph_work.get() or x.dim() != 4 or x.dtype not in PRELU_DTYPES
+            or not x.is_contiguous(memory_format=torch.channels_last) or alpha.numel() != x.shape[1] or x.numel() >= 2 ** 31
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                           or residual.stride() != x.stride()))
             or unavailable_reason(x.device, "facecast_prelu") is not None):

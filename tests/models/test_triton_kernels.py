@@ -223,11 +223,11 @@ def test_on_the_gpu_the_blendshape_models_layer_norms_are_one_kernel_each(landma
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "fp16"])
-def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_values(landmarker_bundle, monkeypatch,
-                                                                                    half):
+def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_values(landmarker_bundle, half):
     """Note [PReLUs in one kernel]: on the GPU machine a PRELU and a residual ADD+PRELU are one
-    kernel with PyTorch's values to the bit, and so is the v2 landmarker prepared as the face
-    stack prepares it (its 34 residual pairs fused), with the kernels and without them."""
+    kernel in a graph's work with PyTorch's values to the bit, and so is the v2 landmarker
+    prepared as the face stack prepares it (its 34 residual pairs fused): in a graph's work with
+    the kernels, eagerly without them."""
     import torch.nn.functional as F
 
     from facecast.models import tflite_convert, tflite_ops
@@ -238,17 +238,17 @@ def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_val
     x, other = ((torch.randn(64, 16, 128, 128, generator=gen) * 3).to("cuda", dtype)
                 .contiguous(memory_format=torch.channels_last) for _ in range(2))
     alpha = (torch.rand(16, generator=gen) - 0.3).to("cuda", dtype)
-    assert torch.equal(triton_kernels.prelu(x, alpha), F.prelu(x, alpha))
-    assert torch.equal(triton_kernels.prelu(x, alpha, other), F.prelu(x + other, alpha))
+    with triton_kernels.graph_work():
+        assert torch.equal(triton_kernels.prelu(x, alpha), F.prelu(x, alpha))
+        assert torch.equal(triton_kernels.prelu(x, alpha, other), F.prelu(x + other, alpha))
     pipeline = FacePipeline("cuda", half=half)
     model = pipeline._prepare(tflite_convert.convert(landmarker_bundle.face_landmarks_detector))
     assert sum(isinstance(step.compute, tflite_ops.ResidualPRelu) for step in model.steps) == 34
     crops = (torch.rand(64, 256, 256, 3, generator=gen) * 2 - 1).to("cuda", dtype)
     with torch.inference_mode():
-        fused = model(crops)
-        with monkeypatch.context() as without:
-            without.setattr(triton_kernels, "_unavailable", "left out for the comparison")
-            plain = model(crops)
+        with triton_kernels.graph_work():
+            fused = model(crops)
+        plain = model(crops)  # eagerly: PyTorch's kernels
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
 
