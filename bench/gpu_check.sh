@@ -33,8 +33,9 @@
 #   newcomers_ab  newcomers on .base/ and on this tree, one after the other (5, H100)
 #   models_ab     bench/models.py at batch 64, fp16 with graphs, compiled and not, on .base/ and
 #                 on this tree, one after the other (8)
-#   triton        bench/kernels.py: each Triton kernel (crops, weighted NMS, duplicate filter)
-#                 against the PyTorch chain it replaces (0.5)
+#   triton        bench/kernels.py: each Triton kernel (crops, detections' decoding, weighted NMS,
+#                 duplicate filter, transformation matrix, layer norm, PReLUs) against the PyTorch
+#                 chain it replaces (0.5)
 #   phases        the daemon at 32 and 64 replayed cameras genlocked (every camera at phase 0,
 #                 as before 2026-11-27) and free-running (each at its own phase, the default),
 #                 one after the other (Note [Capture phases]) (6, H100); `genlocked`: its
@@ -136,6 +137,8 @@ run)
                 echo "$(date -u +%H:%M:%S) gpu_tests: no PyAV, decoding tests left out" >> "$STATE/steps.txt"
             fi
             # $GPU_TESTS (paths) runs those files only: a session's short check of what changed.
+            # Keep each folder's files together: with a file of tests/ between two of
+            # tests/models/, the later ones' conftest fixtures were "not found" (2026-11-27).
             step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider -p no:xdist --durations=30 $without_av \
                 ${GPU_TESTS:-tests/models tests/test_cuda_rules.py tests/test_foreign_writer.py \
                 tests/test_daemon_gpu.py tests/test_real_footage_gpu.py tests} ;;
