@@ -28,7 +28,9 @@ landmarks (tests/models/triton_inputs.py); apart: the matrices' largest differen
 operators as PyTorch's kernels against the kernel; apart: the largest difference.
 *PReLUs*: the v2 landmarker's largest activation (64 faces, 16 channels of 128x128, channels
 last), float16 and float32: F.prelu, and a residual ADD with its PRELU (two kernels), against
-the kernel; apart: the largest difference (0: the same values).
+the kernel; apart: the largest difference (0: the same values). A depthwise convolution's
+bias (the full-range detector's largest output, 288 × 32 × 96 × 96, float16): PyTorch's add in
+place against the kernel, each on a fresh copy (`clone_ms`: the copy alone).
 Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
 Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
 launches). `prepare_s`: compiling the crop kernel's four variants in this process (from
@@ -197,6 +199,17 @@ def prelus(device) -> dict:
 
 def _prelus(device) -> dict:
     found = {}
+    gen = torch.Generator().manual_seed(6)
+    out = (torch.randn(288, 32, 96, 96, generator=gen) * 3).to(device, torch.float16).contiguous(
+        memory_format=torch.channels_last)
+    bias = torch.randn(32, generator=gen).to(device, torch.float16)
+    summed = out.clone()
+    triton_kernels.add_channel_bias(summed, bias)
+    found["a depthwise convolution's bias, the full-range detector's largest (288 x 32 x 96 x 96), float16"] = {
+        "chain_ms": device_ms(lambda: out.clone().add_(bias.reshape(1, -1, 1, 1))),
+        "kernel_ms": device_ms(lambda: triton_kernels.add_channel_bias(out.clone(), bias)),
+        "clone_ms": device_ms(lambda: out.clone()),
+        "apart": (summed.float() - (out + bias.reshape(1, -1, 1, 1)).float()).abs().max().item()}
     gen = torch.Generator().manual_seed(4)
     for dtype in (torch.float16, torch.float32):
         x, other = ((torch.randn(64, 16, 128, 128, generator=gen) * 3).to(device, dtype)

@@ -372,9 +372,9 @@ class Conv2d(torch.nn.Module):
         return _apply_activation(y, self.activation)
 
     def _float16_depthwise(self, x: torch.Tensor) -> torch.Tensor:
-        """A float16 depthwise convolution on a GPU (padded already): cuDNN's, or where it is
-        measured slow, cuDNN's float32 one or PyTorch's own (Note [Float16 depthwise
-        convolutions])."""
+        """A float16 depthwise convolution on a GPU (padded already): cuDNN's, its bias added by
+        one kernel of ours (Note [A convolution's bias in one kernel]), or where it is measured
+        slow, cuDNN's float32 one or PyTorch's own (Note [Float16 depthwise convolutions])."""
         channels, pixels = x.shape[1], x.shape[2] * x.shape[3]
         geometry = (self.stride, self.conv_padding, self.dilation, self.groups)
         if channels <= FLOAT32_DEPTHWISE_MAX_CHANNELS and pixels >= FLOAT32_DEPTHWISE_MIN_PIXELS:
@@ -384,7 +384,10 @@ class Conv2d(torch.nn.Module):
         if pixels <= NATIVE_DEPTHWISE_MAX_PIXELS:
             with torch.backends.cudnn.flags(enabled=False):
                 return _apply_activation(F.conv2d(x, self.weight, self.bias, *geometry), self.activation)
-        return _apply_activation(F.conv2d(x, self.weight, self.bias, *geometry), self.activation)
+        y = F.conv2d(x, self.weight, None, *geometry)
+        if self.bias is not None and triton_kernels.add_channel_bias(y, self.bias) is None:
+            y.add_(self.bias.reshape(1, -1, 1, 1))  # PyTorch's own pass after cuDNN, as F.conv2d's
+        return _apply_activation(y, self.activation)
 
     def is_pointwise(self) -> bool:
         """A 1x1, stride-1, unpadded, ungrouped convolution: a matrix product of the NHWC rows."""

@@ -376,3 +376,15 @@ def facecast_prelu(x, residual, alpha, out, count, channels,
     values = values.to(tl.float32)
     slope = tl.load(alpha + p % channels, mask=inside, other=0.0).to(tl.float32)
     tl.store(out + p, tl.where(values > 0, values, slope * values).to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit(do_not_specialize=["channels"])
+def facecast_channel_bias(x, bias, count, channels, BLOCK: tl.constexpr):
+    """x + bias[channel] into x, of BLOCK values of a channels-last image (flat position p is
+    channel p % channels), summed in float32 and rounded once to x's dtype, as PyTorch's add
+    (Note [A convolution's bias in one kernel])."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = p < count
+    values = tl.load(x + p, mask=inside, other=0.0)
+    summed = values.to(tl.float32) + tl.load(bias + p % channels, mask=inside, other=0.0).to(tl.float32)
+    tl.store(x + p, summed.to(values.dtype), mask=inside)

@@ -1,7 +1,8 @@
 """Kernels of facecast's own for chains of PyTorch kernels on a GPU, in Triton: the crops of
 :func:`facecast.models.roi.crop_rois`, the detectors' decoding and the clustering of their
 weighted NMS, the face stack's duplicate filter and transformation matrix, the layer norms
-of the blendshape model, and the landmark models' PReLUs (with the residual add before them). This module decides whether they can run
+of the blendshape model, the landmark models' PReLUs (with the residual add before them) and
+the float16 depthwise convolutions' biases. This module decides whether they can run
 and launches them; their code is triton_kernel_code.py, imported only then.
 
 Note [Kernels of our own]
@@ -111,6 +112,17 @@ Note [PReLUs in one kernel]
     were slower: FaceLandmarker's 5,471 -> 4,733 faces/s at 64 faces, the attention mesh's
     7,161 -> 5,277, while in float16 with graphs they went 12,674 -> 15,399 and 12,778 ->
     16,367 (bench/models.py, H100, one loan, 2026-11-27).
+
+Note [A convolution's bias in one kernel]
+    PyTorch adds a cuDNN convolution's bias in a pass of its own (Note [Convolutions on the
+    GPU]), a broadcast over channels_last outputs that its elementwise kernels do without
+    vectorised loads. For the float16 depthwise convolutions, whose biases stay where they are
+    (that Note says why), those passes were most of their time: the full-range detector's 42 at
+    288 inputs took 2.82 ms with their biases and 1.25 without (H100, 2026-11-27,
+    bench/conv_kernels.py). Here one kernel adds the bias into the convolution's output where
+    it lies, read as the flat array it is: the same sum in float32 rounded once, the same
+    values as PyTorch's pass, bit for bit. In CUDA graphs only, as the PReLUs (Note [PReLUs in
+    one kernel]); elsewhere and for other layouts, PyTorch's pass.
 """
 
 from __future__ import annotations
@@ -135,9 +147,9 @@ CROP_DTYPES = (torch.float32, torch.float16)
 LAYER_NORM_BLOCK = 16
 # Anchors per program of the detectors' decoding.
 DECODE_BLOCK = 128
-# Values per program of the PReLUs.
+# Values per program of the PReLUs and of the biases.
 PRELU_BLOCK = 1024
-# The PReLUs' activation dtypes.
+# The PReLUs' (and the biases') activation dtypes.
 PRELU_DTYPES = (torch.float16, torch.float32)
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
@@ -321,6 +333,21 @@ def prelu(x: torch.Tensor, alpha: torch.Tensor, residual: torch.Tensor | None = 
     return _launch(out, "facecast_prelu", (-(-count // PRELU_BLOCK),), (
         x, x if residual is None else residual, alpha.to(x.dtype).contiguous(), out, count, x.shape[1]),
         RESIDUAL=residual is not None, BLOCK=PRELU_BLOCK)
+
+
+def add_channel_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None:
+    """``x`` with ``bias`` (one per channel) added in place, for an image (N, C, H, W) held
+    channels-last, in one kernel (Note [A convolution's bias in one kernel]); None, and ``x``
+    untouched, where the kernel cannot serve (outside `graph_work`, another layout or dtype)."""
+    if (not _graph_work.get() or x.dim() != 4 or x.dtype not in PRELU_DTYPES
+            or not x.is_contiguous(memory_format=torch.channels_last) or bias.numel() != x.shape[1]
+            or x.numel() >= 2 ** 31 or unavailable_reason(x.device, "facecast_channel_bias") is not None):
+        return None
+    count = x.numel()
+    if count == 0:
+        return x
+    return _launch(x, "facecast_channel_bias", (-(-count // PRELU_BLOCK),), (
+        x, bias.to(x.dtype).contiguous(), count, x.shape[1]), BLOCK=PRELU_BLOCK)
 
 
 def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,

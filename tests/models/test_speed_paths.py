@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from facecast.models import anchors, cuda_graphs, face_detection, face_mesh, roi, tflite_convert, tflite_ops
+from facecast.models import (anchors, cuda_graphs, face_detection, face_mesh, roi, tflite_convert, tflite_ops,
+                             triton_kernels)
 from facecast.models.nms import box_iou, weighted_nms
 from facecast.models.pipeline import FacePipeline
 
@@ -384,7 +385,8 @@ def test_each_gpu_convolution_kernel_is_the_convolution(dtype):
 def test_float16_depthwise_convolutions_take_the_kernel_chosen_for_their_shape(monkeypatch):
     """Note [Float16 depthwise convolutions]: 8 channels over 128x128 run cuDNN's float32
     convolution, 2x2 images PyTorch's own kernel, the rest cuDNN's float16 one; each is the
-    convolution (against float32 on the CPU) to float16 rounding."""
+    convolution (against float32 on the CPU) to float16 rounding. In a graph's work the last
+    one's bias is our kernel's, with F.conv2d's values to the bit."""
     generator = torch.Generator().manual_seed(12)
     seen = []
     conv2d = F.conv2d
@@ -411,6 +413,11 @@ def test_float16_depthwise_convolutions_take_the_kernel_chosen_for_their_shape(m
         assert seen == [expected_kernel], shape
         assert got.dtype == torch.float16 and got.shape == expected.shape
         assert torch.allclose(got.float().cpu(), expected, atol=1e-2, rtol=1e-2), shape
+        if expected_kernel == (torch.float16, True):  # Note [A convolution's bias in one kernel]
+            x16 = x.to("cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+            with triton_kernels.graph_work():
+                fused = conv(x16)
+            assert torch.equal(fused, F.conv2d(x16, conv.weight, conv.bias, 1, 1, 1, channels))
 
 
 def test_channel_prelu_is_the_tflite_formula(installed_models):

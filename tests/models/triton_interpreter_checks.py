@@ -180,3 +180,21 @@ def test_the_kernel_applies_prelus_as_pytorch(interpreted, dtype, residual):
         assert triton_kernels.prelu(x.contiguous(), alpha) is None
         if residual:
             assert triton_kernels.prelu(x, alpha, other.contiguous()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_kernel_adds_a_convolutions_bias_as_pytorch(interpreted, dtype):
+    """A depthwise convolution's bias (tflite_ops.Conv2d._float16_depthwise) added in place by
+    the kernel: PyTorch's add's values, bit for bit, in a CUDA graph's work only; elsewhere
+    (and for an image held otherwise) None, the output untouched."""
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(2, 40, 9, 11, generator=gen) * 3).to(dtype).contiguous(memory_format=torch.channels_last)
+    bias = (torch.randn(40, generator=gen) * 2).to(dtype)
+    expected = x + bias.reshape(1, -1, 1, 1)
+    kept = x.clone()
+    assert triton_kernels.add_channel_bias(x, bias) is None and torch.equal(x, kept)
+    with triton_kernels.graph_work():
+        assert triton_kernels.add_channel_bias(x.contiguous(), bias) is None
+        got = triton_kernels.add_channel_bias(x, bias)
+    assert got is x, triton_kernels.unavailable_reason(torch.device("cpu"))
+    assert torch.equal(x, expected), (x.float() - expected.float()).abs().max()
