@@ -122,7 +122,11 @@ Note [A convolution's bias in one kernel]
     bench/conv_kernels.py). Here one kernel adds the bias into the convolution's output where
     it lies, read as the flat array it is: the same sum in float32 rounded once, the same
     values as PyTorch's pass, bit for bit. In CUDA graphs only, as the PReLUs (Note [PReLUs in
-    one kernel]); elsewhere and for other layouts, PyTorch's pass.
+    one kernel]); elsewhere and for other layouts, PyTorch's pass. The detector's largest bias
+    (288 x 32 x 96 x 96) took 0.25 ms as PyTorch's pass and 0.12 in the kernel
+    (bench/kernels.py); detection over 32 1080p frames in float16 with graphs 4.63 -> 4.39 ms,
+    the FaceLandmarker stack at 64 faces the same within the noise (one process, turns
+    alternating, H100, 2026-11-27).
 """
 
 from __future__ import annotations
