@@ -126,7 +126,7 @@ Note [A convolution's bias in one kernel]
     (288 x 32 x 96 x 96) took 0.25 ms as PyTorch's pass and 0.12 in the kernel
     (bench/kernels.py); detection over 32 1080p frames in float16 with graphs 4.63 -> 4.39 ms,
     the FaceLandmarker stack at 64 faces the same within the noise (one process, turns
-    alternating, H100, 2026-11-27).
+    alternating, H100, 2026-11-27 13:13 UTC).
 """
 
 from __future__ import annotations
