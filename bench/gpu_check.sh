@@ -137,11 +137,14 @@ run)
                 echo "$(date -u +%H:%M:%S) gpu_tests: no PyAV, decoding tests left out" >> "$STATE/steps.txt"
             fi
             # $GPU_TESTS (paths) runs those files only: a session's short check of what changed.
-            # Keep each folder's files together: with a file of tests/ between two of
-            # tests/models/, the later ones' conftest fixtures were "not found" (2026-11-27).
+            # Sorted, so that each folder's files come together: with a file of tests/ between
+            # two of tests/models/, the later ones' conftest fixtures were "not found" on the
+            # GPU machine's pytest (2026-11-27).
+            test_paths="tests/models tests/test_cuda_rules.py tests/test_foreign_writer.py
+                tests/test_daemon_gpu.py tests/test_real_footage_gpu.py tests"
+            [ -n "${GPU_TESTS:-}" ] && test_paths=$(printf '%s\n' $GPU_TESTS | sort)
             step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider -p no:xdist --durations=30 $without_av \
-                ${GPU_TESTS:-tests/models tests/test_cuda_rules.py tests/test_foreign_writer.py \
-                tests/test_daemon_gpu.py tests/test_real_footage_gpu.py tests} ;;
+                $test_paths ;;
         real_footage) step real_footage bash -c "cd bench && python3 real_footage.py \
             ${FACECAST_REAL_FOOTAGE//:/ } --out '$STATE/benchmarks-real-footage.json' \
             --log-dir '$STATE/logs'" ;;
