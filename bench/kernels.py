@@ -205,7 +205,8 @@ def _prelus(device) -> dict:
     bias = torch.randn(32, generator=gen).to(device, torch.float16)
     summed = out.clone()
     triton_kernels.add_channel_bias(summed, bias)
-    found["a depthwise convolution's bias, the full-range detector's largest (288 x 32 x 96 x 96), float16"] = {
+    name = "a depthwise convolution's bias, the full-range detector's largest (288 x 32 x 96 x 96), float16"
+    found[name] = {
         "chain_ms": device_ms(lambda: out.clone().add_(bias.reshape(1, -1, 1, 1))),
         "kernel_ms": device_ms(lambda: triton_kernels.add_channel_bias(out.clone(), bias)),
         "clone_ms": device_ms(lambda: out.clone()),

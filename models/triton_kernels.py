@@ -16,9 +16,14 @@ Note [Kernels of our own]
     compile the rest (Captured in cuda_graphs.py), so no batch waits for a compilation and none
     happens while a graph is captured (without graphs, a detection pass's decoding and NMS
     compile at the first pass). A kernel is compiled once per value of its constants (the
-    block sizes, the slots, the border and channel order, the output's dtype), a few in all. Integer arguments and pointers are not specialised on
-    (`do_not_specialize`): another size or an address with other alignment never needs another
-    compilation. Kernels are compiled without fused multiply-adds (`enable_fp_fusion=False`):
+    block sizes, the slots, the border and channel order, the output's dtype), a few in all.
+    Integer arguments and pointers are not specialised on (`do_not_specialize`): another size
+    or an address with other alignment never needs another compilation. But for the two
+    memory-bound passes of graphs only (the PReLUs and the biases, Note [PReLUs in one
+    kernel]), whose loads are vectorised only where Triton knows their pointers 16-byte
+    aligned and their count a multiple of 16: those are specialised, a variant or two a
+    dtype, compiled by the graph's warm-up runs for the shapes and alignments its capture then
+    meets (the allocator's blocks are aligned alike). Kernels are compiled without fused multiply-adds (`enable_fp_fusion=False`):
     each multiply and add is rounded on its own, as PyTorch's kernels round them. Where Triton
     is missing or cannot compile (it builds its launcher with the machine's C compiler), the
     PyTorch chains run as before and the reason is logged once; a kernel whose compilation or
@@ -310,8 +315,8 @@ def layer_norm_over_channels(x: torch.Tensor, gamma: torch.Tensor, eps: float) -
 @contextlib.contextmanager
 def graph_work():
     """The work of a CUDA graph (its warm-up runs and its capture, cuda_graphs.Captured): the
-    kernels that pay only where the host's launches are not replayed (`prelu`) serve
-    meanwhile."""
+    kernels that pay only where the host's launches are replayed, not made again (`prelu`,
+    `add_channel_bias`: Note [PReLUs in one kernel]), serve meanwhile."""
     token = _graph_work.set(True)
     try:
         yield
@@ -325,7 +330,8 @@ def prelu(x: torch.Tensor, alpha: torch.Tensor, residual: torch.Tensor | None = 
     cannot serve (outside `graph_work`, another layout or dtype, a residual held otherwise than
     x)."""
     if (not _graph_work.get() or x.dim() != 4 or x.dtype not in PRELU_DTYPES
-            or not x.is_contiguous(memory_format=torch.channels_last) or alpha.numel() != x.shape[1] or x.numel() >= 2 ** 31
+            or not x.is_contiguous(memory_format=torch.channels_last) or alpha.numel() != x.shape[1]
+            or x.numel() >= 2 ** 31  # the kernel's int32 positions
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                           or residual.stride() != x.stride()))
             or unavailable_reason(x.device, "facecast_prelu") is not None):
@@ -345,7 +351,8 @@ def add_channel_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None
     untouched, where the kernel cannot serve (outside `graph_work`, another layout or dtype)."""
     if (not _graph_work.get() or x.dim() != 4 or x.dtype not in PRELU_DTYPES
             or not x.is_contiguous(memory_format=torch.channels_last) or bias.numel() != x.shape[1]
-            or x.numel() >= 2 ** 31 or unavailable_reason(x.device, "facecast_channel_bias") is not None):
+            or x.numel() >= 2 ** 31  # the kernel's int32 positions
+            or unavailable_reason(x.device, "facecast_channel_bias") is not None):
         return None
     count = x.numel()
     if count == 0:
