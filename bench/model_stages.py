@@ -20,7 +20,10 @@ of 10:13 that day had no row for them; its run of 11:51 added every device event
 a second time, the steps' GPU ranges too, as "other (no operator)", 92-94 % of its totals.)
 The same stack is then timed replayed from its
 CUDA graphs (``cuda_graphs=True``), wall milliseconds with the device synchronised, as the daemon
-runs it (`stack`: results on the device; `results`: Face objects on the host). On the CPU the
+runs it (`stack`: results on the device, calls queued back to back; `results`: Face objects on
+the host, each call waiting for its own), and a `results` call split in two, each begun with the
+device idle (`results queue`: the host's work until everything is queued; `results wait`: the
+wait for the device and the Face objects). On the CPU the
 figures are each operator's own CPU time instead (a check that the script runs, not a figure to
 report). The inputs are bench/models.py's: faces of real photos pasted into 1080p frames, the
 ROIs from the float32 pipeline's detections, repeated up to the batch.
@@ -174,6 +177,33 @@ def wall_ms(run, device, iters: int) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
+def results_split_ms(measurer, call: tuple, device, iters: int, prefix: str) -> dict:
+    """A `results` call in its two parts, each call begun with the device idle: `queue`, the
+    host's work until the device's work and the copy back are queued (measure_start), and
+    `wait`, the rest (measure_finish: the wait for the device, then the Face objects); medians.
+    Their sum against `stack` (calls queued back to back) says how much of a serial call is
+    host work the device waits for."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        measurer.measure(*call)
+    queue, wait = [], []
+    for _ in range(iters):
+        sync()
+        started = time.perf_counter()
+        pending = measurer.measure_start(*call)
+        queued = time.perf_counter()
+        measurer.measure_finish(pending)
+        queue.append(queued - started)
+        wait.append(time.perf_counter() - queued)
+    return {f"{prefix}_results_queue_ms": float(np.median(queue)) * 1e3,
+            f"{prefix}_results_wait_ms": float(np.median(wait)) * 1e3}
+
+
 def measure(row: dict, graphs: bool, device, iters: int, runs: dict) -> None:
     """Into ``row``: eager, the steps of the first of ``runs`` and its wall time; with graphs, the
     wall time of each of them."""
@@ -237,6 +267,8 @@ def main() -> int:
                         return pipe.measurer.measure(batch8, owners, rects, boxes, scores, tracked)
 
                     measure(row, graphs, device, args.iters, {"stack": stack, "results": results})
+                    row.update(results_split_ms(pipe.measurer, (batch8, owners, rects, boxes, scores, tracked),
+                                                device, args.iters, "graphs" if graphs else "eager"))
                     del pipe
                 data["rows"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
