@@ -192,12 +192,13 @@ def layer_norms(device) -> dict:
             x, gamma, 1e-6)), "apart": (fused - chain()).abs().max().item()}}
 
 
-def prelus(device) -> dict:
-    with triton_kernels.graph_work():  # the kernel serves in a CUDA graph's work only
-        return _prelus(device)
+def channel_passes(device) -> dict:
+    """The PReLUs and a depthwise convolution's bias (the kernels serve a CUDA graph's work only)."""
+    with triton_kernels.graph_work():
+        return _channel_passes(device)
 
 
-def _prelus(device) -> dict:
+def _channel_passes(device) -> dict:
     found = {}
     gen = torch.Generator().manual_seed(6)
     out = (torch.randn(288, 32, 96, 96, generator=gen) * 3).to(device, torch.float16).contiguous(
@@ -279,7 +280,7 @@ def main() -> int:
               "prepare_s": round(time.perf_counter() - started, 2),
               "cases": {**crops(device), **decoding(device), **clustering(device),
                         **duplicates(device), **matrices(device), **layer_norms(device),
-                        **prelus(device)}}
+                        **channel_passes(device)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| case | PyTorch chain ms | kernel ms | × |")

@@ -156,10 +156,10 @@ CROP_DTYPES = (torch.float32, torch.float16)
 LAYER_NORM_BLOCK = 16
 # Anchors per program of the detectors' decoding.
 DECODE_BLOCK = 128
-# Values per program of the PReLUs and of the biases.
-PRELU_BLOCK = 1024
-# The PReLUs' (and the biases') activation dtypes.
-PRELU_DTYPES = (torch.float16, torch.float32)
+# Values per program of the per-channel passes over channels-last images (the PReLUs, the biases).
+CHANNEL_PASS_BLOCK = 1024
+# Their activations' dtypes.
+CHANNEL_PASS_DTYPES = (torch.float16, torch.float32)
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
 
@@ -327,38 +327,41 @@ def graph_work():
 def prelu(x: torch.Tensor, alpha: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """F.prelu(x, alpha), or with ``residual`` F.prelu(x + residual, alpha), of an image (N, C,
     H, W) held channels-last, in one kernel (Note [PReLUs in one kernel]); None where the kernel
-    cannot serve (outside `graph_work`, another layout or dtype, a residual held otherwise than
-    x)."""
-    if (not _graph_work.get() or x.dim() != 4 or x.dtype not in PRELU_DTYPES
-            or not x.is_contiguous(memory_format=torch.channels_last) or alpha.numel() != x.shape[1]
-            or x.numel() >= 2 ** 31  # the kernel's int32 positions
-            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                          or residual.stride() != x.stride()))
-            or unavailable_reason(x.device, "facecast_prelu") is not None):
+    cannot serve (`_channel_pass_serves`, or a residual held otherwise than x)."""
+    if (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                  or residual.stride() != x.stride())) \
+            or not _channel_pass_serves(x, alpha, "facecast_prelu"):
         return None
     out = torch.empty_like(x)  # x's strides
     count = x.numel()
     if count == 0:
         return out
-    return _launch(out, "facecast_prelu", (-(-count // PRELU_BLOCK),), (
+    return _launch(out, "facecast_prelu", (-(-count // CHANNEL_PASS_BLOCK),), (
         x, x if residual is None else residual, alpha.to(x.dtype).contiguous(), out, count, x.shape[1]),
-        RESIDUAL=residual is not None, BLOCK=PRELU_BLOCK)
+        RESIDUAL=residual is not None, BLOCK=CHANNEL_PASS_BLOCK)
 
 
 def add_channel_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None:
     """``x`` with ``bias`` (one per channel) added in place, for an image (N, C, H, W) held
     channels-last, in one kernel (Note [A convolution's bias in one kernel]); None, and ``x``
-    untouched, where the kernel cannot serve (outside `graph_work`, another layout or dtype)."""
-    if (not _graph_work.get() or x.dim() != 4 or x.dtype not in PRELU_DTYPES
-            or not x.is_contiguous(memory_format=torch.channels_last) or bias.numel() != x.shape[1]
-            or x.numel() >= 2 ** 31  # the kernel's int32 positions
-            or unavailable_reason(x.device, "facecast_channel_bias") is not None):
+    untouched, where the kernel cannot serve (`_channel_pass_serves`)."""
+    if not _channel_pass_serves(x, bias, "facecast_channel_bias"):
         return None
     count = x.numel()
     if count == 0:
         return x
-    return _launch(x, "facecast_channel_bias", (-(-count // PRELU_BLOCK),), (
-        x, bias.to(x.dtype).contiguous(), count, x.shape[1]), BLOCK=PRELU_BLOCK)
+    return _launch(x, "facecast_channel_bias", (-(-count // CHANNEL_PASS_BLOCK),), (
+        x, bias.to(x.dtype).contiguous(), count, x.shape[1]), BLOCK=CHANNEL_PASS_BLOCK)
+
+
+def _channel_pass_serves(x: torch.Tensor, per_channel: torch.Tensor, kernel: str) -> bool:
+    """Whether a per-channel pass (`prelu`, `add_channel_bias`) can run as ``kernel`` over x: in
+    a graph's work (`graph_work`), an image (N, C, H, W) of CHANNEL_PASS_DTYPES held
+    channels-last (read as the flat array it is), one value of ``per_channel`` a channel, and
+    fewer values than the kernels' int32 positions reach."""
+    return (_graph_work.get() and x.dim() == 4 and x.dtype in CHANNEL_PASS_DTYPES
+            and x.is_contiguous(memory_format=torch.channels_last) and per_channel.numel() == x.shape[1]
+            and x.numel() < 2 ** 31 and unavailable_reason(x.device, kernel) is None)
 
 
 def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,
