@@ -21,6 +21,8 @@ Variants, per convolution, with the model's own weights and the input it gets on
                    float32 convolution with the bias, cast back (in CUDA graphs on an H100,
                    2026-11-27, cuDNN's float16 depthwise convolutions over channels_last took 3.8
                    times its float32 ones: docs/benchmarks.md)
+  Triton dw        float16 depthwise convolutions only: facecast's kernel (triton_kernels.
+                   depthwise_conv: float32 sums, the bias and activation in the same pass)
 Every variant pads as the model needs (an explicit F.pad for TF's asymmetric SAME padding).
 The table sums each variant over the convolutions it applies to, by kind; "F.conv2d" and
 "facecast" apply to all, so their totals compare the models' whole convolution time.
@@ -42,14 +44,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from facecast.models import anchors, assets, tflite_convert, tflite_ops
+from facecast.models import anchors, assets, tflite_convert, tflite_ops, triton_kernels
 from facecast.models.pipeline import FacePipeline
 
 REPS, REPLAYS = 20, 3
 
 
 def graph_us(fn) -> float:
-    """GPU time of one call of `fn`, from CUDA graph replays of REPS calls."""
+    """GPU time of one call of `fn`, from CUDA graph replays of REPS calls; its warm-up and capture
+    are a graph's work, as the models' (triton_kernels.graph_work: "facecast" with its kernels)."""
+    with triton_kernels.graph_work():
+        return _graph_us(fn)
+
+
+def _graph_us(fn) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -125,11 +133,14 @@ def variants(before: tflite_ops.Conv2d, now: tflite_ops.Conv2d, x: torch.Tensor)
         w32, b32 = w.float(), (b.float() if b is not None else None)
         out["in float32"] = lambda: tflite_ops._apply_activation(
             F.conv2d(padded().float(), w32, b32, *geometry), act).half()
+        if before.dilation == (1, 1) and act in triton_kernels.DEPTHWISE_ACTIVATIONS:
+            out["Triton dw"] = lambda: triton_kernels.depthwise_conv(padded(), w, b, before.stride,
+                                                                     before.conv_padding, act)
     return out
 
 
 COLUMNS = ["F.conv2d", "no bias", "fused ReLU", "fused add+ReLU", "PyTorch dw", "rows", "facecast", "NCHW",
-           "NCHW+layout", "in float32"]
+           "NCHW+layout", "in float32", "Triton dw"]
 
 
 def measure(name, before, now, shape, dtype) -> dict:

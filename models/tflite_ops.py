@@ -232,7 +232,11 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 #         moved one box of tests/models/test_speed_paths.py's 32-camera scene (min IoU against
 #         float32 without TF32: 0.9988 without the fold, 0.933 with it; H100);
 #       - any other convolution with a ReLU and a bias is cuDNN's fused convolution, bias and
-#         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms (float16).
+#         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms (float16);
+#       - a 1x1 convolution of an image held as NCHW (the blendshape model's token mixing,
+#         after a transpose) is one batched matrix product of its columns (`pointwise_columns`):
+#         cuDNN wrapped each of those in two or three layout changes (NCHW to NHWC and back), and
+#         the rows of such a tensor are no view (`pointwise_rows` copied them first).
 #     cuDNN's fused convolution + add + ReLU (for a residual add) was slower than all three
 #     passes (25 ms for the same depthwise convolutions), and PyTorch's own depthwise kernel
 #     slower than cuDNN's at these batches but for a few float16 shapes (Note [Float16
@@ -358,6 +362,8 @@ class Conv2d(torch.nn.Module):
                          self.groups)
             return _apply_activation(y, self.activation)
         fused_relu = self.activation == 1 and self.bias is not None
+        if self.is_pointwise() and held_as_nchw(x):
+            return pointwise_columns(x, self.weight, self.bias, self.activation)
         if self.is_pointwise() and not (fused_relu and x.dtype == torch.float32):
             return pointwise_rows(x, self.weight, self.bias, self.activation)
         if self.explicit_padding is not None:
@@ -367,26 +373,35 @@ class Conv2d(torch.nn.Module):
                                                 self.conv_padding, self.dilation, self.groups)
         if self.groups > 1 and x.dtype == torch.float16:
             return self._float16_depthwise(x)
-        y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
-                     self.groups)
-        return _apply_activation(y, self.activation)
+        return self._convolve_then_bias(x)
 
     def _float16_depthwise(self, x: torch.Tensor) -> torch.Tensor:
         """A float16 depthwise convolution on a GPU (padded already): cuDNN's, its bias added by
         one kernel of ours (Note [A convolution's bias in one kernel]), or where it is measured
-        slow, cuDNN's float32 one or PyTorch's own (Note [Float16 depthwise convolutions])."""
+        slow, ours in float32 (in a graph's work), cuDNN's float32 one or PyTorch's own (Note
+        [Float16 depthwise convolutions])."""
         channels, pixels = x.shape[1], x.shape[2] * x.shape[3]
         geometry = (self.stride, self.conv_padding, self.dilation, self.groups)
         if channels <= FLOAT32_DEPTHWISE_MAX_CHANNELS and pixels >= FLOAT32_DEPTHWISE_MIN_PIXELS:
+            y = (triton_kernels.depthwise_conv(x, self.weight, self.bias, self.stride, self.conv_padding,
+                                               self.activation) if self.dilation == (1, 1) else None)
+            if y is not None:  # in a graph's work: one kernel for the four passes below
+                return y
             bias = self.bias.float() if self.bias is not None else None
             y = F.conv2d(x.float(), self.weight.float(), bias, *geometry)
             return _apply_activation(y, self.activation).half()
         if pixels <= NATIVE_DEPTHWISE_MAX_PIXELS:
             with torch.backends.cudnn.flags(enabled=False):
                 return _apply_activation(F.conv2d(x, self.weight, self.bias, *geometry), self.activation)
-        y = F.conv2d(x, self.weight, None, *geometry)
+        return self._convolve_then_bias(x)
+
+    def _convolve_then_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """cuDNN's convolution (padded already), then its bias added in place by one kernel of
+        ours in a graph's work (Note [A convolution's bias in one kernel]), else by PyTorch's
+        own pass, as F.conv2d adds it; then the activation."""
+        y = F.conv2d(x, self.weight, None, self.stride, self.conv_padding, self.dilation, self.groups)
         if self.bias is not None and triton_kernels.add_channel_bias(y, self.bias) is None:
-            y.add_(self.bias.reshape(1, -1, 1, 1))  # PyTorch's own pass after cuDNN, as F.conv2d's
+            y.add_(self.bias.reshape(1, -1, 1, 1))
         return _apply_activation(y, self.activation)
 
     def is_pointwise(self) -> bool:
@@ -446,6 +461,26 @@ def pointwise_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         y = _apply_activation(F.linear(rows, matrix, bias), activation)
     return y.view(batch, height, width, -1).permute(0, 3, 1, 2)
+
+
+def held_as_nchw(x: torch.Tensor) -> bool:
+    """Whether an image (N, C, H, W) lies in memory as NCHW (its NHWC rows are no view): the
+    blendshape model's token-mixing convolutions read a transposed tensor so."""
+    return x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+
+
+def pointwise_columns(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      activation: int) -> torch.Tensor:
+    """A 1x1 convolution (`Conv2d.is_pointwise`) of an image held as NCHW (`held_as_nchw`) as
+    one batched matrix product, (O, C) by each image's (C, H·W) columns, then the bias and the
+    activation in place: NCHW out, as in. cuDNN changed such a tensor to NHWC and its output
+    back, three passes around each of the blendshape model's 16 (Note [Convolutions on the
+    GPU])."""
+    batch, channels, height, width = x.shape
+    y = torch.matmul(weight.reshape(weight.shape[0], channels), x.view(batch, channels, height * width))
+    if bias is not None:
+        y.add_(bias.view(1, -1, 1))
+    return _apply_activation(y.view(batch, -1, height, width), activation)
 
 
 def _conv_bias(op: OpSpec) -> np.ndarray | None:

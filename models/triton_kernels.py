@@ -131,7 +131,10 @@ Note [A convolution's bias in one kernel]
     (288 x 32 x 96 x 96) took 0.25 ms as PyTorch's pass and 0.12 in the kernel
     (bench/kernels.py); detection over 32 1080p frames in float16 with graphs 4.63 -> 4.39 ms,
     the FaceLandmarker stack at 64 faces the same within the noise (one process, turns
-    alternating, H100, 2026-11-27 13:13 UTC).
+    alternating, H100, 2026-11-27 13:13 UTC). Since 2026-11-27 15:00 the other cuDNN
+    convolutions without a fused ReLU take it too (Conv2d._convolve_then_bias): a profile of the
+    v2 landmarker in float16 showed its first convolution's bias, PyTorch's pass, at 49 us of
+    the 75 us convolution (H100, 14:00).
 """
 
 from __future__ import annotations
@@ -160,6 +163,13 @@ DECODE_BLOCK = 128
 CHANNEL_PASS_BLOCK = 1024
 # Their activations' dtypes.
 CHANNEL_PASS_DTYPES = (torch.float16, torch.float32)
+# A depthwise convolution's program: DEPTHWISE_VALUES output values, its channels (at most
+# DEPTHWISE_MAX_BLOCK_C of them) by as many pixels as make that.
+DEPTHWISE_VALUES = 1024
+DEPTHWISE_MAX_BLOCK_C = 64
+# Its activations' dtypes and fused activations (TFLite's codes: none, ReLU, ReLU6).
+DEPTHWISE_DTYPES = (torch.float16,)
+DEPTHWISE_ACTIVATIONS = (0, 1, 3)
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
 
@@ -352,6 +362,38 @@ def add_channel_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None
         return x
     return _launch(x, "facecast_channel_bias", (-(-count // CHANNEL_PASS_BLOCK),), (
         x, bias.to(x.dtype).contiguous(), count, x.shape[1]), BLOCK=CHANNEL_PASS_BLOCK)
+
+
+def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, int],
+                   padding: tuple[int, int], activation: int) -> torch.Tensor | None:
+    """F.conv2d(x, weight, bias, stride, padding, groups=C) and the fused activation (TFLite's
+    code) of an image (N, C, H, W) held channels-last, in one kernel, float32 sums rounded once
+    (Note [Float16 depthwise convolutions]): (N, C, OH, OW) channels-last; None where the kernel
+    cannot serve (a graph's work only, DEPTHWISE_DTYPES and DEPTHWISE_ACTIVATIONS, a (C, 1, KH,
+    KW) weight, no dilation)."""
+    count, channels, height, width = x.shape if x.dim() == 4 else (0, 0, 0, 0)
+    if not (_graph_work.get() and x.dim() == 4 and x.dtype in DEPTHWISE_DTYPES
+            and activation in DEPTHWISE_ACTIVATIONS and x.is_contiguous(memory_format=torch.channels_last)
+            and weight.dim() == 4 and weight.shape[:2] == (channels, 1)
+            and (bias is None or bias.numel() == channels) and x.numel() < 2 ** 31
+            and unavailable_reason(x.device, "facecast_depthwise") is None):
+        return None
+    kernel_h, kernel_w = weight.shape[2:]
+    out_h = (height + 2 * padding[0] - kernel_h) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - kernel_w) // stride[1] + 1
+    out = torch.empty(count, channels, out_h, out_w, dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last)
+    pixels = count * out_h * out_w
+    if pixels == 0 or out.numel() >= 2 ** 31:
+        return out if pixels == 0 else None
+    block_c = min(_power_of_two(channels), DEPTHWISE_MAX_BLOCK_C)
+    block_p = DEPTHWISE_VALUES // block_c
+    weight = weight.to(x.dtype).contiguous()
+    bias_arg = bias.to(x.dtype).contiguous() if bias is not None else weight
+    return _launch(out, "facecast_depthwise", (-(-pixels // block_p), -(-channels // block_c)), (
+        x, weight, bias_arg, out, pixels, height, width, out_h, out_w), CHANNELS=channels, BLOCK_C=block_c,
+        KH=kernel_h, KW=kernel_w, STRIDE_H=stride[0], STRIDE_W=stride[1], PAD_H=padding[0], PAD_W=padding[1],
+        HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_P=block_p)
 
 
 def _channel_pass_serves(x: torch.Tensor, per_channel: torch.Tensor, kernel: str) -> bool:

@@ -348,6 +348,24 @@ def test_a_pointwise_convolution_as_rows_is_the_convolution(activation, layout):
         assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("activation", [0, 1, 3])
+def test_a_pointwise_convolution_of_an_nchw_image_as_columns_is_the_convolution(activation):
+    """The blendshape model's token mixing (a 1x1 convolution of a transposed tensor, held as
+    NCHW) as one batched product of its columns: the convolution, NCHW out; channels-last
+    images (and one pixel, both at once) are not held as NCHW."""
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 97, 1, 64, generator=generator)
+    weight, bias = torch.randn(384, 97, 1, 1, generator=generator), torch.randn(384, generator=generator)
+    assert tflite_ops.held_as_nchw(x)
+    assert not tflite_ops.held_as_nchw(x.contiguous(memory_format=torch.channels_last))
+    assert not tflite_ops.held_as_nchw(torch.randn(3, 97, 1, 1))
+    for b in (bias, None):
+        expected = tflite_ops._apply_activation(F.conv2d(x, weight, b), activation)
+        got = tflite_ops.pointwise_columns(x, weight.contiguous(memory_format=torch.channels_last), b, activation)
+        assert got.shape == expected.shape and got.is_contiguous()
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -384,9 +402,10 @@ def test_each_gpu_convolution_kernel_is_the_convolution(dtype):
 @needs_cuda
 def test_float16_depthwise_convolutions_take_the_kernel_chosen_for_their_shape(monkeypatch):
     """Note [Float16 depthwise convolutions]: 8 channels over 128x128 run cuDNN's float32
-    convolution, 2x2 images PyTorch's own kernel, the rest cuDNN's float16 one; each is the
-    convolution (against float32 on the CPU) to float16 rounding. In a graph's work the last
-    one's bias is our kernel's, with F.conv2d's values to the bit."""
+    convolution (in a graph's work, our kernel), 2x2 images PyTorch's own kernel, the rest
+    cuDNN's float16 one; each is the convolution (against float32 on the CPU) to float16
+    rounding. In a graph's work the last one's bias is our kernel's, with F.conv2d's values to
+    the bit."""
     generator = torch.Generator().manual_seed(12)
     seen = []
     conv2d = F.conv2d
@@ -413,6 +432,13 @@ def test_float16_depthwise_convolutions_take_the_kernel_chosen_for_their_shape(m
         assert seen == [expected_kernel], shape
         assert got.dtype == torch.float16 and got.shape == expected.shape
         assert torch.allclose(got.float().cpu(), expected, atol=1e-2, rtol=1e-2), shape
+        if expected_kernel == (torch.float32, True):  # in a graph's work: one kernel of ours
+            seen.clear()
+            with monkeypatch.context() as patched, triton_kernels.graph_work():
+                patched.setattr(F, "conv2d", watched)
+                ours = conv(x.to("cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last))
+            assert seen == [] and ours.is_contiguous(memory_format=torch.channels_last)
+            assert torch.allclose(ours.float().cpu(), expected, atol=1e-2, rtol=1e-2)
         if expected_kernel == (torch.float16, True):  # Note [A convolution's bias in one kernel]
             x16 = x.to("cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
             with triton_kernels.graph_work():

@@ -198,3 +198,35 @@ def test_the_kernel_adds_a_convolutions_bias_as_pytorch(interpreted, dtype):
         got = triton_kernels.add_channel_bias(x, bias)
     assert got is x, triton_kernels.unavailable_reason(torch.device("cpu"))
     assert torch.equal(x, expected), (x.float() - expected.float()).abs().max()
+
+
+@pytest.mark.parametrize("channels, kernel, stride, padding, activation, with_bias", [
+    (8, 3, 1, 1, 0, True), (8, 5, 2, 0, 1, False), (24, 3, 2, 1, 3, True), (3, 3, 1, 0, 0, True)])
+def test_the_kernel_convolves_depthwise_as_pytorch_in_float32(interpreted, channels, kernel, stride, padding,
+                                                               activation, with_bias):
+    """A float16 depthwise convolution (tflite_ops.Conv2d._float16_depthwise) in one kernel:
+    PyTorch's float32 convolution of the same float16 values, its bias and activation, rounded
+    once to float16 (the sums' order may differ: at most one float16 step apart); channel counts
+    under, at and over the kernel's block, strides, padding, every activation it takes. In a
+    CUDA graph's work only; an image held otherwise, a dilation or another activation is left
+    to PyTorch."""
+    gen = torch.Generator().manual_seed(17)
+    x = (torch.randn(2, channels, 13, 11, generator=gen) * 2).half().contiguous(memory_format=torch.channels_last)
+    weight = (torch.randn(channels, 1, kernel, kernel, generator=gen) / kernel).half()
+    bias = (torch.randn(channels, generator=gen)).half() if with_bias else None
+    expected = F.conv2d(x.float(), weight.float(), bias.float() if with_bias else None, stride, padding,
+                        groups=channels)
+    expected = {0: expected, 1: expected.relu(), 3: expected.clamp(0, 6)}[activation].half()
+    geometry = ((stride, stride), (padding, padding), activation)
+    assert triton_kernels.depthwise_conv(x, weight, bias, *geometry) is None  # outside a graph's work
+    with triton_kernels.graph_work():
+        got = triton_kernels.depthwise_conv(x, weight, bias, *geometry)
+        assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+        assert triton_kernels.depthwise_conv(x.contiguous(), weight, bias, *geometry) is None
+        assert triton_kernels.depthwise_conv(x, weight, bias, (stride, stride), (padding, padding), 4) is None
+    assert got.shape == expected.shape and got.is_contiguous(memory_format=torch.channels_last)
+    steps = (got.float() - expected.float()).abs() / expected.float().abs().clamp_min(2 ** -14)
+    assert (steps <= 2 ** -10).all(), steps.max()  # one float16 step (10 bits of mantissa)
+    assert (got == expected).float().mean() > 0.9  # mostly the same bits
+    if activation:
+        assert (expected == 0).any() and (expected > 0).any()
