@@ -255,6 +255,9 @@ LANDMARKERS = ("attention_mesh", "face_landmarker")
 # The host's per-ROI table (FaceMeasurer.measure): frame, tracked (0/1), frame width and height px.
 ROI_COLUMNS = 4
 PADDING_ROI = (-1.0, 0.0, 1.0, 1.0)
+# The measuring graph's packed per-ROI input (FaceMeasurer._mesh_graph): centre x, y, size w, h,
+# rotation, the detection's box x1, y1, x2, y2, and its score.
+PER_ROI_COLUMNS = 10
 
 
 @dataclass(frozen=True)
@@ -381,6 +384,10 @@ class FaceMeasurer:
             roi_host[rows, 0] = owner[start:stop]
             roi_host[rows, 1] = np.asarray(tracked[start:stop], np.float32)
             roi_host[rows, 2:] = sizes_wh[owner[start:stop]]
+        if len(chunks) == 1 and self.graphs.replays("mesh") and padded[0] <= self._chunk_faces():
+            table = self._table_graphed_from_frames(batch, roi_host, rects, roi_boxes, roi_scores, group_steps)
+            if table is not None:
+                return table
         # The crops' frame index (every ROI, in order) travels in the same copy.
         uploaded = roi_mod.from_host(np.concatenate([roi_host.ravel(), owner.astype(np.float32)]), self.device)
         roi_table = uploaded[:roi_host.size].view(roi_host.shape)
@@ -472,31 +479,59 @@ class FaceMeasurer:
 
     def _table_graphed(self, crops: torch.Tensor, rects: roi_mod.RotatedRects, roi_table: torch.Tensor,
                        roi_boxes: torch.Tensor, roi_scores: torch.Tensor, group_steps: int) -> torch.Tensor | None:
-        """:meth:`results_core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline]); None when the stage cannot be captured."""
+        """:meth:`results_core` of crops made before, replayed from a CUDA graph (Note [CUDA
+        graphs of the pipeline]); None when the stage cannot be captured."""
         count, rows = crops.shape[0], roi_table.shape[0]
-
-        def build():
-            statics = {
-                "crops": torch.zeros(rows, *crops.shape[1:], dtype=crops.dtype, device=self.device),
-                "centre": torch.zeros(rows, 2, device=self.device),
-                "size": torch.zeros(rows, 2, device=self.device),
-                "rotation": torch.zeros(rows, device=self.device),
-                "roi_table": torch.tensor([PADDING_ROI] * rows, device=self.device),
-                "roi_boxes": torch.zeros(rows, 4, device=self.device),
-                "roi_scores": torch.zeros(rows, device=self.device),
-            }
-            static_rects = roi_mod.RotatedRects(statics["centre"], statics["size"], statics["rotation"])
-            return (lambda: self.results_core(statics["crops"], static_rects, statics["roi_table"],
-                                              statics["roi_boxes"], statics["roi_scores"], group_steps)), statics
-
-        captured = self.graphs.get("mesh", (rows, crops.dtype, group_steps), build)
+        captured = self._mesh_graph(rows, group_steps)
         if captured is None:
             return None
         statics = captured.statics
-        for name, value in (("crops", crops), ("centre", rects.center_xy_px), ("size", rects.size_wh_px),
-                            ("rotation", rects.rotation_rad), ("roi_boxes", roi_boxes), ("roi_scores", roi_scores)):
-            statics[name][:count].copy_(value)
+        statics["crops"][:count].copy_(crops)
         statics["roi_table"].copy_(roi_table)  # padding rows included: frame -1
+        return self._replay(captured, count, rects, roi_boxes, roi_scores)
+
+    def _table_graphed_from_frames(self, batch, roi_host: np.ndarray, rects: roi_mod.RotatedRects,
+                                   roi_boxes: torch.Tensor, roi_scores: torch.Tensor,
+                                   group_steps: int) -> torch.Tensor | None:
+        """:meth:`_table_graphed` of one chunk with the host's ROI table as it is padded (Note
+        [Measuring on the device]), the graph's inputs written where it reads them: the ROI
+        table copied from the host into its static, the crops cut into theirs, the frames'
+        indices read from the table's first column (no copies between)."""
+        count, rows = len(rects), roi_host.shape[0]
+        captured = self._mesh_graph(rows, group_steps)
+        if captured is None:
+            return None
+        statics = captured.statics
+        roi_mod.copy_from_host(roi_host, statics["roi_table"])
+        roi_mod.crop_rois(batch, statics["roi_table"][:count, 0], rects, self.input_px, border="replicate",
+                          dtype=self.model_dtype, out=statics["crops"][:count])
+        return self._replay(captured, count, rects, roi_boxes, roi_scores)
+
+    def _mesh_graph(self, rows: int, group_steps: int):
+        """The measuring stage's graph for ``rows`` ROIs (cuda_graphs.Captured; None when the
+        stage cannot be captured). Its static inputs: the crops, the ROI table, and the ROIs'
+        rects, boxes and scores packed in one float32 table (PER_ROI_COLUMNS), one copy a call."""
+        def build():
+            per_roi = torch.zeros(rows, PER_ROI_COLUMNS, device=self.device)
+            statics = {
+                "crops": torch.zeros(rows, self.input_px, self.input_px, 3, dtype=self.model_dtype,
+                                     device=self.device),
+                "roi_table": torch.tensor([PADDING_ROI] * rows, device=self.device),
+                "per_roi": per_roi,
+            }
+            static_rects = roi_mod.RotatedRects(per_roi[:, 0:2], per_roi[:, 2:4], per_roi[:, 4])
+            return (lambda: self.results_core(statics["crops"], static_rects, statics["roi_table"],
+                                              per_roi[:, 5:9], per_roi[:, 9], group_steps)), statics
+
+        return self.graphs.get("mesh", (rows, self.model_dtype, group_steps), build)
+
+    @staticmethod
+    def _replay(captured, count: int, rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
+                roi_scores: torch.Tensor) -> torch.Tensor:
+        """The ROIs' rects, boxes and scores into the graph's packed static (one pass), the
+        replay, and a copy of the table's first ``count`` rows (the next replay rewrites it)."""
+        torch.cat([rects.center_xy_px.float(), rects.size_wh_px.float(), rects.rotation_rad.float()[:, None],
+                   roi_boxes.float(), roi_scores.float()[:, None]], dim=1, out=captured.statics["per_roi"][:count])
         return captured.replay()[:count].clone()
 
     # -- the host's part ----------------------------------------------------------------------------

@@ -173,6 +173,15 @@ def letterbox_rect(height_px: int, width_px: int) -> tuple[float, float, float]:
     return width_px / 2.0, height_px / 2.0, float(max(height_px, width_px))
 
 
+def copy_from_host(values: np.ndarray, destination: torch.Tensor) -> torch.Tensor:
+    """A small table from the host into ``destination``, as :func:`from_host` copies it (on a
+    GPU pinned and without waiting for the device's queued work)."""
+    table = torch.from_numpy(np.ascontiguousarray(values))
+    if destination.device.type == "cuda":
+        return destination.copy_(table.pin_memory(), non_blocking=True)
+    return destination.copy_(table)
+
+
 def from_host(values, device: torch.device) -> torch.Tensor:
     """A small table from the host on the device, copied without waiting for the device's
     queued work (pinned, non-blocking; the caching host allocator keeps the pinned buffer
@@ -335,6 +344,7 @@ def crop_rois(
     *,
     value_range: tuple[float, float] = (0.0, 1.0),
     axis_aligned: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Crop N rotated rects out of a frame batch in one bilinear gather.
 
@@ -347,19 +357,28 @@ def crop_rois(
     0 (letterbox and whole frames), which lets the sample coordinates be computed per row and per
     column instead of per pixel, with the same values. See Note [ROI crop convention] and Note
     [Sampling the frames where they lie]. Shapes depend only on N and S, and nothing waits for
-    the device: the call can be captured in a CUDA graph.
+    the device: the call can be captured in a CUDA graph. ``frame_index`` (N,) holds integers,
+    or whole numbers as float32; ``out``, where given, a contiguous (N, S, S, 3) ``dtype`` tensor,
+    receives the crops (the measuring stage's graph input: Note [Measuring on the device]).
     """
     if border not in ("replicate", "zero"):
         raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
-    if frames.device.type == "cpu" and dtype == torch.float32:
-        return _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range)
+    out_hw = (out_size_px, out_size_px) if isinstance(out_size_px, int) else tuple(out_size_px)
+    if out is not None and (out.shape != (len(rects), *out_hw, 3) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {(len(rects), *out_hw, 3)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if frames.device.type == "cuda":  # Note [One kernel for a batch of crops]
-        out_hw = (out_size_px, out_size_px) if isinstance(out_size_px, int) else tuple(out_size_px)
-        crops = triton_kernels.crop(frames, frame_index, rects, out_hw, border, dtype, value_range)
+        crops = triton_kernels.crop(frames, frame_index, rects, out_hw, border, dtype, value_range, out)
         if crops is not None:
             return crops
-    return crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
-                     axis_aligned=axis_aligned).crop(frames)
+    if frame_index.is_floating_point():
+        frame_index = frame_index.long()
+    if frames.device.type == "cpu" and dtype == torch.float32:
+        crops = _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range)
+    else:
+        crops = crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
+                          axis_aligned=axis_aligned).crop(frames)
+    return crops if out is None else out.copy_(crops)
 
 
 def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects: RotatedRects,

@@ -9,19 +9,20 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["pixels", "row_bytes", "frame_table", "frame_index", "centre",
-                               "size", "rotation", "out", "out_h", "out_w", "scale", "low"])
-def facecast_crop(pixels, row_bytes, frame_table, frame_index, centre, size, rotation, out,
+@triton.jit(do_not_specialize=["pixels", "row_bytes", "frame_table", "frame_index", "index_stride",
+                               "centre", "size", "rotation", "out", "out_h", "out_w", "scale", "low"])
+def facecast_crop(pixels, row_bytes, frame_table, frame_index, index_stride, centre, size, rotation, out,
                   out_h, out_w, scale, low,
                   ZERO_BORDER: tl.constexpr, BGR: tl.constexpr, BLOCK: tl.constexpr):
-    """roi.crop_rois of BLOCK output pixels of one crop (Note [One kernel for a batch of crops])."""
+    """roi.crop_rois of BLOCK output pixels of one crop (Note [One kernel for a batch of crops]);
+    the crop's frame is frame_index[n * index_stride], integers or whole floats."""
     n = tl.program_id(1)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_crop = p < out_h * out_w
     i = p // out_w
     j = p - i * out_w
     # The rect and its frame (FrameBatch.frame_table: row offset, height, width).
-    k = tl.load(frame_index + n)
+    k = tl.load(frame_index + n * index_stride).to(tl.int32)
     row_offset = tl.load(frame_table + k * 3)
     max_y = tl.load(frame_table + k * 3 + 1) - 1
     max_x = tl.load(frame_table + k * 3 + 2) - 1

@@ -153,8 +153,9 @@ log = logging.getLogger(__name__)
 # Output pixels per program of the crops: a crop of H x W is ceil(H·W / CROP_BLOCK) programs
 # along the grid's x, the crops along its y.
 CROP_BLOCK = 256
-# The crops' output dtypes (the models' inputs).
+# The crops' output dtypes (the models' inputs), and the dtypes of the frame indices they read.
 CROP_DTYPES = (torch.float32, torch.float16)
+CROP_INDEX_DTYPES = (torch.int64, torch.int32, torch.float32)
 # Positions per program of a layer norm.
 LAYER_NORM_BLOCK = 16
 # Anchors per program of the detectors' decoding.
@@ -191,16 +192,18 @@ def unavailable_reason(device: torch.device, kernel: str | None = None) -> str |
 
 
 def crop(frames, frame_index: torch.Tensor, rects, out_hw: tuple[int, int], border: str,
-         dtype: torch.dtype, value_range: tuple[float, float]) -> torch.Tensor | None:
+         dtype: torch.dtype, value_range: tuple[float, float], out: torch.Tensor | None = None
+         ) -> torch.Tensor | None:
     """:func:`roi.crop_rois` (its arguments, checked there) in one kernel (Note [One kernel for
-    a batch of crops]): (N, H, W, 3) of ``dtype``; None where the kernel cannot serve (then
-    PyTorch's kernels crop)."""
+    a batch of crops]): (N, H, W, 3) of ``dtype``, into ``out`` where given; None where the
+    kernel cannot serve (then PyTorch's kernels crop)."""
     if dtype not in CROP_DTYPES or unavailable_reason(frames.pixels.device, "facecast_crop") is not None:
         return None
     out_h, out_w = out_hw
     count = len(rects)
     device = frames.pixels.device
-    out = torch.empty(count, out_h, out_w, 3, dtype=dtype, device=device)
+    if out is None:
+        out = torch.empty(count, out_h, out_w, 3, dtype=dtype, device=device)
     if count == 0:
         return out
     pixels = frames.pixels
@@ -210,9 +213,12 @@ def crop(frames, frame_index: torch.Tensor, rects, out_hw: tuple[int, int], bord
     # The rects' three tables as float32 rows (no-ops for the rects crop_rois is given).
     centre, size, rotation = (part.to(device=device, dtype=torch.float32).contiguous()
                               for part in (rects.center_xy_px, rects.size_wh_px, rects.rotation_rad))
-    index = frame_index.to(device=device, dtype=torch.int64).contiguous()
+    # The frames' indices as they come (a column of the measuring stage's ROI table is whole
+    # float32s): no conversion pass.
+    index = frame_index if frame_index.dtype in CROP_INDEX_DTYPES else frame_index.to(torch.int64)
+    index = index.to(device)
     return _launch(out, "facecast_crop", (-(-out_h * out_w // CROP_BLOCK), count), (
-        pixels, pixels.stride(0), frames.frame_table, index, centre, size, rotation, out,
+        pixels, pixels.stride(0), frames.frame_table, index, index.stride(0), centre, size, rotation, out,
         out_h, out_w, (high - low) / 255.0, low), ZERO_BORDER=border == "zero",
         BGR=bool(frames.bgr), BLOCK=CROP_BLOCK)
 
@@ -427,8 +433,9 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
 
 
 def prepare(device: torch.device, crops) -> str | None:
-    """Compile the crop kernel now for each (dtype, border) of ``crops`` (warm-up: Note [Kernels
-    of our own]); the reason it cannot be used, or None."""
+    """Compile the crop kernel now for each (dtype, border) of ``crops`` and each dtype of
+    frame index it meets (warm-up: Note [Kernels of our own]); the reason it cannot be used, or
+    None."""
     from facecast.models.roi import FrameBatch, RotatedRects
 
     if (reason := unavailable_reason(device, "facecast_crop")) is not None:
@@ -436,10 +443,11 @@ def prepare(device: torch.device, crops) -> str | None:
     frames = FrameBatch(torch.zeros(1, 4, 4, 3, dtype=torch.uint8, device=device), device)
     rects = RotatedRects(torch.full((1, 2), 2.0, device=device), torch.full((1, 2), 4.0, device=device),
                          torch.zeros(1, device=device))
-    index = torch.zeros(1, dtype=torch.long, device=device)
     for dtype, border in dict.fromkeys(crops):
-        if crop(frames, index, rects, (2, 2), border, dtype, (0.0, 1.0)) is None:
-            return unavailable_reason(device, "facecast_crop")
+        for index_dtype in (torch.long, torch.float32):  # detection's, the measuring stage's
+            index = torch.zeros(1, dtype=index_dtype, device=device)
+            if crop(frames, index, rects, (2, 2), border, dtype, (0.0, 1.0)) is None:
+                return unavailable_reason(device, "facecast_crop")
     return None
 
 
