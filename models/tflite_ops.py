@@ -263,9 +263,19 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 #     the more exact), PyTorch's kernel accumulates in float32 as cuDNN's does. The landmark
 #     model's forward at 64 faces in float16, in a CUDA graph: 2.85 ms -> 2.67 with every
 #     depthwise convolution in float32, and with this choice: docs/benchmarks.md.
+#     Since 2026-11-27 (afternoon), in a CUDA graph's work, one kernel of ours
+#     (triton_kernels.depthwise_conv: float32 sums, the bias and the activation in the same
+#     pass) takes the few-channel ones (30 us each against 94 in float32) and those with at most
+#     TRITON_DEPTHWISE_MAX_OUTPUTS output values over a power-of-two number of channels, where
+#     cuDNN's fixed cost and its bias pass weigh most: the v2 landmarker's 64-channel 16x16 to
+#     2x2 ones 8.4 / 6.9 / 4.1 / 4.7 us -> 6.8 / 3.6 / 2.7 / 2.5, the attention mesh's 128-channel
+#     6x6 and 3x3 5.2 / 3.9 -> 4.2 / 3.1. Larger ones stay cuDNN's, faster there (the full-range
+#     detector's at 288 inputs 10-45 % faster; 96 channels at 6x6: 6.4 against 8.6, hence the
+#     power of two); H100, 64 faces, bench/conv_kernels.py's "Triton dw" column, 14:02 UTC.
 FLOAT32_DEPTHWISE_MAX_CHANNELS = 8
 FLOAT32_DEPTHWISE_MIN_PIXELS = 128 * 128
 NATIVE_DEPTHWISE_MAX_PIXELS = 2 * 2
+TRITON_DEPTHWISE_MAX_OUTPUTS = 1 << 20
 
 # Note [Convolutions on the CPU]
 #     On a GPU: Note [Convolutions on the GPU]. On the CPU, F.conv2d picks its kernel by a
@@ -382,11 +392,13 @@ class Conv2d(torch.nn.Module):
         [Float16 depthwise convolutions])."""
         channels, pixels = x.shape[1], x.shape[2] * x.shape[3]
         geometry = (self.stride, self.conv_padding, self.dilation, self.groups)
-        if channels <= FLOAT32_DEPTHWISE_MAX_CHANNELS and pixels >= FLOAT32_DEPTHWISE_MIN_PIXELS:
-            y = (triton_kernels.depthwise_conv(x, self.weight, self.bias, self.stride, self.conv_padding,
-                                               self.activation) if self.dilation == (1, 1) else None)
-            if y is not None:  # in a graph's work: one kernel for the four passes below
+        few_channels = channels <= FLOAT32_DEPTHWISE_MAX_CHANNELS and pixels >= FLOAT32_DEPTHWISE_MIN_PIXELS
+        if (few_channels or self._small_output(x)) and self.dilation == (1, 1):
+            y = triton_kernels.depthwise_conv(x, self.weight, self.bias, self.stride, self.conv_padding,
+                                              self.activation)
+            if y is not None:  # in a graph's work: one kernel of ours
                 return y
+        if few_channels:
             bias = self.bias.float() if self.bias is not None else None
             y = F.conv2d(x.float(), self.weight.float(), bias, *geometry)
             return _apply_activation(y, self.activation).half()
@@ -394,6 +406,15 @@ class Conv2d(torch.nn.Module):
             with torch.backends.cudnn.flags(enabled=False):
                 return _apply_activation(F.conv2d(x, self.weight, self.bias, *geometry), self.activation)
         return self._convolve_then_bias(x)
+
+    def _small_output(self, x: torch.Tensor) -> bool:
+        """At most TRITON_DEPTHWISE_MAX_OUTPUTS output values, over a power-of-two number of
+        channels (Note [Float16 depthwise convolutions])."""
+        batch, channels, height, width = x.shape
+        (kernel_h, kernel_w), (stride_h, stride_w) = self.weight.shape[2:], self.stride
+        out_h = (height + 2 * self.conv_padding[0] - kernel_h) // stride_h + 1
+        out_w = (width + 2 * self.conv_padding[1] - kernel_w) // stride_w + 1
+        return channels & (channels - 1) == 0 and batch * channels * out_h * out_w <= TRITON_DEPTHWISE_MAX_OUTPUTS
 
     def _convolve_then_bias(self, x: torch.Tensor) -> torch.Tensor:
         """cuDNN's convolution (padded already), then its bias added in place by one kernel of

@@ -366,6 +366,18 @@ def test_a_pointwise_convolution_of_an_nchw_image_as_columns_is_the_convolution(
         assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
 
 
+def test_small_depthwise_outputs_over_power_of_two_channels_go_to_our_kernel():
+    """Note [Float16 depthwise convolutions]: the rule's bounds, on the shapes it was measured
+    on (the landmark models' small ones in; the detector's large ones, 96 channels, out)."""
+    def small(batch, channels, size, stride=1):
+        weight = np.zeros((channels, 1, 3, 3), np.float32)
+        conv = tflite_ops.Conv2d(weight, None, (stride, stride), (1, 1), channels, (1, 1, 1, 1), 0)
+        return conv._small_output(torch.empty(batch, channels, size, size))
+
+    assert small(64, 64, 16) and small(64, 64, 2) and small(64, 128, 6) and small(288, 4, 50, stride=2)
+    assert not small(64, 32, 32) and not small(64, 64, 24) and not small(288, 96, 6) and not small(288, 48, 12)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
