@@ -23,8 +23,6 @@ Variants, per convolution, with the model's own weights and the input it gets on
                    times its float32 ones: docs/benchmarks.md)
   Triton dw        float16 depthwise convolutions only: facecast's kernel (triton_kernels.
                    depthwise_conv: float32 sums, the bias and activation in the same pass)
-  Triton direct    float16 convolutions over a few input channels (the models' first): the same
-                   kernel (triton_kernels.few_input_conv), the padding read as zeros
 Every variant pads as the model needs (an explicit F.pad for TF's asymmetric SAME padding).
 The table sums each variant over the convolutions it applies to, by kind; "F.conv2d" and
 "facecast" apply to all, so their totals compare the models' whole convolution time.
@@ -127,9 +125,6 @@ def variants(before: tflite_ops.Conv2d, now: tflite_ops.Conv2d, x: torch.Tensor)
         out["PyTorch dw"] = pytorch_depthwise
     if before.is_pointwise():
         out["rows"] = lambda: tflite_ops.pointwise_rows(x, w, b, act)
-    if before.groups == 1 and x.shape[1] <= triton_kernels.DIRECT_CONV_MAX_INPUTS and not before.is_pointwise():
-        padding_ltrb = before.explicit_padding or (before.conv_padding[1],) * 2 + (before.conv_padding[0],) * 2
-        out["Triton direct"] = lambda: triton_kernels.few_input_conv(x, w, b, before.stride, padding_ltrb, act)
     if before.groups > 1 and x.dtype == torch.float16:
         x_nchw, w_nchw = padded().contiguous(), w.contiguous()
         out["NCHW"] = lambda: tflite_ops._apply_activation(F.conv2d(x_nchw, w_nchw, b, *geometry), act)
@@ -138,14 +133,14 @@ def variants(before: tflite_ops.Conv2d, now: tflite_ops.Conv2d, x: torch.Tensor)
         w32, b32 = w.float(), (b.float() if b is not None else None)
         out["in float32"] = lambda: tflite_ops._apply_activation(
             F.conv2d(padded().float(), w32, b32, *geometry), act).half()
-        if before.dilation == (1, 1) and act in triton_kernels.DIRECT_CONV_ACTIVATIONS:
+        if before.dilation == (1, 1) and act in triton_kernels.DEPTHWISE_ACTIVATIONS:
             out["Triton dw"] = lambda: triton_kernels.depthwise_conv(padded(), w, b, before.stride,
                                                                      before.conv_padding, act)
     return out
 
 
 COLUMNS = ["F.conv2d", "no bias", "fused ReLU", "fused add+ReLU", "PyTorch dw", "rows", "facecast", "NCHW",
-           "NCHW+layout", "in float32", "Triton dw", "Triton direct"]
+           "NCHW+layout", "in float32", "Triton dw"]
 
 
 def measure(name, before, now, shape, dtype) -> dict:

@@ -231,12 +231,6 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 #         Not in float16: there the moved bias, rounded to float16 as the 1x1 convolution's,
 #         moved one box of tests/models/test_speed_paths.py's 32-camera scene (min IoU against
 #         float32 without TF32: 0.9988 without the fold, 0.933 with it; H100);
-#       - a convolution over at most triton_kernels.DIRECT_CONV_MAX_INPUTS channels (a model's
-#         first, over the crop's RGB), in float16 in a graph's work: one kernel of ours
-#         (triton_kernels.few_input_conv), which reads TF's asymmetric padding as zeros where
-#         F.pad wrote a padded copy first. The v2 landmarker's first was 45 us of padding, 76
-#         of cuDNN's convolution (its kernel for 3 input channels is slow) and 21 of bias at 64
-#         faces (H100, 2026-11-27 14:05);
 #       - any other convolution with a ReLU and a bias is cuDNN's fused convolution, bias and
 #         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms (float16);
 #       - a 1x1 convolution of an image held as NCHW (the blendshape model's token mixing,
@@ -377,11 +371,6 @@ class Conv2d(torch.nn.Module):
             y = F.conv2d(x, self.weight, self.bias, self.stride, self.conv_padding, self.dilation,
                          self.groups)
             return _apply_activation(y, self.activation)
-        if self.groups == 1 and x.shape[1] <= triton_kernels.DIRECT_CONV_MAX_INPUTS and self.dilation == (1, 1):
-            padding_ltrb = self.explicit_padding or (self.conv_padding[1],) * 2 + (self.conv_padding[0],) * 2
-            y = triton_kernels.few_input_conv(x, self.weight, self.bias, self.stride, padding_ltrb, self.activation)
-            if y is not None:  # in a graph's work: the padding, convolution, bias and activation in one
-                return y
         fused_relu = self.activation == 1 and self.bias is not None
         if self.is_pointwise() and held_as_nchw(x):
             return pointwise_columns(x, self.weight, self.bias, self.activation)

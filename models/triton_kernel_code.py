@@ -391,22 +391,17 @@ def facecast_channel_bias(x, bias, count, channels, BLOCK: tl.constexpr):
     tl.store(x + p, summed.to(values.dtype), mask=inside)
 
 
-@triton.jit(do_not_specialize=["pixels", "height", "width", "out_height", "out_width", "weight_o", "weight_i",
-                               "weight_h", "weight_w"])
-def facecast_direct_conv(x, weight, bias, out, pixels, height, width, out_height, out_width,
-                         weight_o, weight_i, weight_h, weight_w,
-                         IN_CHANNELS: tl.constexpr, CHANNELS: tl.constexpr, DEPTHWISE: tl.constexpr,
-                         BLOCK_C: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr,
-                         STRIDE_W: tl.constexpr, PAD_TOP: tl.constexpr, PAD_LEFT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_P: tl.constexpr):
-    """A convolution of a channels-last image (N, H, W, IN_CHANNELS in memory) into ``out`` (N,
-    OH, OW, CHANNELS), computed directly: depthwise (each channel its own input channel), or
-    over every one of a few input channels. BLOCK_P output pixels (flat over N, OH, OW;
-    ``pixels`` in all) by BLOCK_C channels a program; each tap's product and sum in float32,
-    then the bias and the fused activation (TFLite's code: 0 none, 1 ReLU, 3 ReLU6), rounded
-    once to out's dtype (Note [Float16 depthwise convolutions]). Taps outside the image read
-    zero: the padding, PAD_TOP and PAD_LEFT before (those after only make the output larger).
-    ``weight_*``: the weight's (O, I, KH, KW) strides."""
+@triton.jit(do_not_specialize=["pixels", "height", "width", "out_height", "out_width"])
+def facecast_depthwise(x, weight, bias, out, pixels, height, width, out_height, out_width,
+                       CHANNELS: tl.constexpr, BLOCK_C: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                       STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr,
+                       PAD_W: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                       BLOCK_P: tl.constexpr):
+    """A depthwise convolution of a channels-last image (N, H, W, C in memory) into ``out``
+    (N, OH, OW, C): BLOCK_P output pixels (flat over N, OH, OW; ``pixels`` in all) by BLOCK_C
+    channels, each tap's product and sum in float32, then the bias and the fused activation
+    (TFLite's code: 0 none, 1 ReLU, 3 ReLU6), rounded once to out's dtype (Note [Float16
+    depthwise convolutions]). Taps outside the image read zero (the symmetric padding)."""
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = p < pixels
@@ -416,23 +411,15 @@ def facecast_direct_conv(x, weight, bias, out, pixels, height, width, out_height
     image = p // (out_width * out_height)
     summed = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
     for kh in tl.static_range(KH):
-        source_row = row * STRIDE_H - PAD_TOP + kh
+        source_row = row * STRIDE_H - PAD_H + kh
         row_ok = inside & (source_row >= 0) & (source_row < height)
         for kw in tl.static_range(KW):
-            source_column = column * STRIDE_W - PAD_LEFT + kw
+            source_column = column * STRIDE_W - PAD_W + kw
             ok = row_ok & (source_column >= 0) & (source_column < width)
-            start = ((image * height + source_row) * width + source_column) * IN_CHANNELS
-            taps = weight + c * weight_o + kh * weight_h + kw * weight_w
-            if DEPTHWISE:
-                values = tl.load(x + start[:, None] + c[None, :], mask=ok[:, None] & channel_ok[None, :],
-                                 other=0.0)
-                tap = tl.load(taps, mask=channel_ok, other=0.0)
-                summed += values.to(tl.float32) * tap.to(tl.float32)[None, :]
-            else:
-                for ci in tl.static_range(IN_CHANNELS):
-                    values = tl.load(x + start + ci, mask=ok, other=0.0)
-                    tap = tl.load(taps + ci * weight_i, mask=channel_ok, other=0.0)
-                    summed += values.to(tl.float32)[:, None] * tap.to(tl.float32)[None, :]
+            start = ((image * height + source_row) * width + source_column) * CHANNELS
+            values = tl.load(x + start[:, None] + c[None, :], mask=ok[:, None] & channel_ok[None, :], other=0.0)
+            tap = tl.load(weight + c * (KH * KW) + kh * KW + kw, mask=channel_ok, other=0.0)
+            summed += values.to(tl.float32) * tap.to(tl.float32)[None, :]
     if HAS_BIAS:
         summed += tl.load(bias + c, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
     if ACTIVATION == 1:

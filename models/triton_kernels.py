@@ -164,15 +164,13 @@ DECODE_BLOCK = 128
 CHANNEL_PASS_BLOCK = 1024
 # Their activations' dtypes.
 CHANNEL_PASS_DTYPES = (torch.float16, torch.float32)
-# A direct convolution's program (depthwise, or over a few input channels): DIRECT_CONV_VALUES
-# output values, its channels (at most DIRECT_CONV_MAX_BLOCK_C of them) by as many pixels as
-# make that; the most input channels of the second kind.
-DIRECT_CONV_VALUES = 1024
-DIRECT_CONV_MAX_BLOCK_C = 64
-DIRECT_CONV_MAX_INPUTS = 4
-# Their activations' dtypes and fused activations (TFLite's codes: none, ReLU, ReLU6).
-DIRECT_CONV_DTYPES = (torch.float16,)
-DIRECT_CONV_ACTIVATIONS = (0, 1, 3)
+# A depthwise convolution's program: DEPTHWISE_VALUES output values, its channels (at most
+# DEPTHWISE_MAX_BLOCK_C of them) by as many pixels as make that.
+DEPTHWISE_VALUES = 1024
+DEPTHWISE_MAX_BLOCK_C = 64
+# Its activations' dtypes and fused activations (TFLite's codes: none, ReLU, ReLU6).
+DEPTHWISE_DTYPES = (torch.float16,)
+DEPTHWISE_ACTIVATIONS = (0, 1, 3)
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
 
@@ -377,59 +375,31 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """F.conv2d(x, weight, bias, stride, padding, groups=C) and the fused activation (TFLite's
     code) of an image (N, C, H, W) held channels-last, in one kernel, float32 sums rounded once
     (Note [Float16 depthwise convolutions]): (N, C, OH, OW) channels-last; None where the kernel
-    cannot serve (`_direct_conv_serves`; a (C, 1, KH, KW) weight)."""
-    channels = x.shape[1] if x.dim() == 4 else 0
-    if weight.dim() != 4 or weight.shape[:2] != (channels, 1):
+    cannot serve (a graph's work only, DEPTHWISE_DTYPES and DEPTHWISE_ACTIVATIONS, a (C, 1, KH,
+    KW) weight, no dilation)."""
+    count, channels, height, width = x.shape if x.dim() == 4 else (0, 0, 0, 0)
+    if not (_graph_work.get() and x.dim() == 4 and x.dtype in DEPTHWISE_DTYPES
+            and activation in DEPTHWISE_ACTIVATIONS and x.is_contiguous(memory_format=torch.channels_last)
+            and weight.dim() == 4 and weight.shape[:2] == (channels, 1)
+            and (bias is None or bias.numel() == channels) and x.numel() < 2 ** 31
+            and unavailable_reason(x.device, "facecast_depthwise") is None):
         return None
-    return _direct_conv(x, weight, bias, stride, (padding[1], padding[1], padding[0], padding[0]), activation,
-                        depthwise=True)
-
-
-def few_input_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, int],
-                   padding_ltrb: tuple[int, int, int, int], activation: int) -> torch.Tensor | None:
-    """F.conv2d of F.pad(x, padding_ltrb) (TF's SAME padding, asymmetric where it must be),
-    the bias and the fused activation, for an image of at most DIRECT_CONV_MAX_INPUTS channels
-    (a model's first convolution, over the crop's RGB) held channels-last, in one kernel that
-    reads the padding as zeros rather than a padded copy: (N, O, OH, OW) channels-last; None
-    where the kernel cannot serve (`_direct_conv_serves`)."""
-    if x.dim() != 4 or weight.dim() != 4 or weight.shape[1] != x.shape[1] or x.shape[1] > DIRECT_CONV_MAX_INPUTS:
-        return None
-    return _direct_conv(x, weight, bias, stride, padding_ltrb, activation, depthwise=False)
-
-
-def _direct_conv(x, weight, bias, stride, padding_ltrb, activation: int, depthwise: bool) -> torch.Tensor | None:
-    """facecast_direct_conv's launch for `depthwise_conv` and `few_input_conv`."""
-    if weight.dtype != x.dtype or not _direct_conv_serves(x, bias, weight.shape[0], activation):
-        return None
-    count, in_channels, height, width = x.shape
-    channels, _, kernel_h, kernel_w = weight.shape
-    left, right, top, bottom = padding_ltrb
-    out_h = (height + top + bottom - kernel_h) // stride[0] + 1
-    out_w = (width + left + right - kernel_w) // stride[1] + 1
+    kernel_h, kernel_w = weight.shape[2:]
+    out_h = (height + 2 * padding[0] - kernel_h) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - kernel_w) // stride[1] + 1
     out = torch.empty(count, channels, out_h, out_w, dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last)
     pixels = count * out_h * out_w
     if pixels == 0 or out.numel() >= 2 ** 31:
         return out if pixels == 0 else None
-    block_c = min(_power_of_two(channels), DIRECT_CONV_MAX_BLOCK_C)
-    block_p = DIRECT_CONV_VALUES // block_c
+    block_c = min(_power_of_two(channels), DEPTHWISE_MAX_BLOCK_C)
+    block_p = DEPTHWISE_VALUES // block_c
+    weight = weight.to(x.dtype).contiguous()
     bias_arg = bias.to(x.dtype).contiguous() if bias is not None else weight
-    return _launch(out, "facecast_direct_conv", (-(-pixels // block_p), -(-channels // block_c)), (
-        x, weight, bias_arg, out, pixels, height, width, out_h, out_w, *weight.stride()),
-        IN_CHANNELS=in_channels, CHANNELS=channels, DEPTHWISE=depthwise, BLOCK_C=block_c, KH=kernel_h,
-        KW=kernel_w, STRIDE_H=stride[0], STRIDE_W=stride[1], PAD_TOP=top, PAD_LEFT=left,
+    return _launch(out, "facecast_depthwise", (-(-pixels // block_p), -(-channels // block_c)), (
+        x, weight, bias_arg, out, pixels, height, width, out_h, out_w), CHANNELS=channels, BLOCK_C=block_c,
+        KH=kernel_h, KW=kernel_w, STRIDE_H=stride[0], STRIDE_W=stride[1], PAD_H=padding[0], PAD_W=padding[1],
         HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_P=block_p)
-
-
-def _direct_conv_serves(x: torch.Tensor, bias: torch.Tensor | None, channels: int, activation: int) -> bool:
-    """Whether facecast_direct_conv can compute a convolution of ``x`` into ``channels``: in a
-    graph's work (as the per-channel passes: Note [PReLUs in one kernel]), an image of
-    DIRECT_CONV_DTYPES held channels-last, one of DIRECT_CONV_ACTIVATIONS, a bias a channel,
-    and fewer values than the kernel's int32 positions reach."""
-    return (_graph_work.get() and x.dim() == 4 and x.dtype in DIRECT_CONV_DTYPES
-            and activation in DIRECT_CONV_ACTIVATIONS and x.is_contiguous(memory_format=torch.channels_last)
-            and (bias is None or bias.numel() == channels) and x.numel() < 2 ** 31
-            and unavailable_reason(x.device, "facecast_direct_conv") is None)
 
 
 def _channel_pass_serves(x: torch.Tensor, per_channel: torch.Tensor, kernel: str) -> bool:

@@ -248,7 +248,7 @@ def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_val
     crops = (torch.rand(64, 256, 256, 3, generator=gen) * 2 - 1).to("cuda", dtype)
     with torch.inference_mode(), monkeypatch.context() as patch:
         # The depthwise kernel sums in its own order (tests/models/triton_interpreter_checks.py)
-        patch.setitem(triton_kernels._failed, "facecast_direct_conv", "left out: its sums' order is its own")
+        patch.setitem(triton_kernels._failed, "facecast_depthwise", "left out: its sums' order is its own")
         with triton_kernels.graph_work():
             fused = model(crops)
         plain = model(crops)  # eagerly: PyTorch's kernels
@@ -260,10 +260,9 @@ def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_val
 @needs_cuda
 def test_on_the_gpu_the_landmarkers_few_channel_and_small_depthwise_convolutions_are_our_kernel(landmarker_bundle):
     """Note [Float16 depthwise convolutions]: in float16, in a graph's work, the v2 landmarker's
-    four 8-channel 128x128 depthwise convolutions, its twenty 64-channel ones of 16x16 down to
-    2x2 and its first convolution (over RGB, Note [Convolutions on the GPU]) are one kernel of
-    ours each, within one float16 step of PyTorch's float32 convolution; the landmarker's
-    outputs with them as without them, to float16 rounding."""
+    four 8-channel 128x128 depthwise convolutions and its twenty 64-channel ones of 16x16 down to
+    2x2 are one kernel of ours each, within one float16 step of PyTorch's float32 convolution;
+    the landmarker's outputs with them as without them, to float16 rounding."""
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
@@ -287,7 +286,7 @@ def test_on_the_gpu_the_landmarkers_few_channel_and_small_depthwise_convolutions
             with_kernel = model(crops)
             torch.cuda.synchronize()
         without = model(crops)  # eagerly: cuDNN's float32 convolutions
-    assert sum(event.name == "facecast_direct_conv" for event in profiled.events()) == 4 + 20 + 1
+    assert sum(event.name == "facecast_depthwise" for event in profiled.events()) == 4 + 20
     for a, b in zip(with_kernel, without):
         assert (a.float() - b.float()).abs().max() <= 0.01 * b.float().abs().max().clamp_min(1.0)
 

@@ -230,32 +230,3 @@ def test_the_kernel_convolves_depthwise_as_pytorch_in_float32(interpreted, chann
     assert (got == expected).float().mean() > 0.9  # mostly the same bits
     if activation:
         assert (expected == 0).any() and (expected > 0).any()
-
-
-@pytest.mark.parametrize("out_channels, kernel, stride, padding_ltrb, activation", [
-    (16, 3, 2, (0, 1, 0, 1), 0), (24, 5, 1, (1, 2, 2, 1), 1), (8, 3, 2, (1, 1, 1, 1), 3)])
-def test_the_kernel_convolves_a_few_input_channels_with_the_padding_as_pytorch(
-        interpreted, out_channels, kernel, stride, padding_ltrb, activation):
-    """A float16 convolution over three input channels (a model's first, over RGB) in one
-    kernel, TF's asymmetric padding read as zeros: PyTorch's float32 convolution of the padded
-    float16 values, its bias and activation, rounded once to float16 (at most one float16
-    step apart). In a CUDA graph's work only; four channels at most."""
-    gen = torch.Generator().manual_seed(19)
-    x = (torch.rand(2, 3, 15, 14, generator=gen) * 2 - 1).half().contiguous(memory_format=torch.channels_last)
-    weight = (torch.randn(out_channels, 3, kernel, kernel, generator=gen) / kernel).half()
-    weight = weight.contiguous(memory_format=torch.channels_last)  # as FacePipeline._prepare holds it
-    bias = torch.randn(out_channels, generator=gen).half()
-    expected = F.conv2d(F.pad(x.float(), padding_ltrb), weight.float(), bias.float(), stride)
-    expected = {0: expected, 1: expected.relu(), 3: expected.clamp(0, 6)}[activation].half()
-    geometry = ((stride, stride), padding_ltrb, activation)
-    assert triton_kernels.few_input_conv(x, weight, bias, *geometry) is None  # outside a graph's work
-    with triton_kernels.graph_work():
-        got = triton_kernels.few_input_conv(x, weight, bias, *geometry)
-        assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
-        wide = torch.zeros(2, 5, 15, 14, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-        assert triton_kernels.few_input_conv(wide, torch.zeros(8, 5, 3, 3, dtype=torch.float16), None,
-                                             *geometry) is None
-    assert got.shape == expected.shape and got.is_contiguous(memory_format=torch.channels_last)
-    steps = (got.float() - expected.float()).abs() / expected.float().abs().clamp_min(2 ** -14)
-    assert (steps <= 2 ** -10).all(), steps.max()
-    assert (got == expected).float().mean() > 0.9
