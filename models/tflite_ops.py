@@ -233,10 +233,13 @@ def _require_image(op: OpSpec, tensor: TensorSpec):
 #         float32 without TF32: 0.9988 without the fold, 0.933 with it; H100);
 #       - any other convolution with a ReLU and a bias is cuDNN's fused convolution, bias and
 #         ReLU (torch.cudnn_convolution_relu): the detector's first, 0.54 -> 0.19 ms (float16);
-#       - a 1x1 convolution of an image held as NCHW (the blendshape model's token mixing,
-#         after a transpose) is one batched matrix product of its columns (`pointwise_columns`):
-#         cuDNN wrapped each of those in two or three layout changes (NCHW to NHWC and back), and
-#         the rows of such a tensor are no view (`pointwise_rows` copied them first).
+#       - in float32, a 1x1 convolution of an image held as NCHW (the blendshape model's token
+#         mixing, after a transpose) is one batched matrix product of its columns
+#         (`pointwise_columns`): cuDNN wrapped each of those in two or three layout changes
+#         (NCHW to NHWC and back), and the rows of such a tensor are no view (`pointwise_rows`
+#         copied them first). Not in float16: with it the pose landmarker's float16 outputs
+#         moved past their bound against the CPU's (tests/models/test_convert_parity.py, 0.037
+#         against 0.03, H100, 2026-11-27), and the blendshape model runs in float32 anyway.
 #     cuDNN's fused convolution + add + ReLU (for a residual add) was slower than all three
 #     passes (25 ms for the same depthwise convolutions), and PyTorch's own depthwise kernel
 #     slower than cuDNN's at these batches but for a few float16 shapes (Note [Float16
@@ -372,7 +375,7 @@ class Conv2d(torch.nn.Module):
                          self.groups)
             return _apply_activation(y, self.activation)
         fused_relu = self.activation == 1 and self.bias is not None
-        if self.is_pointwise() and held_as_nchw(x):
+        if self.is_pointwise() and x.dtype == torch.float32 and held_as_nchw(x):
             return pointwise_columns(x, self.weight, self.bias, self.activation)
         if self.is_pointwise() and not (fused_relu and x.dtype == torch.float32):
             return pointwise_rows(x, self.weight, self.bias, self.activation)

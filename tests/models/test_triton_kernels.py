@@ -261,8 +261,8 @@ def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_val
 def test_on_the_gpu_the_landmarkers_few_channel_and_small_depthwise_convolutions_are_our_kernel(landmarker_bundle):
     """Note [Float16 depthwise convolutions]: in float16, in a graph's work, the v2 landmarker's
     four 8-channel 128x128 depthwise convolutions and its twenty 64-channel ones of 16x16 down to
-    2x2 are one kernel of ours each, within one float16 step of PyTorch's float32 convolution;
-    the landmarker's outputs with them as without them, to float16 rounding."""
+    2x2 are one kernel of ours each, within one float16 step of PyTorch's float32 convolution.
+    (The faces with them as without them, on real photos: the face stack's test below.)"""
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
@@ -281,14 +281,10 @@ def test_on_the_gpu_the_landmarkers_few_channel_and_small_depthwise_convolutions
     assert steps.max() <= 2 ** -10 and (got == expected).float().mean() > 0.9
     model = FacePipeline("cuda", half=True)._prepare(tflite_convert.convert(landmarker_bundle.face_landmarks_detector))
     crops = (torch.rand(64, 256, 256, 3, generator=gen) * 2 - 1).to("cuda", torch.float16)
-    with torch.inference_mode():
-        with triton_kernels.graph_work(), profile(activities=[ProfilerActivity.CUDA]) as profiled:
-            with_kernel = model(crops)
-            torch.cuda.synchronize()
-        without = model(crops)  # eagerly: cuDNN's float32 convolutions
+    with torch.inference_mode(), triton_kernels.graph_work(), profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        model(crops)
+        torch.cuda.synchronize()
     assert sum(event.name == "facecast_depthwise" for event in profiled.events()) == 4 + 20
-    for a, b in zip(with_kernel, without):
-        assert (a.float() - b.float()).abs().max() <= 0.01 * b.float().abs().max().clamp_min(1.0)
 
 
 @pytest.mark.gpu
