@@ -120,17 +120,7 @@ class TransformTensorBilinear(torch.nn.Module):
         else:
             sampled = F.grid_sample(features, grid.to(features.dtype), mode="bilinear",
                                     padding_mode="zeros", align_corners=True)
-        inside = inside[:, None].to(features.dtype)
-        if features.is_cuda and not torch.compiler.is_compiling():
-            # Channels-last, as the model's other images (Note [Batch and layout]): grid_sample
-            # gives NCHW, and the refinement branches it feeds then ran NCHW throughout, where
-            # the kernels for channels-last images (Note [PReLUs in one kernel], Note [Float16
-            # depthwise convolutions]) do not serve: 189 of the attention mesh's 796 graphed
-            # kernels were PyTorch's adds (H100, 2026-11-27).
-            out = torch.empty(sampled.shape, dtype=sampled.dtype, device=sampled.device,
-                              memory_format=torch.channels_last)
-            return torch.mul(sampled, inside, out=out)
-        return sampled * inside
+        return sampled * inside[:, None].to(features.dtype)
 
 
 class TransformLandmarks(torch.nn.Module):
