@@ -18,12 +18,14 @@ Note [Kernels of our own]
     compile at the first pass). A kernel is compiled once per value of its constants (the
     block sizes, the slots, the border and channel order, the output's dtype), a few in all.
     Integer arguments and pointers are not specialised on (`do_not_specialize`): another size
-    or an address with other alignment never needs another compilation. But for the two
-    memory-bound passes of graphs only (the PReLUs and the biases, Note [PReLUs in one
-    kernel]), whose loads are vectorised only where Triton knows their pointers 16-byte
-    aligned and their count a multiple of 16: those are specialised, a variant or two a
-    dtype, compiled by the graph's warm-up runs for the shapes and alignments its capture then
-    meets (the allocator's blocks are aligned alike). Kernels are compiled without fused multiply-adds (`enable_fp_fusion=False`):
+    or an address with other alignment never needs another compilation. But for the
+    memory-bound kernels of graphs only (the PReLUs and the biases, Note [PReLUs in one
+    kernel]; the depthwise convolutions' pointers, Note [Float16 depthwise convolutions]),
+    whose loads are vectorised only where Triton knows their pointers 16-byte aligned and
+    their count a multiple of 16: those are specialised, a variant or two a dtype (the
+    depthwise one also a variant per layer geometry: its kernel size, stride, padding and
+    channels are constants), compiled by the graph's warm-up runs for the shapes and alignments
+    its capture then meets (the allocator's blocks are aligned alike). Kernels are compiled without fused multiply-adds (`enable_fp_fusion=False`):
     each multiply and add is rounded on its own, as PyTorch's kernels round them. Where Triton
     is missing or cannot compile (it builds its launcher with the machine's C compiler), the
     PyTorch chains run as before and the reason is logged once; a kernel whose compilation or
