@@ -10,7 +10,9 @@ the version that model uses); they are written for a batch of N crops instead of
 Shapes follow Note [Batch and layout] in :mod:`facecast.models.tflite_ops`: the [1, 468, 3]
 landmarks arrive as [N, 468, 3], the [1, 4, 4] matrices as [N, 4, 4], feature maps as NCHW.
 The geometry is computed in float32 whatever the module's dtype, because the crop transform
-amplifies rounding errors of the landmarks (it divides by their spread).
+amplifies rounding errors of the landmarks (it divides by their spread). In a CUDA graph's work
+each operator is one Triton kernel (Note [The attention mesh's custom operators in kernels],
+models/triton_kernels.py); elsewhere, and where a kernel cannot serve, the PyTorch below.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import triton_kernels
 from .tflite_ops import OpSpec, is_image
 
 
@@ -52,6 +55,12 @@ class Landmarks2TransformMatrix(torch.nn.Module):
                              persistent=False)
 
     def forward(self, landmarks: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # in a graph's work: one kernel (its Note)
+            matrix = triton_kernels.landmarks_to_matrix(
+                landmarks, self.subset, self.left_index, self.right_index, self.target_rotation_radians,
+                (self.output_width, self.output_height), (self.scale_x, self.scale_y))
+            if matrix is not None:
+                return matrix.to(landmarks.dtype)
         xy = landmarks[..., :2].float()
         delta = xy[:, self.right_index] - xy[:, self.left_index]
         rotation = self.target_rotation_radians - torch.atan2(delta[:, 1], delta[:, 0])  # [N]
@@ -103,6 +112,10 @@ class TransformTensorBilinear(torch.nn.Module):
                              persistent=False)  # [oh, ow, 3]
 
     def forward(self, features: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # in a graph's work: one kernel (its Note)
+            sampled = triton_kernels.transform_bilinear(features, matrix, (self.output_height, self.output_width))
+            if sampled is not None:
+                return sampled
         height, width = features.shape[-2:]
         # [N, 2, 3]: columns x, y and translation (the z column multiplies 0). Slices, not a list
         # index: indexing with a Python list copies it to the device on every call, which a
@@ -127,6 +140,10 @@ class TransformLandmarks(torch.nn.Module):
     """Map [N, L, D] landmarks (D = 2 or 3) through a crop matrix; z, when present, is kept."""
 
     def forward(self, landmarks: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # in a graph's work: one kernel (its Note)
+            mapped = triton_kernels.transform_landmarks(landmarks, matrix)
+            if mapped is not None:
+                return mapped
         matrix = matrix.to(landmarks.dtype)
         xy = landmarks[..., :2]
         mapped = torch.einsum("nlk,nrk->nlr", xy, matrix[:, :2, :2]) + matrix[:, None, :2, 3]

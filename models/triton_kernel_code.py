@@ -428,3 +428,138 @@ def facecast_depthwise(x, weight, bias, out, pixels, height, width, out_height, 
         summed = tl.minimum(tl.maximum(summed, 0.0), 6.0)
     tl.store(out + p[:, None] * CHANNELS + c[None, :], summed.to(out.dtype.element_ty),
              mask=inside[:, None] & channel_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["landmarks", "subset", "out", "point_stride", "face_stride", "left", "right",
+                               "subset_count", "target_cos", "target_sin", "scale_x", "scale_y",
+                               "output_width", "output_height"])
+def facecast_landmarks_to_matrix(landmarks, subset, out, point_stride, face_stride, left, right, subset_count,
+                                 target_cos, target_sin, scale_x, scale_y, output_width, output_height,
+                                 BLOCK_K: tl.constexpr):
+    """custom_ops.Landmarks2TransformMatrix of one face (program n) in float32: the rotation from
+    its left and right landmarks, the subset's box in the rotated frame, the 4x4 matrix into
+    ``out`` (N, 4, 4) float32. cos and sin of (target − atan2(dy, dx)) from dx, dy and the
+    target's cos and sin (the same angle, without atan2: Note [The attention mesh's custom
+    operators in kernels])."""
+    n = tl.program_id(0)
+    face = landmarks + n * face_stride
+    left_x = tl.load(face + left * point_stride).to(tl.float32)
+    left_y = tl.load(face + left * point_stride + 1).to(tl.float32)
+    dx = tl.load(face + right * point_stride).to(tl.float32) - left_x
+    dy = tl.load(face + right * point_stride + 1).to(tl.float32) - left_y
+    length = tl.sqrt(dx * dx + dy * dy)
+    flat = length == 0.0  # atan2(0, 0) = 0
+    unit_x = tl.where(flat, 1.0, dx / tl.where(flat, 1.0, length))
+    unit_y = tl.where(flat, 0.0, dy / tl.where(flat, 1.0, length))
+    cos = target_cos * unit_x + target_sin * unit_y
+    sin = target_sin * unit_x - target_cos * unit_y
+    k = tl.arange(0, BLOCK_K)
+    used = k < subset_count
+    index = tl.load(subset + k, mask=used, other=0)
+    point_x = tl.load(face + index * point_stride, mask=used, other=0.0).to(tl.float32)
+    point_y = tl.load(face + index * point_stride + 1, mask=used, other=0.0).to(tl.float32)
+    rotated_x = cos * point_x - sin * point_y
+    rotated_y = sin * point_x + cos * point_y
+    max_x = tl.max(tl.where(used, rotated_x, float("-inf")), axis=0)
+    min_x = tl.min(tl.where(used, rotated_x, float("inf")), axis=0)
+    max_y = tl.max(tl.where(used, rotated_y, float("-inf")), axis=0)
+    min_y = tl.min(tl.where(used, rotated_y, float("inf")), axis=0)
+    middle_x = (max_x + min_x) / 2
+    middle_y = (max_y + min_y) / 2
+    centre_x = cos * middle_x + sin * middle_y
+    centre_y = -sin * middle_x + cos * middle_y
+    box_scale_x = scale_x * (max_x - min_x) / output_width
+    box_scale_y = scale_y * (max_y - min_y) / output_height
+    m00 = cos * box_scale_x
+    m01 = sin * box_scale_y
+    m10 = -sin * box_scale_x
+    m11 = cos * box_scale_y
+    half_w = output_width / 2.0
+    half_h = output_height / 2.0
+    matrix = out + n * 16
+    tl.store(matrix + 0, m00)
+    tl.store(matrix + 1, m01)
+    tl.store(matrix + 2, 0.0)
+    tl.store(matrix + 3, centre_x - (m00 * half_w + m01 * half_h))
+    tl.store(matrix + 4, m10)
+    tl.store(matrix + 5, m11)
+    tl.store(matrix + 6, 0.0)
+    tl.store(matrix + 7, centre_y - (m10 * half_w + m11 * half_h))
+    for row_col in tl.static_range(8, 16):
+        tl.store(matrix + row_col, 1.0 if row_col == 10 or row_col == 15 else 0.0)
+
+
+@triton.jit(do_not_specialize=["features", "matrix", "out", "pixels", "height", "width", "out_height", "out_width",
+                               "stride_n", "stride_c", "stride_h", "stride_w"])
+def facecast_transform_bilinear(features, matrix, out, pixels, height, width, out_height, out_width,
+                                stride_n, stride_c, stride_h, stride_w,
+                                CHANNELS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """custom_ops.TransformTensorBilinear: BLOCK_P output pixels (flat over N, OH, OW) by BLOCK_C
+    channels of ``out`` (N, C, OH, OW), NCHW as grid_sample's: output pixel (x, y) samples the
+    feature map bilinearly at the matrix's image of its centre (x + ½, y + ½) less ½, zero
+    where that point lies outside [0, W-1] x [0, H-1]; weights and sums in float32, rounded
+    once to out's dtype."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside_p = p < pixels
+    channel_ok = c < CHANNELS
+    column = p % out_width
+    row = (p // out_width) % out_height
+    image = p // (out_width * out_height)
+    rows = matrix + image * 16
+    m00 = tl.load(rows + 0, mask=inside_p, other=0.0).to(tl.float32)
+    m01 = tl.load(rows + 1, mask=inside_p, other=0.0).to(tl.float32)
+    m03 = tl.load(rows + 3, mask=inside_p, other=0.0).to(tl.float32)
+    m10 = tl.load(rows + 4, mask=inside_p, other=0.0).to(tl.float32)
+    m11 = tl.load(rows + 5, mask=inside_p, other=0.0).to(tl.float32)
+    m13 = tl.load(rows + 7, mask=inside_p, other=0.0).to(tl.float32)
+    centre_x = column.to(tl.float32) + 0.5
+    centre_y = row.to(tl.float32) + 0.5
+    x = m00 * centre_x + m01 * centre_y + m03 - 0.5
+    y = m10 * centre_x + m11 * centre_y + m13 - 0.5
+    inside = inside_p & (x >= 0) & (x <= width - 1) & (y >= 0) & (y <= height - 1)
+    x0 = tl.floor(x)
+    y0 = tl.floor(y)
+    right = x - x0
+    down = y - y0
+    left = 1 - right
+    up = 1 - down
+    column0 = x0.to(tl.int32)
+    row0 = y0.to(tl.int32)
+    has_right = column0 + 1 <= width - 1
+    has_down = row0 + 1 <= height - 1
+    base = image.to(tl.int64) * stride_n + row0.to(tl.int64) * stride_h + column0.to(tl.int64) * stride_w
+    at = features + base[:, None] + c[None, :].to(tl.int64) * stride_c
+    load_ok = inside[:, None] & channel_ok[None, :]
+    summed = tl.load(at, mask=load_ok, other=0.0).to(tl.float32) * (left * up)[:, None]
+    summed += tl.load(at + stride_w, mask=load_ok & has_right[:, None], other=0.0).to(tl.float32) * (right * up)[:, None]
+    summed += tl.load(at + stride_h, mask=load_ok & has_down[:, None], other=0.0).to(tl.float32) * (left * down)[:, None]
+    summed += tl.load(at + stride_h + stride_w, mask=load_ok & (has_right & has_down)[:, None],
+                      other=0.0).to(tl.float32) * (right * down)[:, None]
+    pixel = row * out_width + column
+    target = out + (image.to(tl.int64) * CHANNELS * out_height * out_width + pixel)[:, None] \
+        + c[None, :].to(tl.int64) * out_height * out_width
+    tl.store(target, summed.to(out.dtype.element_ty), mask=inside_p[:, None] & channel_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["landmarks", "matrix", "out", "points", "count"])
+def facecast_transform_landmarks(landmarks, matrix, out, points, count, DIMS: tl.constexpr, BLOCK: tl.constexpr):
+    """custom_ops.TransformLandmarks of BLOCK landmarks (flat over N faces of ``points`` each,
+    (N, points, DIMS) contiguous): x, y through the face's matrix in float32, rounded once to
+    out's dtype; z as it is."""
+    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = q < count
+    face = q // points
+    rows = matrix + face * 16
+    x = tl.load(landmarks + q * DIMS, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(landmarks + q * DIMS + 1, mask=ok, other=0.0).to(tl.float32)
+    m00 = tl.load(rows + 0, mask=ok, other=0.0).to(tl.float32)
+    m01 = tl.load(rows + 1, mask=ok, other=0.0).to(tl.float32)
+    m03 = tl.load(rows + 3, mask=ok, other=0.0).to(tl.float32)
+    m10 = tl.load(rows + 4, mask=ok, other=0.0).to(tl.float32)
+    m11 = tl.load(rows + 5, mask=ok, other=0.0).to(tl.float32)
+    m13 = tl.load(rows + 7, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + q * DIMS, (m00 * x + m01 * y + m03).to(out.dtype.element_ty), mask=ok)
+    tl.store(out + q * DIMS + 1, (m10 * x + m11 * y + m13).to(out.dtype.element_ty), mask=ok)
+    if DIMS == 3:
+        tl.store(out + q * DIMS + 2, tl.load(landmarks + q * DIMS + 2, mask=ok, other=0.0), mask=ok)

@@ -137,6 +137,23 @@ Note [A convolution's bias in one kernel]
     convolutions without a fused ReLU take it too (Conv2d._convolve_then_bias): a profile of the
     v2 landmarker in float16 showed its first convolution's bias, PyTorch's pass, at 49 us of
     the 75 us convolution (H100, 14:00).
+
+Note [The attention mesh's custom operators in kernels]
+    face_landmark_with_attention's three custom operators (models/custom_ops.py) were written
+    as batched PyTorch: on the CPU 195 operators for its three Landmarks2TransformMatrix, 84
+    for its three TransformTensorBilinear and 55 for its five TransformLandmarks, 334 of the
+    model's 735, each a kernel on a GPU, where a CUDA graph's node costs about 1.2 us of device
+    time even when it does nothing (H100, 2026-11-27: a graph of 1,500 trivial kernels 1.79 ms)
+    and the stack's graph had 796 kernels at 64 faces. In a graph's work each operator is one
+    kernel here, in float32 throughout: the transform matrix of a face in one program (the
+    rotation's cos and sin from the two landmarks' difference and the target angle's, the same
+    angle as target - atan2(dy, dx) without atan2, which Triton's interpreter lacks), the
+    feature map sampled bilinearly with zeros outside as grid_sample samples it (its positions
+    computed directly, not through [-1, 1] and back; grid_sample rounded them to float16 in
+    float16 models, the kernel does not), and the landmarks mapped and rounded once. Their
+    values against the PyTorch operators: tests/models/triton_interpreter_checks.py. Not yet
+    run on a GPU (written when the session's device time was spent): the next session's
+    `gpu_tests` and `models_ab` say whether they hold and what they buy.
 """
 
 from __future__ import annotations
@@ -145,6 +162,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -173,6 +191,12 @@ DEPTHWISE_MAX_BLOCK_C = 64
 # Its activations' dtypes and fused activations (TFLite's codes: none, ReLU, ReLU6).
 DEPTHWISE_DTYPES = (torch.float16,)
 DEPTHWISE_ACTIVATIONS = (0, 1, 3)
+# The attention mesh's custom operators' kernels: their dtypes, and the values a program of
+# the feature map's sampling (channels at most CUSTOM_OP_MAX_BLOCK_C of them, by pixels) or of
+# the landmarks' mapping computes.
+CUSTOM_OP_DTYPES = (torch.float16, torch.float32)
+CUSTOM_OP_VALUES = 1024
+CUSTOM_OP_MAX_BLOCK_C = 64
 # The most faces the duplicate filter's kernel takes (each program holds every face's box).
 MAX_FILTERED = 1024
 
@@ -402,6 +426,69 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x, weight, bias_arg, out, pixels, height, width, out_h, out_w), CHANNELS=channels, BLOCK_C=block_c,
         KH=kernel_h, KW=kernel_w, STRIDE_H=stride[0], STRIDE_W=stride[1], PAD_H=padding[0], PAD_W=padding[1],
         HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_P=block_p)
+
+
+def landmarks_to_matrix(landmarks: torch.Tensor, subset: torch.Tensor, left: int, right: int,
+                        target_rotation: float, output_wh: tuple[int, int],
+                        scale_xy: tuple[float, float]) -> torch.Tensor | None:
+    """custom_ops.Landmarks2TransformMatrix (its options as arguments) of landmarks (N, L, ≥2)
+    in one kernel (Note [The attention mesh's custom operators in kernels]): the (N, 4, 4)
+    float32 matrices; None where the kernel cannot serve (outside a graph's work, CUSTOM_OP_DTYPES)."""
+    if not (_graph_work.get() and landmarks.dim() == 3 and landmarks.shape[-1] >= 2
+            and landmarks.dtype in CUSTOM_OP_DTYPES and subset.dim() == 1 and subset.numel() > 0
+            and unavailable_reason(landmarks.device, "facecast_landmarks_to_matrix") is None):
+        return None
+    count = landmarks.shape[0]
+    out = torch.empty(count, 4, 4, device=landmarks.device)
+    if count == 0:
+        return out
+    if landmarks.stride(2) != 1:
+        landmarks = landmarks.contiguous()
+    (output_w, output_h), (scale_x, scale_y) = output_wh, scale_xy
+    return _launch(out, "facecast_landmarks_to_matrix", (count,), (
+        landmarks, subset, out, landmarks.stride(1), landmarks.stride(0), left, right, subset.numel(),
+        math.cos(target_rotation), math.sin(target_rotation), float(scale_x), float(scale_y), float(output_w),
+        float(output_h)), BLOCK_K=max(16, _power_of_two(subset.numel())))
+
+
+def transform_bilinear(features: torch.Tensor, matrix: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor | None:
+    """custom_ops.TransformTensorBilinear of a feature map (N, C, H, W), any layout, through
+    matrices (N, 4, 4), in one kernel (Note [The attention mesh's custom operators in
+    kernels]): (N, C, OH, OW) NCHW of the features' dtype; None where the kernel cannot serve
+    (outside a graph's work, CUSTOM_OP_DTYPES)."""
+    if not (_graph_work.get() and features.dim() == 4 and features.dtype in CUSTOM_OP_DTYPES
+            and matrix.shape == (features.shape[0], 4, 4) and features.numel() < 2 ** 31
+            and unavailable_reason(features.device, "facecast_transform_bilinear") is None):
+        return None
+    count, channels, height, width = features.shape
+    out_h, out_w = out_hw
+    out = torch.empty(count, channels, out_h, out_w, dtype=features.dtype, device=features.device)
+    pixels = count * out_h * out_w
+    if pixels == 0 or channels == 0:
+        return out
+    block_c = min(_power_of_two(channels), CUSTOM_OP_MAX_BLOCK_C)
+    block_p = CUSTOM_OP_VALUES // block_c
+    return _launch(out, "facecast_transform_bilinear", (-(-pixels // block_p), -(-channels // block_c)), (
+        features, matrix.contiguous(), out, pixels, height, width, out_h, out_w, *features.stride()),
+        CHANNELS=channels, BLOCK_C=block_c, BLOCK_P=block_p)
+
+
+def transform_landmarks(landmarks: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor | None:
+    """custom_ops.TransformLandmarks of landmarks (N, L, 2 or 3) through matrices (N, 4, 4) in
+    one kernel (Note [The attention mesh's custom operators in kernels]): (N, L, D) of the
+    landmarks' dtype; None where the kernel cannot serve (outside a graph's work, CUSTOM_OP_DTYPES)."""
+    if not (_graph_work.get() and landmarks.dim() == 3 and landmarks.shape[-1] in (2, 3)
+            and landmarks.dtype in CUSTOM_OP_DTYPES and matrix.shape == (landmarks.shape[0], 4, 4)
+            and unavailable_reason(landmarks.device, "facecast_transform_landmarks") is None):
+        return None
+    landmarks = landmarks.contiguous()
+    out = torch.empty_like(landmarks)
+    count = landmarks.shape[0] * landmarks.shape[1]
+    if count == 0:
+        return out
+    return _launch(out, "facecast_transform_landmarks", (-(-count // CUSTOM_OP_VALUES),), (
+        landmarks, matrix.contiguous(), out, landmarks.shape[1], count), DIMS=landmarks.shape[2],
+        BLOCK=CUSTOM_OP_VALUES)
 
 
 def _channel_pass_serves(x: torch.Tensor, per_channel: torch.Tensor, kernel: str) -> bool:

@@ -230,3 +230,59 @@ def test_the_kernel_convolves_depthwise_as_pytorch_in_float32(interpreted, chann
     assert (got == expected).float().mean() > 0.9  # mostly the same bits
     if activation:
         assert (expected == 0).any() and (expected > 0).any()
+
+
+def _attention_crop_inputs(dtype, seed):
+    """Landmarks (N, 478, 3) spread over a channels-last feature map (N, 32, 48, 48), in its
+    pixels, as the attention mesh's custom operators get them."""
+    gen = torch.Generator().manual_seed(seed)
+    centre = 24 + 6 * (torch.rand(3, 1, 2, generator=gen) - 0.5)
+    spread = 12 + 6 * torch.rand(3, 1, 1, generator=gen)
+    xy = centre + spread * (torch.rand(3, 478, 2, generator=gen) - 0.5)
+    xy[2] += 18  # the last face near the map's corner: its crop reaches outside (zeros there)
+    landmarks = torch.cat([xy, torch.randn(3, 478, 1, generator=gen)], dim=-1).to(dtype)
+    features = torch.randn(3, 32, 48, 48, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    return landmarks, features
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_kernels_run_the_attention_meshs_custom_operators_as_pytorch(interpreted, dtype):
+    """custom_ops' three operators (the lips' options of the attention mesh) against their
+    PyTorch modules: the transform matrix to float32 rounding (its angle is computed without
+    atan2); the sampled feature map (grid_sample's positions round-trip through [-1, 1]: 1e-4)
+    and the mapped landmarks to float32 rounding in float32 and,
+    in float16, within float16 rounding of PyTorch's float32 values (the kernels compute in
+    float32 and round once). In a CUDA graph's work only."""
+    from facecast.models import custom_ops
+
+    options = {"left_rotation_idx": 61, "right_rotation_idx": 291, "target_rotation_radians": 0.0,
+               "output_width": 16, "output_height": 16, "scale_x": 1.5, "scale_y": 1.5,
+               "subset_idxs": list(range(0, 160, 2))}
+    to_matrix, sample, mapping = (custom_ops.Landmarks2TransformMatrix(options), custom_ops.TransformTensorBilinear(16, 16),
+                                  custom_ops.TransformLandmarks())
+    landmarks, features = _attention_crop_inputs(dtype, 23)
+    subset = to_matrix.subset
+    arguments = (subset, 61, 291, 0.0, (16, 16), (1.5, 1.5))
+    assert triton_kernels.landmarks_to_matrix(landmarks, *arguments) is None  # outside a graph's work
+    expected_matrix = to_matrix(landmarks.float())
+    with triton_kernels.graph_work():
+        matrix = triton_kernels.landmarks_to_matrix(landmarks, *arguments)
+        assert matrix is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+        assert torch.allclose(matrix, expected_matrix, rtol=1e-5, atol=1e-4), (matrix - expected_matrix).abs().max()
+        matrix = matrix.to(dtype)  # as the operator hands it on
+        sampled = triton_kernels.transform_bilinear(features, matrix, (16, 16))
+        mapped = triton_kernels.transform_landmarks(landmarks[:, :80], matrix)
+        mapped_2d = triton_kernels.transform_landmarks(landmarks[:, :5, :2].contiguous(), matrix)
+    expected_sampled = sample(features.float(), matrix.float())
+    expected_mapped = mapping(landmarks[:, :80].float(), matrix.float())
+    assert sampled.dtype == dtype and sampled.is_contiguous() and sampled.shape == expected_sampled.shape
+    assert mapped.dtype == dtype and mapped.shape == expected_mapped.shape
+    assert (expected_sampled != 0).float().mean() > 0.5 and (expected_sampled == 0).any()  # inside and out
+    if dtype == torch.float32:
+        # grid_sample's positions go to [-1, 1] and back: ~1e-6 px apart from the kernel's
+        assert torch.allclose(sampled, expected_sampled, rtol=1e-5, atol=1e-4)
+        assert torch.allclose(mapped, expected_mapped, rtol=1e-5, atol=1e-4)
+    else:
+        assert torch.allclose(sampled.float(), expected_sampled, rtol=2 ** -10, atol=2 ** -14)
+        assert torch.allclose(mapped.float(), expected_mapped, rtol=2 ** -10, atol=2 ** -14)
+    assert torch.allclose(mapped_2d.float(), expected_mapped[:, :5, :2], rtol=2 ** -10, atol=1e-4)
