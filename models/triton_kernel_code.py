@@ -485,8 +485,14 @@ def facecast_landmarks_to_matrix(landmarks, subset, out, point_stride, face_stri
     tl.store(matrix + 5, m11)
     tl.store(matrix + 6, 0.0)
     tl.store(matrix + 7, centre_y - (m10 * half_w + m11 * half_h))
-    for row_col in tl.static_range(8, 16):
-        tl.store(matrix + row_col, 1.0 if row_col == 10 or row_col == 15 else 0.0)
+    tl.store(matrix + 8, 0.0)  # the third and fourth rows: (0, 0, 1, 0) and (0, 0, 0, 1)
+    tl.store(matrix + 9, 0.0)
+    tl.store(matrix + 10, 1.0)
+    tl.store(matrix + 11, 0.0)
+    tl.store(matrix + 12, 0.0)
+    tl.store(matrix + 13, 0.0)
+    tl.store(matrix + 14, 0.0)
+    tl.store(matrix + 15, 1.0)
 
 
 @triton.jit(do_not_specialize=["features", "matrix", "out", "pixels", "height", "width", "out_height", "out_width",
