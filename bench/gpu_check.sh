@@ -34,8 +34,9 @@
 #   models_ab     bench/models.py at batch 64, fp16 with graphs, compiled and not, on .base/ and
 #                 on this tree, one after the other (8)
 #   triton        bench/kernels.py: each Triton kernel (crops, detections' decoding, weighted NMS,
-#                 duplicate filter, transformation matrix, layer norm, PReLUs) against the PyTorch
-#                 chain it replaces (0.5)
+#                 duplicate filter, transformation matrix, layer norm, PReLUs, biases, depthwise
+#                 convolutions, the attention mesh's custom operators) against the PyTorch chain
+#                 it replaces (0.5)
 #   phases        the daemon at 32 and 64 replayed cameras genlocked (every camera at phase 0,
 #                 as before 2026-11-27) and free-running (each at its own phase, the default),
 #                 one after the other (Note [Capture phases]) (6, H100); `genlocked`: its
@@ -43,7 +44,7 @@
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32, and the
-#                 float16 depthwise ones in NCHW and in float32 (the lead of 2026-11-27) (1)
+#                 float16 depthwise ones in NCHW, in float32 and in our kernel ("Triton dw") (1)
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
 #   roi_workers   64 replayed cameras with one roi_landmark worker, then two (the default's

@@ -31,6 +31,13 @@ last), float16 and float32: F.prelu, and a residual ADD with its PRELU (two kern
 the kernel; apart: the largest difference (0: the same values). A depthwise convolution's
 bias (the full-range detector's largest output, 288 × 32 × 96 × 96, float16): PyTorch's add in
 place against the kernel, each on a fresh copy (`clone_ms`: the copy alone).
+*Depthwise convolutions*: three of the v2 landmarker's in float16 at 64 faces (8 channels of
+128x128, 64 of 16x16 and of 8x8, channels last): `Conv2d` outside a graph's work (cuDNN's float32
+route, cuDNN and the bias pass) against our kernel; apart: the largest difference.
+*The attention mesh's custom operators* (its lips' options, 64 faces in float16, tests/models/
+triton_inputs.py): the transform matrix, the feature map's crops, the landmarks mapped back, each
+as its PyTorch against its kernel; apart: the largest difference (the kernels compute in
+float32: Note [The attention mesh's custom operators in kernels]).
 Device time: CUDA events around 50 calls queued back to back, after one call, ms per call.
 Host time: the µs one call of the mesh crops takes to queue (the kernel against the chain's ~50
 launches). `prepare_s`: compiling the crop kernel's four variants in this process (from
@@ -230,6 +237,51 @@ def _channel_passes(device) -> dict:
     return found
 
 
+def convolutions(device) -> dict:
+    """Float16 depthwise convolutions of the v2 landmarker at 64 faces (Note [Float16 depthwise
+    convolutions]): what Conv2d runs outside a graph's work against our kernel (a graph's work)."""
+    from facecast.models import tflite_ops
+
+    found = {}
+    gen = torch.Generator().manual_seed(8)
+    for channels, size in ((8, 128), (64, 16), (64, 8)):
+        weight = (torch.randn(channels, 1, 3, 3, generator=gen) / 3).numpy()
+        conv = tflite_ops.Conv2d(weight, torch.randn(channels, generator=gen).numpy(), (1, 1), (1, 1), channels,
+                                 (1, 1, 1, 1), 0).to(device, torch.float16)
+        conv.weight = conv.weight.contiguous(memory_format=torch.channels_last)
+        x = torch.randn(64, channels, size, size, generator=gen).to(device, torch.float16).contiguous(
+            memory_format=torch.channels_last)
+        chain = conv(x)
+        with triton_kernels.graph_work():
+            ours = conv(x)
+            kernel_ms = device_ms(lambda: conv(x))
+        found[f"a float16 depthwise convolution of the v2 landmarker, 64 faces ({channels} channels x {size} x {size})"] = {
+            "chain_ms": device_ms(lambda: conv(x)), "kernel_ms": kernel_ms,
+            "apart": (ours.float() - chain.float()).abs().max().item()}
+    return found
+
+
+def custom_operators(device) -> dict:
+    """The attention mesh's custom operators (its lips' options, 64 faces, float16: Note [The
+    attention mesh's custom operators in kernels]): their PyTorch against our kernels (a graph's
+    work)."""
+    to_matrix, sample, mapping = (op.to(device) for op in inputs.attention_operators())
+    landmarks, features = inputs.attention_crop_inputs(64, torch.float16, seed=23, device=device)
+    matrix = to_matrix(landmarks)
+    calls = {"the transform matrix (Landmarks2TransformMatrix)": lambda: to_matrix(landmarks),
+             "the feature map's 16x16 crops (TransformTensorBilinear, 32 channels of 48 x 48)": lambda: sample(features, matrix),
+             "80 landmarks mapped back (TransformLandmarks)": lambda: mapping(landmarks[:, :80], matrix)}
+    found = {}
+    for name, call in calls.items():
+        chain = call()
+        with triton_kernels.graph_work():
+            ours = call()
+            kernel_ms = device_ms(call)
+        found[f"{name}, 64 faces, float16"] = {"chain_ms": device_ms(call), "kernel_ms": kernel_ms,
+                                               "apart": (ours.float() - chain.float()).abs().max().item()}
+    return found
+
+
 def clustering(device) -> dict:
     candidates = inputs.nms_candidates(rows=64, count=128, seed=3, device=device)
     with WithoutKernel("nms_clusters"):
@@ -280,7 +332,7 @@ def main() -> int:
               "prepare_s": round(time.perf_counter() - started, 2),
               "cases": {**crops(device), **decoding(device), **clustering(device),
                         **duplicates(device), **matrices(device), **layer_norms(device),
-                        **channel_passes(device)}}
+                        **channel_passes(device), **convolutions(device), **custom_operators(device)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| case | PyTorch chain ms | kernel ms | × |")

@@ -132,3 +132,30 @@ def faces_for_geometry(count: int, seed: int, device="cpu"):
         landmarks[n, :468] = face + torch.randn(468, 3, generator=gen)
         landmarks[n, 468:] = face[:10]
     return geometry, landmarks.to(device), sizes.to(device)
+
+
+def attention_operators():
+    """The attention mesh's three custom operators with its lips' options (16x16 crops of the
+    feature map, scale 1.5, 80 subset landmarks, rotation from landmarks 61 and 291)."""
+    from facecast.models import custom_ops
+
+    options = {"left_rotation_idx": 61, "right_rotation_idx": 291, "target_rotation_radians": 0.0,
+               "output_width": 16, "output_height": 16, "scale_x": 1.5, "scale_y": 1.5,
+               "subset_idxs": list(range(0, 160, 2))}
+    return (custom_ops.Landmarks2TransformMatrix(options), custom_ops.TransformTensorBilinear(16, 16),
+            custom_ops.TransformLandmarks())
+
+
+def attention_crop_inputs(count: int, dtype, seed: int, device="cpu"):
+    """Landmarks (N, 478, 3) spread over a channels-last feature map (N, 32, 48, 48), in its
+    pixels, as the attention mesh's custom operators get them; every third face near the map's
+    corner, so that its crop reaches outside (zeros there)."""
+    gen = torch.Generator().manual_seed(seed)
+    centre = 24 + 6 * (torch.rand(count, 1, 2, generator=gen) - 0.5)
+    spread = 12 + 6 * torch.rand(count, 1, 1, generator=gen)
+    xy = centre + spread * (torch.rand(count, 478, 2, generator=gen) - 0.5)
+    xy[2::3] += 18
+    landmarks = torch.cat([xy, torch.randn(count, 478, 1, generator=gen)], dim=-1).to(device, dtype)
+    features = torch.randn(count, 32, 48, 48, generator=gen).to(device, dtype).contiguous(
+        memory_format=torch.channels_last)
+    return landmarks, features

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from facecast.models import nms, roi, triton_kernels
-from triton_inputs import (SPECS, assert_same_clusters, crop_rects, faces_for_geometry, faces_to_filter,
-                           nms_candidates, raw_detections, two_photos)
+from triton_inputs import (SPECS, assert_same_clusters, attention_crop_inputs, attention_operators, crop_rects,
+                           faces_for_geometry, faces_to_filter, nms_candidates, raw_detections, two_photos)
 
 
 @pytest.fixture
@@ -232,19 +232,6 @@ def test_the_kernel_convolves_depthwise_as_pytorch_in_float32(interpreted, chann
         assert (expected == 0).any() and (expected > 0).any()
 
 
-def _attention_crop_inputs(dtype, seed):
-    """Landmarks (N, 478, 3) spread over a channels-last feature map (N, 32, 48, 48), in its
-    pixels, as the attention mesh's custom operators get them."""
-    gen = torch.Generator().manual_seed(seed)
-    centre = 24 + 6 * (torch.rand(3, 1, 2, generator=gen) - 0.5)
-    spread = 12 + 6 * torch.rand(3, 1, 1, generator=gen)
-    xy = centre + spread * (torch.rand(3, 478, 2, generator=gen) - 0.5)
-    xy[2] += 18  # the last face near the map's corner: its crop reaches outside (zeros there)
-    landmarks = torch.cat([xy, torch.randn(3, 478, 1, generator=gen)], dim=-1).to(dtype)
-    features = torch.randn(3, 32, 48, 48, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
-    return landmarks, features
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_kernels_run_the_attention_meshs_custom_operators_as_pytorch(interpreted, dtype):
     """custom_ops' three operators (the lips' options of the attention mesh) against their
@@ -253,14 +240,8 @@ def test_the_kernels_run_the_attention_meshs_custom_operators_as_pytorch(interpr
     and the mapped landmarks to float32 rounding in float32 and,
     in float16, within float16 rounding of PyTorch's float32 values (the kernels compute in
     float32 and round once). In a CUDA graph's work only."""
-    from facecast.models import custom_ops
-
-    options = {"left_rotation_idx": 61, "right_rotation_idx": 291, "target_rotation_radians": 0.0,
-               "output_width": 16, "output_height": 16, "scale_x": 1.5, "scale_y": 1.5,
-               "subset_idxs": list(range(0, 160, 2))}
-    to_matrix, sample, mapping = (custom_ops.Landmarks2TransformMatrix(options), custom_ops.TransformTensorBilinear(16, 16),
-                                  custom_ops.TransformLandmarks())
-    landmarks, features = _attention_crop_inputs(dtype, 23)
+    to_matrix, sample, mapping = attention_operators()
+    landmarks, features = attention_crop_inputs(3, dtype, seed=23)
     subset = to_matrix.subset
     arguments = (subset, 61, 291, 0.0, (16, 16), (1.5, 1.5))
     assert triton_kernels.landmarks_to_matrix(landmarks, *arguments) is None  # outside a graph's work
