@@ -255,7 +255,8 @@ def convolutions(device) -> dict:
         with triton_kernels.graph_work():
             ours = conv(x)
             kernel_ms = device_ms(lambda: conv(x))
-        found[f"a float16 depthwise convolution of the v2 landmarker, 64 faces ({channels} channels x {size} x {size})"] = {
+        name = f"a float16 depthwise convolution of the v2 landmarker, 64 faces ({channels} channels x {size} x {size})"
+        found[name] = {
             "chain_ms": device_ms(lambda: conv(x)), "kernel_ms": kernel_ms,
             "apart": (ours.float() - chain.float()).abs().max().item()}
     return found
@@ -269,7 +270,8 @@ def custom_operators(device) -> dict:
     landmarks, features = inputs.attention_crop_inputs(64, torch.float16, seed=23, device=device)
     matrix = to_matrix(landmarks)
     calls = {"the transform matrix (Landmarks2TransformMatrix)": lambda: to_matrix(landmarks),
-             "the feature map's 16x16 crops (TransformTensorBilinear, 32 channels of 48 x 48)": lambda: sample(features, matrix),
+             "the feature map's 16x16 crops (TransformTensorBilinear, 32 channels of 48 x 48)":
+                 lambda: sample(features, matrix),
              "80 landmarks mapped back (TransformLandmarks)": lambda: mapping(landmarks[:, :80], matrix)}
     found = {}
     for name, call in calls.items():

@@ -391,6 +391,18 @@ def facecast_channel_bias(x, bias, count, channels, BLOCK: tl.constexpr):
     tl.store(x + p, summed.to(values.dtype), mask=inside)
 
 
+@triton.jit
+def _output_tile(pixels, out_height, out_width, CHANNELS: tl.constexpr, BLOCK_P: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """A program's tile of an image output: BLOCK_P pixels (flat over N, OH, OW; ``pixels`` in
+    all) along the grid's x by BLOCK_C channels along its y: (pixel, channel, pixel inside,
+    channel inside, column, row, image)."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return (p, c, p < pixels, c < CHANNELS, p % out_width, (p // out_width) % out_height,
+            p // (out_width * out_height))
+
+
 @triton.jit(do_not_specialize=["pixels", "height", "width", "out_height", "out_width"])
 def facecast_depthwise(x, weight, bias, out, pixels, height, width, out_height, out_width,
                        CHANNELS: tl.constexpr, BLOCK_C: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
@@ -402,13 +414,8 @@ def facecast_depthwise(x, weight, bias, out, pixels, height, width, out_height, 
     channels, each tap's product and sum in float32, then the bias and the fused activation
     (TFLite's code: 0 none, 1 ReLU, 3 ReLU6), rounded once to out's dtype (Note [Float16
     depthwise convolutions]). Taps outside the image read zero (the symmetric padding)."""
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    inside = p < pixels
-    channel_ok = c < CHANNELS
-    column = p % out_width
-    row = (p // out_width) % out_height
-    image = p // (out_width * out_height)
+    p, c, inside, channel_ok, column, row, image = _output_tile(pixels, out_height, out_width, CHANNELS, BLOCK_P,
+                                                                BLOCK_C)
     summed = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
     for kh in tl.static_range(KH):
         source_row = row * STRIDE_H - PAD_H + kh
@@ -495,6 +502,20 @@ def facecast_landmarks_to_matrix(landmarks, subset, out, point_stride, face_stri
     tl.store(matrix + 15, 1.0)
 
 
+@triton.jit
+def _float32_at(pointer, mask):
+    return tl.load(pointer, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _affine_rows(matrix, face, mask):
+    """The x and y rows of each face's 4x4 crop matrix (N, 4, 4), as float32: (m00, m01, m03,
+    m10, m11, m13); the z column multiplies 0 in the custom operators."""
+    rows = matrix + face * 16
+    return (_float32_at(rows + 0, mask), _float32_at(rows + 1, mask), _float32_at(rows + 3, mask),
+            _float32_at(rows + 4, mask), _float32_at(rows + 5, mask), _float32_at(rows + 7, mask))
+
+
 @triton.jit(do_not_specialize=["features", "matrix", "out", "pixels", "height", "width", "out_height", "out_width",
                                "stride_n", "stride_c", "stride_h", "stride_w"])
 def facecast_transform_bilinear(features, matrix, out, pixels, height, width, out_height, out_width,
@@ -505,20 +526,9 @@ def facecast_transform_bilinear(features, matrix, out, pixels, height, width, ou
     feature map bilinearly at the matrix's image of its centre (x + ½, y + ½) less ½, zero
     where that point lies outside [0, W-1] x [0, H-1]; weights and sums in float32, rounded
     once to out's dtype."""
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    inside_p = p < pixels
-    channel_ok = c < CHANNELS
-    column = p % out_width
-    row = (p // out_width) % out_height
-    image = p // (out_width * out_height)
-    rows = matrix + image * 16
-    m00 = tl.load(rows + 0, mask=inside_p, other=0.0).to(tl.float32)
-    m01 = tl.load(rows + 1, mask=inside_p, other=0.0).to(tl.float32)
-    m03 = tl.load(rows + 3, mask=inside_p, other=0.0).to(tl.float32)
-    m10 = tl.load(rows + 4, mask=inside_p, other=0.0).to(tl.float32)
-    m11 = tl.load(rows + 5, mask=inside_p, other=0.0).to(tl.float32)
-    m13 = tl.load(rows + 7, mask=inside_p, other=0.0).to(tl.float32)
+    p, c, inside_p, channel_ok, column, row, image = _output_tile(pixels, out_height, out_width, CHANNELS,
+                                                                  BLOCK_P, BLOCK_C)
+    m00, m01, m03, m10, m11, m13 = _affine_rows(matrix, image, inside_p)
     centre_x = column.to(tl.float32) + 0.5
     centre_y = row.to(tl.float32) + 0.5
     x = m00 * centre_x + m01 * centre_y + m03 - 0.5
@@ -537,11 +547,10 @@ def facecast_transform_bilinear(features, matrix, out, pixels, height, width, ou
     base = image.to(tl.int64) * stride_n + row0.to(tl.int64) * stride_h + column0.to(tl.int64) * stride_w
     at = features + base[:, None] + c[None, :].to(tl.int64) * stride_c
     load_ok = inside[:, None] & channel_ok[None, :]
-    summed = tl.load(at, mask=load_ok, other=0.0).to(tl.float32) * (left * up)[:, None]
-    summed += tl.load(at + stride_w, mask=load_ok & has_right[:, None], other=0.0).to(tl.float32) * (right * up)[:, None]
-    summed += tl.load(at + stride_h, mask=load_ok & has_down[:, None], other=0.0).to(tl.float32) * (left * down)[:, None]
-    summed += tl.load(at + stride_h + stride_w, mask=load_ok & (has_right & has_down)[:, None],
-                      other=0.0).to(tl.float32) * (right * down)[:, None]
+    summed = _float32_at(at, load_ok) * (left * up)[:, None]
+    summed += _float32_at(at + stride_w, load_ok & has_right[:, None]) * (right * up)[:, None]
+    summed += _float32_at(at + stride_h, load_ok & has_down[:, None]) * (left * down)[:, None]
+    summed += _float32_at(at + stride_h + stride_w, load_ok & (has_right & has_down)[:, None]) * (right * down)[:, None]
     pixel = row * out_width + column
     target = out + (image.to(tl.int64) * CHANNELS * out_height * out_width + pixel)[:, None] \
         + c[None, :].to(tl.int64) * out_height * out_width
@@ -556,15 +565,9 @@ def facecast_transform_landmarks(landmarks, matrix, out, points, count, DIMS: tl
     q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = q < count
     face = q // points
-    rows = matrix + face * 16
     x = tl.load(landmarks + q * DIMS, mask=ok, other=0.0).to(tl.float32)
     y = tl.load(landmarks + q * DIMS + 1, mask=ok, other=0.0).to(tl.float32)
-    m00 = tl.load(rows + 0, mask=ok, other=0.0).to(tl.float32)
-    m01 = tl.load(rows + 1, mask=ok, other=0.0).to(tl.float32)
-    m03 = tl.load(rows + 3, mask=ok, other=0.0).to(tl.float32)
-    m10 = tl.load(rows + 4, mask=ok, other=0.0).to(tl.float32)
-    m11 = tl.load(rows + 5, mask=ok, other=0.0).to(tl.float32)
-    m13 = tl.load(rows + 7, mask=ok, other=0.0).to(tl.float32)
+    m00, m01, m03, m10, m11, m13 = _affine_rows(matrix, face, ok)
     tl.store(out + q * DIMS, (m00 * x + m01 * y + m03).to(out.dtype.element_ty), mask=ok)
     tl.store(out + q * DIMS + 1, (m10 * x + m11 * y + m13).to(out.dtype.element_ty), mask=ok)
     if DIMS == 3:

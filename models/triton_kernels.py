@@ -25,7 +25,8 @@ Note [Kernels of our own]
     their count a multiple of 16: those are specialised, a variant or two a dtype (the
     depthwise one also a variant per layer geometry: its kernel size, stride, padding and
     channels are constants), compiled by the graph's warm-up runs for the shapes and alignments
-    its capture then meets (the allocator's blocks are aligned alike). Kernels are compiled without fused multiply-adds (`enable_fp_fusion=False`):
+    its capture then meets (the allocator's blocks are aligned alike). Kernels are compiled
+    without fused multiply-adds (`enable_fp_fusion=False`):
     each multiply and add is rounded on its own, as PyTorch's kernels round them. Where Triton
     is missing or cannot compile (it builds its launcher with the machine's C compiler), the
     PyTorch chains run as before and the reason is logged once; a kernel whose compilation or
