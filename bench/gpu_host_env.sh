@@ -5,7 +5,9 @@
 #   .whl/     the cp312 wheels that host lacks (pyzmq, pylsl, pycuda built against CUDA 13 with its
 #             pytools, platformdirs, mako and siphash24, msgspec, tflite, setproctitle, and
 #             ai-edge-litert and flatbuffers (the CPU stacks' runtime of the FaceLandmarker models,
-#             Note [LiteRT on the CPU], and the LiteRT parity tests' truth), and py-spy (bench/pipeline.py --profile-roles): `pip download --no-deps --only-binary=:all: --python-version
+#             Note [LiteRT on the CPU], and the LiteRT parity tests' truth), py-spy (bench/pipeline.py
+#             --profile-roles) and rtsp 2.0.1 (25 kB, pure Python: the H.264 RTSP camera of
+#             tests/rtsp_peer.py, which needs PyAV from .whl2a/): `pip download --no-deps --only-binary=:all: --python-version
 #             3.12 --platform manylinux_2_28_x86_64 NAME` on a machine with an index
 #             (ai-edge-litert: manylinux_2_17, 1.4.0, 11 MB); pycuda has no wheel there and is
 #             built on such a host from its sdist), installed into /tmp/fc/site;

@@ -7,6 +7,11 @@ is None and `MISSING_REASON` says what to install; tests skip with it.
 
 ffmpeg cannot be this peer: its RTSP muxer only pushes (ANNOUNCE/RECORD), and
 `-rtsp_flags listen` exists only on its demuxer.
+
+An H.264 camera has a second server: the `rtsp` package's (PyPI `rtsp`, the `test` extra: its
+RTSP sessions and RTP packets in Python, the frames encoded by PyAV's libx264), in this
+interpreter. The GPU machine has no GStreamer for its Python, so that is how its tests get an
+H.264 camera over RTSP (`H264_SERVERS`, `server=`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 
 START_TIMEOUT_S = 15.0
@@ -64,6 +70,41 @@ GLib.MainLoop().run()
 '''
 
 
+# argv: port width height fps. The same scene as GStreamer's: a white ball moving on black, a
+# loop of two seconds; the `rtsp` package encodes it (baseline H.264, a keyframe a second, its
+# SPS/PPS in the SDP) and serves it on every interface.
+_PYTHON_H264_SERVER = r'''
+import sys
+import cv2
+import numpy as np
+import rtsp
+
+port, width, height, fps = (int(value) for value in sys.argv[1:5])
+frames = []
+for index in range(2 * fps):
+    frame = np.zeros((height, width, 3), np.uint8)
+    cv2.circle(frame, (20 + (width - 40) * index // (2 * fps - 1), height // 2), height // 12, (255, 255, 255), -1)
+    frames.append(frame)
+with rtsp.Source(f"rtsp://127.0.0.1:{port}/cam", fps=fps, size=(width, height), frame_buffer=frames) as source:
+    if not source.wait_ready(10):
+        sys.exit(f"cannot listen on port {port}")
+    print("ready", flush=True)
+    source.serve_forever()
+'''
+
+# An H.264 peer's servers: GStreamer's (a Python with it: `gst_python()`) and the `rtsp` package's
+# (this interpreter, where the package is installed: `python_h264_server()`).
+H264_SERVERS = ("gstreamer", "rtsp-package")
+PYTHON_H264_MISSING_REASON = "no RTSP peer: the `rtsp` package (the `test` extra) is not installed"
+
+
+def python_h264_server() -> str | None:
+    """This interpreter, where it has the `rtsp` package (and PyAV, OpenCV) for an H.264 peer."""
+    probe = subprocess.run([sys.executable, "-c", "import rtsp, av, cv2"], capture_output=True, timeout=60,
+                           check=False)
+    return sys.executable if probe.returncode == 0 else None
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -98,11 +139,15 @@ class RtspPeer:
     """`rtsp://127.0.0.1:<port>/cam`; `start()` returns once it listens, `kill()` is a crash."""
 
     def __init__(self, python: str, port: int | None = None, *, width: int = 320,
-                 height: int = 240, fps: int = 25, encoding: str = "jpeg") -> None:
+                 height: int = 240, fps: int = 25, encoding: str = "jpeg", server: str = "gstreamer") -> None:
         if encoding not in ("jpeg", "h264"):
             raise ValueError(f"an RTSP peer sends jpeg or h264, not {encoding!r}")
+        if server not in H264_SERVERS or (server != "gstreamer" and encoding != "h264"):
+            raise ValueError(f"an RTSP peer's server is one of {H264_SERVERS} (not GStreamer's: h264 only), "
+                             f"not {server!r} for {encoding}")
         self.python = python
         self.encoding = encoding
+        self.server = server
         self.port = port or free_port()
         self.width, self.height, self.fps = width, height, fps
         self.process: subprocess.Popen[bytes] | None = None
@@ -114,9 +159,11 @@ class RtspPeer:
 
     def start(self) -> None:
         self._stderr = tempfile.TemporaryFile()
+        arguments = ([_SERVER, str(self.port), str(self.width), str(self.height), str(self.fps), self.encoding]
+                     if self.server == "gstreamer" else
+                     [_PYTHON_H264_SERVER, str(self.port), str(self.width), str(self.height), str(self.fps)])
         self.process = subprocess.Popen(
-            [self.python, "-c", _SERVER, str(self.port), str(self.width), str(self.height),
-             str(self.fps), self.encoding],
+            [self.python, "-c", *arguments],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr,
         )
         assert self.process.stdout is not None

@@ -819,11 +819,19 @@ def test_a_failing_gpu_decoder_falls_back_while_the_groups_other_camera_publishe
 # --- an RTSP camera --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def h264_rtsp_camera(gst_python):
+@pytest.fixture(params=["gstreamer", "rtsp-package"])
+def h264_rtsp_camera(request):
+    """An H.264 camera over RTSP from each of the peer's servers there is here (tests/rtsp_peer.py:
+    the GPU machine has the `rtsp` package's only)."""
     import rtsp_peer
 
-    peer = rtsp_peer.RtspPeer(gst_python, width=320, height=240, fps=25, encoding="h264")
+    if request.param == "gstreamer":
+        python, missing = rtsp_peer.gst_python(), rtsp_peer.MISSING_REASON
+    else:
+        python, missing = rtsp_peer.python_h264_server(), rtsp_peer.PYTHON_H264_MISSING_REASON
+    if python is None:
+        pytest.skip(missing)
+    peer = rtsp_peer.RtspPeer(python, width=320, height=240, fps=25, encoding="h264", server=request.param)
     peer.start()
     try:
         yield peer
@@ -847,7 +855,8 @@ def test_an_h264_rtsp_camera_on_the_gpu_path(cpu_nvdec, h264_rtsp_camera):
             stamps.append(capture_ts_lsl)
         # Each stamped when its packet was read (what arrives in a burst is stamped so).
         assert np.all(np.diff(stamps) >= 0)
-        # videotestsrc's ball on black: a frame with the ball, not garbage.
+        # a ball on black (videotestsrc's, or the `rtsp` package peer's): a frame with the ball,
+        # not garbage.
         assert 0 < float(frame.float().mean()) < 128
 
 
