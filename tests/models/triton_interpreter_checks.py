@@ -52,6 +52,23 @@ def test_the_kernel_crops_as_the_gathers(interpreted, bgr, out_hw, value_range, 
         assert (fused[4] == value_range[0]).all()
 
 
+def test_the_kernel_crops_by_a_float_index_column_into_a_given_output(interpreted):
+    """The measuring stage's call (FaceMeasurer._table_graphed_from_frames): the frames' indices
+    read from the first column of its float32 ROI table (a strided view), the crops written into
+    the graph's static; the same crops as by an integer index into a new tensor."""
+    batch = roi.FrameBatch(two_photos(True), "cpu")
+    rects, index = crop_rects()
+    table = torch.full((len(index) + 3, 4), -1.0)
+    table[:len(index), 0] = index.float()
+    static = torch.zeros(len(index) + 3, 32, 32, 3)
+    into = triton_kernels.crop(batch, table[:len(index), 0], rects, (32, 32), "replicate", torch.float32,
+                               (0.0, 1.0), static[:len(index)])
+    assert into is not None and into.data_ptr() == static.data_ptr()
+    assert torch.equal(static[:len(index)], triton_kernels.crop(batch, index, rects, (32, 32), "replicate",
+                                                                torch.float32, (0.0, 1.0)))
+    assert (static[len(index):] == 0).all()  # the rows past the call's are left as they were
+
+
 def test_the_kernel_reads_frames_where_they_lie(interpreted):
     """Frames in rows of one buffer with a gap (FrameBatch.in_place: row offsets) crop as the
     same frames stacked."""
