@@ -134,10 +134,10 @@ Note [A convolution's bias in one kernel]
     (288 x 32 x 96 x 96) took 0.25 ms as PyTorch's pass and 0.12 in the kernel
     (bench/kernels.py); detection over 32 1080p frames in float16 with graphs 4.63 -> 4.39 ms,
     the FaceLandmarker stack at 64 faces the same within the noise (one process, turns
-    alternating, H100, 2026-11-27 13:13 UTC). Since 2026-11-27 15:00 the other cuDNN
+    alternating, H100, 2026-11-27 13:13 UTC). Since that afternoon the other cuDNN
     convolutions without a fused ReLU take it too (Conv2d._convolve_then_bias): a profile of the
-    v2 landmarker in float16 showed its first convolution's bias, PyTorch's pass, at 49 us of
-    the 75 us convolution (H100, 14:00).
+    FaceLandmarker stack in float16 showed the v2 landmarker's first convolution's bias,
+    PyTorch's pass, at 49 us beside the 75 us convolution (H100, 13:45).
 
 Note [The attention mesh's custom operators in kernels]
     face_landmark_with_attention's three custom operators (models/custom_ops.py) were written
