@@ -405,11 +405,11 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     cannot serve (a graph's work only, DEPTHWISE_DTYPES and DEPTHWISE_ACTIVATIONS, a (C, 1, KH,
     KW) weight, no dilation)."""
     count, channels, height, width = x.shape if x.dim() == 4 else (0, 0, 0, 0)
-    if not (_graph_work.get() and x.dim() == 4 and x.dtype in DEPTHWISE_DTYPES
+    if not (_serves_graph_work(x.device, "facecast_depthwise") and x.dim() == 4
+            and x.dtype in DEPTHWISE_DTYPES
             and activation in DEPTHWISE_ACTIVATIONS and x.is_contiguous(memory_format=torch.channels_last)
             and weight.dim() == 4 and weight.shape[:2] == (channels, 1)
-            and (bias is None or bias.numel() == channels) and x.numel() < 2 ** 31
-            and unavailable_reason(x.device, "facecast_depthwise") is None):
+            and (bias is None or bias.numel() == channels) and x.numel() < 2 ** 31):
         return None
     kernel_h, kernel_w = weight.shape[2:]
     out_h = (height + 2 * padding[0] - kernel_h) // stride[0] + 1
@@ -435,9 +435,9 @@ def landmarks_to_matrix(landmarks: torch.Tensor, subset: torch.Tensor, left: int
     """custom_ops.Landmarks2TransformMatrix (its options as arguments) of landmarks (N, L, ≥2)
     in one kernel (Note [The attention mesh's custom operators in kernels]): the (N, 4, 4)
     float32 matrices; None where the kernel cannot serve (outside a graph's work, CUSTOM_OP_DTYPES)."""
-    if not (_graph_work.get() and landmarks.dim() == 3 and landmarks.shape[-1] >= 2
-            and landmarks.dtype in CUSTOM_OP_DTYPES and subset.dim() == 1 and subset.numel() > 0
-            and unavailable_reason(landmarks.device, "facecast_landmarks_to_matrix") is None):
+    if not (_serves_graph_work(landmarks.device, "facecast_landmarks_to_matrix")
+            and landmarks.dim() == 3 and landmarks.shape[-1] >= 2
+            and landmarks.dtype in CUSTOM_OP_DTYPES and subset.dim() == 1 and subset.numel() > 0):
         return None
     count = landmarks.shape[0]
     out = torch.empty(count, 4, 4, device=landmarks.device)
@@ -457,9 +457,9 @@ def transform_bilinear(features: torch.Tensor, matrix: torch.Tensor, out_hw: tup
     matrices (N, 4, 4), in one kernel (Note [The attention mesh's custom operators in
     kernels]): (N, C, OH, OW) NCHW of the features' dtype; None where the kernel cannot serve
     (outside a graph's work, CUSTOM_OP_DTYPES)."""
-    if not (_graph_work.get() and features.dim() == 4 and features.dtype in CUSTOM_OP_DTYPES
-            and matrix.shape == (features.shape[0], 4, 4) and features.numel() < 2 ** 31
-            and unavailable_reason(features.device, "facecast_transform_bilinear") is None):
+    if not (_serves_graph_work(features.device, "facecast_transform_bilinear")
+            and features.dim() == 4 and features.dtype in CUSTOM_OP_DTYPES
+            and matrix.shape == (features.shape[0], 4, 4) and features.numel() < 2 ** 31):
         return None
     count, channels, height, width = features.shape
     out_h, out_w = out_hw
@@ -478,9 +478,9 @@ def transform_landmarks(landmarks: torch.Tensor, matrix: torch.Tensor) -> torch.
     """custom_ops.TransformLandmarks of landmarks (N, L, 2 or 3) through matrices (N, 4, 4) in
     one kernel (Note [The attention mesh's custom operators in kernels]): (N, L, D) of the
     landmarks' dtype; None where the kernel cannot serve (outside a graph's work, CUSTOM_OP_DTYPES)."""
-    if not (_graph_work.get() and landmarks.dim() == 3 and landmarks.shape[-1] in (2, 3)
-            and landmarks.dtype in CUSTOM_OP_DTYPES and matrix.shape == (landmarks.shape[0], 4, 4)
-            and unavailable_reason(landmarks.device, "facecast_transform_landmarks") is None):
+    if not (_serves_graph_work(landmarks.device, "facecast_transform_landmarks")
+            and landmarks.dim() == 3 and landmarks.shape[-1] in (2, 3)
+            and landmarks.dtype in CUSTOM_OP_DTYPES and matrix.shape == (landmarks.shape[0], 4, 4)):
         return None
     landmarks = landmarks.contiguous()
     out = torch.empty_like(landmarks)
@@ -497,9 +497,15 @@ def _channel_pass_serves(x: torch.Tensor, per_channel: torch.Tensor, kernel: str
     a graph's work (`graph_work`), an image (N, C, H, W) of CHANNEL_PASS_DTYPES held
     channels-last (read as the flat array it is), one value of ``per_channel`` a channel, and
     fewer values than the kernels' int32 positions reach."""
-    return (_graph_work.get() and x.dim() == 4 and x.dtype in CHANNEL_PASS_DTYPES
+    return (_serves_graph_work(x.device, kernel) and x.dim() == 4 and x.dtype in CHANNEL_PASS_DTYPES
             and x.is_contiguous(memory_format=torch.channels_last) and per_channel.numel() == x.shape[1]
-            and x.numel() < 2 ** 31 and unavailable_reason(x.device, kernel) is None)
+            and x.numel() < 2 ** 31)
+
+
+def _serves_graph_work(device: torch.device, kernel: str) -> bool:
+    """Whether ``kernel``, one of those for CUDA graphs only (`graph_work`), runs now: in a
+    graph's work, and usable on ``device``."""
+    return _graph_work.get() and unavailable_reason(device, kernel) is None
 
 
 def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,
