@@ -500,7 +500,7 @@ def pointwise_columns(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """A 1x1 convolution (`Conv2d.is_pointwise`) of an image held as NCHW (`held_as_nchw`) as
     one batched matrix product, (O, C) by each image's (C, H·W) columns, then the bias and the
     activation in place: NCHW out, as in. cuDNN changed such a tensor to NHWC and its output
-    back, three passes around each of the blendshape model's 16 (Note [Convolutions on the
+    back, three passes around each of the blendshape model's 9 (Note [Convolutions on the
     GPU])."""
     batch, channels, height, width = x.shape
     y = torch.matmul(weight.reshape(weight.shape[0], channels), x.view(batch, channels, height * width))
