@@ -28,7 +28,9 @@ landmarks (tests/models/triton_inputs.py); apart: the matrices' largest differen
 operators as PyTorch's kernels against the kernel; apart: the largest difference.
 *PReLUs*: the v2 landmarker's largest activation (64 faces, 16 channels of 128x128, channels
 last), float16 and float32: F.prelu, and a residual ADD with its PRELU (two kernels), against
-the kernel; apart: the largest difference (0: the same values). A depthwise convolution's
+the kernel; and a halving block's shortcut (Note [Residual shortcuts in one kernel]: a 2x2 max pool of
+64 faces' 8 channels of 256x256, the PAD to 16 channels, the ADD and the PRELU, four kernels)
+against the kernel; apart: the largest difference (0: the same values). A depthwise convolution's
 bias (the full-range detector's largest output, 288 × 32 × 96 × 96, float16): PyTorch's add in
 place against the kernel, each on a fresh copy (`clone_ms`: the copy alone).
 *Depthwise convolutions*: three of the v2 landmarker's in float16 at 64 faces (8 channels of
@@ -233,6 +235,19 @@ def _channel_passes(device) -> dict:
             "chain_ms": device_ms(lambda: F.prelu(x + other, alpha)),
             "kernel_ms": device_ms(lambda: triton_kernels.prelu(x, alpha, other)),
             "apart": (triton_kernels.prelu(x, alpha, other).float() - F.prelu(x + other, alpha).float())
+            .abs().max().item()}
+        # The first halving block's shortcut: its input (8 channels of 256x256, before the block's
+        # stride-2 convolution) pooled 2x2, widened to 16 channels, added, PRELU.
+        source = (torch.randn(64, 8, 256, 256, generator=gen) * 3).to(device, dtype).contiguous(
+            memory_format=torch.channels_last)
+
+        def chain():
+            return F.prelu(x + F.pad(F.max_pool2d(source, 2, 2), (0, 0, 0, 0, 0, 8)), alpha)
+
+        found[f"a halving block's shortcut (max pool, channel PAD, ADD, PRELU), the same, {name}"] = {
+            "chain_ms": device_ms(chain),
+            "kernel_ms": device_ms(lambda: triton_kernels.pooled_residual_prelu(x, alpha, source)),
+            "apart": (triton_kernels.pooled_residual_prelu(x, alpha, source).float() - chain().float())
             .abs().max().item()}
     return found
 

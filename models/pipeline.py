@@ -244,7 +244,8 @@ class FacePipeline:
         at its own input size and at ``image_sizes_hw``: Note [LiteRT on the CPU]) in LiteRT
         where ``cpu_runtime`` says so and it loads there. Otherwise the converted model: zero
         PADs folded into their convolutions, layer norms' operator chains into one step each, each
-        residual ADD with the PRELU that reads it into one, depthwise
+        residual ADD with the PRELU that reads it into one (and a halving block's shortcut, its
+        max pool and channel PAD, into that one too), depthwise
         biases into the 1x1 convolutions that read them (float32), on the
         device, in the model dtype, eval mode; on CUDA with channels_last convolution weights (the
         activations already are: Note [Batch and layout]), which spares
@@ -261,6 +262,7 @@ class FacePipeline:
             tflite_convert.fuse_zero_padding(module)
             tflite_convert.fuse_layer_norms(module)  # Note [Layer norms in one kernel]
             tflite_convert.fuse_residual_prelus(module)  # Note [PReLUs in one kernel]
+            tflite_convert.fuse_pooled_residuals(module)  # Note [Residual shortcuts in one kernel]
             if not self.half:  # Note [Convolutions on the GPU]: float32 only
                 tflite_convert.fold_depthwise_bias(module)
         module = module.to(self.device, dtype=self.model_dtype).eval()

@@ -539,6 +539,65 @@ def fuse_residual_prelus(module: TFLiteModule) -> int:
     return len(fused_adds)
 
 
+def fuse_pooled_residuals(module: TFLiteModule) -> int:
+    """Put the shortcut of each residual block that halves its image into the step that reads
+    it (:class:`~facecast.models.tflite_ops.PooledResidualPRelu`): a 2x2 stride-2 MAX_POOL_2D
+    without activation (padded, if at all, by one cell at the right and bottom: TF's SAME on an
+    odd size), then optionally a PAD that only appends zero channels, then a fused ADD+PRELU
+    (:func:`fuse_residual_prelus`, which runs first) that reads it; the pool's and the PAD's
+    outputs read by nothing else and no model output. On a GPU one kernel for all four (Note
+    [Residual shortcuts in one kernel]). The values are the operators'; the pool's and the PAD's
+    outputs no longer exist for :meth:`TFLiteModule.trace`. Returns how many shortcuts were
+    fused; applying it twice fuses nothing more."""
+    producers = {slot: step for step in module.steps for slot in step.output_slots}
+    readers = _readers(module)
+    already = sum(step.op_type.startswith("MAX_POOL_2D+") for step in module.steps)
+
+    def only_read_by(slot, reader) -> bool:
+        return slot not in module.output_slots and readers.get(slot) == [reader]
+
+    fused_away: set[int] = set()
+    for step in module.steps:
+        if type(step.compute) is not tflite_ops.ResidualPRelu:
+            continue
+        for position, slot in enumerate(step.input_slots):
+            pad_step, reader = None, step
+            producer = producers.get(slot)
+            if producer is not None and _appends_zero_channels(producer.compute) and only_read_by(slot, step):
+                pad_step, reader = producer, producer
+                slot = producer.input_slots[0]
+                producer = producers.get(slot)
+            if not (producer is not None and _halves_by_max(producer.compute) and only_read_by(slot, reader)):
+                continue
+            step.compute = tflite_ops.PooledResidualPRelu(
+                step.compute.alpha, producer.compute, pad_step.compute if pad_step else None, position)
+            step.input_slots = list(step.input_slots)
+            step.input_slots[position] = producer.input_slots[0]
+            step.op_type = "MAX_POOL_2D+" + ("PAD+" if pad_step else "") + "ADD+PRELU (fused)"
+            fused_away.update(id(s) for s in (producer, pad_step) if s is not None)
+            break
+    if fused_away:
+        _replace_steps(module, [step for step in module.steps if id(step) not in fused_away])
+    return sum(step.op_type.startswith("MAX_POOL_2D+") for step in module.steps) - already
+
+
+def _halves_by_max(pool) -> bool:
+    """A MAX_POOL_2D the shortcut kernel does: 2x2, stride 2, no activation, padded (TF's SAME)
+    by at most one cell at the right and at the bottom."""
+    if type(pool) is not tflite_ops.MaxPool2d:
+        return False
+    padding = pool.padding or (0, 0, 0, 0)
+    return (pool.kernel == (2, 2) and pool.stride == (2, 2)
+            and pool.activation == 0 and padding[0] == 0 and padding[2] == 0
+            and padding[1] in (0, 1) and padding[3] in (0, 1))
+
+
+def _appends_zero_channels(pad) -> bool:
+    """A PAD of a held image that appends zero channels and pads nothing else."""
+    return (type(pad) is tflite_ops.Pad and not pad.full and pad.value == 0.0 and len(pad.torch_pads) == 6
+            and pad.torch_pads[:5] == (0, 0, 0, 0, 0))
+
+
 def _readers(module: TFLiteModule) -> dict[int, list]:
     """Tensor slot -> the steps that read it."""
     readers: dict[int, list] = {}

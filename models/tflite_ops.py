@@ -710,6 +710,32 @@ class ResidualPRelu(ChannelPRelu):
         return F.prelu(x + residual, self.alpha)
 
 
+class PooledResidualPRelu(ChannelPRelu):
+    """A residual block's shortcut with what reads it, in one step (tflite_convert.
+    fuse_pooled_residuals): the 2x2 stride-2 MAX_POOL_2D of the block's input, the PAD that
+    zero-extends its channels (where there is one), the ADD of the block's output and the
+    PRELU that is its only reader. On a GPU one kernel (Note [Residual shortcuts in one kernel],
+    models/triton_kernels.py); elsewhere the operators themselves, in their order. Same values.
+    Takes the ADD's operands in their order, the shortcut's (now the pool's input) at
+    ``shortcut_position``."""
+
+    def __init__(self, alpha: torch.Tensor, pool: MaxPool2d, pad: Pad | None, shortcut_position: int):
+        super().__init__(alpha)
+        self.pool, self.pad, self.shortcut_position = pool, pad, shortcut_position
+
+    def forward(self, *operands: torch.Tensor) -> torch.Tensor:
+        source, x = operands[self.shortcut_position], operands[1 - self.shortcut_position]
+        if x.is_cuda and not torch.compiler.is_compiling():
+            fused = triton_kernels.pooled_residual_prelu(x, self.alpha, source)
+            if fused is not None:
+                return fused
+        shortcut = self.pool(source)
+        if self.pad is not None:
+            shortcut = self.pad(shortcut)
+        summed = shortcut + x if self.shortcut_position == 0 else x + shortcut
+        return F.prelu(summed, self.alpha)
+
+
 class LayerNormOverChannels(torch.nn.Module):
     """A layer norm over an image's channels as TFLite stores one, ten operators (see
     tflite_convert.fuse_layer_norms), in one step: on a GPU one kernel (Note [Layer norms in one

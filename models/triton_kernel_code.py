@@ -379,6 +379,39 @@ def facecast_prelu(x, residual, alpha, out, count, channels,
     tl.store(out + p, tl.where(values > 0, values, slope * values).to(out.dtype.element_ty), mask=inside)
 
 
+@triton.jit(do_not_specialize=["channels", "source_channels", "source_height", "source_width", "out_height",
+                               "out_width"])
+def facecast_pooled_residual_prelu(x, source, alpha, out, count, channels, source_channels, source_height,
+                                   source_width, out_height, out_width, BLOCK: tl.constexpr):
+    """tflite_ops.PooledResidualPRelu of BLOCK values of a channels-last image x (N, C, OH, OW;
+    flat position p is channel p % C): the PRELU of x plus the shortcut, the 2x2 stride-2 max of
+    the channels-last ``source`` (N, Cs, H, W) in channels below Cs (cells past its last row or
+    column, TF's SAME padding, never win) and zero above (the channel PAD); the sum rounded to
+    x's dtype before the PRELU, as PyTorch's add rounds it (Note [Residual shortcuts in one
+    kernel])."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = p < count
+    c = p % channels
+    pixel = p // channels
+    column = pixel % out_width
+    row = (pixel // out_width) % out_height
+    image = pixel // (out_width * out_height)
+    pooled = inside & (c < source_channels)
+    has_right = column * 2 + 1 < source_width
+    has_down = row * 2 + 1 < source_height
+    at = source + ((image.to(tl.int64) * source_height + row * 2) * source_width + column * 2) * source_channels + c
+    below = source_width * source_channels
+    shortcut = tl.load(at, mask=pooled, other=0.0)  # the window's first cell is always inside
+    shortcut = tl.maximum(shortcut, tl.load(at + source_channels, mask=pooled & has_right, other=float("-inf")))
+    shortcut = tl.maximum(shortcut, tl.load(at + below, mask=pooled & has_down, other=float("-inf")))
+    shortcut = tl.maximum(shortcut, tl.load(at + below + source_channels, mask=pooled & has_right & has_down,
+                                            other=float("-inf")))
+    values = tl.load(x + p, mask=inside, other=0.0)
+    values = (values.to(tl.float32) + shortcut.to(tl.float32)).to(values.dtype).to(tl.float32)
+    slope = tl.load(alpha + c, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + p, tl.where(values > 0, values, slope * values).to(out.dtype.element_ty), mask=inside)
+
+
 @triton.jit(do_not_specialize=["channels"])
 def facecast_channel_bias(x, bias, count, channels, BLOCK: tl.constexpr):
     """x + bias[channel] into x, of BLOCK values of a channels-last image (flat position p is
@@ -519,10 +552,11 @@ def _affine_rows(matrix, face, mask):
 @triton.jit(do_not_specialize=["features", "matrix", "out", "pixels", "height", "width", "out_height", "out_width",
                                "stride_n", "stride_c", "stride_h", "stride_w"])
 def facecast_transform_bilinear(features, matrix, out, pixels, height, width, out_height, out_width,
-                                stride_n, stride_c, stride_h, stride_w,
+                                stride_n, stride_c, stride_h, stride_w, out_stride_n, out_stride_c,
+                                out_stride_h, out_stride_w,
                                 CHANNELS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """custom_ops.TransformTensorBilinear: BLOCK_P output pixels (flat over N, OH, OW) by BLOCK_C
-    channels of ``out`` (N, C, OH, OW), NCHW as grid_sample's: output pixel (x, y) samples the
+    channels of ``out`` (N, C, OH, OW, held as its strides say): output pixel (x, y) samples the
     feature map bilinearly at the matrix's image of its centre (x + ½, y + ½) less ½, zero
     where that point lies outside [0, W-1] x [0, H-1]; weights and sums in float32, rounded
     once to out's dtype."""
@@ -551,9 +585,8 @@ def facecast_transform_bilinear(features, matrix, out, pixels, height, width, ou
     summed += _float32_at(at + stride_w, load_ok & has_right[:, None]) * (right * up)[:, None]
     summed += _float32_at(at + stride_h, load_ok & has_down[:, None]) * (left * down)[:, None]
     summed += _float32_at(at + stride_h + stride_w, load_ok & (has_right & has_down)[:, None]) * (right * down)[:, None]
-    pixel = row * out_width + column
-    target = out + (image.to(tl.int64) * CHANNELS * out_height * out_width + pixel)[:, None] \
-        + c[None, :].to(tl.int64) * out_height * out_width
+    target = out + (image.to(tl.int64) * out_stride_n + row * out_stride_h + column * out_stride_w)[:, None] \
+        + c[None, :].to(tl.int64) * out_stride_c
     tl.store(target, summed.to(out.dtype.element_ty), mask=inside_p[:, None] & channel_ok[None, :])
 
 

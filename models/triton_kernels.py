@@ -19,7 +19,7 @@ Note [Kernels of our own]
     block sizes, the slots, the border and channel order, the output's dtype), a few in all.
     Integer arguments and pointers are not specialised on (`do_not_specialize`): another size
     or an address with other alignment never needs another compilation. But for the
-    memory-bound kernels of graphs only (the PReLUs and the biases, Note [PReLUs in one
+    memory-bound kernels of graphs only (the PReLUs, the residual shortcuts and the biases, Note [PReLUs in one
     kernel]; the depthwise convolutions' pointers, Note [Float16 depthwise convolutions]),
     whose loads are vectorised only where Triton knows their pointers 16-byte aligned and
     their count a multiple of 16: those are specialised, a variant or two a dtype (the
@@ -120,6 +120,21 @@ Note [PReLUs in one kernel]
     were slower: FaceLandmarker's 5,471 -> 4,733 faces/s at 64 faces, the attention mesh's
     7,161 -> 5,277, while in float16 with graphs they went 12,674 -> 15,399 and 12,778 ->
     16,367 (bench/models.py, H100, one loan, 2026-11-27).
+
+Note [Residual shortcuts in one kernel]
+    A residual block that halves its image (stride 2) has a shortcut of its own: a 2x2 stride-2
+    MAX_POOL_2D of the block's input and, where the block widens, a PAD that appends zero
+    channels, before the ADD and the PRELU (Note [PReLUs in one kernel]). The attention mesh has
+    16 such blocks (9 of them widening), the v2 landmarker 6 (3). In a profile of the attention
+    mesh's graph at 64 faces in float16 (H100, 2026-11-27 15:22, .footage probe) its pools were
+    16 kernels and 113 us, PyTorch's channels-last max pool the slowest of them at 17 us each,
+    and each PAD a fill and a copy. tflite_convert.fuse_pooled_residuals puts the pool and the
+    PAD into the fused ADD+PRELU step that reads them (tflite_ops.PooledResidualPRelu), and
+    here one kernel computes it: each output value takes the max of its 2x2 window of the
+    block's input (cells past an odd size's last row or column never win, as TF's SAME padding
+    of -inf), zero in the appended channels, adds it to the block's output rounded to its dtype
+    as PyTorch's ADD does, and applies the PRELU: the operators' values, bit for bit. In CUDA
+    graphs only, as the PReLUs; elsewhere the step runs the operators themselves.
 
 Note [A convolution's bias in one kernel]
     PyTorch adds a cuDNN convolution's bias in a pass of its own (Note [Convolutions on the
@@ -384,6 +399,27 @@ def prelu(x: torch.Tensor, alpha: torch.Tensor, residual: torch.Tensor | None = 
         RESIDUAL=residual is not None, BLOCK=CHANNEL_PASS_BLOCK)
 
 
+def pooled_residual_prelu(x: torch.Tensor, alpha: torch.Tensor, source: torch.Tensor) -> torch.Tensor | None:
+    """F.prelu(x + F.pad(max_pool2d(source, 2, 2), channels zero-extended to x's), alpha) of an
+    image x (N, C, H, W) held channels-last, in one kernel (Note [Residual shortcuts in one
+    kernel]): the pool over ``source`` (N, Cs <= C, 2H or 2H - 1, 2W or 2W - 1), channels-last,
+    with TF's SAME padding where its size is odd; None where the kernel cannot serve
+    (`_channel_pass_serves`, or a source of another dtype, layout or size)."""
+    if not (_channel_pass_serves(x, alpha, "facecast_pooled_residual_prelu") and source.dim() == 4
+            and source.dtype == x.dtype and source.is_contiguous(memory_format=torch.channels_last)
+            and source.shape[0] == x.shape[0] and source.shape[1] <= x.shape[1]
+            and source.shape[2] in (2 * x.shape[2], 2 * x.shape[2] - 1)
+            and source.shape[3] in (2 * x.shape[3], 2 * x.shape[3] - 1) and source.numel() < 2 ** 31):
+        return None
+    out = torch.empty_like(x)  # x's strides
+    count = x.numel()
+    if count == 0:
+        return out
+    return _launch(out, "facecast_pooled_residual_prelu", (-(-count // CHANNEL_PASS_BLOCK),), (
+        x, source, alpha.to(x.dtype).contiguous(), out, count, x.shape[1], *source.shape[1:], *x.shape[2:]),
+        BLOCK=CHANNEL_PASS_BLOCK)
+
+
 def add_channel_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor | None:
     """``x`` with ``bias`` (one per channel) added in place, for an image (N, C, H, W) held
     channels-last, in one kernel (Note [A convolution's bias in one kernel]); None, and ``x``
@@ -455,22 +491,27 @@ def landmarks_to_matrix(landmarks: torch.Tensor, subset: torch.Tensor, left: int
 def transform_bilinear(features: torch.Tensor, matrix: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor | None:
     """custom_ops.TransformTensorBilinear of a feature map (N, C, H, W), any layout, through
     matrices (N, 4, 4), in one kernel (Note [The attention mesh's custom operators in
-    kernels]): (N, C, OH, OW) NCHW of the features' dtype; None where the kernel cannot serve
-    (outside a graph's work, CUSTOM_OP_DTYPES)."""
+    kernels]): (N, C, OH, OW) of the features' dtype, held channels-last where the features are
+    (so that the refinement branches that read it run in the layout our kernels serve: Note [Batch
+    and layout]), NCHW otherwise; None where the kernel cannot serve (outside a graph's work,
+    CUSTOM_OP_DTYPES)."""
     if not (_serves_graph_work(features.device, "facecast_transform_bilinear")
             and features.dim() == 4 and features.dtype in CUSTOM_OP_DTYPES
             and matrix.shape == (features.shape[0], 4, 4) and features.numel() < 2 ** 31):
         return None
     count, channels, height, width = features.shape
     out_h, out_w = out_hw
-    out = torch.empty(count, channels, out_h, out_w, dtype=features.dtype, device=features.device)
+    layout = torch.channels_last if features.is_contiguous(memory_format=torch.channels_last) \
+        and not features.is_contiguous() else torch.contiguous_format
+    out = torch.empty(count, channels, out_h, out_w, dtype=features.dtype, device=features.device,
+                      memory_format=layout)
     pixels = count * out_h * out_w
     if pixels == 0 or channels == 0:
         return out
     block_c = min(_power_of_two(channels), CUSTOM_OP_MAX_BLOCK_C)
     block_p = CUSTOM_OP_VALUES // block_c
     return _launch(out, "facecast_transform_bilinear", (-(-pixels // block_p), -(-channels // block_c)), (
-        features, matrix.contiguous(), out, pixels, height, width, out_h, out_w, *features.stride()),
+        features, matrix.contiguous(), out, pixels, height, width, out_h, out_w, *features.stride(), *out.stride()),
         CHANNELS=channels, BLOCK_C=block_c, BLOCK_P=block_p)
 
 

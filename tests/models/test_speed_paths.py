@@ -305,6 +305,39 @@ def test_the_landmarkers_residual_adds_join_the_prelus_that_read_them_with_the_s
     assert tflite_convert.fuse_residual_prelus(watched) == 33
 
 
+def test_the_halving_blocks_shortcuts_join_the_steps_that_read_them_with_the_same_outputs(
+        landmarker_bundle, installed_models, photos):
+    """Note [Residual shortcuts in one kernel]: each 2x2 stride-2 max pool of a block's input
+    (and the PAD that widens it, where there is one) read only by a fused ADD+PRELU becomes part
+    of that step (the v2 landmarker's 6, 3 of them with a PAD; the attention mesh's 16, 9), with
+    the same outputs to the bit on the CPU (the step runs the same operators there), on real
+    photos; a pool whose output is also a model output is left alone."""
+    _require_models(installed_models)
+    for path, shortcuts, pads in ((landmarker_bundle.face_landmarks_detector, 6, 3),
+                                  (installed_models["face_landmark_with_attention"], 16, 9)):
+        plain, fused = tflite_convert.convert(path).eval(), tflite_convert.convert(path).eval()
+        for model in (plain, fused):
+            tflite_convert.fuse_residual_prelus(model)
+        assert tflite_convert.fuse_pooled_residuals(fused) == shortcuts
+        assert tflite_convert.fuse_pooled_residuals(fused) == 0
+        assert len(fused.steps) == len(plain.steps) - shortcuts - pads
+        assert sum(isinstance(step.compute, tflite_ops.PooledResidualPRelu) for step in fused.steps) == shortcuts
+        assert not any(isinstance(step.compute, (tflite_ops.MaxPool2d, tflite_ops.Pad)) for step in fused.steps
+                       if path == landmarker_bundle.face_landmarks_detector)
+        size = plain.input_shapes[0][1]
+        inputs = torch.from_numpy(np.stack([
+            cv2.resize(photo, (size, size)) for photo in photos.values()]).astype(np.float32) / 127.5 - 1)
+        with torch.inference_mode():
+            for expected, got in zip(plain(inputs), fused(inputs)):
+                assert torch.equal(expected, got)
+    # The first pool's output made a model output too: that shortcut stays apart.
+    watched = tflite_convert.convert(landmarker_bundle.face_landmarks_detector).eval()
+    tflite_convert.fuse_residual_prelus(watched)
+    first_pool = next(step for step in watched.steps if isinstance(step.compute, tflite_ops.MaxPool2d))
+    watched.output_slots.append(first_pool.output_slots[0])
+    assert tflite_convert.fuse_pooled_residuals(watched) == 5
+
+
 @pytest.mark.parametrize("name, moved", [("face_detection_full_range", 40),
                                          ("face_landmark_with_attention", 66)])
 def test_moving_depthwise_biases_into_their_readers_changes_no_output(installed_models, photos,

@@ -225,10 +225,10 @@ def test_on_the_gpu_the_blendshape_models_layer_norms_are_one_kernel_each(landma
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "fp16"])
 def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_values(landmarker_bundle, half,
                                                                                    monkeypatch):
-    """Note [PReLUs in one kernel]: on the GPU machine a PRELU and a residual ADD+PRELU are one
-    kernel in a graph's work with PyTorch's values to the bit, and so is the v2 landmarker
-    prepared as the face stack prepares it (its 34 residual pairs fused): in a graph's work with
-    the kernels, eagerly without them."""
+    """Note [PReLUs in one kernel]: on the GPU machine a PRELU, a residual ADD+PRELU and a pooled
+    shortcut's (Note [Residual shortcuts in one kernel]) are one kernel in a graph's work with
+    PyTorch's values to the bit, and so is the v2 landmarker prepared as the face stack prepares
+    it (its 34 residual pairs fused): in a graph's work with the kernels, eagerly without them."""
     import torch.nn.functional as F
 
     from facecast.models import tflite_convert, tflite_ops
@@ -244,7 +244,15 @@ def test_on_the_gpu_the_landmarkers_prelus_are_one_kernel_each_with_pytorchs_val
         assert torch.equal(triton_kernels.prelu(x, alpha, other), F.prelu(x + other, alpha))
     pipeline = FacePipeline("cuda", half=half)
     model = pipeline._prepare(tflite_convert.convert(landmarker_bundle.face_landmarks_detector))
-    assert sum(isinstance(step.compute, tflite_ops.ResidualPRelu) for step in model.steps) == 34
+    # Of its 34 residual pairs, the 6 of the blocks that halve the image take their shortcut's
+    # max pool (and PAD) too (Note [Residual shortcuts in one kernel]).
+    assert sum(type(step.compute) is tflite_ops.ResidualPRelu for step in model.steps) == 28
+    assert sum(type(step.compute) is tflite_ops.PooledResidualPRelu for step in model.steps) == 6
+    source = (torch.randn(64, 8, 255, 255, generator=gen) * 3).to("cuda", dtype).contiguous(
+        memory_format=torch.channels_last)
+    shortcut = F.pad(F.max_pool2d(F.pad(source, (0, 1, 0, 1), value=float("-inf")), 2, 2), (0, 0, 0, 0, 0, 8))
+    with triton_kernels.graph_work():
+        assert torch.equal(triton_kernels.pooled_residual_prelu(x, alpha, source), F.prelu(x + shortcut, alpha))
     crops = (torch.rand(64, 256, 256, 3, generator=gen) * 2 - 1).to("cuda", dtype)
     with torch.inference_mode(), monkeypatch.context() as patch:
         # The depthwise kernel sums in its own order (tests/models/triton_interpreter_checks.py)

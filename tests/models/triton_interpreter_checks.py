@@ -200,6 +200,39 @@ def test_the_kernel_applies_prelus_as_pytorch(interpreted, dtype, residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("source_hw, source_channels", [((13, 17), 16), ((14, 18), 24)],
+                         ids=["odd-size-fewer-channels", "even-size-same-channels"])
+def test_the_kernel_applies_a_pooled_shortcut_as_the_operators(interpreted, dtype, source_hw, source_channels):
+    """tflite_ops.PooledResidualPRelu's operators (the 2x2 stride-2 max pool, TF's SAME padding
+    on an odd size, the PAD of zero channels, the ADD and the PRELU) against the kernel, bit
+    for bit, in a CUDA graph's work only; a source held otherwise is left to PyTorch."""
+    from facecast.models import tflite_ops
+
+    gen = torch.Generator().manual_seed(17)
+    x = (torch.randn(2, 24, 7, 9, generator=gen) * 3).to(dtype).contiguous(memory_format=torch.channels_last)
+    source = (torch.randn(2, source_channels, *source_hw, generator=gen) * 3).to(dtype).contiguous(
+        memory_format=torch.channels_last)
+    alpha = (torch.rand(24, generator=gen) - 0.3).to(dtype)
+    odd = source_hw[0] % 2
+    pool = tflite_ops.MaxPool2d((2, 2), (2, 2), (0, odd, 0, odd), activation=0)
+    pad = tflite_ops.Pad((1, *source_hw, source_channels), (1, 7, 9, 24), (0, 0, 0, 0, 0, 24 - source_channels),
+                         full=False, value=0.0) if source_channels < 24 else None
+    shortcut = pool(source) if pad is None else pad(pool(source))
+    expected = F.prelu(x + shortcut, alpha)
+    assert triton_kernels.pooled_residual_prelu(x, alpha, source) is None  # outside a graph's work
+    with triton_kernels.graph_work():
+        got = triton_kernels.pooled_residual_prelu(x, alpha, source)
+        assert got is not None, triton_kernels.unavailable_reason(torch.device("cpu"))
+        assert got.dtype == dtype and got.stride() == x.stride()
+        assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+        assert (expected < 0).any() and (expected > 0).any()
+        assert triton_kernels.pooled_residual_prelu(x, alpha, source.contiguous()) is None
+        module = tflite_ops.PooledResidualPRelu(alpha, pool, pad, shortcut_position=1)
+        assert torch.equal(module(x, source), expected)  # the step, with the kernel
+    assert torch.equal(module(x, source), expected)  # and without it: the operators
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_kernel_adds_a_convolutions_bias_as_pytorch(interpreted, dtype):
     """A depthwise convolution's bias (tflite_ops.Conv2d._float16_depthwise) added in place by
     the kernel: PyTorch's add's values, bit for bit, in a CUDA graph's work only; elsewhere
@@ -269,11 +302,15 @@ def test_the_kernels_run_the_attention_meshs_custom_operators_as_pytorch(interpr
         assert torch.allclose(matrix, expected_matrix, rtol=1e-5, atol=1e-4), (matrix - expected_matrix).abs().max()
         matrix = matrix.to(dtype)  # as the operator hands it on
         sampled = triton_kernels.transform_bilinear(features, matrix, (16, 16))
+        sampled_nchw = triton_kernels.transform_bilinear(features.contiguous(), matrix, (16, 16))
         mapped = triton_kernels.transform_landmarks(landmarks[:, :80], matrix)
         mapped_2d = triton_kernels.transform_landmarks(landmarks[:, :5, :2].contiguous(), matrix)
     expected_sampled = sample(features.float(), matrix.float())
     expected_mapped = mapping(landmarks[:, :80].float(), matrix.float())
-    assert sampled.dtype == dtype and sampled.is_contiguous() and sampled.shape == expected_sampled.shape
+    assert sampled.dtype == dtype and sampled.shape == expected_sampled.shape
+    # held as the features are: the refinement branches then run channels-last (Note [Batch and layout])
+    assert sampled.is_contiguous(memory_format=torch.channels_last) and not sampled.is_contiguous()
+    assert sampled_nchw.is_contiguous() and torch.equal(sampled_nchw, sampled)
     assert mapped.dtype == dtype and mapped.shape == expected_mapped.shape
     assert (expected_sampled != 0).float().mean() > 0.5 and (expected_sampled == 0).any()  # inside and out
     if dtype == torch.float32:
