@@ -278,6 +278,16 @@ def test_the_blendshape_models_layer_norms_are_one_step_each_with_the_same_outpu
     assert tflite_convert.fuse_layer_norms(watched) == 7
 
 
+def _assert_same_outputs_on_photos(plain, fused, photos) -> None:
+    """The two forms of one model give the same outputs, to the bit, on the real photos."""
+    size = plain.input_shapes[0][1]
+    inputs = torch.from_numpy(np.stack([
+        cv2.resize(photo, (size, size)) for photo in photos.values()]).astype(np.float32) / 127.5 - 1)
+    with torch.inference_mode():
+        for expected, got in zip(plain(inputs), fused(inputs)):
+            assert torch.equal(expected, got)
+
+
 def test_the_landmarkers_residual_adds_join_the_prelus_that_read_them_with_the_same_outputs(
         landmarker_bundle, installed_models, photos):
     """Note [PReLUs in one kernel]: each ADD of a residual block whose only reader is a PRELU
@@ -292,12 +302,7 @@ def test_the_landmarkers_residual_adds_join_the_prelus_that_read_them_with_the_s
         assert tflite_convert.fuse_residual_prelus(fused) == 0
         assert len(fused.steps) == len(plain.steps) - pairs
         assert sum(isinstance(step.compute, tflite_ops.ResidualPRelu) for step in fused.steps) == pairs
-        size = plain.input_shapes[0][1]
-        inputs = torch.from_numpy(np.stack([
-            cv2.resize(photo, (size, size)) for photo in photos.values()]).astype(np.float32) / 127.5 - 1)
-        with torch.inference_mode():
-            for expected, got in zip(plain(inputs), fused(inputs)):
-                assert torch.equal(expected, got)
+        _assert_same_outputs_on_photos(plain, fused, photos)
     # The first block's sum made a model output too: that pair stays apart.
     watched = tflite_convert.convert(landmarker_bundle.face_landmarks_detector).eval()
     first_add = next(step for step in watched.steps if step.op_type == "ADD")
@@ -322,14 +327,8 @@ def test_the_halving_blocks_shortcuts_join_the_steps_that_read_them_with_the_sam
         assert tflite_convert.fuse_pooled_residuals(fused) == 0
         assert len(fused.steps) == len(plain.steps) - shortcuts - pads
         assert sum(isinstance(step.compute, tflite_ops.PooledResidualPRelu) for step in fused.steps) == shortcuts
-        assert not any(isinstance(step.compute, (tflite_ops.MaxPool2d, tflite_ops.Pad)) for step in fused.steps
-                       if path == landmarker_bundle.face_landmarks_detector)
-        size = plain.input_shapes[0][1]
-        inputs = torch.from_numpy(np.stack([
-            cv2.resize(photo, (size, size)) for photo in photos.values()]).astype(np.float32) / 127.5 - 1)
-        with torch.inference_mode():
-            for expected, got in zip(plain(inputs), fused(inputs)):
-                assert torch.equal(expected, got)
+        assert not any(isinstance(step.compute, (tflite_ops.MaxPool2d, tflite_ops.Pad)) for step in fused.steps)
+        _assert_same_outputs_on_photos(plain, fused, photos)
     # The first pool's output made a model output too: that shortcut stays apart.
     watched = tflite_convert.convert(landmarker_bundle.face_landmarks_detector).eval()
     tflite_convert.fuse_residual_prelus(watched)
