@@ -21,7 +21,7 @@ import tflite
 import torch
 from flatbuffers import flexbuffers
 
-from . import custom_ops, tflite_ops
+from . import custom_ops, side_by_side, tflite_ops, triton_kernels
 from .tflite_ops import OpSpec, TensorSpec, UnsupportedOp, torch_to_tfl_order
 
 log = logging.getLogger(__name__)
@@ -299,6 +299,8 @@ class TFLiteModule(torch.nn.Module):
         self.output_names = [graph.tensors[i].name for i in graph.outputs]
         self._free_after = free_after
         self._plan = None  # see _run_plan
+        self._lanes: list[int] = []  # per step: the trunk (0) or a branch (Note [Branches side by side])
+        self._lane_streams: dict = {}  # device -> the branches' streams, made once
         self.source: Path | None = None  # the .tflite file it was converted from (convert())
         self.any_size_multiple = 0  # allow_any_input_size: inputs of any size, multiples of this
         self._tensor_names = {t.index: t.name for t in graph.tensors}
@@ -352,7 +354,12 @@ class TFLiteModule(torch.nn.Module):
                                  f" must be (N, {', '.join(map(str, per_sample))}), got "
                                  f"{tuple(x.shape)}")
             values[slot] = tflite_ops.tfl_order_to_torch(x, shape)
-        for compute, input_slots, output_slots, dead in self._run_plan():
+        plan = self._run_plan()
+        if not keep_all and self._side_by_side(values):  # Note [Branches side by side]
+            device = next(iter(values.values())).device
+            streams = side_by_side.CudaLanes(device, max(self._lanes) + 1, self._lane_streams)
+            return side_by_side.run(plan, self._lanes, values, self.output_slots, streams)
+        for compute, input_slots, output_slots, dead in plan:
             results = compute.forward(*[values[i] for i in input_slots])
             if isinstance(results, torch.Tensor):
                 results = (results,)
@@ -377,7 +384,14 @@ class TFLiteModule(torch.nn.Module):
         if self._plan is None:
             self._plan = [(step.compute, tuple(step.input_slots), tuple(step.output_slots), tuple(dead))
                           for step, dead in zip(self.steps, self._free_after)]
+            self._lanes = side_by_side.branch_lanes(self.steps)
         return self._plan
+
+    def _side_by_side(self, values: dict) -> bool:
+        """Whether this run puts the model's branches on streams of their own (Note [Branches
+        side by side]): a model with branches, on a GPU, in a CUDA graph's work, not compiled."""
+        return (max(self._lanes, default=0) > 0 and triton_kernels.in_graph_work()
+                and not torch.compiler.is_compiling() and next(iter(values.values())).is_cuda)
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, inputs={self.input_shapes}, outputs={self.output_shapes}, "

@@ -382,6 +382,11 @@ def graph_work():
         _graph_work.reset(token)
 
 
+def in_graph_work() -> bool:
+    """Whether this is a CUDA graph's work (`graph_work`)."""
+    return _graph_work.get()
+
+
 def prelu(x: torch.Tensor, alpha: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """F.prelu(x, alpha), or with ``residual`` F.prelu(x + residual, alpha), of an image (N, C,
     H, W) held channels-last, in one kernel (Note [PReLUs in one kernel]); None where the kernel
