@@ -390,8 +390,10 @@ class TFLiteModule(torch.nn.Module):
     def _side_by_side(self, values: dict) -> bool:
         """Whether this run puts the model's branches on streams of their own (Note [Branches
         side by side]): a model with branches, on a GPU, in a CUDA graph's work, not compiled."""
-        return (max(self._lanes, default=0) > 0 and triton_kernels.in_graph_work()
-                and not torch.compiler.is_compiling() and next(iter(values.values())).is_cuda)
+        # torch.compile first: dynamo cannot trace the graph-work flag (a ContextVar), and a
+        # compiled model runs in order anyway.
+        return (not torch.compiler.is_compiling() and max(self._lanes, default=0) > 0
+                and triton_kernels.in_graph_work() and next(iter(values.values())).is_cuda)
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, inputs={self.input_shapes}, outputs={self.output_shapes}, "

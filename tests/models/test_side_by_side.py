@@ -124,6 +124,21 @@ def test_branches_run_in_order_outside_a_graphs_work(installed_models, monkeypat
             model(crops)  # a graph's work, but on the CPU
 
 
+def test_a_compiled_model_is_traced_whole_in_a_graphs_work(installed_models):
+    """Under torch.compile (Note [Compiled models]: fullgraph) the loop asks nothing dynamo
+    cannot trace, in a graph's work too: the lanes' check reads the graph-work flag only when
+    not compiling (on the GPU machine, `fp16+graphs+compile` failed on it, 2026-11-27 16:08)."""
+    model = _prepared(installed_models["face_landmark_with_attention"])
+    crops = _crops(model, 1, seed=7)
+    compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        expected = model(crops)
+        with triton_kernels.graph_work():
+            got = compiled(crops)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "fp16"])
