@@ -165,7 +165,7 @@ run)
         models_ab) # bench/models.py on .base/ and on this tree, one after the other: the goals'
             # figures at batch 64 in fp16 with graphs, compiled and not.
             ab_script models-ab bench/models.py --batch-sizes 64 --cameras 32 --variants fp16+graphs \
-                fp16+graphs+compile --budget-s 300 --face-landmarker-task .models/face_landmarker.task \
+                fp16+graphs+compile --budget-s 300 --landmarker-task .models/face_landmarker.task \
                 --docs "''" ;;
         triton) # Note [Kernels of our own]: each Triton kernel against its PyTorch chain.
             step triton python3 bench/kernels.py --out "$STATE/benchmarks-kernels.json" ;;
@@ -201,7 +201,7 @@ run)
                 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             fi ;;
         models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
-            --budget-s 420 --face-landmarker-task .models/face_landmarker.task \
+            --budget-s 420 --landmarker-task .models/face_landmarker.task \
             --out "$STATE/benchmarks-models.json" ;;
         decode) for decode in gpu cpu; do
                 step "decode-$decode" python3 bench/pipeline.py --cameras 8 16 32 48 64 \
