@@ -55,7 +55,8 @@
 #   worker_memory the inference workers' GPU memory as spares and once promoted, and what a
 #                 promotion's graph capture costs, at 64 cameras (bench/worker_memory.py) (1.5)
 #   stages        where the face stacks' and the detection pass's GPU time goes, step by step
-#                 (bench/model_stages.py: kernel time under each step, and the graphed wall) (2)
+#                 (bench/model_stages.py: kernel time under each step, the graphed wall, the host's
+#                 share of a synchronous call, and the graphed stack's kernels) (2)
 #   analyze       issue 23's GPU rows: `facecast analyze` on CUDA over 1080p and 720p H.264 files
 #                 with one and four faces, decoded by NVDEC (needs .whl2a/.whl2b), eight files at
 #                 once, against LiteRT on 1 and 8 threads in the same run; files of 600 frames

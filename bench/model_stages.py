@@ -23,7 +23,9 @@ CUDA graphs (``cuda_graphs=True``), wall milliseconds with the device synchronis
 runs it (`stack`: results on the device, calls queued back to back; `results`: Face objects on
 the host, each call waiting for its own), and a `results` call split in two, each begun with the
 device idle (`results queue`: the host's work until everything is queued; `results wait`: the
-wait for the device and the Face objects). On the CPU the
+wait for the device and the Face objects), and the kernels the graphed stack runs (a profile of
+10 replayed calls: kernels a call, their device time, the span from the first's start to the
+last's end, the kernels that take the most; `graph_kernels`). On the CPU the
 figures are each operator's own CPU time instead (a check that the script runs, not a figure to
 report). The inputs are bench/models.py's: faces of real photos pasted into 1080p frames, the
 ROIs from the float32 pipeline's detections, repeated up to the batch.
@@ -160,6 +162,42 @@ def steps_of(run, device) -> dict:
             sorted(found.items(), key=lambda item: -item[1][1])}
 
 
+def graph_kernels(run, device, calls: int = 10, top: int = 12) -> dict:
+    """The kernels one graphed call of ``run`` runs (a CUDA graph's nodes, as CUPTI sees them
+    replayed): per call, their count, their summed device time and the span from the first's
+    start to the last's end (the summed time plus the gaps between nodes, less any overlap),
+    and the ``top`` kernels by time (name, count and µs per call)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize(device)
+    by_name: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    starts, ends = [], []
+    for event in prof.events():
+        if event.device_type.name != "CUDA":
+            continue
+        row = by_name[event.name[:100]]
+        row[0] += 1
+        row[1] += event.time_range.elapsed_us()
+        starts.append(event.time_range.start)
+        ends.append(event.time_range.end)
+    if not starts:
+        return {}
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {"kernels_per_call": sum(count for count, _ in by_name.values()) / calls,
+            "kernel_us_per_call": sum(us for _, us in by_name.values()) / calls,
+            "span_us_per_call": (max(ends) - min(starts)) / calls,
+            "top": [[name, count / calls, round(us / calls, 1)] for name, (count, us) in ranked]}
+
+
 def wall_ms(run, device, iters: int) -> float:
     import torch
 
@@ -267,6 +305,8 @@ def main() -> int:
                         return pipe.measurer.measure(batch8, owners, rects, boxes, scores, tracked)
 
                     measure(row, graphs, device, args.iters, {"stack": stack, "results": results})
+                    if graphs:  # what the measuring graph runs, kernel by kernel
+                        row["graph_kernels"] = graph_kernels(stack, device)
                     row.update(results_split_ms(pipe.measurer, (batch8, owners, rects, boxes, scores, tracked),
                                                 device, args.iters, "graphs" if graphs else "eager"))
                     del pipe
@@ -307,6 +347,12 @@ def report(data: dict) -> str:
         timed = {key: value for key, value in row.items() if key.endswith("_ms")}
         lines += ["", "wall: " + ", ".join(f"{key[:-3].replace('_', ' ')} {value:.2f} ms"
                                            for key, value in timed.items()), ""]
+        graphed = row.get("graph_kernels")
+        if graphed:
+            lines += [f"graphed stack: {graphed['kernels_per_call']:.0f} kernels a call, "
+                      f"{graphed['kernel_us_per_call']:,.0f} µs of kernel time, a span of "
+                      f"{graphed['span_us_per_call']:,.0f} µs; the most time: "
+                      + "; ".join(f"{name} ({count:g}×, {us:.1f} µs)" for name, count, us in graphed["top"]), ""]
     return "\n".join(lines)
 
 
