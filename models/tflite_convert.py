@@ -567,12 +567,12 @@ def fuse_pooled_residuals(module: TFLiteModule) -> int:
     fused; applying it twice fuses nothing more."""
     producers = {slot: step for step in module.steps for slot in step.output_slots}
     readers = _readers(module)
-    already = sum(step.op_type.startswith("MAX_POOL_2D+") for step in module.steps)
 
     def only_read_by(slot, reader) -> bool:
         return slot not in module.output_slots and readers.get(slot) == [reader]
 
-    fused_away: set[int] = set()
+    fused_away: set[int] = set()  # the pools' and PADs' steps
+    fused = 0
     for step in module.steps:
         if type(step.compute) is not tflite_ops.ResidualPRelu:
             continue
@@ -591,10 +591,11 @@ def fuse_pooled_residuals(module: TFLiteModule) -> int:
             step.input_slots[position] = producer.input_slots[0]
             step.op_type = "MAX_POOL_2D+" + ("PAD+" if pad_step else "") + "ADD+PRELU (fused)"
             fused_away.update(id(s) for s in (producer, pad_step) if s is not None)
+            fused += 1
             break
     if fused_away:
         _replace_steps(module, [step for step in module.steps if id(step) not in fused_away])
-    return sum(step.op_type.startswith("MAX_POOL_2D+") for step in module.steps) - already
+    return fused
 
 
 def _halves_by_max(pool) -> bool:
