@@ -43,6 +43,8 @@
 #                 first half alone, to follow `pipeline` (3)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
+#   half          the daemon at 32 and 64 replayed cameras with its default float32 models, then
+#                 with float16 ones (models.half), one after the other (5, H100 2026-11-27)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32, and the
 #                 float16 depthwise ones in NCHW, in float32 and in our kernel ("Triton dw") (1)
 #   kernels       where each model's GPU time goes (.footage/kernel_probe.py when carried: kernel
@@ -186,6 +188,13 @@ run)
             step ab-head python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
                 --source synthetic-replay --warmup-s 5 --measure-s 15 \
                 --out "$STATE/benchmarks-ab-head.json" --log-dir "$STATE/logs-head" ;;
+        half) # models.half: float32 (the default) against float16 models in the daemon.
+            for precision in fp32 fp16; do
+                extra=""; [ $precision = fp16 ] && extra="--half"
+                step "half-$precision" python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
+                    --source synthetic-replay --warmup-s 5 --measure-s 15 $extra \
+                    --out "$STATE/benchmarks-pipeline-$precision.json" --log-dir "$STATE/logs-$precision"
+            done ;;
         mps) # The same daemon with NVIDIA MPS: the workers' kernels share the GPU at once
             # instead of taking turns by time slice (never tried yet; needs
             # nvidia-cuda-mps-control on the machine).
