@@ -587,7 +587,6 @@ def fuse_pooled_residuals(module: TFLiteModule) -> int:
                 continue
             step.compute = tflite_ops.PooledResidualPRelu(
                 step.compute.alpha, producer.compute, pad_step.compute if pad_step else None, position)
-            step.input_slots = list(step.input_slots)
             step.input_slots[position] = producer.input_slots[0]
             step.op_type = "MAX_POOL_2D+" + ("PAD+" if pad_step else "") + "ADD+PRELU (fused)"
             fused_away.update(id(s) for s in (producer, pad_step) if s is not None)

@@ -732,8 +732,7 @@ class PooledResidualPRelu(ChannelPRelu):
         shortcut = self.pool(source)
         if self.pad is not None:
             shortcut = self.pad(shortcut)
-        summed = shortcut + x if self.shortcut_position == 0 else x + shortcut
-        return F.prelu(summed, self.alpha)
+        return F.prelu(x + shortcut, self.alpha)  # float addition commutes: the ADD's value
 
 
 class LayerNormOverChannels(torch.nn.Module):
