@@ -62,6 +62,7 @@ PRODUCER_STAGES = {  # method on the ring producer -> stage name (Note [Stage me
     "_fill": "copy frame in",
     "_upload": "H2D issue (own device copy)",
     "_to_slot": "checksum + copy to slot + sync (GPU)",
+    "_replay_frame_graph": "H2D + copy to slot + checksum as one graph + sync (GPU)",
     "_checksum": "checksum (host)",
 }
 HEADER_STAGES = {"begin_write": "generation odd", "end_write": "generation even"}
@@ -74,6 +75,7 @@ CONSUMER_STAGES = {
 }
 STAGE_ORDER = ["publish (total)", "claim slot", "copy frame in", "generation odd",
                "H2D issue (own device copy)", "checksum + copy to slot + sync (GPU)",
+               "H2D + copy to slot + checksum as one graph + sync (GPU)",
                "checksum (host)", "generation even", "encode + send",
                "receive + decode", "verdict (generation before)",
                "event wait", "tensor (view or copy)", "checksum (queue on GPU / host)",

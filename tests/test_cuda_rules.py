@@ -269,23 +269,70 @@ def test_staged_writes_round_trip_byte_exact_across_processes(peers):
     assert seen["received"] >= 200, seen  # every one compared byte for byte
 
 
+@pytest.mark.parametrize("shape", [(64, 96, 3), (63, 95, 3)], ids=["words", "with-tail"])
 @pytest.mark.parametrize("kind", ["full", "sampled"])
-def test_a_host_frame_carries_the_checksum_of_its_own_bytes(kind):
+def test_a_host_frame_carries_the_checksum_of_its_own_bytes(kind, shape):
     """Note [Producer checksum]: computed on the GPU from the producer's own device copy, the
-    value is the host form's of the camera's bytes, and the slot holds those bytes."""
+    value is the host form's of the camera's bytes, and the slot holds those bytes; each slot's
+    frames go through its graph (Note [A frame's GPU work in one graph])."""
     from facecast.shared.transport.cuda_ring import CudaRingProducer
 
-    producer = CudaRingProducer("rules", (64, 96, 3), slot_count=4, checksum_kind=kind)
+    producer = CudaRingProducer("rules", shape, slot_count=4, checksum_kind=kind)
     try:
         rng = np.random.default_rng(7)
-        for seq in range(6):  # round the ring and past it: the private buffer is reused
-            frame = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+        for seq in range(10):  # round the ring twice: each graph replays again
+            frame = rng.integers(0, 256, shape, dtype=np.uint8)
             message = producer.write(frame, seq, 0.0)
             assert message.checksum == frames.checksum(frame, kind)
             slot = producer.slots[message.slot, : frame.size].cpu().numpy()
             assert np.array_equal(slot, frame.reshape(-1))
+        assert len(producer._frame_graphs) == 4  # captured, one per slot, and what ran
     finally:
         producer.close()
+
+
+def test_cameras_of_one_process_capture_their_graphs_while_the_others_write():
+    """Note [A frame's GPU work in one graph]: a camera's first frame captures its graphs while
+    the other camera threads of the process go on writing (thread-local capture); every frame
+    of every camera still carries its own bytes' checksum and lands in its slot."""
+    import threading
+
+    from facecast.shared.transport.cuda_ring import CudaRingProducer
+
+    shape, cameras, frames_each = (270, 480, 3), 8, 60
+    producers = [CudaRingProducer(f"rules{k}", shape, slot_count=4) for k in range(cameras)]
+    wrong: list[str] = []
+    # Camera k starts once camera k-1 has written 3 frames: its capture then overlaps the
+    # writes of the cameras before it, which have frames_each - 3 and more to go.
+    under_way = [threading.Event() for _ in range(cameras)]
+
+    def camera(k: int) -> None:
+        rng = np.random.default_rng(k)
+        if k and not under_way[k - 1].wait(timeout=60):
+            wrong.append(f"camera {k - 1} never wrote 3 frames")
+            return
+        for seq in range(frames_each):
+            frame = rng.integers(0, 256, shape, dtype=np.uint8)
+            message = producers[k].write(frame, seq, 0.0)
+            slot = producers[k].slots[message.slot, : frame.size].cpu().numpy()
+            if (message.checksum != frames.checksum(frame)
+                    or not np.array_equal(slot, frame.reshape(-1))):
+                wrong.append(f"camera {k} frame {seq}")
+            if seq == 2:
+                under_way[k].set()
+
+    threads = [threading.Thread(target=camera, args=(k,)) for k in range(cameras)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads)
+        assert wrong == []
+        assert all(len(producer._frame_graphs) == 4 for producer in producers)
+    finally:
+        for producer in producers:
+            producer.close()
 
 
 def test_staging_view_is_handed_out_only_after_its_slots_upload_finished():

@@ -54,6 +54,25 @@ Note [Producer checksum]
     its turn on a GPU that other processes share.
     The shm ring keeps the host form: its producer has no GPU.
 
+Note [A frame's GPU work in one graph]
+    Steps 1-3 of Note [Producer checksum] for a host frame are eight or so PyTorch calls (the
+    upload, the copy into the slot, the checksum's views, product and sum, the fetch), and each
+    costs the capture thread tens of microseconds of CPU, more with 16 camera threads of one
+    process calling into the driver at once: on the H100 host (16 threads, 30 fps 1080p,
+    2026-11-27) the upload took 138 us of CPU per frame, the checksum 150, its fetch 130, the
+    whole write 550 besides the copy into pinned memory (about 1 ms). So each slot gets a CUDA
+    graph, captured at the camera's first host frame, of exactly those steps: the slot's staging
+    bytes to the producer's own device copy, that copy into the slot, the checksum of the copy
+    in place, and its value into pinned host memory. A frame is then one replay on the
+    producer's stream, the slot's event after it, and one sleeping wait for the stream (Note
+    [Blocking waits]). What the graph computes is what the calls computed, from the same
+    private bytes (tests/test_cuda_rules.py, tests/test_foreign_writer.py run on it); the event
+    comes after the checksum instead of before it, so a consumer waits its ~14 us longer. A
+    slot's graph reads and writes fixed addresses, which a host frame always has (the slot's
+    staging buffer, the producer's device copy, the slot); a frame decoded on the GPU comes in
+    a tensor of its own and keeps the calls. The graphs of one producer share one memory pool
+    (the checksum's output and temporaries): they replay one after another, never at once.
+
 Note [Frames born on the GPU]
     A camera decoded by NVDEC (facecast.workers.capture.nvdec) hands the producer a finished BGR
     frame in device memory: a tensor of its own, converted from the decoder's NV12 output, ready
@@ -165,6 +184,12 @@ class CudaRingProducer(RingProducer):
             # made at the first host frame: a camera decoded on the GPU never has one, and 64 of
             # them held 400 MB of these for nothing.
             self._uploaded: torch.Tensor | None = None
+            # Note [A frame's GPU work in one graph]: per slot, captured at the first host frame
+            # (with the device copy above); where each replay leaves the checksum's value.
+            self._frame_graphs: list[torch.cuda.CUDAGraph] | None = None
+            self._graph_checksums_pinned: torch.Tensor | None = None
+            self._graph_checksums: np.ndarray | None = None
+            self._graph_checksum_offset = 0
             self.probe.copy_(torch.from_numpy(frames.test_pattern(PROBE_BYTES, self.ring_epoch)))
             # Load the checksum's kernels and weights now, not on the first frame.
             frames.prepare_checksum(self.checksum_kind, self.frame_bytes, self.slots.device)
@@ -208,16 +233,65 @@ class CudaRingProducer(RingProducer):
             self.slot_count, self.slot_bytes)
 
     def _claim(self, slot: int) -> np.ndarray:
-        # The staging buffer of this slot is free once its previous upload finished: `_to_slot`
-        # waited for it, so this waits only under the rule-3 fault (the event comes later).
+        # The staging buffer of this slot is free once its previous upload finished: the
+        # frame's sync waited for it, so this waits only under the rule-3 fault (the event
+        # comes later).
         self.events[slot].synchronize()
         return self._staging_views[slot]
 
     def _commit(self, slot: int, pixels: np.ndarray) -> int:
-        self._upload(slot)
+        if self._frame_graphs is None and not self.faults.delay_copy_cycles:
+            self._frame_graphs = self._capture_frame_graphs()
         self.header.begin_write(slot)
-        # Note [Producer checksum]; the private copy is scratch once it is in the slot.
+        if self._frame_graphs:
+            return self._replay_frame_graph(slot)
+        # The calls one by one: rule 3's fault, or graphs that could not be captured. The
+        # private copy is scratch once it is in the slot.
+        self._upload(slot)
         return self._to_slot(slot, self._uploaded, scratch=True)
+
+    def _capture_frame_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        """Note [A frame's GPU work in one graph]: Note [Producer checksum]'s steps 1-3 of each
+        slot, captured once ("thread_local": the other camera threads of this process go on
+        calling CUDA meanwhile). None captured, with the reason in the log, where the driver
+        refuses: the frames then take the calls."""
+        if self._uploaded is None:
+            self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8,
+                                         device=self.device_index)
+        checksums = torch.zeros(self.slot_count, dtype=torch.int64, pin_memory=True)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        try:
+            with torch.cuda.device(self.device_index), torch.cuda.stream(self.stream):
+                for slot in range(self.slot_count):
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        self._uploaded.copy_(self._staging[slot], non_blocking=True)
+                        self._slot_targets[slot].copy_(self._uploaded, non_blocking=True)
+                        pending = frames.checksum_start(self._uploaded, self.checksum_kind,
+                                                        scratch=True)
+                        checksums[slot].copy_(pending.device_value, non_blocking=True)
+                    finally:
+                        graph.capture_end()
+                    graphs.append(graph)
+        except RuntimeError as exc:
+            log.warning("camera %s: a frame's GPU work cannot be captured as a CUDA graph (%s); "
+                        "each frame takes the calls one by one", self.camera_id, exc)
+            return []
+        self._graph_checksum_offset = pending.offset
+        self._graph_checksums_pinned = checksums  # the pinned memory the graphs write into
+        self._graph_checksums = checksums.numpy()
+        return graphs
+
+    def _replay_frame_graph(self, slot: int) -> int:
+        """Stages "upload" and "to slot" as the slot's graph, the slot's event after it, and the
+        checksum's value once the stream is done (Note [A frame's GPU work in one graph])."""
+        with torch.cuda.stream(self.stream):
+            self._frame_graphs[slot].replay()
+            self.events[slot].record(self.stream)
+        self.stream.synchronize()  # sleeps (Note [Blocking waits])
+        return (int(self._graph_checksums[slot]) + self._graph_checksum_offset) & frames.MASK_64
 
     def _upload(self, slot: int) -> None:
         """Stage "upload": the slot's staging bytes to the producer's own device buffer, async on
@@ -297,6 +371,7 @@ class CudaRingProducer(RingProducer):
         except Exception:
             pass
         self.slots = self.probe = self._slot_targets = self._uploaded = None
+        self._frame_graphs = self._graph_checksums = self._graph_checksums_pinned = None
         self._staging = self._staging_views = self._staged_view = None
         self.events = None
         if self.allocation is not None:
