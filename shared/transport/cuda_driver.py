@@ -52,6 +52,12 @@ from facecast.shared.transport.ring_errors import TransportUnavailable
 
 _pushed = threading.local()
 log = logging.getLogger(__name__)
+# Held by a thread that captures a CUDA graph, and by one that does CUDA work which a capture
+# in another thread of the process must not overlap: a ring's creation (a device-wide
+# synchronisation) and a decoder's. Such work during a capture fails ("operation not permitted
+# when stream is capturing") and invalidates the capture (Note [A frame's GPU work in one
+# graph], facecast.shared.transport.cuda_ring).
+CAPTURE_LOCK = threading.Lock()
 _CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 _blocking_devices: set[int] = set()
 

@@ -72,6 +72,15 @@ Note [A frame's GPU work in one graph]
     staging buffer, the producer's device copy, the slot); a frame decoded on the GPU comes in
     a tensor of its own and keeps the calls. The graphs of one producer share one memory pool
     (the checksum's output and temporaries): they replay one after another, never at once.
+    A capture is thread-local: the process's other camera threads go on writing their frames
+    meanwhile. What they must not do then is what a capture forbids process-wide, a device-wide
+    synchronisation: the first form let 16 cameras of a capture process create their rings
+    (which end with one) while the first ones captured, and at 64 cameras (H100, 2026-11-27)
+    the captures failed ("operation failed due to a previous error during capture") and 20
+    cameras' rings with them ("operation not permitted when stream is capturing"), which fell
+    back to shared memory. So a capture, a ring's creation and an NVDEC decoder's take turns
+    (`cuda_driver.CAPTURE_LOCK`); tests/test_cuda_rules.py makes rings and captures in many
+    threads at once.
 
 Note [Frames born on the GPU]
     A camera decoded by NVDEC (facecast.workers.capture.nvdec) hands the producer a finished BGR
@@ -166,34 +175,8 @@ class CudaRingProducer(RingProducer):
         super().__init__(camera_id, frame_shape, slot_count, checksum_kind=checksum_kind)
         ring_bytes = _ring_bytes(slot_count, self.slot_bytes)
         try:
-            self._allocate(cuda, ring_bytes)
-            self.stream = torch.cuda.Stream(device=device_index)
-            self.events = [torch.cuda.Event(interprocess=True) for _ in range(slot_count)]
-            with torch.cuda.device(device_index):
-                event_handles = [event.ipc_handle() for event in self.events]
-            self._staging = [
-                torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=True)
-                for _ in range(slot_count)
-            ]
-            # Per slot, made once: what _claim hands out and where _upload copies to.
-            self._staging_views = [
-                buffer.numpy().reshape(self.frame_shape) for buffer in self._staging
-            ]
-            self._slot_targets = [self.slots[slot, : self.frame_bytes] for slot in range(slot_count)]
-            # The producer's own device copy of each host frame (Note [Producer checksum]),
-            # made at the first host frame: a camera decoded on the GPU never has one, and 64 of
-            # them held 400 MB of these for nothing.
-            self._uploaded: torch.Tensor | None = None
-            # Note [A frame's GPU work in one graph]: per slot, captured at the first host frame
-            # (with the device copy above); where each replay leaves the checksum's value.
-            self._frame_graphs: list[torch.cuda.CUDAGraph] | None = None
-            self._graph_checksums_pinned: torch.Tensor | None = None
-            self._graph_checksums: np.ndarray | None = None
-            self._graph_checksum_offset = 0
-            self.probe.copy_(torch.from_numpy(frames.test_pattern(PROBE_BYTES, self.ring_epoch)))
-            # Load the checksum's kernels and weights now, not on the first frame.
-            frames.prepare_checksum(self.checksum_kind, self.frame_bytes, self.slots.device)
-            torch.cuda.synchronize(device_index)
+            with cuda_driver.CAPTURE_LOCK:  # not while another camera captures its graphs
+                self._create(cuda, ring_bytes)
         except TransportUnavailable:
             self.header.close()
             raise
@@ -204,7 +187,7 @@ class CudaRingProducer(RingProducer):
             mem_handle=bytes(self._mem_handle),
             offset_bytes=0 if faults.omit_offset else self.offset_bytes,
             allocation_bytes=self.allocation_bytes,
-            event_handles=[bytes(h) for h in event_handles],
+            event_handles=[bytes(h) for h in self._event_handles],
             device_uuid=self.device_uuid,
             device_index=device_index,
             driver_version=self.driver_version,
@@ -212,6 +195,38 @@ class CudaRingProducer(RingProducer):
         self._corrupt_next = faults.corrupt_after_publish  # after RingProducer.__init__
         self._late_stream = None  # rule 3's fault only
         _IN_PROCESS[self.ring_epoch] = self
+
+    def _create(self, cuda, ring_bytes: int) -> None:
+        """The ring's memory, stream, events, staging buffers and probe, ready on the GPU."""
+        device_index, slot_count = self.device_index, self.slot_count
+        self._allocate(cuda, ring_bytes)
+        self.stream = torch.cuda.Stream(device=device_index)
+        self.events = [torch.cuda.Event(interprocess=True) for _ in range(slot_count)]
+        with torch.cuda.device(device_index):
+            self._event_handles = [event.ipc_handle() for event in self.events]
+        self._staging = [
+            torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=True)
+            for _ in range(slot_count)
+        ]
+        # Per slot, made once: what _claim hands out and where _upload copies to.
+        self._staging_views = [
+            buffer.numpy().reshape(self.frame_shape) for buffer in self._staging
+        ]
+        self._slot_targets = [self.slots[slot, : self.frame_bytes] for slot in range(slot_count)]
+        # The producer's own device copy of each host frame (Note [Producer checksum]),
+        # made at the first host frame: a camera decoded on the GPU never has one, and 64 of
+        # them held 400 MB of these for nothing.
+        self._uploaded: torch.Tensor | None = None
+        # Note [A frame's GPU work in one graph]: per slot, captured at the first host frame
+        # (with the device copy above); where each replay leaves the checksum's value.
+        self._frame_graphs: list[torch.cuda.CUDAGraph] | None = None
+        self._graph_checksums_pinned: torch.Tensor | None = None
+        self._graph_checksums: np.ndarray | None = None
+        self._graph_checksum_offset = 0
+        self.probe.copy_(torch.from_numpy(frames.test_pattern(PROBE_BYTES, self.ring_epoch)))
+        # Load the checksum's kernels and weights now, not on the first frame.
+        frames.prepare_checksum(self.checksum_kind, self.frame_bytes, self.slots.device)
+        torch.cuda.synchronize(device_index)
 
     def _allocate(self, cuda, ring_bytes: int) -> None:
         if self.faults.ring_inside_torch_tensor:
@@ -253,8 +268,9 @@ class CudaRingProducer(RingProducer):
     def _capture_frame_graphs(self) -> list[torch.cuda.CUDAGraph]:
         """Note [A frame's GPU work in one graph]: Note [Producer checksum]'s steps 1-3 of each
         slot, captured once ("thread_local": the other camera threads of this process go on
-        calling CUDA meanwhile). None captured, with the reason in the log, where the driver
-        refuses: the frames then take the calls."""
+        calling CUDA meanwhile, but no ring or decoder is made: cuda_driver.CAPTURE_LOCK). None
+        captured, with the reason in the log, where the driver refuses: the frames then take
+        the calls."""
         if self._uploaded is None:
             self._uploaded = torch.empty(self.frame_bytes, dtype=torch.uint8,
                                          device=self.device_index)
@@ -262,7 +278,8 @@ class CudaRingProducer(RingProducer):
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         try:
-            with torch.cuda.device(self.device_index), torch.cuda.stream(self.stream):
+            with (cuda_driver.CAPTURE_LOCK, torch.cuda.device(self.device_index),
+                  torch.cuda.stream(self.stream)):
                 for slot in range(self.slot_count):
                     graph = torch.cuda.CUDAGraph()
                     graph.capture_begin(pool=pool, capture_error_mode="thread_local")

@@ -361,11 +361,12 @@ class NvdecDecoder:
                    else nvc.DisplayDecodeLatencyType.NATIVE)
         # RGB: the library's own conversion kernel on `stream` (Note [NV12 to BGR]).
         colour = nvc.OutputColorType.RGB if rgb else nvc.OutputColorType.NATIVE
-        self._decoder = nvc.CreateDecoder(
-            gpuid=device_index, codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[codec]),
-            cudacontext=int(cuda.Context.get_current().handle),
-            cudastream=int(stream.cuda_stream), usedevicememory=True, latency=latency,
-            outputColorType=colour)
+        with cuda_driver.CAPTURE_LOCK:  # not during a ring's graph capture in another thread
+            self._decoder = nvc.CreateDecoder(
+                gpuid=device_index, codec=getattr(nvc.cudaVideoCodec, _NVDEC_CODECS[codec]),
+                cudacontext=int(cuda.Context.get_current().handle),
+                cudastream=int(stream.cuda_stream), usedevicememory=True, latency=latency,
+                outputColorType=colour)
 
     def decode(self, data: bytes, pts: int) -> list[int]:
         """The output buffers (device pointers: NV12, or interleaved RGB rows of width x 3
