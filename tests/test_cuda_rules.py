@@ -299,42 +299,44 @@ def test_cameras_of_one_process_make_rings_and_capture_graphs_while_the_others_w
     frame carries its own bytes' checksum and lands in its slot."""
     import threading
 
+    from facecast.shared.transport import cuda_driver
     from facecast.shared.transport.cuda_ring import CudaRingProducer
 
     shape, cameras, frames_each = (270, 480, 3), 16, 40
-    producers: list = [None] * cameras
     wrong: list[str] = []
+    graphs: list[int] = []
     together = threading.Barrier(cameras)
 
     def camera(k: int) -> None:
         rng = np.random.default_rng(k)
         together.wait()
         try:
-            producers[k] = CudaRingProducer(f"rules{k}", shape, slot_count=4)
+            producer = CudaRingProducer(f"rules{k}", shape, slot_count=4)
         except TransportUnavailable as exc:
             wrong.append(f"camera {k}: no CUDA ring: {exc}")
+            cuda_driver.release_thread()
             return
-        for seq in range(frames_each):
-            frame = rng.integers(0, 256, shape, dtype=np.uint8)
-            message = producers[k].write(frame, seq, 0.0)
-            slot = producers[k].slots[message.slot, : frame.size].cpu().numpy()
-            if (message.checksum != frames.checksum(frame)
-                    or not np.array_equal(slot, frame.reshape(-1))):
-                wrong.append(f"camera {k} frame {seq}")
+        try:
+            for seq in range(frames_each):
+                frame = rng.integers(0, 256, shape, dtype=np.uint8)
+                message = producer.write(frame, seq, 0.0)
+                slot = producer.slots[message.slot, : frame.size].cpu().numpy()
+                if (message.checksum != frames.checksum(frame)
+                        or not np.array_equal(slot, frame.reshape(-1))):
+                    wrong.append(f"camera {k} frame {seq}")
+            graphs.append(len(producer._frame_graphs))
+        finally:
+            producer.close()
+            cuda_driver.release_thread()  # as a camera thread ends (PyCUDA's context stack)
 
     threads = [threading.Thread(target=camera, args=(k,)) for k in range(cameras)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not any(thread.is_alive() for thread in threads)
-        assert wrong == []
-        assert all(len(producer._frame_graphs) == 4 for producer in producers)
-    finally:
-        for producer in producers:
-            if producer is not None:
-                producer.close()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert wrong == []
+    assert graphs == [4] * cameras  # every camera captured a graph per slot
 
 
 def test_staging_view_is_handed_out_only_after_its_slots_upload_finished():
