@@ -295,7 +295,7 @@ def test_cameras_of_one_process_make_rings_and_capture_graphs_while_the_others_w
     """Note [A frame's GPU work in one graph]: as a capture worker's camera threads do at start,
     16 threads at once each make a ring and write frames, so that rings are made and graphs
     captured while other cameras write. Every ring is made, every camera's graphs are captured
-    (the first form lost 20 of 64 rings to shared memory and the captures with them), and every
+    (the first form lost 26-29 of 64 rings to shared memory, and 30-35 captures), and every
     frame carries its own bytes' checksum and lands in its slot."""
     import threading
 

@@ -76,9 +76,9 @@ Note [A frame's GPU work in one graph]
     meanwhile. What they must not do then is what a capture forbids process-wide, a device-wide
     synchronisation: the first form let 16 cameras of a capture process create their rings
     (which end with one) while the first ones captured, and at 64 cameras (H100, 2026-11-27)
-    the captures failed ("operation failed due to a previous error during capture") and 20
-    cameras' rings with them ("operation not permitted when stream is capturing"), which fell
-    back to shared memory. So a capture, a ring's creation and an NVDEC decoder's take turns
+    30-35 captures failed ("operation failed due to a previous error during capture") and
+    26-29 cameras' rings with them ("operation not permitted when stream is capturing"), which
+    fell back to shared memory (two runs). So a capture, a ring's creation and an NVDEC decoder's take turns
     (`cuda_driver.CAPTURE_LOCK`); tests/test_cuda_rules.py makes rings and captures in many
     threads at once.
 
