@@ -19,7 +19,8 @@ The files are made once in `--work` and reused.
 *facecast*: `facecast analyze`'s work in this process: `video_analysis.Analyzer` (decoding as
 *Decoder* says, the daemon's FacePipeline with face_landmarker.task: detection on the live schedule,
 tracking, the 478-point mesh, blendshapes, head pose and translation, track ids, the CSV table),
-`output.max_faces = 4`, one torch thread on the CPU as the command sets it (Note [One thread on
+`output.max_faces = 4`, one torch thread on the CPU and one OpenCV thread as the command sets
+them (Note [One thread for OpenCV]: the baseline keeps OpenCV's default; Note [One thread on
 the CPU]) and the LiteRT models on `--model-threads` (default: the command's `--threads auto` for
 one job, the cores this process may run on, at most 8: Note [Threads of the models]). Timed from opening the file to its summary; model loading is not included (once per
 command). frames/s = frames / wall seconds; CPU ms/frame = process CPU time (every thread:
@@ -211,7 +212,18 @@ def copies(footage: Footage, count: int) -> list[Path]:
 
 def run_facecast(analyzer, footage: Footage, out_dir: Path, files_at_once: int = 1) -> dict:
     """The file (`files_at_once` copies of it, batched as the command batches files) through
-    `facecast analyze`'s Analyzer, from its start; the faces checked against the truth."""
+    `facecast analyze`'s Analyzer, from its start; the faces checked against the truth. With one
+    OpenCV thread, as the command sets it (Note [One thread for OpenCV], daemon/cli/analyze.py);
+    the LiteRT baseline keeps OpenCV's default, as before."""
+    threads = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    try:
+        return _run_facecast(analyzer, footage, out_dir, files_at_once)
+    finally:
+        cv2.setNumThreads(threads)
+
+
+def _run_facecast(analyzer, footage: Footage, out_dir: Path, files_at_once: int) -> dict:
     paths = copies(footage, files_at_once)
     wall0, cpu0 = time.perf_counter(), cpu_s()
     files = analyzer.open(paths, out_dir, restart=True)

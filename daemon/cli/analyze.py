@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import cv2
+
 log = logging.getLogger(__name__)
 
 JSON_PROGRESS_EVERY_S = 1.0
@@ -121,6 +123,17 @@ def main(args) -> int:
     #     them 110-132 against 94-130, with two 61-77 against 67-95: no worse than one thread
     #     within the noise, where torch's second thread had cut the rate to a tenth.
     torch.set_num_threads(1)
+    # Note [One thread for OpenCV]
+    #     OpenCV splits a warp or a colour conversion among its own threads, one per core by
+    #     default: on the CPU stack the crops of Note [Crops on the CPU] and the detectors'
+    #     inputs. With the models' XNNPACK threads and the decoding thread already on every
+    #     core, each crop then waited for threads that were not running. Measured on the
+    #     2-core machine (2026-11-27, H.264 of 120 frames decoded ahead, a process taking turns
+    #     between one OpenCV thread and two, four runs each, two processes): one face at 720p
+    #     144.6-145.5 -> 163.2-163.4 frames/s (median; 11.1 -> 9.7 ms of CPU a frame), at
+    #     1080p 135.5 -> 149.3 (12.0 -> 11.1 ms); four faces at 720p 70.7 -> 69.9 (the same
+    #     within the noise).
+    cv2.setNumThreads(1)
     try:
         if args.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
