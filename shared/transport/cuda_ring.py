@@ -78,9 +78,9 @@ Note [A frame's GPU work in one graph]
     (which end with one) while the first ones captured, and at 64 cameras (H100, 2026-11-27)
     30-35 captures failed ("operation failed due to a previous error during capture") and
     26-29 cameras' rings with them ("operation not permitted when stream is capturing"), which
-    fell back to shared memory (two runs). So a capture, a ring's creation and an NVDEC decoder's take turns
-    (`cuda_driver.CAPTURE_LOCK`); tests/test_cuda_rules.py makes rings and captures in many
-    threads at once.
+    fell back to shared memory (two runs). So a capture, a ring's creation and an NVDEC
+    decoder's take turns (`cuda_driver.CAPTURE_LOCK`); tests/test_cuda_rules.py makes rings and
+    captures in many threads at once.
 
 Note [Frames born on the GPU]
     A camera decoded by NVDEC (facecast.workers.capture.nvdec) hands the producer a finished BGR
