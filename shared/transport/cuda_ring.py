@@ -220,8 +220,7 @@ class CudaRingProducer(RingProducer):
         # Note [A frame's GPU work in one graph]: per slot, captured at the first host frame
         # (with the device copy above); where each replay leaves the checksum's value.
         self._frame_graphs: list[torch.cuda.CUDAGraph] | None = None
-        self._graph_checksums_pinned: torch.Tensor | None = None
-        self._graph_checksums: np.ndarray | None = None
+        self._graph_checksums: torch.Tensor | None = None  # pinned, a value per slot
         self._graph_checksum_offset = 0
         self.probe.copy_(torch.from_numpy(frames.test_pattern(PROBE_BYTES, self.ring_epoch)))
         # Load the checksum's kernels and weights now, not on the first frame.
@@ -297,8 +296,7 @@ class CudaRingProducer(RingProducer):
                         "each frame takes the calls one by one", self.camera_id, exc)
             return []
         self._graph_checksum_offset = pending.offset
-        self._graph_checksums_pinned = checksums  # the pinned memory the graphs write into
-        self._graph_checksums = checksums.numpy()
+        self._graph_checksums = checksums
         return graphs
 
     def _replay_frame_graph(self, slot: int) -> int:
@@ -388,7 +386,7 @@ class CudaRingProducer(RingProducer):
         except Exception:
             pass
         self.slots = self.probe = self._slot_targets = self._uploaded = None
-        self._frame_graphs = self._graph_checksums = self._graph_checksums_pinned = None
+        self._frame_graphs = self._graph_checksums = None
         self._staging = self._staging_views = self._staged_view = None
         self.events = None
         if self.allocation is not None:
