@@ -20,7 +20,8 @@ formulations of the full checksum that were tried (the chosen one is marked). GP
 time per frame from CUDA events around 200 checksums queued back to back, the host CPU time to
 queue one, and the latency of one frame's value (queue + the one sync of `settle_checksums`);
 then what a CUDA producer would pay to checksum the slot instead of its staged bytes (Note
-[Producer checksum]). Writes JSON (runs by machine, merged) and, with
+[Producer checksum]), and what a consumer's batch of 32 frames in one buffer costs checksummed
+one by one and together (Note [Frames of a batch checksummed together]). Writes JSON (runs by machine, merged) and, with
 --docs, the "Frame checksum" section of docs/benchmarks.md.
 """
 
@@ -172,12 +173,60 @@ def gpu_run(repeats: int) -> dict:
         entry["sampled"]["gpu_us_per_frame_at_1_in_30"] = (
             entry["sampled"]["gpu_us_per_frame"] / SAMPLED_EVERY)
         entry["producer_on_slot"] = producer_on_slot(host_deck, deck, repeats)
+        entry["consumer_batch"] = consumer_batch(host_deck, repeats)
         results[name] = entry
         print(f"gpu {name}: full {entry['full']['gpu_us_per_frame']:.1f} us GPU, "
               f"{entry['full']['queue_cpu_us']:.1f} us CPU to queue, one frame's value in "
               f"{entry['full']['one_frame_latency_us']:.0f} us; sampled "
               f"{entry['sampled']['gpu_us_per_frame']:.1f} us GPU", flush=True)
     return results
+
+
+BATCH_FRAMES = 32  # a roi_landmark worker's batch at 64 cameras
+
+
+def consumer_batch(host_deck: list[np.ndarray], repeats: int) -> dict:
+    """A consumer's batch of frames lying back to back in one buffer (Note [A batch's frames in
+    one buffer]): their full checksums queued one by one (`checksum_start` each) and together
+    (`full_checksums_start`), each then settled with one sync. Per batch: the host's CPU time
+    to queue and to settle (thread time; the settle's wait for the GPU sleeps), the GPU's time
+    (events around batches queued back to back); the values must agree."""
+    import torch
+
+    shape = host_deck[0].shape
+    nbytes = host_deck[0].nbytes
+    buffer = torch.empty((BATCH_FRAMES, nbytes), dtype=torch.uint8, device="cuda")
+    for row in range(BATCH_FRAMES):
+        buffer[row].copy_(torch.from_numpy(host_deck[row % CYCLE_FRAMES].reshape(-1)))
+    views = [buffer[row].view(shape) for row in range(BATCH_FRAMES)]
+    ways = {"one_by_one": lambda: [frames.checksum_start(view) for view in views],
+            "together": lambda: frames.full_checksums_start(buffer)}
+    expected = [frames.checksum(host_deck[row % CYCLE_FRAMES]) for row in range(BATCH_FRAMES)]
+    batches = max(10, repeats // 10)
+    result = {"frames": BATCH_FRAMES}
+    for name, queue in ways.items():
+        assert frames.settle_checksums(queue()) == expected, name  # and warm
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000_000)  # the GPU waits while the host queues (as gpu_run)
+        start.record()
+        queued = [queue() for _ in range(batches)]
+        end.record()
+        torch.cuda.synchronize()
+        queue_cpu, settle_cpu = [], []
+        for _ in range(batches):
+            began = time.thread_time()
+            pending = queue()
+            queue_cpu.append((time.thread_time() - began) * 1e6)
+            torch.cuda.synchronize()  # the settle's own host work, not its wait
+            began = time.thread_time()
+            frames.settle_checksums(pending)
+            settle_cpu.append((time.thread_time() - began) * 1e6)
+        del queued
+        result[name] = {"queue_cpu_us": statistics.median(queue_cpu),
+                        "settle_cpu_us": statistics.median(settle_cpu),
+                        "gpu_us": start.elapsed_time(end) * 1000 / batches}
+    return result
 
 
 def producer_on_slot(host_deck: list[np.ndarray], deck, repeats: int) -> dict:
@@ -287,6 +336,19 @@ def gpu_table(run: dict) -> list[str]:
                            else f"{entry['producer_on_slot'][key]:.0f} µs"
                            for entry in run["gpu"].values())
         lines.append(f"| {label} | {cells} |")
+    batched = {name: entry["consumer_batch"] for name, entry in run["gpu"].items()
+               if "consumer_batch" in entry}
+    if batched:
+        count = next(iter(batched.values()))["frames"]
+        lines += ["", f"| a consumer's batch of {count} frames in one buffer, per batch: "
+                  "one by one → together | " + " | ".join(batched) + " |",
+                  "|---|" + "---|" * len(batched)]
+        for label, key in (("CPU to queue", "queue_cpu_us"), ("CPU to settle (its sync's "
+                           "wait excluded)", "settle_cpu_us"), ("GPU", "gpu_us")):
+            cells = " | ".join(f"{b['one_by_one'][key]:.0f} → {b['together'][key]:.0f} µs "
+                               f"({b['one_by_one'][key] / b['together'][key]:.1f}×)"
+                               for b in batched.values())
+            lines.append(f"| {label} | {cells} |")
     return lines
 
 

@@ -70,7 +70,6 @@ CONSUMER_STAGES = {
     "_precheck": "verdict (generation before)",
     "_wait_for_slot": "event wait",
     "_slot_tensor": "tensor (a copy of the slot)",
-    "_checksum_start": "checksum (queue on GPU / host)",
     "generation_unchanged": "generation after",
 }
 STAGE_ORDER = ["publish (total)", "claim slot", "copy frame in", "generation odd",
@@ -258,6 +257,9 @@ def consumer(args) -> None:
                                      checksum_every=args.checksum_every)
         clock.wrap_all(subscriber, {"_drain": "receive + decode", "_read_all": "read batch"})
         clock.wrap(rings, "settle", "settle (one host sync per batch)")
+        # A batch's checksums, together where its frames allow (Note [Frames of a batch
+        # checksummed together]).
+        clock.wrap(rings, "start_checksums", "checksum (queue on GPU / host)")
     print(json.dumps({"ready": True}), flush=True)
 
     latencies_us: list[list[float]] = []
@@ -631,8 +633,8 @@ def markdown(result: dict, command: str, raw_path: str) -> str:
                     "stage (Note [Stage methods]), timed in the processes "
                     "themselves. \"claim slot\" includes \"generation odd\" on shm; "
                     "\"receive + decode\", \"read batch\" (all of a batch's reading, the stages "
-                    "under it included) and \"settle\" are per `receive()` call, which with one "
-                    "camera is one frame.", ""]
+                    "under it included), \"checksum\" and \"settle\" are per `receive()` call, "
+                    "which with one camera is one frame.", ""]
             out += table
     if many:
         out += ["", f"{many['cameras']} cameras × {many['shape'][1]}x{many['shape'][0]} × "

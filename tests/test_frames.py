@@ -108,6 +108,30 @@ def test_one_sync_settles_both_kinds_of_a_batch():
         frames.checksum(batch[0], "sparse")
 
 
+def test_the_frames_of_a_batch_checksummed_together_have_each_frame_s_value(monkeypatch):
+    """Note [Frames of a batch checksummed together]: rows of one buffer, in chunks, give each
+    row the value of its frame alone, and settle with 0-d values of other frames in one fetch."""
+    rng = np.random.default_rng(6)
+    original = rng.integers(0, 256, (7, 8200), dtype=np.uint8)
+    rows = torch.from_numpy(original.copy())
+    expected = [defined_checksum(row) for row in original]
+    monkeypatch.setattr(frames, "CHUNK_BYTES", 3 * 8200)  # chunks of 3, 3 and 1 rows
+    pending = frames.full_checksums_start(rows)
+    assert len({id(item.device_value) for item in pending}) == 1
+    assert [item.row for item in pending] == list(range(7))
+    other = rng.integers(0, 256, 101, dtype=np.uint8)
+    second = frames.full_checksums_start(rows[:2].clone())
+    mixed = [pending[5], frames.checksum_start(torch.from_numpy(other)), second[1], pending[0]]
+    assert frames.settle_checksums(mixed) == [expected[5], defined_checksum(other), expected[1],
+                                              expected[0]]
+    assert frames.settle_checksums(pending) == expected
+    assert np.array_equal(rows.numpy(), original)  # only read
+    with pytest.raises(ValueError, match="whole words"):
+        frames.full_checksums_start(rows[:, :8199].contiguous())
+    with pytest.raises(ValueError, match="whole words"):
+        frames.full_checksums_start(rows.reshape(-1)[1:8 * 2 + 1].reshape(2, 8))
+
+
 # --- what changes the value -----------------------------------------------------------------------
 
 

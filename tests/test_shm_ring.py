@@ -586,3 +586,53 @@ def test_a_batch_gives_each_device_copy_its_slice_of_one_buffer_in_order():
     assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
     assert last.data_ptr() - first.data_ptr() == 6
     assert _batch_buffers([(Reader(None, 5), None)]) == [None]
+
+
+def test_frames_back_to_back_in_a_batch_buffer_are_checksummed_together():
+    """Note [Frames of a batch checksummed together]: the due full checksums of consecutive
+    rows of one size in whole words are one computation; every other frame (another size, a
+    size not in words, the sampled kind, a host copy, rows not at a word's address, a run with
+    one frame due) is checksummed alone, and every frame gets its own value."""
+    import torch
+
+    from facecast.shared.transport.rings import (SlotRead, Verdict, _batch_buffers,
+                                                 start_checksums)
+
+    class Reader:  # what _batch_buffers and start_checksums ask of a reader
+        def __init__(self, device, frame_bytes, kind="full"):
+            self.copy_device, self.frame_bytes, self.checksum_kind = device, frame_bytes, kind
+            self.alone = 0
+
+        def _checksum_start(self, message, read):
+            self.alone += 1
+            return frames.checksum_start(read.tensor, self.checksum_kind)
+
+    cpu = torch.device("cpu")
+    readers = [Reader(cpu, 16), Reader(cpu, 16), Reader(cpu, 16),  # a run of three
+               Reader(cpu, 24), Reader(cpu, 24),  # another size: a run of its own
+               Reader(cpu, 24, "sampled"), Reader(cpu, 12),  # alone
+               Reader(None, 16),  # copied on the host: alone
+               Reader(cpu, 16), Reader(cpu, 16),  # at byte 132 of the buffer: alone
+               Reader(cpu, 12),  # alone; the next at byte 176
+               Reader(cpu, 16), Reader(cpu, 16)]  # a run with one frame due: alone
+    due = [True, False, True, True, True, True, True, True, True, True, True, False, True]
+    buffers = _batch_buffers([(reader, None) for reader in readers])
+    rng = np.random.default_rng(12)
+    reads = []
+    for reader, into, is_due in zip(readers, buffers, due):
+        pixels = rng.integers(0, 256, reader.frame_bytes, dtype=np.uint8)
+        read = SlotRead(Verdict.OK, torch.from_numpy(pixels) if into is None else into, reader)
+        read.tensor.copy_(torch.from_numpy(pixels))
+        read._checksum_due = is_due
+        reads.append(read)
+    start_checksums(reads, buffers)
+
+    assert [read._checksum is not None for read in reads] == due
+    assert [reader.alone for reader in readers] == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1]
+    assert buffers[8].storage_offset() == 132 and buffers[11].storage_offset() == 176
+    together = [reads[0]._checksum, reads[2]._checksum, reads[3]._checksum, reads[4]._checksum]
+    assert [item.row for item in together] == [0, 2, 0, 1]
+    assert together[0].device_value is together[1].device_value
+    checked = [read for read in reads if read._checksum is not None]
+    assert frames.settle_checksums([read._checksum for read in checked]) == [
+        frames.checksum(read.tensor.numpy(), read._reader.checksum_kind) for read in checked]

@@ -69,11 +69,13 @@ Note [One sync per batch]
     per frame costs more than it seems when many processes share the GPU (the driver
     time-slices their contexts, so a sync can wait for other processes' work): a consumer of 32
     cameras paid it 960 times a second.
-    `read_batch` therefore reads in three passes: every frame up to its sync (`_start`: verdict,
-    event wait, tensor, checksum queued on the device), then one device-to-host transfer of all
-    queued checksums per device (`settle`), then every frame's late checks (`_finish`: checksum
-    comparison, generation after the copy). `FrameSubscriber.receive` reads the newest frame of
-    every camera in one batch. Nothing is handed out before its checks passed.
+    `read_batch` therefore reads in four passes: every frame up to its sync (`_start`: verdict,
+    event wait, tensor), the checksums queued on the device (`start_checksums`: the frames of a
+    run in the batch's buffer together, Note [Frames of a batch checksummed together]), then
+    one device-to-host transfer of all queued checksums per device (`settle`), then every
+    frame's late checks (`_finish`: checksum comparison, generation after the copy).
+    `FrameSubscriber.receive` reads the newest frame of every camera in one batch. Nothing is
+    handed out before its checks passed.
 
 Note [A batch's frames in one buffer]
     `read_batch` gives the copies that go to one device (CUDA slots; pinned shm slots copied to
@@ -90,9 +92,10 @@ Note [A batch's frames in one buffer]
 Note [Stage methods]
     Each stage of a frame's way through a ring is one method (producer: `_claim`, `_fill`,
     `_commit` with `header.begin_write`/`end_write`, `_upload` on CUDA, `_checksum`; consumer:
-    `_precheck`, `_wait_for_slot`, `_slot_tensor`, `_checksum_start`, `settle`,
-    `generation_unchanged`). bench/transport.py times them by wrapping them on the instance, so
-    the library carries no timing code and pays nothing for it. Keep a stage one method.
+    `_precheck`, `_wait_for_slot`, `_slot_tensor`, `start_checksums` (with each lone frame's
+    `_checksum_start`), `settle`, `generation_unchanged`). bench/transport.py times them by
+    wrapping them on the instance (the module's functions on the module), so the library
+    carries no timing code and pays nothing for it. Keep a stage one method.
 """
 
 from __future__ import annotations
@@ -418,16 +421,19 @@ class SlotRead:
     """The result of reading one frame: a tensor (if the verdict is OK; a numpy array from a
     host-only shm reader) and a late check."""
 
-    __slots__ = ("verdict", "tensor", "_reader", "_message", "_checksum", "_needs_sync")
+    __slots__ = ("verdict", "tensor", "_reader", "_message", "_checksum_due", "_checksum",
+                 "_needs_sync")
 
     def __init__(self, verdict: Verdict, tensor: torch.Tensor | None, reader=None, message=None):
         self.verdict = verdict
         self.tensor = tensor
         self._reader = reader
         self._message = message
-        # Between RingReader._start and _finish: the checksum (an int, or a
-        # frames.PendingChecksum still on the device; None when this frame is not checked), and
-        # whether a copy to the device is in flight (Note [One sync per batch]).
+        # Between RingReader._start and _finish: whether this frame is to be checked, its
+        # checksum (an int, or a frames.PendingChecksum still on the device; None when this
+        # frame is not checked), and whether a copy to the device is in flight (Note [One sync
+        # per batch]).
+        self._checksum_due = False
         self._checksum = None
         self._needs_sync = False
 
@@ -462,9 +468,9 @@ class RingReader(ABC):
         return read_batch([(self, message)])[0]
 
     def _start(self, message: FrameReady, into: torch.Tensor | None = None) -> SlotRead:
-        """Everything up to the host sync: verdict, ordering, tensor, checksum queued. `into`:
-        where the copy goes, a uint8 tensor of the frame's bytes on `copy_device` (Note [A
-        batch's frames in one buffer]); None: memory of its own."""
+        """Everything up to the host sync but the checksum (`start_checksums`): verdict,
+        ordering, tensor. `into`: where the copy goes, a uint8 tensor of the frame's bytes on
+        `copy_device` (Note [A batch's frames in one buffer]); None: memory of its own."""
         verdict = self._precheck(message)
         if verdict is not Verdict.OK:
             return SlotRead(verdict, None, self, message)
@@ -472,8 +478,8 @@ class RingReader(ABC):
         self._wait_for_slot(message.slot)
         read.tensor = self._slot_tensor(message, read, into)
         self._frames_seen += 1
-        if self.checksum_kind == "full" or self._frames_seen % self.checksum_every == 0:
-            read._checksum = self._checksum_start(message, read)
+        read._checksum_due = (self.checksum_kind == "full"
+                              or self._frames_seen % self.checksum_every == 0)
         return read
 
     def _finish(self, read: SlotRead) -> None:
@@ -540,6 +546,7 @@ def read_batch(requests: list[tuple[RingReader, FrameReady]]) -> list[SlotRead]:
     """Read one frame from each (reader, message): Note [One sync per batch]."""
     buffers = _batch_buffers(requests)
     reads = [reader._start(message, into) for (reader, message), into in zip(requests, buffers)]
+    start_checksums(reads, buffers)
     settle(reads)
     for read in reads:
         read._reader._finish(read)
@@ -564,6 +571,49 @@ def _batch_buffers(requests: list[tuple[RingReader, FrameReady]]) -> list[torch.
                for device, nbytes in sizes.items()}
     return [None if device is None else buffers[device][start:start + reader.frame_bytes]
             for (reader, _), device, start in zip(requests, devices, starts)]
+
+
+def start_checksums(reads: list[SlotRead], buffers: list[torch.Tensor | None]) -> None:
+    """Stage "checksum" of a batch: the due checksums queued (or computed, on the host). Frames
+    back to back in the batch's buffer, of one size in whole words, with the full checksum, go
+    together (Note [Frames of a batch checksummed together]); the others one by one
+    (`RingReader._checksum_start`)."""
+    run: list[tuple[SlotRead, torch.Tensor]] = []  # reads whose copies are consecutive rows
+    for read, into in zip(reads, buffers):
+        reader = read._reader
+        in_rows = (into is not None and reader.checksum_kind == "full"
+                   and reader.frame_bytes % frames.WORD_BYTES == 0
+                   and into.storage_offset() % frames.WORD_BYTES == 0)
+        if run and not (in_rows and _next_row(run[-1][1], into)):
+            _start_run_checksums(run)
+            run = []
+        if in_rows:
+            run.append((read, into))
+        elif read._checksum_due:
+            read._checksum = reader._checksum_start(read._message, read)
+    if run:
+        _start_run_checksums(run)
+
+
+def _next_row(last: torch.Tensor, into: torch.Tensor) -> bool:
+    """Whether `into` starts where `last` ends, on its device, and has its size."""
+    return (into.device == last.device and into.numel() == last.numel()
+            and into.data_ptr() == last.data_ptr() + last.numel())
+
+
+def _start_run_checksums(run: list[tuple[SlotRead, torch.Tensor]]) -> None:
+    """The due checksums of a run of `start_checksums`: all rows at once when two or more are
+    due (the row of a frame refused before its copy is computed too, and its value unused)."""
+    due = [read for read, _ in run if read._checksum_due]
+    if len(due) < 2:
+        for read in due:
+            read._checksum = read._reader._checksum_start(read._message, read)
+        return
+    first = run[0][1]
+    rows = first.as_strided((len(run), first.numel()), (first.numel(), 1))
+    for (read, _), pending in zip(run, frames.full_checksums_start(rows)):
+        if read._checksum_due:
+            read._checksum = pending
 
 
 def settle(reads: list[SlotRead]) -> None:
