@@ -375,6 +375,24 @@ def test_frames_ahead_hands_on_a_decoding_error_and_stops_when_closed():
         va.FramesAhead(endless(), depth=0, name="none")
 
 
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice values here")
+def test_frames_are_decoded_at_a_lower_priority_than_they_are_measured():
+    """Note [Decoding at a lower priority]: the decoding thread's nice value is the process's
+    plus DECODING_NICENESS (at most 19); the thread that reads the frames keeps its own."""
+    seen = []
+
+    def frames():
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        yield va.DecodedFrame(0, 0, 0.0, np.zeros((2, 2, 3), np.uint8))
+
+    reader_niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ahead = va.FramesAhead(frames(), depth=1, name="niced")
+    assert [frame.index for frame in ahead] == [0]
+    assert ahead.close()
+    assert seen == [min(19, reader_niceness + va.DECODING_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == reader_niceness
+
+
 def _parquet_matches_csv(parquet: Path, table: Path) -> int:
     """Every cell of the Parquet table is the CSV's (Note [Parquet from the finished CSV]):
     same columns in order, typed, empty numbers null; the rows compared."""

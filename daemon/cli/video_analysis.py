@@ -88,6 +88,25 @@ Note [Decoding ahead]
     changes no number: the frames, their order and the batches are the same. Frames held
     ahead are bounded (AHEAD_FRAMES_TOTAL over all files, at least 2 a file), and a file's
     thread stops, and is waited for, before its container is closed.
+
+Note [Decoding at a lower priority]
+    A decoding thread runs at DECODING_NICENESS (Linux's per-thread nice value), the measuring
+    thread at the process's own. On the CPU stack the landmark model's invoke splits its work
+    between the measuring thread and an XNNPACK worker (Note [Threads of the models]); the
+    invoke ends when its slowest share does, so a decoding thread sharing the worker's core
+    made every invoke wait for FFmpeg's turn. Decoding only has to keep the queue of
+    Note [Decoding ahead] from running dry, which the time the measuring thread spends alone
+    on its host work (crops, geometry, the table: about half of a frame, one core idle) gives
+    it. At a lower priority the scheduler runs it there, not across the worker's share.
+    Measured on the 2-core machine (2026-11-27, 120-frame H.264 files decoded ahead, one
+    process taking turns between niceness 0, 5 and 10, five or six runs each, median):
+    1080p one face 144.6 -> 151.8 (5) and 151.9 (10) frames/s, 720p one face 173.6 -> 176.7
+    and 178.8, in a first run 201.2 -> 210.9 (10), 720p four faces 76.7 -> 79.3 (10); the
+    process's CPU time a frame the same. 5 rather than 19: beside other busy processes a
+    decoding thread at 19 gets ~1.5 % of a core against one of them (its weight 15 against
+    1024) and the measuring thread would wait for frames; at 5 it keeps about a quarter.
+    It changes no number (the frames and their order are the same); where the system refuses
+    (no such call), decoding keeps the process's priority.
 """
 
 from __future__ import annotations
@@ -140,6 +159,7 @@ PROGRESS_SUFFIX = ".faces.progress.json"
 AHEAD_FRAMES_TOTAL = 48
 AHEAD_FRAMES_PER_FILE = (2, 8)
 DECODER_STOP_TIMEOUT_S = 10.0
+DECODING_NICENESS = 5  # Note [Decoding at a lower priority]: added to the process's own
 
 
 class SetupError(Exception):
@@ -281,6 +301,7 @@ class FramesAhead:
         self._thread.start()
 
     def _decode(self, frames: Iterator[DecodedFrame]) -> None:
+        _lower_this_threads_priority(DECODING_NICENESS)
         end = _Ended()
         try:
             for frame in frames:
@@ -338,6 +359,17 @@ class FramesAhead:
                 break
         self._thread.join(DECODER_STOP_TIMEOUT_S)
         return not self._thread.is_alive()
+
+
+def _lower_this_threads_priority(niceness: int) -> None:
+    """Note [Decoding at a lower priority]: the calling thread's nice value raised by
+    ``niceness`` (on Linux a thread is a task of its own; elsewhere, or if refused, nothing)."""
+    try:
+        thread_id = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread_id,
+                       min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + niceness))
+    except (AttributeError, OSError):  # no setpriority (Windows), or not allowed here
+        pass
 
 
 # -- one file --------------------------------------------------------------------------------
