@@ -22,6 +22,17 @@ Note [Tracking without per-face work]
     so nothing waits for the device (before issue 24 the decision was read back from the
     device, one wait per step). After measuring, the faces kept in every frame become the new
     block in one gather. The Python loops left run over cameras, doing bookkeeping only.
+
+Note [A tracking step without detections on the CPU]
+    Between detection passes (14 frames of 15 in `facecast analyze`) a step on the CPU whose
+    followed faces are the last step's block, whole and in order, and which has no detection,
+    takes the ROIs straight from the block: the rects from its landmarks, its boxes as they
+    are, scores 0. The general path gets the same values through steps that change nothing
+    there (no detection to filter, the ROIs' order the block's own: an identity gather of
+    each tensor, a one-part concatenation, the order's copy to the "device"), about 40 small
+    numpy and torch calls of ~10 us each in place (the landmark model's invoke leaves the
+    caches cold). Only on the CPU, where such calls cost host time and nothing else: a GPU's
+    step keeps its one sequence of kernels.
 """
 
 from __future__ import annotations
@@ -124,16 +135,22 @@ class FaceTracks:
         frame index → (boxes, keypoints, scores)) of faces not tracked yet, up to ``max_faces``
         a frame. Counts the frames since each camera's last detection. (Note [Tracking without
         per-face work].)"""
+        if self.device.type == "cpu" and not any(found[0].shape[0] for found in det_by_frame.values()):
+            whole = self._followed_whole(states)  # Note [A tracking step without detections on the CPU]
+            if whole is not None:
+                for i, state in enumerate(states):
+                    state.frames_since_detection = 0 if i in det_by_frame else state.frames_since_detection + 1
+                return whole
         frames = len(states)
         track_counts = np.fromiter((state.face_count for state in states), np.int64, frames)
         total_tracks = int(track_counts.sum())
         track_owner = np.repeat(np.arange(frames), track_counts)
         blocks, track_rows, whole = self._followed_rows(states, track_counts)
         det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]
-        det_counts = np.fromiter((det_by_frame[i][0].shape[0] for i in det_frames), np.int64, len(det_frames))
-        det_owner = np.repeat(np.asarray(det_frames, np.int64), det_counts)
         for i, state in enumerate(states):
             state.frames_since_detection = 0 if i in det_by_frame else state.frames_since_detection + 1
+        det_counts = np.fromiter((det_by_frame[i][0].shape[0] for i in det_frames), np.int64, len(det_frames))
+        det_owner = np.repeat(np.asarray(det_frames, np.int64), det_counts)
         # A detection of a face already followed is dropped: the track's ROI is the better one
         # (it follows the mesh, not a coarse box). Then as many as max_faces leaves room for.
         new = np.ones(det_owner.shape[0], bool)
@@ -190,6 +207,23 @@ class FaceTracks:
             scores_parts.append(det_scores)
         return Rois(owner.tolist(), tracked.tolist(), roi_mod.RotatedRects.cat(rects_parts)[order],
                     torch.cat(boxes_parts)[order], torch.cat(scores_parts)[order])
+
+    def _followed_whole(self, states: list[_CameraState]) -> Rois | None:
+        """Note [A tracking step without detections on the CPU]: the ROIs of the states' tracks
+        when they are one block, whole and in the states' order (else None: the general path)."""
+        block, owners = None, []
+        for i, state in enumerate(states):
+            if not state.face_count:
+                continue
+            if block is None:
+                block = state.followed
+            if state.followed is not block or state.first_row != len(owners):
+                return None
+            owners += [i] * state.face_count
+        if block is None or len(owners) != block.boxes_host_px.shape[0]:
+            return None
+        return Rois(owners, [True] * len(owners), roi_mod.rects_from_landmarks(block.landmarks_px),
+                    block.boxes_px, torch.zeros(len(owners), device=self.device))
 
     @staticmethod
     def _followed_rows(states: list[_CameraState], track_counts: np.ndarray

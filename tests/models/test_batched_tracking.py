@@ -134,15 +134,26 @@ def detections(rng, state, device):
     return tuple(part.to(device) for part in (boxes, keypoints, scores))
 
 
-def fake_measured(rng, owners, frames, device):
-    """As FaceMeasurer.measure leaves it: random faces, each frame keeping some of its ROIs."""
+def fake_measured(rng, owners, frames, device, keep=0.8):
+    """As FaceMeasurer.measure leaves it: random faces, each frame keeping some of its ROIs
+    (each with probability ``keep``)."""
     count = len(owners)
     landmarks = torch.from_numpy(np.stack([face(rng, rng.uniform(100, 1500, 2), rng.uniform(60, 200))
                                            for _ in range(count)])).to(device)
     boxes = boxes_from_landmarks(landmarks)
-    rows = [[k for k in range(count) if owners[k] == frame and rng.random() < 0.8] for frame in range(frames)]
+    rows = [[k for k in range(count) if owners[k] == frame and rng.random() < keep] for frame in range(frames)]
     faces = [[object()] * len(frame_rows) for frame_rows in rows]  # only counted
     return Measured(faces, rows, landmarks, boxes, boxes.cpu().numpy())
+
+
+def assert_same_rois(rois, expected, step):
+    assert rois.owners == expected[0] and rois.tracked == expected[1], f"step {step}"
+    if rois.owners:
+        for got, want in ((rois.rects.center_xy_px, expected[2].center_xy_px),
+                          (rois.rects.size_wh_px, expected[2].size_wh_px),
+                          (rois.rects.rotation_rad, expected[2].rotation_rad),
+                          (rois.boxes_px, expected[3]), (rois.scores, expected[4])):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -164,13 +175,7 @@ def test_tracking_steps_match_the_per_face_code(device):
                         if tracks.wants_detection(cameras[i]) or rng.random() < 0.2}
         expected = reference_next_rois(reference, det_by_frame, torch.device(device), MAX_FACES)
         rois = tracks.next_rois(states, det_by_frame)
-        assert rois.owners == expected[0] and rois.tracked == expected[1], f"step {step}"
-        if rois.owners:
-            for got, want in ((rois.rects.center_xy_px, expected[2].center_xy_px),
-                              (rois.rects.size_wh_px, expected[2].size_wh_px),
-                              (rois.rects.rotation_rad, expected[2].rotation_rad),
-                              (rois.boxes_px, expected[3]), (rois.scores, expected[4])):
-                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert_same_rois(rois, expected, step)
         assert [s.frames_since_detection for s in states] == [s.frames_since_detection for s in reference]
         detected = sum(det_by_frame[i][0].shape[0] for i in det_by_frame)
         new = sum(not t for t in rois.tracked)
@@ -193,3 +198,32 @@ def test_tracking_steps_match_the_per_face_code(device):
                 torch.testing.assert_close(state.boxes_px, torch.stack([t.box_px for t in want.tracks]), rtol=0, atol=0)
                 np.testing.assert_array_equal(state.boxes_host_px, state.boxes_px.cpu().numpy())
     assert min(seen.values()) >= 10, seen  # every rule was exercised
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_without_detections_match_the_per_face_code(device):
+    """Note [A tracking step without detections on the CPU]: steps between detection passes,
+    every camera in order and every face kept (`facecast analyze`'s steady state, the
+    shortcut on the CPU), make the ROIs and keep the faces that the per-face code does."""
+    rng = np.random.default_rng(12)
+    tracks = FaceTracks(torch.device(device), MAX_FACES, detect_interval_frames=4)
+    cameras = [f"cam{k}" for k in range(3)]
+    reference = [ReferenceState() for _ in cameras]
+    without_detections = 0
+    for step in range(24):
+        states = tracks.states(cameras)
+        det_by_frame = {i: detections(rng, state, device) for i, state in enumerate(states)
+                        if tracks.wants_detection(cameras[i])}
+        expected = reference_next_rois(reference, det_by_frame, torch.device(device), MAX_FACES)
+        without_detections += bool(expected[0]) and not any(
+            found[0].shape[0] for found in det_by_frame.values())
+        rois = tracks.next_rois(states, det_by_frame)
+        assert_same_rois(rois, expected, step)
+        assert [s.frames_since_detection for s in states] == [s.frames_since_detection for s in reference]
+        measured = (fake_measured(rng, rois.owners, len(cameras), device, keep=1.0) if rois.owners
+                    else Measured.nothing(len(cameras)))
+        tracks.follow(states, rois.owners, measured)
+        reference_follow(reference, rois.owners, measured)
+        for state, want in zip(states, reference):
+            assert state.face_count == len(want.tracks)
+    assert without_detections >= 12
