@@ -378,7 +378,8 @@ def test_frames_ahead_hands_on_a_decoding_error_and_stops_when_closed():
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice values here")
 def test_frames_are_decoded_at_a_lower_priority_than_they_are_measured():
     """Note [Decoding at a lower priority]: the decoding thread's nice value is the process's
-    plus DECODING_NICENESS (at most 19); the thread that reads the frames keeps its own."""
+    plus DECODING_NICENESS (at most 19), as Analyzer.run asks with the stack on the CPU; the
+    thread that reads the frames keeps its own."""
     seen = []
 
     def frames():
@@ -386,7 +387,7 @@ def test_frames_are_decoded_at_a_lower_priority_than_they_are_measured():
         yield va.DecodedFrame(0, 0, 0.0, np.zeros((2, 2, 3), np.uint8))
 
     reader_niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    ahead = va.FramesAhead(frames(), depth=1, name="niced")
+    ahead = va.FramesAhead(frames(), depth=1, name="niced", niceness=va.DECODING_NICENESS)
     assert [frame.index for frame in ahead] == [0]
     assert ahead.close()
     assert seen == [min(19, reader_niceness + va.DECODING_NICENESS)]

@@ -105,8 +105,10 @@ Note [Decoding at a lower priority]
     process's CPU time a frame the same. 5 rather than 19: beside other busy processes a
     decoding thread at 19 gets ~1.5 % of a core against one of them (its weight 15 against
     1024) and the measuring thread would wait for frames; at 5 it keeps about a quarter.
-    It changes no number (the frames and their order are the same); where the system refuses
-    (no such call), decoding keeps the process's priority.
+    Only with the stack on the CPU: on a GPU the measuring thread mostly waits for the device
+    and no XNNPACK worker shares a core, so NVDEC's and PyAV's threads keep the process's
+    priority there, as before. It changes no number (the frames and their order are the same);
+    where the system refuses (no such call), decoding keeps the process's priority.
 """
 
 from __future__ import annotations
@@ -290,18 +292,20 @@ class FramesAhead:
     (Note [Decoding ahead]). Iterate it from one thread; `close()` stops the thread and waits
     for it (bounded) before the decoder may be closed."""
 
-    def __init__(self, frames: Iterator[DecodedFrame], depth: int, name: str) -> None:
+    def __init__(self, frames: Iterator[DecodedFrame], depth: int, name: str, niceness: int = 0) -> None:
         if depth < 1:
             raise ValueError(f"decoding ahead needs a depth of at least 1 frame, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._ended = False
+        self._niceness = niceness  # Note [Decoding at a lower priority]
         self._thread = threading.Thread(target=self._decode, args=(frames,), daemon=True,
                                         name=f"facecast-decode:{name}")
         self._thread.start()
 
     def _decode(self, frames: Iterator[DecodedFrame]) -> None:
-        _lower_this_threads_priority(DECODING_NICENESS)
+        if self._niceness:
+            _lower_this_threads_priority(self._niceness)
         end = _Ended()
         try:
             for frame in frames:
@@ -681,8 +685,10 @@ class Analyzer:
             if self.settings.decode_ahead and active:
                 low, high = AHEAD_FRAMES_PER_FILE
                 depth = max(low, min(high, AHEAD_FRAMES_TOTAL // len(active)))
+                # Note [Decoding at a lower priority]: with the stack on the CPU.
+                niceness = DECODING_NICENESS if torch.device(self.pipeline.device).type == "cpu" else 0
                 for item in active:
-                    item._frames = FramesAhead(item._frames, depth, item.video.name)
+                    item._frames = FramesAhead(item._frames, depth, item.video.name, niceness)
             while active:
                 batch: list[tuple[FileAnalysis, DecodedFrame]] = []
                 for item in active:
