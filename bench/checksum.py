@@ -354,8 +354,8 @@ def gpu_table(run: dict) -> list[str]:
 
 def section(runs: list[dict]) -> str:
     lines = [SECTION, "",
-             "Cost per frame of proving that a frame is the camera's (Note [Frame checksum] in "
-             "`shared/transport/frames.py`): none, the old sampled check (4096 bytes, 1 frame in 30) and the "
+             "Cost per frame of proving that a frame is the camera's (Note [Frame checksum]): "
+             "none, the old sampled check (4096 bytes, 1 frame in 30) and the "
              "full check of every byte of every frame (the default since issue 11). How it is "
              "measured: the docstring of `bench/checksum.py`. Raw figures: "
              "[benchmarks-checksum.json](benchmarks-checksum.json).", ""]
