@@ -150,6 +150,55 @@ def role_cpu_s(status) -> dict[int, tuple[str, float]]:
     return found
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """User+system CPU seconds of each thread of a process, by thread name (the threads of one
+    name summed); {} when it is gone."""
+    by_name: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return by_name
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except (OSError, IndexError):
+            continue  # a thread that ended meanwhile
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
+            "SC_CLK_TCK")
+    return by_name
+
+
+def spare_threads_cpu_s(status) -> dict[int, tuple[str, float, dict[str, float]]]:
+    """pid → (name, CPU seconds, CPU seconds by thread name) of every warm spare (issue 24 item
+    4: a spare that waits should cost nothing; its threads say what does)."""
+    found = {}
+    for worker in status.workers:
+        cpu_s = process_cpu_s(worker.pid) if worker.standby and worker.pid else None
+        if cpu_s is not None:
+            found[worker.pid] = (worker.name, cpu_s, thread_cpu_s(worker.pid))
+    return found
+
+
+def spare_cores(first: dict, last: dict, window_s: float) -> dict:
+    """Cores of each warm spare over the window (a spare at both ends: the process's own
+    figure, threads that ended included), and of the spares' living threads by name, summed
+    over the spares."""
+    per_spare: dict[str, float] = {}
+    by_thread: dict[str, float] = {}
+    for pid, (name, cpu_s, threads) in last.items():
+        if pid not in first or first[pid][0] != name:
+            continue
+        _, cpu_s_before, threads_before = first[pid]
+        per_spare[name] = (cpu_s - cpu_s_before) / window_s
+        for thread, thread_s in threads.items():
+            by_thread[thread] = (by_thread.get(thread, 0.0)
+                                 + (thread_s - threads_before.get(thread, 0.0)) / window_s)
+    return {"per_spare": {name: round(cores, 4) for name, cores in sorted(per_spare.items())},
+            "by_thread": {thread: round(cores, 4) for thread, cores in
+                          sorted(by_thread.items(), key=lambda item: -item[1]) if cores > 0}}
+
+
 def memory_role(worker) -> str:
     """The column a worker's memory is summed under: its role, warm spares apart."""
     return f"{worker.role} (spares)" if worker.standby else worker.role
@@ -579,12 +628,14 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         first = daemon.status()
         cpu_first = tree_cpu_s(daemon.process.pid)
         roles_first = role_cpu_s(first)
+        spares_first = spare_threads_cpu_s(first)
         profiles = Profiles.start(first, args.profile_roles, window.length_s,
                                   args.log_dir / f"profile-{cameras}-{result['transport']}")
         time.sleep(max(0.0, window.end_ts_lsl - pylsl.local_clock()))
         last = daemon.status()
         cpu_last = tree_cpu_s(daemon.process.pid)
         roles_last = role_cpu_s(last)
+        spares_last = spare_threads_cpu_s(last)
         # Drain: frames captured before the window's end may still be in the pipeline.
         drain_deadline_monotonic = time.monotonic() + args.drain_s
         while (min(reader.newest_ts_lsl_by_camera().values()) < window.end_ts_lsl
@@ -626,6 +677,8 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         "cpu_cores_busy": round((cpu_last - cpu_first) / window.length_s, 2),
         # Where the CPU goes: capture renders (synthetic) or decodes, the rest is our cost.
         "cpu_cores_by_role": cores_by_role(roles_first, roles_last, window.length_s),
+        # Each warm spare while it waits, and its threads by name (the CUDA driver's among them).
+        "spare_cores": spare_cores(spares_first, spares_last, window.length_s),
         "gpus": [{"name": g.name, "utilization_pct": g.utilization_pct,
                   "memory_used_mib": g.memory_used_mib} for g in last.gpus],
         # Where the GPU memory goes (NVML, per worker process, at the window's end).
@@ -843,6 +896,7 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         lines.append(_row(cells))
     lines += by_role_table(rows, "cpu_cores_by_role", "CPU cores busy by process role (capture "
                            "includes rendering the synthetic frames):")
+    lines += spares_lines(rows)
     lines += by_role_table(rows, "gpu_memory_mib_by_role", "GPU memory by process role, MiB "
                            "(NVML, each worker process's own, at the window's end):")
     lines += by_role_table(rows, "torch_memory_mib_by_role", "torch's share of it by process "
@@ -861,6 +915,22 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
     text = "\n".join(lines)
     print(text)
     return text
+
+
+def spares_lines(rows: list[dict]) -> list[str]:
+    """Each warm spare's cores while it waits (issue 24: under 0.02 each), and the threads
+    that spent them."""
+    lines = []
+    for r in rows:
+        spares = r.get("spare_cores") or {}
+        if spares.get("per_spare"):
+            each = ", ".join(f"{name} {cores:.3f}" for name, cores in spares["per_spare"].items())
+            threads = ", ".join(f"{name} {cores:.3f}" for name, cores
+                                in list(spares["by_thread"].items())[:4]) or "none"
+            lines.append(f"- {r['cameras']} cameras, {r['transport']}: {each}; by thread, all "
+                         f"spares together: {threads}")
+    return (["", "Warm spares while they wait, cores each over the window (by /proc, every "
+             "thread of the process):", "", *lines] if lines else [])
 
 
 def legend(definitions: dict[str, str]) -> list[str]:

@@ -197,3 +197,49 @@ def test_camera_counts_take_spaces_or_commas():
     assert pipeline.camera_counts(["1", "4", "8,16"]) == [1, 4, 8, 16]
     with pytest.raises(Exception, match="positive"):
         pipeline.camera_counts(["0"])
+
+
+def test_a_spare_s_cores_and_its_threads_by_name_come_from_proc():
+    """Issue 24 item 4 (a waiting spare costs nothing) is measured per spare and per thread:
+    an idle spare shows no core, a busy one its cores, under the name of the thread that spent
+    them (how the CUDA driver's thread was found spending an idle spare's CPU)."""
+    import subprocess
+    import time
+    from types import SimpleNamespace
+
+    busy_code = ("import threading, sys\n"
+                 "def spin():\n"
+                 "    tid = threading.get_native_id()\n"
+                 "    open(f'/proc/self/task/{tid}/comm', 'w').write('spinner')\n"
+                 "    print('spinning', flush=True)\n"
+                 "    while True: pass\n"
+                 "threading.Thread(target=spin, daemon=True).start()\n"
+                 "sys.stdin.read()\n")
+    idle = subprocess.Popen([sys.executable, "-c", "import sys; print('idle', flush=True); "
+                             "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    busy = subprocess.Popen([sys.executable, "-c", busy_code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert idle.stdout.readline().strip() == "idle"
+        assert busy.stdout.readline().strip() == "spinning"
+        status = SimpleNamespace(workers=[
+            SimpleNamespace(pid=idle.pid, name="standby:output", standby=True),
+            SimpleNamespace(pid=busy.pid, name="standby:roi_landmark:cuda:0", standby=True),
+            SimpleNamespace(pid=busy.pid, name="roi_landmark:cuda:0:0", standby=False)])
+        first, started = pipeline.spare_threads_cpu_s(status), time.monotonic()
+        spent_before = pipeline.process_cpu_s(busy.pid)
+        deadline = started + 60
+        while pipeline.process_cpu_s(busy.pid) - spent_before < 0.3:  # the spinner's CPU, not a clock
+            assert time.monotonic() < deadline, "the spinning process got no CPU in 60 s"
+            time.sleep(0.01)
+        last, window_s = pipeline.spare_threads_cpu_s(status), time.monotonic() - started
+        cores = pipeline.spare_cores(first, last, window_s)
+    finally:
+        for process in (idle, busy):
+            process.kill()
+            process.wait()
+    assert set(cores["per_spare"]) == {"standby:output", "standby:roi_landmark:cuda:0"}
+    assert cores["per_spare"]["standby:roi_landmark:cuda:0"] >= 0.3 / window_s - 0.01
+    assert cores["per_spare"]["standby:output"] < cores["per_spare"]["standby:roi_landmark:cuda:0"]
+    assert next(iter(cores["by_thread"])) == "spinner"
