@@ -61,6 +61,18 @@ Note [Procrustes without a solver]
     host, takes LAPACK's eigenvector instead (``eigh``, one call for the batch, where the
     squarings are ~40 operators: 0.19 against 0.32 ms for a face's three fits, the 2-core
     machine, 2026-11-27); tests/models/test_batched_geometry.py holds both to the SVD.
+
+Note [Face geometry on the CPU in numpy]
+    With the faces on the CPU and LAPACK's eigenvector (the CPU stack: FaceGeometry.on_host),
+    the matrices and the head pose are computed in numpy (`FaceGeometry.matrices_on_host`,
+    `_HostProcrustes`, `head_pose_on_host`; FaceMeasurer.results_core takes them so),
+    the same formulas in the same order, in float64 as the tensors' path. A frame's three fits
+    and the pose are ~60 small operators; each costs a torch call 5-10 us of dispatch on the
+    2-core machine (more in `facecast analyze`, where the landmark model's invoke leaves the
+    caches cold) and a numpy call 1-2 us. The results agree with the tensors' to float64
+    rounding (tests/models/test_batched_geometry.py holds both to the SVD; numpy's eigh and
+    torch's call the same LAPACK routine, and a quaternion's sign does not change its rotation).
+    A GPU's path, the squarings captured in graphs or its fused kernel, is untouched.
 """
 
 from __future__ import annotations
@@ -334,6 +346,41 @@ class ProcrustesSource:
         return scale, rotation, translation
 
 
+@dataclass(frozen=True)
+class _HostProcrustes:
+    """:class:`ProcrustesSource` as numpy arrays, and its fit with LAPACK's eigenvector (Note
+    [Face geometry on the CPU in numpy])."""
+
+    weights: np.ndarray  # (K,) float64
+    centre: np.ndarray  # (3,)
+    weighted_centred: np.ndarray  # (K, 3)
+    variance: float
+
+    @classmethod
+    def of(cls, source: ProcrustesSource) -> "_HostProcrustes":
+        return cls(source.weights.numpy(), source.centre.numpy(), source.weighted_centred.numpy(),
+                   float(source.variance))
+
+    def fit(self, target: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`ProcrustesSource.fit` with method "eigh", for targets (N, K, 3) float64."""
+        count = target.shape[0]
+        target_centre = self.weights @ target  # (N, 3)
+        covariance = target.transpose(0, 2, 1) @ self.weighted_centred  # (N, 3, 3)
+        source_by_target = covariance.transpose(0, 2, 1).reshape(count, 9)
+        horn_n = (source_by_target @ HORN_MATRIX).reshape(count, 4, 4)
+        quaternion = np.linalg.eigh(horn_n)[1][..., -1]  # the largest eigenvalue's
+        spread = np.abs(source_by_target).max(axis=1, keepdims=True) > 0
+        unit = np.where(spread, quaternion, _IDENTITY_QUATERNION)  # no spread: the identity
+        rotation = ((unit[:, :, None] * unit[:, None, :]).reshape(count, 16) @ QUATERNION_ROTATION
+                    ).reshape(count, 3, 3)
+        scale = (rotation * covariance).sum(axis=(1, 2)) / self.variance
+        translation = target_centre - scale[:, None] * (rotation @ self.centre)
+        return scale, rotation, translation
+
+
+_IDENTITY_QUATERNION = np.array([1.0, 0.0, 0.0, 0.0])
+
+
 def weighted_procrustes(source: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
                         method: str = "squaring") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale s (N,), rotation R (N, 3, 3), translation t (N, 3) minimising
@@ -360,6 +407,7 @@ class FaceGeometry:
         self.near_height = 2.0 * near * math.tan(math.radians(vertical_fov_deg) / 2.0)
         self._used = np.flatnonzero(metadata.landmark_weights > 0)
         self._model_by_device: dict[torch.device, tuple[torch.Tensor, ProcrustesSource]] = {}
+        self._host_model: _HostProcrustes | None = None  # Note [Face geometry on the CPU in numpy]
 
     @classmethod
     def read(cls, path: str | Path, procrustes_method: str = "squaring") -> "FaceGeometry":
@@ -385,6 +433,19 @@ class FaceGeometry:
         landmarks_px: (N, ≥468, 3) x, y in frame pixels, z in pixels on x's scale (facecast's
         landmarks); frame_wh_px: (N, 2) width, height of each face's frame.
         """
+        if self.on_host(landmarks_px.device):
+            return torch.from_numpy(self.matrices_on_host(landmarks_px.numpy(), frame_wh_px.cpu().numpy()))
+        return self._matrices_as_tensors(landmarks_px, frame_wh_px)
+
+    def on_host(self, device: torch.device) -> bool:
+        """Whether faces on ``device`` take the numpy path (Note [Face geometry on the CPU in
+        numpy]): on the CPU with LAPACK's eigenvector, the CPU stack's choice, which nothing
+        captures or traces (the squarings' CPU path is what the graph tests trace)."""
+        return device.type == "cpu" and self.procrustes_method == "eigh"
+
+    def _matrices_as_tensors(self, landmarks_px: torch.Tensor, frame_wh_px: torch.Tensor) -> torch.Tensor:
+        """:meth:`matrices` as tensor operations on the landmarks' device (on a GPU captured in
+        graphs, or one fused kernel)."""
         used, canonical = self._model_on(landmarks_px.device)
         if landmarks_px.is_cuda and self.procrustes_method == "squaring":  # Note [The transformation matrix in one kernel]
             fused = triton_kernels.face_matrices(landmarks_px, frame_wh_px, used, canonical, self.near,
@@ -417,6 +478,40 @@ class FaceGeometry:
         bottom = torch.zeros_like(top[:, :1])
         bottom[..., 3].fill_(1.0)  # (an assigned Python number is a tensor made from host data)
         return torch.cat([top, bottom], dim=1)
+
+
+    def matrices_on_host(self, landmarks_px: np.ndarray, frame_wh_px: np.ndarray) -> np.ndarray:
+        """:meth:`matrices` in numpy, the fits by LAPACK's eigenvector (Note [Face geometry on
+        the CPU in numpy]): the tensors' path step for step."""
+        if self._host_model is None:
+            self._host_model = _HostProcrustes.of(self._model_on(torch.device("cpu"))[1])
+        canonical = self._host_model
+        size = frame_wh_px.astype(np.float64)
+        count = size.shape[0]
+        near_width = self.near_height * size[:, 0] / size[:, 1]
+        per_x = near_width / size[:, 0]
+        factor = np.stack([per_x, -self.near_height / size[:, 1], per_x], axis=-1)[:, None]
+        offset = np.stack([-near_width / 2, np.full_like(near_width, self.near_height / 2),
+                           np.zeros_like(near_width)], axis=-1)[:, None]
+        mesh = landmarks_px[:, :NUM_CANONICAL_VERTICES]
+        screen = offset + mesh[:, self._used].astype(np.float64) * factor  # (N, K, 3)
+        depth_offset = mesh[..., 2].astype(np.float64).mean(axis=1, keepdims=True) * per_x[:, None]
+
+        def unproject(scale):
+            depth = (screen[..., 2] - depth_offset + self.near) / scale[:, None]
+            return np.concatenate([screen[..., :2] * (depth / self.near)[..., None], -depth[..., None]], axis=-1)
+
+        first_scale = canonical.fit(screen * _Z_FLIP)[0]
+        second_scale = canonical.fit(unproject(first_scale))[0]
+        scale, rotation, translation = canonical.fit(unproject(first_scale * second_scale))
+        matrices = np.zeros((count, 4, 4))
+        matrices[:, :3, :3] = scale[:, None, None] * rotation
+        matrices[:, :3, 3] = translation
+        matrices[:, 3, 3] = 1.0
+        return matrices
+
+
+_Z_FLIP = np.array([1.0, 1.0, -1.0])
 
 
 @functools.lru_cache(maxsize=8)
@@ -452,6 +547,26 @@ def head_pose_from_matrices(matrices: torch.Tensor) -> torch.Tensor:
     scale = determinant.sign() * determinant.abs().pow(1.0 / 3.0)  # the real cube root
     rotations = linear / scale[:, None, None]
     return euler_from_rotation(rotations * _flip_yz_signs(rotations.device))
+
+
+def head_pose_on_host(matrices: np.ndarray) -> np.ndarray:
+    """:func:`head_pose_from_matrices` in numpy (Note [Face geometry on the CPU in numpy]): the
+    determinant written out as :func:`determinant_3x3`, the real cube root, head_pose's
+    ``euler_from_rotation``."""
+    linear = matrices[:, :3, :3].astype(np.float64)
+    row0, row1, row2 = linear[:, 0], linear[:, 1], linear[:, 2]
+    determinant = ((row0[:, 1] * row1[:, 2] - row0[:, 2] * row1[:, 1]) * row2[:, 0]
+                   + (row0[:, 2] * row1[:, 0] - row0[:, 0] * row1[:, 2]) * row2[:, 1]
+                   + (row0[:, 0] * row1[:, 1] - row0[:, 1] * row1[:, 0]) * row2[:, 2])
+    scale = np.sign(determinant) * np.abs(determinant) ** (1.0 / 3.0)  # the real cube root
+    rotations = linear / scale[:, None, None] * _FLIP_YZ_SIGNS
+    yaw = np.arcsin(np.clip(-rotations[:, 2, 0], -1.0, 1.0))
+    pitch = np.arctan2(rotations[:, 2, 1], rotations[:, 2, 2])
+    roll = np.arctan2(rotations[:, 1, 0], rotations[:, 0, 0])
+    return np.stack([yaw, pitch, roll], axis=-1) * (180.0 / math.pi)
+
+
+_FLIP_YZ_SIGNS = np.outer(np.diag(_FLIP_YZ), np.diag(_FLIP_YZ))
 
 
 @functools.lru_cache(maxsize=8)

@@ -42,7 +42,7 @@ from facecast.models import blendshapes as blendshapes_mod
 from facecast.models import face_landmarker
 from facecast.models import roi as roi_mod
 from facecast.models.cuda_graphs import GraphCache, bucket, buckets_up_to
-from facecast.models.face_geometry import FaceGeometry, head_pose_from_matrices
+from facecast.models.face_geometry import FaceGeometry, head_pose_from_matrices, head_pose_on_host
 from facecast.models.head_pose import head_pose_deg
 from facecast.models.nms import drop_overlapping_batched
 
@@ -209,6 +209,45 @@ def boxes_from_landmarks(landmarks_px: torch.Tensor) -> torch.Tensor:
     centre = (low + high) / 2 + side * offset
     half = side * TRACKED_BOX_SIDE / 2
     return torch.cat([centre - half, centre + half], dim=1)
+
+
+# Note [The CPU stack's results in numpy]
+#     With FaceLandmarker's models in LiteRT on the CPU (FacePipeline's cpu_runtime "litert",
+#     whose geometry is LAPACK's: FaceGeometry.on_host), FaceMeasurer.results_core computes what
+#     follows the models in numpy: the landmarks' decoding and projection to the frame, the
+#     blendshape model's input, the boxes and scores, the bounds the duplicate filter compares,
+#     the transformation matrix and head pose (Note [Face geometry on the CPU in numpy]) and the
+#     table. The models, the presence's sigmoid and the duplicate filter stay as they are (the
+#     filter's steps are tensor operations on numpy's memory, no copy). A one-face frame took
+#     ~110 torch calls there, at 5-10 us of dispatch each on the 2-core machine, more in
+#     `facecast analyze`, whose landmark invoke leaves the caches cold; numpy's calls cost 1-2
+#     us. The same operations in the same order on the same dtypes: the table is the tensors'
+#     to float rounding (tests/models/test_batched_geometry.py runs both on real faces). A
+#     GPU, graphs, and the torch runtime on the CPU (which tests trace and capture as a GPU's
+#     graph would) keep the tensor operations.
+
+
+def _project_points_on_host(points_model_px: np.ndarray, rects: roi_mod.RotatedRects,
+                            input_px: int) -> np.ndarray:
+    """roi.project_points of (N, P, 3) points from a square input of ``input_px``, in numpy
+    (Note [The CPU stack's results in numpy]); the rects' cosines and sines are torch's."""
+    size = rects.size_wh_px.numpy()
+    cos, sin = torch.cos(rects.rotation_rad).numpy()[:, None], torch.sin(rects.rotation_rad).numpy()[:, None]
+    xy = (points_model_px[..., :2] / input_px - 0.5) * size[:, None, :]
+    x, y = xy[..., 0], xy[..., 1]
+    image_xy = np.stack([cos * x - sin * y, sin * x + cos * y], axis=-1) + rects.center_xy_px.numpy()[:, None, :]
+    z = points_model_px[..., 2:3] * (size[:, None, 0:1] / input_px)  # z goes with x
+    return np.concatenate([image_xy, z], axis=-1)
+
+
+def _boxes_from_landmarks_on_host(landmarks_px: np.ndarray) -> np.ndarray:
+    """:func:`boxes_from_landmarks` in numpy (Note [The CPU stack's results in numpy])."""
+    mesh = landmarks_px[:, :NUM_MESH_POINTS, :2]
+    low, high = mesh.min(axis=1), mesh.max(axis=1)
+    side = (high - low).max(axis=1, keepdims=True)
+    centre = (low + high) / 2 + side * np.asarray(TRACKED_BOX_CENTER_OFFSET, mesh.dtype)
+    half = side * TRACKED_BOX_SIDE / 2
+    return np.concatenate([centre - half, centre + half], axis=1)
 
 
 # Two ROIs whose landmarks' bounds overlap by more than this converged on one face (a track and a
@@ -453,6 +492,8 @@ class FaceMeasurer:
         roi_boxes (N, 4) / roi_scores (N,): the detection's box and score (for detected faces);
         group_steps: at least the most ROIs of one frame (:func:`nms.drop_overlapping_batched`).
         """
+        if self.results_on_host:  # Note [The CPU stack's results in numpy]
+            return self._results_on_host(crops, rects, roi_table, roi_boxes, roi_scores, group_steps)
         landmarks, presence, blendshapes = self.landmarks_core(crops, rects)
         owner, is_tracked, frame_wh = roi_table[:, 0], roi_table[:, 1] > 0, roi_table[:, 2:4]
         boxes = torch.where(is_tracked[:, None], boxes_from_landmarks(landmarks), roi_boxes.float())
@@ -476,6 +517,57 @@ class FaceMeasurer:
             wide = head_pose_deg(landmarks).double()
         parts.append(wide.contiguous().view(torch.float32))
         return torch.cat([p.float() for p in parts], dim=1)
+
+    @property
+    def results_on_host(self) -> bool:
+        """Whether :meth:`results_core` computes in numpy (Note [The CPU stack's results in
+        numpy]): FaceLandmarker's models in LiteRT on the CPU, whose geometry is LAPACK's
+        (FaceGeometry.on_host), which no graph captures and nothing traces."""
+        return (self.landmarker == "face_landmarker" and self.blendshapes is not None
+                and self.geometry is not None and self.geometry.on_host(self.device)
+                and not self.graphs.enabled)
+
+    def _results_on_host(self, crops: torch.Tensor, rects: roi_mod.RotatedRects, roi_table: torch.Tensor,
+                         roi_boxes: torch.Tensor, roi_scores: torch.Tensor, group_steps: int) -> torch.Tensor:
+        """:meth:`results_core` in numpy, the same table (Note [The CPU stack's results in
+        numpy]): the models and the duplicate filter as they are, the rest step for step."""
+        count = crops.shape[0]
+        landmarks, presence, blendshapes = self.landmarks_on_host(crops, rects)
+        table = roi_table.numpy()
+        owner, is_tracked, frame_wh = table[:, 0], table[:, 1] > 0, table[:, 2:4]
+        boxes = np.where(is_tracked[:, None], _boxes_from_landmarks_on_host(landmarks),
+                         roi_boxes.numpy().astype(np.float32, copy=False))
+        scores = np.where(is_tracked, presence, roi_scores.numpy().astype(np.float32, copy=False))
+        points = landmarks[..., :2]
+        bounds = np.concatenate([points.min(axis=1), points.max(axis=1)], axis=1)  # landmark_bounds
+        kept, rank = drop_overlapping_batched(
+            torch.from_numpy(bounds), torch.from_numpy(presence), torch.from_numpy(owner),
+            torch.from_numpy(presence >= self.min_presence), SAME_FACE_IOU, self.max_faces,
+            max_group_size=group_steps)
+        matrices = self.geometry.matrices_on_host(landmarks, frame_wh)  # Note [Face geometry on the CPU in numpy]
+        wide = np.concatenate([head_pose_on_host(matrices), matrices[:, :3, 3]], axis=1)
+        return torch.from_numpy(np.concatenate([
+            landmarks.reshape(count, -1), presence[:, None], boxes, scores[:, None],
+            kept.numpy()[:, None].astype(np.float32), rank.numpy()[:, None].astype(np.float32), blendshapes,
+            matrices.reshape(count, 16).astype(np.float32), np.ascontiguousarray(wide).view(np.float32)],
+            axis=1, dtype=np.float32))
+
+    def landmarks_on_host(self, crops: torch.Tensor, rects: roi_mod.RotatedRects
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`landmarks_core` as numpy arrays, for :meth:`_results_on_host` (Note [The CPU
+        stack's results in numpy]): the models, the landmarks decoded and projected, the
+        presence, the blendshapes."""
+        count = crops.shape[0]
+        raw_landmarks, presence_logit, *_ = self.mesh(crops)
+        if raw_landmarks[0].numel() != NUM_LANDMARKS * 3:  # refused with face_landmarker.decode's reason
+            face_landmarker.decode((raw_landmarks, presence_logit))
+        presence = torch.sigmoid(presence_logit.reshape(count).float()).numpy()
+        landmarks = _project_points_on_host(raw_landmarks.numpy().reshape(count, NUM_LANDMARKS, 3), rects,
+                                            self.input_px)
+        # float32 (Note [Blendshapes in float32]); the model's input as blendshapes.model_input cuts it.
+        (scores, *_) = self.blendshapes(torch.from_numpy(np.ascontiguousarray(
+            landmarks[:, blendshapes_mod.LANDMARK_SUBSET, :2])))
+        return landmarks, presence, scores.numpy().reshape(count, len(blendshapes_mod.BLENDSHAPE_NAMES))
 
     def _table_graphed(self, crops: torch.Tensor, rects: roi_mod.RotatedRects, roi_table: torch.Tensor,
                        roi_boxes: torch.Tensor, roi_scores: torch.Tensor, group_steps: int) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ from facecast.models.face_geometry import (
     FaceGeometry,
     determinant_3x3,
     head_pose_from_matrices,
+    head_pose_on_host,
     rotation_and_translation,
     weighted_procrustes,
 )
@@ -287,6 +288,26 @@ def test_batched_matrices_and_poses_match_the_per_face_pipeline(landmarker_bundl
     np.testing.assert_allclose(one.cpu().numpy(), expected[3:4], rtol=1e-9, atol=1e-9)
 
 
+def test_numpy_geometry_on_the_cpu_matches_the_tensor_operations(landmarker_bundle, real_faces):
+    """Note [Face geometry on the CPU in numpy]: the CPU stack's matrices and poses, computed in
+    numpy, are the tensors' path's to float64 rounding (faces turned every way and a mirror
+    image), with the frame sizes float32 as the measuring table holds them."""
+    geometry = FaceGeometry.read(landmarker_bundle.geometry_metadata, procrustes_method="eigh")
+    landmarks, sizes = real_faces
+    cases = [(landmarks, sizes)] + [perturbed(landmarks, sizes, seed) for seed in range(4)]
+    landmarks = np.concatenate([case[0] for case in cases])
+    sizes = np.concatenate([case[1] for case in cases]).astype(np.float32)
+    landmarks[1, :, 0] = 2 * landmarks[1, :, 0].mean() - landmarks[1, :, 0]  # a mirror image
+    as_tensors = geometry._matrices_as_tensors(torch.from_numpy(landmarks), torch.from_numpy(sizes))
+    got = geometry.matrices(torch.from_numpy(landmarks), torch.from_numpy(sizes))
+    assert got.dtype == torch.float64 and got.shape == as_tensors.shape
+    np.testing.assert_allclose(got.numpy(), as_tensors.numpy(), rtol=1e-9, atol=1e-9)
+    poses = head_pose_on_host(got.numpy())
+    assert poses.dtype == np.float64 and poses.shape == (len(landmarks), 3)
+    np.testing.assert_allclose(poses, head_pose_from_matrices(as_tensors).numpy(), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(poses, reference_head_pose_from_matrices(as_tensors.numpy()), atol=1e-7)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_head_pose_from_landmarks_matches_the_per_face_code(real_faces, device):
     landmarks, sizes = real_faces
@@ -380,19 +401,22 @@ def compare_measured(stack, frames, detections, min_presence):
     measurer = stack.measurer
     measurer.min_presence, measurer.max_faces = min_presence, MAX_FACES
     recorded = {}
-    models = measurer.landmarks_core
+    # The CPU stack's models and projections in numpy (Note [The CPU stack's results in numpy]).
+    name = "landmarks_on_host" if measurer.results_on_host else "landmarks_core"
+    models = getattr(measurer, name)
 
     def recording(crops, crop_rects):
-        recorded["outputs"] = models(crops, crop_rects)
-        return recorded["outputs"]
+        outputs = models(crops, crop_rects)
+        recorded["outputs"] = tuple(torch.from_numpy(o) if isinstance(o, np.ndarray) else o for o in outputs)
+        return outputs
 
     batch = roi.FrameBatch(frames, "cpu")
-    measurer.landmarks_core = recording
+    setattr(measurer, name, recording)
     try:
         with torch.inference_mode():
             measured = measurer.measure(batch, owners, rects, boxes, scores, tracked)
     finally:
-        del measurer.landmarks_core
+        delattr(measurer, name)
         measurer.min_presence, measurer.max_faces = 0.5, stack.max_faces
     expected_faces, expected_rows = reference_faces(measurer.geometry, min_presence, MAX_FACES, batch.sizes_hw, owners,
                                                     tracked, *recorded["outputs"], boxes, scores)
@@ -420,6 +444,36 @@ def compare_measured(stack, frames, detections, min_presence):
     return {"faces": sum(map(len, measured.faces)), "rois": len(owners),
             "below": int((presence < min_presence).sum()),
             "frames_cut": sum(len(faces) == MAX_FACES < len(found[2]) for faces, found in zip(measured.faces, detections))}
+
+
+def test_the_cpu_stacks_table_in_numpy_is_the_tensor_operations_table(face_stack, frames, detections, monkeypatch):
+    """Note [The CPU stack's results in numpy]: the LiteRT stack's measuring table, computed in
+    numpy, is the tensor operations' table (duplicates, untracked and tracked ROIs, a three-face
+    frame): the landmarks, boxes, scores and the duplicate filter's choice the same, the
+    blendshapes, matrices and poses to float rounding."""
+    measurer = face_stack.measurer
+    assert measurer.results_on_host, "FaceLandmarker's models in LiteRT on the CPU"
+    owners, boxes, keypoints, scores, tracked = duplicated_rois(detections, frames, np.random.default_rng(3))
+    rects = roi.rects_from_detections(boxes, keypoints)
+    batch = roi.FrameBatch(frames, "cpu")
+    roi_table = torch.tensor([[owner, float(is_tracked), *batch.sizes_hw[owner][::-1]]
+                              for owner, is_tracked in zip(owners, tracked)], dtype=torch.float32)
+    layout = measurer.layout
+    with torch.inference_mode():
+        crops = roi.crop_rois(batch, torch.tensor(owners), rects, measurer.input_px)
+        inputs = (crops, rects, roi_table, boxes, scores, int(np.bincount(owners).max()))
+        on_host = measurer.results_core(*inputs)
+        monkeypatch.setattr(type(measurer), "results_on_host", property(lambda self: False))
+        as_tensors = measurer.results_core(*inputs)
+    assert on_host.dtype == torch.float32 and on_host.shape == as_tensors.shape == (len(owners), layout.columns)
+    same = [layout.landmarks, layout.presence, layout.box, layout.score, layout.kept, layout.rank]
+    for columns in same:
+        torch.testing.assert_close(on_host[:, columns], as_tensors[:, columns], rtol=0, atol=0)
+    assert 0 < on_host[:, layout.kept].sum() < len(owners), "some ROIs dropped as duplicates"
+    torch.testing.assert_close(on_host[:, layout.blendshapes], as_tensors[:, layout.blendshapes], rtol=0, atol=1e-6)
+    torch.testing.assert_close(on_host[:, layout.matrix], as_tensors[:, layout.matrix], rtol=1e-6, atol=1e-6)
+    wide = lambda table: table[:, layout.wide].contiguous().view(torch.float64)  # noqa: E731
+    torch.testing.assert_close(wide(on_host), wide(as_tensors), rtol=1e-9, atol=1e-9)
 
 
 def test_measure_matches_the_per_face_host_code_with_the_transformation_matrix(face_stack, frames, detections):
