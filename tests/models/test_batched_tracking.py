@@ -227,3 +227,22 @@ def test_steps_without_detections_match_the_per_face_code(device):
         for state, want in zip(states, reference):
             assert state.face_count == len(want.tracks)
     assert without_detections >= 12
+
+
+def test_rects_from_landmarks_in_numpy_are_the_tensor_operations_rects():
+    """roi.rects_from_landmarks_on_host (a CPU tracking step's ROIs, Note [A tracking step without
+    detections on the CPU]) gives rects_from_landmarks's values exactly: faces turned every way
+    (the angle wrapped at ±π included), of any size, anywhere in the frame."""
+    rng = np.random.default_rng(11)
+    landmarks = torch.from_numpy((rng.normal(0, 1, (64, 478, 3)) * rng.uniform(5, 300, (64, 1, 1))
+                                  + rng.uniform(0, 1900, (64, 1, 3))).astype(np.float32))
+    # The eye corners' line straight left: an angle of exactly ±π, where the wrap decides.
+    landmarks[0, roi_mod.MESH_ROTATION_END_INDEX, :2] = landmarks[0, roi_mod.MESH_ROTATION_START_INDEX, :2] - \
+        torch.tensor([10.0, 0.0])
+    expected = roi_mod.rects_from_landmarks(landmarks)
+    got = roi_mod.rects_from_landmarks_on_host(landmarks)
+    for name in ("center_xy_px", "size_wh_px", "rotation_rad"):
+        theirs, ours = getattr(expected, name), getattr(got, name)
+        assert ours.dtype == theirs.dtype == torch.float32, name
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+    assert got.rotation_rad.abs().max() <= np.pi
