@@ -132,6 +132,18 @@ def in_frame_order(found: list[Detections], order: torch.Tensor | None) -> Detec
     return Detections(*(joined if order is None else (field[order] for field in joined)))
 
 
+# Note [Only NMS's candidates decoded on the CPU]
+#     Weighted NMS takes each frame's best `nms_candidates` valid anchors of each detector (Note
+#     [Candidates per NMS slot]) and never looks at the others. On the CPU the decoding and the
+#     projection to the frame are arithmetic on every anchor (9,216 of the full-range detector's
+#     at 720p and 1080p, 896 of the short-range one's): about 2 ms of a pass on the 2-core
+#     machine, for 128 candidates. So there the scores are computed first, the candidates
+#     chosen as NMS chooses them (the same topk over the same masked scores), and only their
+#     rows decoded and projected, by anchors.decode's arithmetic; NMS then chooses the same
+#     candidates again from them (tests/models/test_speed_paths.py: the same detections, to
+#     the bit, on frames of three sizes). A GPU's pass decodes every anchor, as before (one
+#     fused kernel, or the graph's fixed sequence).
+#
 # Note [Candidates per NMS slot]
 #     Weighted NMS compares every pair of a frame's candidates: at its default of 512 candidates
 #     a frame, that pairwise IoU over 64 rows (32 frames, both detectors) was ~0.9 of a 6.9 ms
@@ -262,11 +274,13 @@ class FaceDetector:
         if on_stage:
             on_stage("forward")
         # Note [One NMS for both detectors]
+        # On the CPU only the anchors NMS can choose: Note [Only NMS's candidates decoded on the CPU].
+        decode = self.decode if batch.device.type == "cuda" else self._decode_candidates
         short, *fulls = weighted_nms_of_parts(
-            [self.decode(short_raw, short_plan, short_spec)]
-            + [self.decode(raw, plan, full_spec) for raw, (_, plan) in zip(full_raw, full_groups)],
+            [decode(short_raw, short_plan, short_spec)]
+            + [decode(raw, plan, full_spec) for raw, (_, plan) in zip(full_raw, full_groups)],
             iou_threshold=short_spec.min_suppression_iou, max_detections=self.max_faces * 2,
-            max_candidates=CANDIDATES_PER_SLOT * self.max_faces * 2)
+            max_candidates=self.nms_candidates)
         full = in_frame_order(fulls, full_plan.order) if full_plan is not None else None
         merged = self.merge(short, full)
         if on_stage:
@@ -360,6 +374,40 @@ class FaceDetector:
             (decoded.keypoints * size).reshape(frames, -1, 2), plan.rects, plan.input_hw
         ).reshape(decoded.keypoints.shape)
         return boxes, decoded.scores, keypoints, decoded.scores >= spec.min_score
+
+    def _decode_candidates(self, raw, plan: DetectorPlan, spec: anchors_mod.DetectorSpec
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`decode` of the anchors weighted NMS can choose from, only (Note [Only NMS's
+        candidates decoded on the CPU]): per frame its best :attr:`nms_candidates` by score,
+        valid first, best first, as (boxes, scores, keypoints, valid) of (F, C) anchors."""
+        raw_boxes, raw_scores = raw
+        frames, num_anchors = raw_boxes.shape[:2]
+        if num_anchors != plan.anchors.shape[0] or raw_boxes.shape[2] != 4 + 2 * spec.num_keypoints:
+            anchors_mod.decode(raw_boxes, raw_scores, plan.anchors, spec)  # refused there, with its reason
+        logits = raw_scores.float().reshape(frames, num_anchors)
+        scores = torch.sigmoid(logits.clamp(-100.0, 100.0))  # as anchors.decode: score_clipping_thresh 100
+        valid = scores >= spec.min_score
+        masked = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
+        order = masked.topk(min(self.nms_candidates, num_anchors), dim=1, sorted=True).indices  # (F, C)
+        raw = raw_boxes.float().gather(1, order[..., None].expand(-1, -1, raw_boxes.shape[2]))
+        anchors = plan.anchors.to(raw.dtype)[order]  # (F, C, 2)
+        # anchors.decode's arithmetic on the chosen rows (anchor w = h = 1: fixed_anchor_size).
+        scale, size = spec.coord_scale_px, spec.anchors.input_size_px
+        centre = raw[..., 0:2] / scale + anchors
+        half_size = raw[..., 2:4] / scale / 2
+        boxes = torch.cat([centre - half_size, centre + half_size], dim=-1)
+        keypoints = raw[..., 4:].reshape(frames, -1, spec.num_keypoints, 2) / scale + anchors[:, :, None, :]
+        boxes = roi_mod.project_boxes(boxes * size, plan.rects, plan.input_hw)
+        keypoints = roi_mod.project_points((keypoints * size).reshape(frames, -1, 2), plan.rects,
+                                           plan.input_hw).reshape(keypoints.shape)
+        chosen_scores = scores.gather(1, order)
+        return boxes, chosen_scores, keypoints, valid.gather(1, order)
+
+    @property
+    def nms_candidates(self) -> int:
+        """The candidates weighted NMS takes of each frame and detector (Note [Candidates per
+        NMS slot])."""
+        return CANDIDATES_PER_SLOT * self.max_faces * 2
 
     def merge(self, short: Detections, full: Detections | None) -> Detections:
         """A full-range detection is kept only where no short-range one overlaps it, and then

@@ -561,6 +561,28 @@ def test_batched_detection_equals_frame_by_frame(cpu_pipeline, photos):
     assert [b.shape[0] for b, _, _ in batched] == [3, 1, 1, 2, 0]
 
 
+def test_decoding_only_nms_candidates_on_the_cpu_gives_every_anchors_detections(cpu_pipeline, photos, monkeypatch):
+    """Note [Only NMS's candidates decoded on the CPU]: the pass's detections are those of
+    decoding and projecting every anchor (frames of three sizes, three faces, one, none)."""
+    portrait = _bgr(photos["grace_hopper"])
+    frames = [scene_1080p(photos), portrait, np.ascontiguousarray(scene_1080p(photos, 40)[:720, :1280]),
+              _bgr(photos["astronaut"]), np.full((480, 640, 3), 90, np.uint8)]
+    detector = cpu_pipeline.detector
+
+    with torch.inference_mode():
+        got = detector.detect(roi.FrameBatch(frames, "cpu"))
+        chosen = detector._decode_candidates(detector.outputs(False, detector._crops(
+            roi.FrameBatch(frames[:1], "cpu"), torch.tensor([0]), detector.plans_for(((1080, 1920),))[0])),
+            detector.plans_for(((1080, 1920),))[0], anchors.FACE_SHORT_RANGE)
+        monkeypatch.setattr(type(detector), "_decode_candidates", type(detector).decode)  # every anchor
+        expected = detector.detect(roi.FrameBatch(frames, "cpu"))
+    assert chosen[0].shape == (1, detector.nms_candidates, 4), "only the candidates"
+    assert [len(scores) for _, _, scores in got] == [len(scores) for _, _, scores in expected] == [3, 1, 2, 1, 0]
+    for ours, theirs in zip(got, expected):
+        for field_ours, field_theirs in zip(ours, theirs):
+            torch.testing.assert_close(field_ours, field_theirs, rtol=0, atol=0)
+
+
 def test_tracking_with_detections_from_elsewhere_including_an_empty_frame(cpu_pipeline, photos):
     frames = [scene_1080p(photos), scene_1080p(photos, 12)]
     with torch.inference_mode():
