@@ -44,7 +44,7 @@ from facecast.models import roi as roi_mod
 from facecast.models.cuda_graphs import GraphCache, bucket, buckets_up_to
 from facecast.models.face_geometry import FaceGeometry, head_pose_from_matrices, head_pose_on_host
 from facecast.models.head_pose import head_pose_deg
-from facecast.models.nms import drop_overlapping_batched
+from facecast.models.nms import drop_overlapping_batched, drop_overlapping_on_host
 
 MESH_INPUT_PX = 192
 NUM_MESH_POINTS = 468
@@ -217,9 +217,9 @@ def boxes_from_landmarks(landmarks_px: torch.Tensor) -> torch.Tensor:
 #     follows the models in numpy: the landmarks' decoding and projection to the frame, the
 #     blendshape model's input, the boxes and scores, the bounds the duplicate filter compares,
 #     the transformation matrix and head pose (Note [Face geometry on the CPU in numpy]) and the
-#     table. The models, the presence's sigmoid and the duplicate filter stay as they are (the
-#     filter's steps are tensor operations on numpy's memory, no copy). A one-face frame took
-#     ~110 torch calls there, at 5-10 us of dispatch each on the 2-core machine, more in
+#     table, and the duplicate filter (nms.drop_overlapping_on_host, its steps in numpy). The
+#     models and the presence's sigmoid stay as they are. A one-face frame took ~110 torch
+#     calls there (a four-face frame ~260), at 5-10 us of dispatch each on the 2-core machine, more in
 #     `facecast analyze`, whose landmark invoke leaves the caches cold; numpy's calls cost 1-2
 #     us. The same operations in the same order on the same dtypes: the table is the tensors'
 #     to float rounding (tests/models/test_batched_geometry.py runs both on real faces). A
@@ -540,15 +540,13 @@ class FaceMeasurer:
         scores = np.where(is_tracked, presence, roi_scores.numpy().astype(np.float32, copy=False))
         points = landmarks[..., :2]
         bounds = np.concatenate([points.min(axis=1), points.max(axis=1)], axis=1)  # landmark_bounds
-        kept, rank = drop_overlapping_batched(
-            torch.from_numpy(bounds), torch.from_numpy(presence), torch.from_numpy(owner),
-            torch.from_numpy(presence >= self.min_presence), SAME_FACE_IOU, self.max_faces,
-            max_group_size=group_steps)
+        kept, rank = drop_overlapping_on_host(bounds, presence, owner, presence >= self.min_presence, SAME_FACE_IOU,
+                                              self.max_faces, max_group_size=group_steps)
         matrices = self.geometry.matrices_on_host(landmarks, frame_wh)  # Note [Face geometry on the CPU in numpy]
         wide = np.concatenate([head_pose_on_host(matrices), matrices[:, :3, 3]], axis=1)
         return torch.from_numpy(np.concatenate([
             landmarks.reshape(count, -1), presence[:, None], boxes, scores[:, None],
-            kept.numpy()[:, None].astype(np.float32), rank.numpy()[:, None].astype(np.float32), blendshapes,
+            kept[:, None].astype(np.float32), rank[:, None].astype(np.float32), blendshapes,
             matrices.reshape(count, 16).astype(np.float32), np.ascontiguousarray(wide).view(np.float32)],
             axis=1, dtype=np.float32))
 

@@ -362,6 +362,26 @@ def test_batched_duplicate_filter_keeps_what_the_greedy_filter_keeps(device):
     assert min(seen.values()) >= 20, seen  # every rule was exercised many times
 
 
+def test_the_duplicate_filter_in_numpy_is_the_tensor_operations_filter():
+    """nms.drop_overlapping_on_host (the CPU stack's, Note [The CPU stack's results in numpy]):
+    the kept set and ranks of drop_overlapping_batched, exactly, on groups of 1-8 candidates
+    with duplicates, ties, candidates below min_presence and cuts at max_kept."""
+    rng = np.random.default_rng(31)
+    for trial in range(300):
+        groups, per_group = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        max_kept = int(rng.integers(1, 5))
+        boxes, presence, owner = random_candidates(rng, groups, per_group)
+        owner = owner.astype(np.float32)  # the measuring table's frame column
+        steps = max(per_group, int(np.bincount(owner.astype(np.int64)).max()))
+        kept, rank = nms.drop_overlapping_on_host(boxes, presence, owner, presence >= 0.5, SAME_FACE_IOU, max_kept,
+                                                  max_group_size=steps)
+        expected_kept, expected_rank = nms.drop_overlapping_batched(
+            torch.from_numpy(boxes), torch.from_numpy(presence), torch.from_numpy(owner),
+            torch.from_numpy(presence >= 0.5), SAME_FACE_IOU, max_kept, max_group_size=steps)
+        assert kept.dtype == bool and np.array_equal(kept, expected_kept.numpy()), f"trial {trial}"
+        assert np.array_equal(rank, expected_rank.numpy()), f"trial {trial}"
+
+
 # -- the measuring stage, end to end --------------------------------------------------------------
 
 
