@@ -67,9 +67,9 @@ Note [Face geometry on the CPU in numpy]
     the matrices and the head pose are computed in numpy (`FaceGeometry.matrices_on_host`,
     `_HostProcrustes`, `head_pose_on_host`; FaceMeasurer.results_core takes them so),
     the same formulas in the same order, in float64 as the tensors' path. A frame's three fits
-    and the pose are ~60 small operators; each costs a torch call 5-10 us of dispatch on the
-    2-core machine (more in `facecast analyze`, where the landmark model's invoke leaves the
-    caches cold) and a numpy call 1-2 us. The results agree with the tensors' to float64
+    and the pose were ~180 torch calls (counted in `facecast analyze`, one face, 2026-11-27),
+    each 5-10 us of dispatch on the 2-core machine (more in `facecast analyze`, where the
+    landmark model's invoke leaves the caches cold), where a numpy call costs 1-2 us. The results agree with the tensors' to float64
     rounding (tests/models/test_batched_geometry.py holds both to the SVD; numpy's eigh and
     torch's call the same LAPACK routine, and a quaternion's sign does not change its rotation).
     A GPU's path, the squarings captured in graphs or its fused kernel, is untouched.

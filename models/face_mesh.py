@@ -218,13 +218,16 @@ def boxes_from_landmarks(landmarks_px: torch.Tensor) -> torch.Tensor:
 #     blendshape model's input, the boxes and scores, the bounds the duplicate filter compares,
 #     the transformation matrix and head pose (Note [Face geometry on the CPU in numpy]) and the
 #     table, and the duplicate filter (nms.drop_overlapping_on_host, its steps in numpy). The
-#     models and the presence's sigmoid stay as they are. A one-face frame took ~110 torch
-#     calls there (a four-face frame ~260), at 5-10 us of dispatch each on the 2-core machine, more in
-#     `facecast analyze`, whose landmark invoke leaves the caches cold; numpy's calls cost 1-2
-#     us. The same operations in the same order on the same dtypes: the table is the tensors'
-#     to float rounding (tests/models/test_batched_geometry.py runs both on real faces). A
-#     GPU, graphs, and the torch runtime on the CPU (which tests trace and capture as a GPU's
-#     graph would) keep the tensor operations.
+#     models and the presence's sigmoid stay as they are. A one-face frame took ~300 torch
+#     calls there (the matrix's three fits 155 of them), a four-face frame ~400 (the filter's
+#     steps 107), ~35 now (counted in `facecast analyze`, 2026-11-27), each 5-10 us of
+#     dispatch on the 2-core machine, more in `facecast analyze`, whose landmark invoke leaves
+#     the caches cold; numpy's calls cost 1-2 us. The same operations in the same order on the
+#     same dtypes: the table is the tensors' (landmarks, boxes, scores and the filter's choice
+#     exactly, the rest to float rounding: tests/models/test_batched_geometry.py runs both on
+#     real faces; the bench's four tables were byte for byte the same). A GPU, graphs, and the
+#     torch runtime on the CPU (which tests trace and capture as a GPU's graph would) keep the
+#     tensor operations.
 
 
 def _project_points_on_host(points_model_px: np.ndarray, rects: roi_mod.RotatedRects,
