@@ -479,7 +479,6 @@ class FaceGeometry:
         bottom[..., 3].fill_(1.0)  # (an assigned Python number is a tensor made from host data)
         return torch.cat([top, bottom], dim=1)
 
-
     def matrices_on_host(self, landmarks_px: np.ndarray, frame_wh_px: np.ndarray) -> np.ndarray:
         """:meth:`matrices` in numpy, the fits by LAPACK's eigenvector (Note [Face geometry on
         the CPU in numpy]): the tensors' path step for step."""
