@@ -136,11 +136,11 @@ class FaceTracks:
         frame index → (boxes, keypoints, scores)) of faces not tracked yet, up to ``max_faces``
         a frame. Counts the frames since each camera's last detection. (Note [Tracking without
         per-face work].)"""
+        for i, state in enumerate(states):
+            state.frames_since_detection = 0 if i in det_by_frame else state.frames_since_detection + 1
         if self.device.type == "cpu" and not any(found[0].shape[0] for found in det_by_frame.values()):
             whole = self._followed_whole(states)  # Note [A tracking step without detections on the CPU]
             if whole is not None:
-                for i, state in enumerate(states):
-                    state.frames_since_detection = 0 if i in det_by_frame else state.frames_since_detection + 1
                 return whole
         frames = len(states)
         track_counts = np.fromiter((state.face_count for state in states), np.int64, frames)
@@ -148,8 +148,6 @@ class FaceTracks:
         track_owner = np.repeat(np.arange(frames), track_counts)
         blocks, track_rows, whole = self._followed_rows(states, track_counts)
         det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]
-        for i, state in enumerate(states):
-            state.frames_since_detection = 0 if i in det_by_frame else state.frames_since_detection + 1
         det_counts = np.fromiter((det_by_frame[i][0].shape[0] for i in det_frames), np.int64, len(det_frames))
         det_owner = np.repeat(np.asarray(det_frames, np.int64), det_counts)
         # A detection of a face already followed is dropped: the track's ROI is the better one
