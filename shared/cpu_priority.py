@@ -1,9 +1,11 @@
 """The CPU priority of warm spares (Note [Spares at a lower priority]): the supervisor decides
 whether spares may be lowered (`restore_permitted`, `SPARE_NICE_ENV` in a spare's environment);
 a spare lowers itself first thing (`lower_this_process`) and a promoted one takes its priority
-back (`restore_this_process`).
+back (`restore_this_process`). And of one thread (`lower_this_thread`: `facecast analyze`'s
+decoding threads, Note [Decoding at a lower priority]).
 
-Runs in the supervisor (the decision) and in every worker (the spare's side).
+Runs in the supervisor (the decision), in every worker (the spare's side) and in `facecast
+analyze`.
 
 Note [Spares at a lower priority]
     Spares start when the daemon is READY (Note [Warm standby]) and spend seconds of CPU on
@@ -77,6 +79,17 @@ def lower_this_process(increment: int) -> None:
         return
     _lowered_from = current_nice()
     os.setpriority(os.PRIO_PROCESS, 0, min(_lowered_from + increment, 19))
+
+
+def lower_this_thread(increment: int) -> None:
+    """The calling thread `increment` nicer, at most 19 (on Linux a thread is a task of its
+    own); where there is no such call or it is refused, nothing."""
+    try:
+        thread_id = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread_id,
+                       min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + increment))
+    except (AttributeError, OSError):  # no setpriority (Windows), or not allowed here
+        pass
 
 
 def restore_this_process() -> str:

@@ -134,6 +134,7 @@ import torch
 
 from facecast.models.roi import FrameBatch
 from facecast.shared import config as config_mod
+from facecast.shared import cpu_priority
 from facecast.shared import private_files
 from facecast.shared.transport.messages import TRACK_ID_LIMIT
 from facecast.shared.version import __version__
@@ -305,7 +306,7 @@ class FramesAhead:
 
     def _decode(self, frames: Iterator[DecodedFrame]) -> None:
         if self._niceness:
-            _lower_this_threads_priority(self._niceness)
+            cpu_priority.lower_this_thread(self._niceness)
         end = _Ended()
         try:
             for frame in frames:
@@ -363,17 +364,6 @@ class FramesAhead:
                 break
         self._thread.join(DECODER_STOP_TIMEOUT_S)
         return not self._thread.is_alive()
-
-
-def _lower_this_threads_priority(niceness: int) -> None:
-    """Note [Decoding at a lower priority]: the calling thread's nice value raised by
-    ``niceness`` (on Linux a thread is a task of its own; elsewhere, or if refused, nothing)."""
-    try:
-        thread_id = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread_id,
-                       min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + niceness))
-    except (AttributeError, OSError):  # no setpriority (Windows), or not allowed here
-        pass
 
 
 # -- one file --------------------------------------------------------------------------------
