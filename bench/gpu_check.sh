@@ -43,6 +43,10 @@
 #                 first half alone, to follow `pipeline` (3)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
+#   gpu_time      where the GPU's time goes at 64 replayed cameras, by process (every worker's
+#                 CUDA activity through 3 s, bench/gpu_trace.py; Note [Where the GPU's time goes]),
+#                 then the same under NVIDIA MPS where it is installed; runs with traces are for
+#                 the GPU's time only (preparing the profiler stalls each worker once) (2-4, H100)
 #   half          the daemon at 32 and 64 replayed cameras with its default float32 models, then
 #                 with float16 ones (models.half), one after the other (5, H100 2026-11-27)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32, and the
@@ -210,6 +214,22 @@ run)
                 echo quit | nvidia-cuda-mps-control
                 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             fi ;;
+        gpu_time) # Note [Where the GPU's time goes]: time slices (no MPS), then MPS.
+            step gpu_time python3 bench/pipeline.py --cameras 64 --transports cuda_ipc \
+                --source synthetic-replay --warmup-s 5 --measure-s 15 --gpu-trace-s 3 \
+                --out "$STATE/benchmarks-gpu-time.json" --log-dir "$STATE/logs-gpu-time"
+            if command -v nvidia-cuda-mps-control > /dev/null; then
+                export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+                mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+                nvidia-cuda-mps-control -d
+                step gpu_time_mps python3 bench/pipeline.py --cameras 64 --transports cuda_ipc \
+                    --source synthetic-replay --warmup-s 5 --measure-s 15 --gpu-trace-s 3 \
+                    --out "$STATE/benchmarks-gpu-time-mps.json" --log-dir "$STATE/logs-gpu-time-mps"
+                echo quit | nvidia-cuda-mps-control
+                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+            fi
+            # The traces (~300 MB at 64 cameras) stay on the machine; the JSON has their sums.
+            rm -rf "$STATE"/logs-gpu-time*/gpu-trace-* ;;
         models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
             --budget-s 420 --landmarker-task .models/face_landmarker.task \
             --out "$STATE/benchmarks-models.json" ;;

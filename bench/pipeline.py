@@ -68,7 +68,9 @@ from pathlib import Path
 import numpy as np
 
 import accounting  # bench/accounting.py: this script's folder is first on sys.path
+import gpu_trace  # bench/gpu_trace.py
 from facecast.shared.camera_sources import SYNTHETIC_SOURCES  # light: no OpenCV, no pylsl
+from facecast.workers.gpu_trace import REQUEST_ENV as GPU_TRACE_REQUEST_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 WIDTH, HEIGHT, FPS = 1920, 1080, 30
@@ -582,7 +584,13 @@ def run_one(cameras: int, transport: str, args) -> dict:
         config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
                              args.half, host, args.source, args.detection_share, args.decode,
                              args.newcomers, args.cameras_per_capture_worker, args.genlocked)
+        # Note [Where the GPU's time goes]: every worker looks for the request file (absent
+        # until measure() writes it) through the environment it inherits.
+        os.environ.pop(GPU_TRACE_REQUEST_ENV, None)
+        if args.gpu_trace_s > 0:
+            os.environ[GPU_TRACE_REQUEST_ENV] = str(tmp / "gpu-trace-request.json")
         daemon = DaemonUnderTest(tmp, config, log_path)
+        os.environ.pop(GPU_TRACE_REQUEST_ENV, None)
         try:
             if not daemon.wait_ready(args.boot_timeout_s):
                 result["error"] = "daemon did not become ready: " + daemon.log_tail()
@@ -600,7 +608,8 @@ def run_one(cameras: int, transport: str, args) -> dict:
             # tens of seconds after READY) are boot's cost, reported here, not the pipeline's.
             result["spares_standing_by_after_ready_s"] = daemon.seconds_until_spares_stand_by(
                 args.spares_timeout_s)
-            measure(daemon, host, cameras, args, result)
+            measure(daemon, host, cameras, args, result,
+                    gpu_trace_request=tmp / "gpu-trace-request.json")
             return result
         except (OSError, RuntimeError, TimeoutError) as exc:
             result["error"] = f"{type(exc).__name__}: {exc} | {daemon.log_tail(8)}"
@@ -610,7 +619,8 @@ def run_one(cameras: int, transport: str, args) -> dict:
             result["boot"] = daemon.boot  # with the log's hung-at-boot counts, known after stop
 
 
-def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict) -> None:
+def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict,
+            gpu_trace_request: Path | None = None) -> None:
     """Warm up, read every Face stream through a window of capture time, fill `result`."""
     import pylsl
 
@@ -631,6 +641,9 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         spares_first = spare_threads_cpu_s(first)
         profiles = Profiles.start(first, args.profile_roles, window.length_s,
                                   args.log_dir / f"profile-{cameras}-{result['transport']}")
+        traces = (GpuTraces.request(gpu_trace_request, args.gpu_trace_s,
+                                    args.log_dir / f"gpu-trace-{cameras}-{result['transport']}")
+                  if args.gpu_trace_s > 0 and gpu_trace_request is not None else None)
         time.sleep(max(0.0, window.end_ts_lsl - pylsl.local_clock()))
         last = daemon.status()
         cpu_last = tree_cpu_s(daemon.process.pid)
@@ -643,6 +656,8 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
             time.sleep(0.05)
         drained = daemon.status()
         result["profiles"] = profiles.finish()
+        if traces is not None:
+            result["gpu_trace"] = traces.finish()
     finally:
         reader.close()
     counted = published_frames(reader.by_camera(), window, camera_ids, args.source,
@@ -688,6 +703,43 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         "transports_seen": transports, "fallback_reasons": reasons,
         "workers": [f"{w.name}:{w.state}:{w.restarts}" for w in drained.workers],
     })
+
+
+class GpuTraces:
+    """Note [Where the GPU's time goes] (workers/gpu_trace.py): asks every worker for the same
+    window of its GPU activity, then adds the traces up (bench/gpu_trace.py)."""
+
+    # Workers look for the request at their heartbeats (0.5 s), then prepare the profiler
+    # (seconds: Note [Where the GPU's time goes]); all start together after this lead.
+    LEAD_S = 8.0
+    SETTLE_S = 3.0  # no new trace file for this long after the window: every worker has written
+
+    def __init__(self, out_dir: Path, start_unix_s: float, seconds: float) -> None:
+        self.out_dir, self.start_unix_s, self.seconds = out_dir, start_unix_s, seconds
+
+    @classmethod
+    def request(cls, request_path: Path, seconds: float, out_dir: Path) -> GpuTraces:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        start_unix_s = time.time() + cls.LEAD_S
+        request_path.write_text(json.dumps({"start_unix_s": start_unix_s, "seconds": seconds,
+                                            "out_dir": str(out_dir)}))
+        return cls(out_dir, start_unix_s, seconds)
+
+    def finish(self, timeout_s: float = 30.0) -> dict:
+        deadline = time.time() + timeout_s
+        seen, settled_at = -1, time.time()
+        while time.time() < deadline:
+            count = len(list(self.out_dir.glob("*.json"))) if self.out_dir.is_dir() else 0
+            if count != seen:
+                seen, settled_at = count, time.time()
+            elif (time.time() > self.start_unix_s + self.seconds
+                  and time.time() - settled_at > self.SETTLE_S):
+                break
+            time.sleep(0.2)
+        if seen <= 0:
+            return {"error": f"no worker wrote a GPU trace into {self.out_dir} (no CUPTI?)"}
+        return {"dir": str(self.out_dir), "start_unix_s": self.start_unix_s,
+                **gpu_trace.summarize(self.out_dir, self.start_unix_s, self.seconds)}
 
 
 class Profiles:
@@ -911,6 +963,10 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         lines += ["", *newcomers_table(rows)]
     if any(r.get("profiles") for r in rows):
         lines += ["", *profiles_lines(rows)]
+    for row in rows:
+        if row.get("gpu_trace") and "error" not in row["gpu_trace"]:
+            lines += ["", f"{row['cameras']} cameras, {row['transport']}:",
+                      *gpu_trace.table_lines(row["gpu_trace"])]
     lines += ["", *legend({**accounting.DEFINITIONS, **BOOT_STOP_DEFINITIONS})]
     text = "\n".join(lines)
     print(text)
@@ -1162,6 +1218,11 @@ def main() -> int:
                         help="py-spy one worker of each of these roles (e.g. capture "
                              "roi_landmark detection) through the window; the top functions go "
                              "into the JSON and the table (needs py-spy)")
+    parser.add_argument("--gpu-trace-s", type=float, default=0.0, metavar="S",
+                        help="every worker with CUDA records S seconds of its GPU activity "
+                             "(torch.profiler's CUDA activity, CUPTI) inside the window; the "
+                             "JSON and the table get the GPU's time by process (Note [Where the "
+                             "GPU's time goes], bench/gpu_trace.py)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")

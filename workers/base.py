@@ -71,6 +71,7 @@ from facecast.shared.transport.messages import (
     TrackIdBlock,
     TrackIdGrant,
 )
+from facecast.workers.gpu_trace import GpuTraceWindow
 
 log = logging.getLogger(__name__)
 
@@ -461,10 +462,13 @@ def run(worker_class: type[Worker], name: str, control_endpoint: str, secret: st
             worker.state = "running"
             log.info("%s running (pid %d, cameras %s, %s)", worker.name, os.getpid(),
                      ", ".join(worker.camera_ids) or "none", worker.device)
+            gpu_trace = GpuTraceWindow.from_environment()  # Note [Where the GPU's time goes]
             while not worker.stopping:
                 worker.serve_control()
                 worker.step()
                 worker.heartbeat_if_due()
+                if gpu_trace is not None:
+                    gpu_trace.tick(worker.name)
                 if os.getppid() != parent_pid:
                     log.warning("%s: the supervisor is gone; stopping", worker.name)
                     break

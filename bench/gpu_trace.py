@@ -1,0 +1,185 @@
+"""Where one GPU's time goes across the daemon's processes (Note [Where the GPU's time goes],
+workers/gpu_trace.py): the Chrome traces each worker wrote for the same window, on one time line.
+
+    python3 bench/gpu_trace.py DIR --start-unix-s T --seconds S   # a folder of traces, printed
+
+`bench/pipeline.py --gpu-trace-s S` asks the daemon's workers for the traces and puts
+`summarize`'s result in its row ("gpu_trace") and a table under the run's.
+
+What is counted, in the window only (an interval is cut at its edges):
+- per process (its worker name): the time its kernels ran on the GPU (the union of its kernels'
+  intervals: two of its streams at once count once), its copies and fills (copy engines run
+  beside kernels, so they are apart), its kernel count, and its largest kernels by time;
+- the device: the time any kernel ran (the union over every process), and the sum of the
+  processes' own times. Kernels of different processes run side by side only under MPS; without
+  it the GPU gives each CUDA context time slices, so the sum equals the union and what is left
+  of the window is the time no kernel ran;
+- the turns: how often the next kernel to start on the GPU belongs to another process than the
+  last one, and the gap between them (the end of one process's kernel to the start of the
+  other's), against the gaps between two kernels of one process. A gap at a turn that is larger
+  than within a process is what a change of context costs the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KERNEL_CATEGORIES = {"kernel"}
+COPY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
+TOP_KERNELS = 5
+# A worker's trace file: "<worker name>-<pid>.json" (workers/gpu_trace.py).
+TRACE_NAME = re.compile(r"^(?P<worker>.+)-(?P<pid>\d+)\.json$")
+
+
+@dataclass
+class ProcessActivity:
+    """One process's GPU intervals in the window, in microseconds of the host's clock."""
+
+    worker: str
+    kernels: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, name)
+    copies: list[tuple[float, float]] = field(default_factory=list)
+
+
+def load_trace(path: Path, start_us: float, end_us: float) -> ProcessActivity:
+    """A worker's Chrome trace (torch.profiler's export), its GPU intervals cut to the window.
+    Its timestamps are `ts` microseconds after `baseTimeNanoseconds` (the host's clock)."""
+    match = TRACE_NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"{path}: not a worker's trace (<worker>-<pid>.json)")
+    trace = json.loads(path.read_text())
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1000.0
+    activity = ProcessActivity(match["worker"])
+    for event in trace.get("traceEvents", []):
+        category = event.get("cat")
+        if event.get("ph") != "X" or category not in KERNEL_CATEGORIES | COPY_CATEGORIES:
+            continue
+        begin = base_us + float(event["ts"])
+        end = begin + float(event.get("dur", 0.0))
+        begin, end = max(begin, start_us), min(end, end_us)
+        if end <= begin:
+            continue
+        if category in KERNEL_CATEGORIES:
+            activity.kernels.append((begin, end, str(event.get("name", "?"))))
+        else:
+            activity.copies.append((begin, end))
+    return activity
+
+
+def union_us(intervals) -> float:
+    """The time covered by (start, end, ...) intervals, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for begin, end, *_ in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(begin, reach)
+        reach = end
+    return total
+
+
+def turns(processes: list[ProcessActivity]) -> dict:
+    """The kernels of every process in order of start: how often the GPU went on with another
+    process's kernel, and the gaps (ms) before a kernel, at a turn and within one process."""
+    timeline = sorted((begin, end, index) for index, process in enumerate(processes)
+                      for begin, end, _ in process.kernels)
+    at_turn, within = [], []
+    reach, last = None, None
+    for begin, end, index in timeline:
+        if reach is not None and begin >= reach:  # an idle gap before this kernel
+            (within if index == last else at_turn).append(begin - reach)
+        elif reach is not None and index != last:
+            at_turn.append(0.0)  # overlapping another process's kernel (MPS), no gap
+        if reach is None or end > reach:
+            reach, last = end, index
+    return {"turns": len(at_turn),
+            "gap_at_turn_mean_us": round(_mean(at_turn), 1),
+            "gap_within_process_mean_us": round(_mean(within), 1),
+            "idle_at_turns_ms": round(sum(at_turn) / 1000.0, 2),
+            "idle_within_processes_ms": round(sum(within) / 1000.0, 2)}
+
+
+def recorded_window_s(paths: list[Path], start_unix_s: float, seconds: float
+                      ) -> tuple[float, float]:
+    """The time every worker recorded (the traces' `facecastWindowUnixS`, written by
+    workers/gpu_trace.py), within the requested window: (start, seconds)."""
+    begin, end = start_unix_s, start_unix_s + seconds
+    for path in paths:
+        recorded = json.loads(path.read_text()).get("facecastWindowUnixS")
+        if recorded:
+            begin, end = max(begin, recorded[0]), min(end, recorded[1])
+    return begin, max(0.0, end - begin)
+
+
+def summarize(trace_dir: Path, start_unix_s: float, seconds: float) -> dict:
+    """The window's GPU time by process and for the device (module docstring): the requested
+    window, cut to the time every worker recorded."""
+    paths = sorted(trace_dir.glob("*.json"))
+    requested_s = seconds
+    start_unix_s, seconds = recorded_window_s(paths, start_unix_s, seconds)
+    start_us, end_us = start_unix_s * 1e6, (start_unix_s + seconds) * 1e6
+    processes = [load_trace(path, start_us, end_us) for path in paths]
+    window_ms = seconds * 1000.0
+    by_process = {}
+    for process in processes:
+        names: dict[str, float] = {}
+        for begin, end, name in process.kernels:
+            names[name] = names.get(name, 0.0) + (end - begin)
+        top = sorted(names.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+        by_process[process.worker] = {
+            "kernel_ms": round(union_us(process.kernels) / 1000.0, 2),
+            "kernel_share": round(union_us(process.kernels) / 1000.0 / window_ms, 4),
+            "kernels": len(process.kernels),
+            "copy_ms": round(union_us(process.copies) / 1000.0, 2),
+            "top_kernels_ms": [[name[:80], round(us / 1000.0, 2)] for name, us in top],
+        }
+    every_kernel = [interval for process in processes for interval in process.kernels]
+    busy_ms = union_us(every_kernel) / 1000.0
+    return {
+        "window_s": round(seconds, 3),
+        "requested_window_s": requested_s,
+        "processes_traced": len(processes),
+        "kernel_busy_ms": round(busy_ms, 2),
+        "kernel_busy_share": round(busy_ms / window_ms, 4) if window_ms else 0.0,
+        "sum_of_processes_kernel_ms": round(sum(p["kernel_ms"] for p in by_process.values()), 2),
+        **turns(processes),
+        "by_process": by_process,
+    }
+
+
+def table_lines(summary: dict) -> list[str]:
+    """The summary as the bench prints it."""
+    lines = [f"GPU time in a {summary['window_s']:.1f} s window ({summary['processes_traced']} "
+             f"processes traced): kernels ran {100 * summary['kernel_busy_share']:.1f} % of it "
+             f"(sum of the processes' own: {summary['sum_of_processes_kernel_ms']:.1f} ms of "
+             f"{summary['kernel_busy_ms']:.1f}); {summary['turns']} turns between processes, "
+             f"gap {summary['gap_at_turn_mean_us']:.1f} us at a turn against "
+             f"{summary['gap_within_process_mean_us']:.1f} us within one",
+             "| process | kernels ms (share) | kernels | copies ms | largest kernels (ms) |",
+             "|---|---|---|---|---|"]
+    for worker, row in sorted(summary["by_process"].items(), key=lambda item: -item[1]["kernel_ms"]):
+        top = "; ".join(f"{name} {ms}" for name, ms in row["top_kernels_ms"][:3])
+        lines.append(f"| {worker} | {row['kernel_ms']} ({100 * row['kernel_share']:.1f} %) | "
+                     f"{row['kernels']} | {row['copy_ms']} | {top} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--start-unix-s", type=float, required=True)
+    parser.add_argument("--seconds", type=float, required=True)
+    args = parser.parse_args(argv)
+    print("\n".join(table_lines(summarize(args.trace_dir, args.start_unix_s, args.seconds))))
+    return 0
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
