@@ -45,8 +45,7 @@
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
 #   gpu_time      where the GPU's time goes at 64 replayed cameras, by process (every worker's
 #                 CUDA activity through 3 s, bench/gpu_trace.py; Note [Where the GPU's time goes]),
-#                 then the same under NVIDIA MPS where it is installed; runs with traces are for
-#                 the GPU's time only (preparing the profiler stalls each worker once) (2-4, H100)
+#                 then the same under NVIDIA MPS where it is installed (2-4, H100)
 #   half          the daemon at 32 and 64 replayed cameras with its default float32 models, then
 #                 with float16 ones (models.half), one after the other (5, H100 2026-11-27)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32, and the

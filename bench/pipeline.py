@@ -625,7 +625,17 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
     import pylsl
 
     camera_ids = [f"cam{k:02d}" for k in range(cameras)]
-    time.sleep(args.warmup_s)
+    warmup_s, traces = args.warmup_s, None
+    if args.gpu_trace_s > 0 and gpu_trace_request is not None:
+        # Preparing the profiler stalls each worker for seconds (Note [Where the GPU's time
+        # goes]): asked for now, it stalls them in the warm-up, and the traces' window lies in
+        # the bench's.
+        warmup_s = max(warmup_s, GpuTraces.PREPARE_S)
+        traces = GpuTraces.request(
+            gpu_trace_request, args.gpu_trace_s,
+            args.log_dir / f"gpu-trace-{cameras}-{result['transport']}",
+            start_unix_s=time.time() + warmup_s + GpuTraces.INTO_WINDOW_S)
+    time.sleep(warmup_s)
     reader = FaceStreamReader(host, cameras * MAX_FACES, timeout_s=60.0)
     try:
         deadline_monotonic = time.monotonic() + 30.0
@@ -641,9 +651,6 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         spares_first = spare_threads_cpu_s(first)
         profiles = Profiles.start(first, args.profile_roles, window.length_s,
                                   args.log_dir / f"profile-{cameras}-{result['transport']}")
-        traces = (GpuTraces.request(gpu_trace_request, args.gpu_trace_s,
-                                    args.log_dir / f"gpu-trace-{cameras}-{result['transport']}")
-                  if args.gpu_trace_s > 0 and gpu_trace_request is not None else None)
         time.sleep(max(0.0, window.end_ts_lsl - pylsl.local_clock()))
         last = daemon.status()
         cpu_last = tree_cpu_s(daemon.process.pid)
@@ -709,18 +716,19 @@ class GpuTraces:
     """Note [Where the GPU's time goes] (workers/gpu_trace.py): asks every worker for the same
     window of its GPU activity, then adds the traces up (bench/gpu_trace.py)."""
 
-    # Workers look for the request at their heartbeats (0.5 s), then prepare the profiler
-    # (seconds: Note [Where the GPU's time goes]); all start together after this lead.
-    LEAD_S = 8.0
+    # Workers look for the request at their heartbeats (0.5 s), then prepare the profiler,
+    # which took them 5.6-6.8 s at 64 cameras on the H100: the warm-up is at least this long.
+    PREPARE_S = 12.0
+    INTO_WINDOW_S = 2.0  # the traces start this long after the warm-up, inside the window
     SETTLE_S = 3.0  # no new trace file for this long after the window: every worker has written
 
     def __init__(self, out_dir: Path, start_unix_s: float, seconds: float) -> None:
         self.out_dir, self.start_unix_s, self.seconds = out_dir, start_unix_s, seconds
 
     @classmethod
-    def request(cls, request_path: Path, seconds: float, out_dir: Path) -> GpuTraces:
+    def request(cls, request_path: Path, seconds: float, out_dir: Path,
+                start_unix_s: float) -> GpuTraces:
         shutil.rmtree(out_dir, ignore_errors=True)
-        start_unix_s = time.time() + cls.LEAD_S
         request_path.write_text(json.dumps({"start_unix_s": start_unix_s, "seconds": seconds,
                                             "out_dir": str(out_dir)}))
         return cls(out_dir, start_unix_s, seconds)
@@ -1222,7 +1230,8 @@ def main() -> int:
                         help="every worker with CUDA records S seconds of its GPU activity "
                              "(torch.profiler's CUDA activity, CUPTI) inside the window; the "
                              "JSON and the table get the GPU's time by process (Note [Where the "
-                             "GPU's time goes], bench/gpu_trace.py)")
+                             "GPU's time goes], bench/gpu_trace.py); the warm-up is then at least "
+                             f"{GpuTraces.PREPARE_S:g} s, while the workers prepare their profilers")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="models.cuda_graphs = false (eager kernels)")
     parser.add_argument("--half", action="store_true", help="models.half = true (float16)")
@@ -1277,6 +1286,10 @@ def main() -> int:
     if args.genlocked and args.source == "synthetic":
         parser.error("--genlocked: the live synthetic source has no phase (it renders when "
                      "it captures); use a replayed source (synthetic-replay, -h264, -mjpeg)")
+    if args.gpu_trace_s > 0 and args.measure_s < GpuTraces.INTO_WINDOW_S + args.gpu_trace_s + 1:
+        parser.error(f"--gpu-trace-s {args.gpu_trace_s}: the traces start "
+                     f"{GpuTraces.INTO_WINDOW_S} s into the window and must end a second before "
+                     f"it: --measure-s {GpuTraces.INTO_WINDOW_S + args.gpu_trace_s + 1:g} or more")
     if args.newcomers and args.mediapipe_baseline:
         parser.error("--newcomers stages facecast's cameras only: run the baseline without it")
     if args.boot_stop_only and args.mediapipe_baseline:

@@ -22,8 +22,9 @@ Note [Where the GPU's time goes]
     worker's recording really started and stopped go into its trace
     (`facecastWindowUnixS`), and the bench adds up only the time every worker recorded. Only
     CUDA activity is recorded (no operator events on the host: a capture worker's sixteen
-    camera threads would pay for those), and each process writes one trace, once. A run with
-    traces is for the GPU's time only: preparing stalls each worker once, before the window.
+    camera threads would pay for those), and each process writes one trace, once. The bench
+    asks at the start of its warm-up (at least 12 s then), so that the stall falls before its
+    window; recording kernels still costs the GPU's and the host's time while it lasts.
 """
 
 from __future__ import annotations
