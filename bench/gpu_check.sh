@@ -44,8 +44,9 @@
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
 #   gpu_time      where the GPU's time goes at 64 replayed cameras, by process (every worker's
-#                 CUDA activity through 3 s, bench/gpu_trace.py; Note [Where the GPU's time goes]),
-#                 then the same under NVIDIA MPS where it is installed (2-4, H100)
+#                 CUDA activity through 3 s, bench/gpu_trace.py; Note [Where the GPU's time goes]):
+#                 the defaults, float16 models, one roi_landmark worker, and the defaults under
+#                 NVIDIA MPS where it is installed, one after the other (6-7, H100)
 #   half          the daemon at 32 and 64 replayed cameras with its default float32 models, then
 #                 with float16 ones (models.half), one after the other (5, H100 2026-11-27)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32, and the
@@ -213,10 +214,15 @@ run)
                 echo quit | nvidia-cuda-mps-control
                 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             fi ;;
-        gpu_time) # Note [Where the GPU's time goes]: time slices (no MPS), then MPS.
-            step gpu_time python3 bench/pipeline.py --cameras 64 --transports cuda_ipc \
-                --source synthetic-replay --warmup-s 5 --measure-s 15 --gpu-trace-s 3 \
-                --out "$STATE/benchmarks-gpu-time.json" --log-dir "$STATE/logs-gpu-time"
+        gpu_time) # Note [Where the GPU's time goes]: each variant's GPU time by process.
+            for variant in defaults half one_roi_worker; do
+                extra=""
+                [ $variant = half ] && extra="--half"
+                [ $variant = one_roi_worker ] && extra="--roi-workers 1"
+                step "gpu_time-$variant" python3 bench/pipeline.py --cameras 64 --transports cuda_ipc \
+                    --source synthetic-replay --warmup-s 5 --measure-s 15 --gpu-trace-s 3 $extra \
+                    --out "$STATE/benchmarks-gpu-time-$variant.json" --log-dir "$STATE/logs-gpu-time-$variant"
+            done
             if command -v nvidia-cuda-mps-control > /dev/null; then
                 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
                 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
