@@ -236,19 +236,27 @@ def _project_points_on_host(points_model_px: np.ndarray, rects: roi_mod.RotatedR
     (Note [The CPU stack's results in numpy]); the rects' cosines and sines are torch's."""
     size = rects.size_wh_px.numpy()
     cos, sin = torch.cos(rects.rotation_rad).numpy()[:, None], torch.sin(rects.rotation_rad).numpy()[:, None]
-    xy = (points_model_px[..., :2] / input_px - 0.5) * size[:, None, :]
-    x, y = xy[..., 0], xy[..., 1]
-    image_xy = np.stack([cos * x - sin * y, sin * x + cos * y], axis=-1) + rects.center_xy_px.numpy()[:, None, :]
-    z = points_model_px[..., 2:3] * (size[:, None, 0:1] / input_px)  # z goes with x
-    return np.concatenate([image_xy, z], axis=-1)
+    # Each coordinate as contiguous rows (N, 3, P): the same operations per element as on the
+    # points' strided columns, in SIMD steps (Note [Landmark extents over a contiguous axis]).
+    rows = np.ascontiguousarray(points_model_px.transpose(0, 2, 1))
+    x = (rows[:, 0] / input_px - 0.5) * size[:, 0:1]
+    y = (rows[:, 1] / input_px - 0.5) * size[:, 1:2]
+    centre = rects.center_xy_px.numpy()
+    image = np.empty(points_model_px.shape, np.result_type(x, cos, centre))
+    image[..., 0] = cos * x - sin * y + centre[:, 0:1]
+    image[..., 1] = sin * x + cos * y + centre[:, 1:2]
+    image[..., 2] = rows[:, 2] * (size[:, 0:1] / input_px)  # z goes with x
+    return image
 
 
-def _boxes_from_landmarks_on_host(landmarks_px: np.ndarray) -> np.ndarray:
-    """:func:`boxes_from_landmarks` in numpy (Note [The CPU stack's results in numpy])."""
-    mesh = landmarks_px[:, :NUM_MESH_POINTS, :2]
-    low, high = mesh.min(axis=1), mesh.max(axis=1)
+def _boxes_from_landmarks_on_host(landmarks_px: np.ndarray, xy_rows: np.ndarray | None = None) -> np.ndarray:
+    """:func:`boxes_from_landmarks` in numpy (Note [The CPU stack's results in numpy]);
+    ``xy_rows``: the landmarks' roi.xy_rows_on_host, where made already."""
+    if xy_rows is None:
+        xy_rows = roi_mod.xy_rows_on_host(landmarks_px)
+    low, high = roi_mod.xy_extents_on_host(xy_rows, NUM_MESH_POINTS)  # Note [Landmark extents over a contiguous axis]
     side = (high - low).max(axis=1, keepdims=True)
-    centre = (low + high) / 2 + side * np.asarray(TRACKED_BOX_CENTER_OFFSET, mesh.dtype)
+    centre = (low + high) / 2 + side * np.asarray(TRACKED_BOX_CENTER_OFFSET, landmarks_px.dtype)
     half = side * TRACKED_BOX_SIDE / 2
     return np.concatenate([centre - half, centre + half], axis=1)
 
@@ -538,11 +546,11 @@ class FaceMeasurer:
         landmarks, presence, blendshapes = self.landmarks_on_host(crops, rects)
         table = roi_table.numpy()
         owner, is_tracked, frame_wh = table[:, 0], table[:, 1] > 0, table[:, 2:4]
-        boxes = np.where(is_tracked[:, None], _boxes_from_landmarks_on_host(landmarks),
+        xy_rows = roi_mod.xy_rows_on_host(landmarks)  # Note [Landmark extents over a contiguous axis]
+        boxes = np.where(is_tracked[:, None], _boxes_from_landmarks_on_host(landmarks, xy_rows),
                          roi_boxes.numpy().astype(np.float32, copy=False))
         scores = np.where(is_tracked, presence, roi_scores.numpy().astype(np.float32, copy=False))
-        points = landmarks[..., :2]
-        bounds = np.concatenate([points.min(axis=1), points.max(axis=1)], axis=1)  # landmark_bounds
+        bounds = np.concatenate(roi_mod.xy_extents_on_host(xy_rows), axis=1)  # landmark_bounds
         kept, rank = drop_overlapping_on_host(bounds, presence, owner, presence >= self.min_presence, SAME_FACE_IOU,
                                               self.max_faces, max_group_size=group_steps)
         matrices = self.geometry.matrices_on_host(landmarks, frame_wh)  # Note [Face geometry on the CPU in numpy]

@@ -252,7 +252,14 @@ class FaceTracks:
         kept_per_frame = [len(rows) for rows in measured.rows]
         kept_rows = np.fromiter((k for rows in measured.rows for k in rows), np.int64, sum(kept_per_frame))
         followed = None
-        if kept_rows.shape[0]:
+        kept = kept_rows.shape[0]
+        if (kept and self.device.type == "cpu" and kept == measured.boxes_host_px.shape[0]
+                and (kept_rows == np.arange(kept)).all()):
+            # Every face kept, in the measured order (one face a frame, always): on the CPU the
+            # measured rows as they are, not an identity gather of each (Note [A tracking step
+            # without detections on the CPU]); the measured table is the step's own.
+            followed = _Followed(measured.landmarks_px, measured.boxes_px, measured.boxes_host_px)
+        elif kept:
             index = roi_mod.from_host(kept_rows, self.device)
             followed = _Followed(measured.landmarks_px[index], measured.boxes_px[index],
                                  measured.boxes_host_px[kept_rows])

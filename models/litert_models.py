@@ -137,8 +137,15 @@ class _Invoker:
 
     def run(self, arrays: list[np.ndarray], batch: int) -> tuple[torch.Tensor, ...]:
         """One invoke per sample (Note [LiteRT on the CPU]), the outputs stacked."""
-        results = [np.empty((batch, *shape), np.float32) for shape in self.output_shapes]
         interpreter = self.interpreter
+        if batch == 1:  # get_tensor's copies are the outputs: no stacking, no second copy
+            for index, full_shape, array in zip(self.input_indices, self.input_full_shapes, arrays):
+                interpreter.set_tensor(index, array.reshape(full_shape))
+            interpreter.invoke()
+            return tuple(torch.from_numpy(interpreter.get_tensor(index).astype(np.float32, copy=False)
+                                          .reshape(1, *shape))
+                         for index, shape in zip(self.output_indices, self.output_shapes))
+        results = [np.empty((batch, *shape), np.float32) for shape in self.output_shapes]
         for sample in range(batch):
             for index, full_shape, array in zip(self.input_indices, self.input_full_shapes, arrays):
                 interpreter.set_tensor(index, array[sample].reshape(full_shape))

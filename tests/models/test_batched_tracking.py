@@ -209,7 +209,7 @@ def test_steps_without_detections_match_the_per_face_code(device):
     tracks = FaceTracks(torch.device(device), MAX_FACES, detect_interval_frames=4)
     cameras = [f"cam{k}" for k in range(3)]
     reference = [ReferenceState() for _ in cameras]
-    without_detections = 0
+    without_detections = measured_whole = 0
     for step in range(24):
         states = tracks.states(cameras)
         det_by_frame = {i: detections(rng, state, device) for i, state in enumerate(states)
@@ -224,9 +224,14 @@ def test_steps_without_detections_match_the_per_face_code(device):
                     else Measured.nothing(len(cameras)))
         tracks.follow(states, rois.owners, measured)
         reference_follow(reference, rois.owners, measured)
+        # Every face kept in the measured order: on the CPU the tracks keep the measured rows
+        # as they are (no gather), which the next step's ROIs above compare with the reference.
+        measured_whole += any(state.followed is not None and state.followed.landmarks_px is measured.landmarks_px
+                              for state in states)
         for state, want in zip(states, reference):
             assert state.face_count == len(want.tracks)
     assert without_detections >= 12
+    assert measured_whole >= 12 if device == "cpu" else measured_whole == 0
 
 
 def test_rects_from_landmarks_in_numpy_are_the_tensor_operations_rects():
@@ -246,3 +251,42 @@ def test_rects_from_landmarks_in_numpy_are_the_tensor_operations_rects():
         assert ours.dtype == theirs.dtype == torch.float32, name
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
     assert got.rotation_rad.abs().max() <= np.pi
+
+
+def test_landmark_extents_over_contiguous_rows_are_the_strided_reductions():
+    """roi.xy_extents_on_host of roi.xy_rows_on_host (Note [Landmark extents over a contiguous
+    axis]) gives each face's least and greatest x and y over all its points, or its first
+    ones, exactly as the reductions over the points' axis; a NaN comes out as NaN."""
+    rng = np.random.default_rng(12)
+    for faces in (1, 4, 9):
+        landmarks = (rng.normal(0, 1, (faces, 478, 3)) * rng.uniform(5, 300, (faces, 1, 1))
+                     + rng.uniform(-50, 1900, (faces, 1, 3))).astype(np.float32)
+        if faces == 4:
+            landmarks[2, 100, 1] = np.nan
+        rows = roi_mod.xy_rows_on_host(landmarks)
+        assert rows.shape == (faces, 2, 478) and rows.flags.c_contiguous
+        for count in (None, 468):
+            low, high = roi_mod.xy_extents_on_host(rows, count)
+            points = landmarks[:, :count, :2]
+            np.testing.assert_array_equal(low, points.min(axis=1))
+            np.testing.assert_array_equal(high, points.max(axis=1))
+            assert low.dtype == high.dtype == np.float32
+
+
+def test_landmarks_projected_in_numpy_are_the_tensor_operations_points():
+    """face_mesh._project_points_on_host (the CPU stack's landmarks, computed over contiguous
+    rows of each coordinate) gives roi.project_points's values exactly: faces turned every
+    way, of any size, one or several a batch."""
+    from facecast.models.face_mesh import _project_points_on_host
+
+    rng = np.random.default_rng(13)
+    for faces in (1, 4, 7):
+        points = (rng.uniform(-20, 276, (faces, 478, 3))).astype(np.float32)
+        rects = roi_mod.RotatedRects(
+            torch.from_numpy(rng.uniform(0, 1900, (faces, 2)).astype(np.float32)),
+            torch.from_numpy(np.repeat(rng.uniform(40, 900, (faces, 1)), 2, axis=1).astype(np.float32)),
+            torch.from_numpy(rng.uniform(-np.pi, np.pi, faces).astype(np.float32)))
+        expected = roi_mod.project_points(torch.from_numpy(points), rects, 256).numpy()
+        got = _project_points_on_host(points, rects, 256)
+        assert got.dtype == expected.dtype == np.float32 and got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)

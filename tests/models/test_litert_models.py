@@ -46,6 +46,24 @@ def test_a_model_in_litert_gives_the_converted_models_outputs(landmarker_bundle,
     assert not torch.equal(got[0][0], got[0][1])
 
 
+@pytest.mark.parametrize("member", ["face_landmarks_detector", "face_blendshapes"])
+def test_one_sample_gives_what_it_gives_in_a_batch(landmarker_bundle, member):
+    """A batch of one takes its outputs straight from the interpreter's copies (_Invoker.run);
+    each sample of a batch gets the same outputs, bit for bit, as float32 of the same shapes."""
+    model = LiteRTModel(getattr(landmarker_bundle, member), threads=1)
+    shape = model.input_shapes[0]
+    inputs = torch.from_numpy(np.random.default_rng(8).random((2, *shape), np.float32) * 300.0)
+    with torch.inference_mode():
+        batched = model(inputs)
+        alone = [model(inputs[k:k + 1]) for k in range(2)]
+    for k, outputs in enumerate(alone):
+        assert len(outputs) == len(batched)
+        for have, want in zip(outputs, batched):
+            assert have.dtype == want.dtype == torch.float32
+            assert have.shape == want[k:k + 1].shape
+            assert torch.equal(have, want[k:k + 1])
+
+
 def test_a_wrong_input_is_refused_naming_the_shape(landmarker_bundle):
     model = LiteRTModel(landmarker_bundle.face_landmarks_detector, threads=1)
     with pytest.raises(ValueError, match=r"must be \(2, 256, 256, 3\), got \(2, 192, 192, 3\)"):
