@@ -408,6 +408,7 @@ class FaceGeometry:
         self._used = np.flatnonzero(metadata.landmark_weights > 0)
         self._model_by_device: dict[torch.device, tuple[torch.Tensor, ProcrustesSource]] = {}
         self._host_model: _HostProcrustes | None = None  # Note [Face geometry on the CPU in numpy]
+        self._host_mappings: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def read(cls, path: str | Path, procrustes_method: str = "squaring") -> "FaceGeometry":
@@ -479,19 +480,36 @@ class FaceGeometry:
         bottom[..., 3].fill_(1.0)  # (an assigned Python number is a tensor made from host data)
         return torch.cat([top, bottom], dim=1)
 
+    def _screen_mapping_on_host(self, frame_wh_px: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(per_x (N,), factor (N, 1, 3), offset (N, 1, 3)) of :meth:`matrices_on_host` for
+        faces in frames of these sizes: the same for every frame of a file, so kept for the
+        last few tables of sizes (a dozen numpy calls a frame fewer; the values are these
+        operations' on the same sizes)."""
+        key = (frame_wh_px.dtype.str, frame_wh_px.shape, frame_wh_px.tobytes())
+        mapping = self._host_mappings.get(key)
+        if mapping is None:
+            size = frame_wh_px.astype(np.float64)
+            near_width = self.near_height * size[:, 0] / size[:, 1]
+            per_x = near_width / size[:, 0]
+            factor = np.stack([per_x, -self.near_height / size[:, 1], per_x], axis=-1)[:, None]
+            offset = np.stack([-near_width / 2, np.full_like(near_width, self.near_height / 2),
+                               np.zeros_like(near_width)], axis=-1)[:, None]
+            mapping = (per_x, factor, offset)
+            for array in mapping:
+                array.flags.writeable = False  # shared by the frames that use it
+            if len(self._host_mappings) >= 8:
+                self._host_mappings.pop(next(iter(self._host_mappings)))
+            self._host_mappings[key] = mapping
+        return mapping
+
     def matrices_on_host(self, landmarks_px: np.ndarray, frame_wh_px: np.ndarray) -> np.ndarray:
         """:meth:`matrices` in numpy, the fits by LAPACK's eigenvector (Note [Face geometry on
         the CPU in numpy]): the tensors' path step for step."""
         if self._host_model is None:
             self._host_model = _HostProcrustes.of(self._model_on(torch.device("cpu"))[1])
         canonical = self._host_model
-        size = frame_wh_px.astype(np.float64)
-        count = size.shape[0]
-        near_width = self.near_height * size[:, 0] / size[:, 1]
-        per_x = near_width / size[:, 0]
-        factor = np.stack([per_x, -self.near_height / size[:, 1], per_x], axis=-1)[:, None]
-        offset = np.stack([-near_width / 2, np.full_like(near_width, self.near_height / 2),
-                           np.zeros_like(near_width)], axis=-1)[:, None]
+        count = frame_wh_px.shape[0]
+        per_x, factor, offset = self._screen_mapping_on_host(frame_wh_px)
         mesh = landmarks_px[:, :NUM_CANONICAL_VERTICES]
         screen = offset + mesh[:, self._used].astype(np.float64) * factor  # (N, K, 3)
         depth_offset = mesh[..., 2].astype(np.float64).mean(axis=1, keepdims=True) * per_x[:, None]

@@ -444,6 +444,8 @@ class FaceMeasurer:
         frame_index = uploaded[roi_host.size:].long()
         crops = roi_mod.crop_rois(batch, frame_index, rects, self.input_px, border="replicate",
                                   dtype=self.model_dtype)
+        if len(chunks) == 1 and padded[0] == len(owners):  # one chunk of every ROI, as they are
+            return self._chunk_table(crops, rects, roi_table, roi_boxes, roi_scores, group_steps)
         parts = [self._chunk_table(crops[start:stop], rects[start:stop], roi_table[first:first + rows],
                                    roi_boxes[start:stop], roi_scores[start:stop], group_steps)
                  for (start, stop), first, rows in zip(chunks, starts, padded)]

@@ -322,15 +322,34 @@ class FrameBatch:
         if row_offsets_px is None:
             row_offsets_px = np.cumsum([0] + [h for h, _ in sizes_hw])[:-1]
         self.row_offsets_px = [int(o) for o in row_offsets_px]
-        # One host-to-device copy for both per-frame tables.
-        table = torch.tensor([[o, h, w] for o, (h, w) in zip(self.row_offsets_px, sizes_hw)], dtype=torch.float32)
-        if device.type == "cuda":  # without waiting for the device's queued work
-            table = table.pin_memory()
-        table = table.to(device, non_blocking=True)
-        self.frame_table = table  # (F, 3) float32: row offset, height, width
-        self.row_offset = table[:, 0]
-        self.frame_hw = table[:, 1:]
+        self._frame_table = None
+        if device.type != "cpu":  # made before any graph's capture, as the frames arrive
+            self._frame_table = self._make_frame_table()
         self._tall = None
+
+    def _make_frame_table(self) -> torch.Tensor:
+        # One host-to-device copy for both per-frame tables.
+        table = torch.tensor([[o, h, w] for o, (h, w) in zip(self.row_offsets_px, self.sizes_hw)],
+                             dtype=torch.float32)
+        if self.device.type == "cuda":  # without waiting for the device's queued work
+            table = table.pin_memory()
+        return table.to(self.device, non_blocking=True)
+
+    @property
+    def frame_table(self) -> torch.Tensor:
+        """(F, 3) float32 on the device: each frame's row offset, height, width (the gathers'
+        and the crop kernel's; on the CPU made on first use: OpenCV's crops read the lists)."""
+        if self._frame_table is None:
+            self._frame_table = self._make_frame_table()
+        return self._frame_table
+
+    @property
+    def row_offset(self) -> torch.Tensor:
+        return self.frame_table[:, 0]
+
+    @property
+    def frame_hw(self) -> torch.Tensor:
+        return self.frame_table[:, 1:]
 
     @property
     def tall(self) -> torch.Tensor:
@@ -352,6 +371,11 @@ def _rows_of_one_buffer(frames: Sequence[torch.Tensor], device: torch.device
     if not frames or not all(isinstance(f, torch.Tensor) for f in frames):
         return None
     first = frames[0]
+    if len(frames) == 1:  # one frame (`facecast analyze` of one file): itself, in one buffer always
+        usable = (first.dim() == 3 and first.dtype == torch.uint8 and first.shape[2] == 3
+                  and first.device.type == device.type
+                  and (device.index is None or first.device.index == device.index) and first.is_contiguous())
+        return (first, [0]) if usable else None
     width = first.shape[1] if first.dim() == 3 else -1
     row_bytes = width * 3
     storage = first.untyped_storage().data_ptr()

@@ -308,6 +308,24 @@ def test_numpy_geometry_on_the_cpu_matches_the_tensor_operations(landmarker_bund
     np.testing.assert_allclose(poses, reference_head_pose_from_matrices(as_tensors.numpy()), atol=1e-7)
 
 
+def test_numpy_geometry_keeps_each_frame_sizes_mapping_and_gives_the_same_matrices(landmarker_bundle,
+                                                                                     real_faces):
+    """FaceGeometry.matrices_on_host keeps the screen mapping of the last few tables of frame
+    sizes: frames of sizes met before, between others, get the matrices bit for bit that a
+    geometry seeing them first computes."""
+    landmarks, sizes = real_faces
+    sizes = sizes.astype(np.float32)
+    kept = FaceGeometry.read(landmarker_bundle.geometry_metadata, procrustes_method="eigh")
+    tables = [sizes, sizes[:1], sizes[::-1] * 2, sizes] + [sizes * (1 + k) for k in range(10)] + [sizes]
+    for table in tables:
+        count = table.shape[0]
+        fresh = FaceGeometry.read(landmarker_bundle.geometry_metadata, procrustes_method="eigh")
+        expected = fresh.matrices_on_host(landmarks[:count], table)
+        got = kept.matrices_on_host(landmarks[:count], table)
+        np.testing.assert_array_equal(got, expected)
+    assert len(kept._host_mappings) <= 8
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_head_pose_from_landmarks_matches_the_per_face_code(real_faces, device):
     landmarks, sizes = real_faces

@@ -390,6 +390,21 @@ def test_frames_in_one_buffer_are_cropped_where_they_lie_and_others_are_stacked(
     with pytest.raises(ValueError, match="uint8"):
         roi.FrameBatch.in_place([first, second.float()], "cpu")
 
+    # One frame (`facecast analyze` of one file): itself where it is contiguous uint8, with the
+    # frame table of a stacked batch (made on first use on the CPU); else stacked.
+    alone = roi.FrameBatch.in_place([second], "cpu")
+    assert alone.pixels.data_ptr() == second.data_ptr() and alone.pixels.shape == second.shape
+    assert alone.row_offsets_px == [0] and alone.sizes_hw == [(200, 400)]
+    assert torch.equal(alone.frame_table, roi.FrameBatch([coffee], "cpu").frame_table)
+    assert alone.row_offset.tolist() == [0.0] and alone.frame_hw.tolist() == [[200.0, 400.0]]
+    assert torch.equal(roi.crop_rois(alone, torch.tensor([0, 0]), rects[1:], 64),
+                       roi.crop_rois(stacked, torch.tensor([1, 1]), rects[1:], 64))
+    strided = torch.from_numpy(coffee)[:, ::2]
+    copied = roi.FrameBatch.in_place([strided], "cpu")
+    assert copied.pixels.data_ptr() != strided.data_ptr() and torch.equal(copied.pixels, strided)
+    with pytest.raises(ValueError, match="uint8"):
+        roi.FrameBatch.in_place([second.float()], "cpu")
+
 
 def test_crop_rois_zero_border_is_black():
     frame = np.full((100, 200, 3), 200, np.uint8)
