@@ -9,7 +9,9 @@ workers/gpu_trace.py): the Chrome traces each worker wrote for the same window, 
 What is counted, in the window only (an interval is cut at its edges):
 - per process (its worker name): the time its kernels ran on the GPU (the union of its kernels'
   intervals: two of its streams at once count once), its copies and fills (copy engines run
-  beside kernels, so they are apart), its kernel count, and its largest kernels by time;
+  beside kernels, so they are apart), its kernel count, their median span and the share under
+  10 us, its graph launches and the kernels it launched one by one (the host's calls), and its
+  largest kernels by time;
 - the device: the time any kernel ran (the union over every process), and the sum of the
   processes' own times. Kernels of different processes run side by side only under MPS; without
   it the GPU gives each CUDA context time slices, so the sum equals the union and what is left
@@ -36,13 +38,22 @@ TOP_KERNELS = 5
 TRACE_NAME = re.compile(r"^(?P<worker>.+)-(?P<pid>\d+)\.json$")
 
 
+# The host's calls that start GPU work: a CUDA graph, or one kernel (runtime or driver API).
+GRAPH_LAUNCHES = {"cudaGraphLaunch", "cuGraphLaunch"}
+KERNEL_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+SMALL_KERNEL_US = 10.0
+
+
 @dataclass
 class ProcessActivity:
-    """One process's GPU intervals in the window, in microseconds of the host's clock."""
+    """One process's GPU intervals in the window, in microseconds of the host's clock, and its
+    launches in it (the host's calls, counted by when they were made)."""
 
     worker: str
     kernels: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, name)
     copies: list[tuple[float, float]] = field(default_factory=list)
+    graph_launches: int = 0
+    kernel_launches: int = 0  # kernels launched one by one, outside graphs
 
 
 def load_trace(path: Path, start_us: float, end_us: float) -> ProcessActivity:
@@ -56,6 +67,12 @@ def load_trace(path: Path, start_us: float, end_us: float) -> ProcessActivity:
     activity = ProcessActivity(match["worker"])
     for event in trace.get("traceEvents", []):
         category = event.get("cat")
+        if event.get("ph") == "X" and category == "cuda_runtime":
+            if start_us <= base_us + float(event["ts"]) < end_us:
+                name = event.get("name")
+                activity.graph_launches += name in GRAPH_LAUNCHES
+                activity.kernel_launches += name in KERNEL_LAUNCHES
+            continue
         if event.get("ph") != "X" or category not in KERNEL_CATEGORIES | COPY_CATEGORIES:
             continue
         begin = base_us + float(event["ts"])
@@ -129,10 +146,16 @@ def summarize(trace_dir: Path, start_unix_s: float, seconds: float) -> dict:
         for begin, end, name in process.kernels:
             names[name] = names.get(name, 0.0) + (end - begin)
         top = sorted(names.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+        spans = sorted(end - begin for begin, end, _ in process.kernels)
         by_process[process.worker] = {
             "kernel_ms": round(union_us(process.kernels) / 1000.0, 2),
             "kernel_share": round(union_us(process.kernels) / 1000.0 / window_ms, 4),
             "kernels": len(process.kernels),
+            "median_kernel_us": round(spans[len(spans) // 2], 2) if spans else 0.0,
+            "small_kernels_share": (round(sum(span < SMALL_KERNEL_US for span in spans) / len(spans), 3)
+                                    if spans else 0.0),
+            "graph_launches": process.graph_launches,
+            "kernel_launches": process.kernel_launches,
             "copy_ms": round(union_us(process.copies) / 1000.0, 2),
             "top_kernels_ms": [[name[:80], round(us / 1000.0, 2)] for name, us in top],
         }
@@ -158,12 +181,15 @@ def table_lines(summary: dict) -> list[str]:
              f"{summary['kernel_busy_ms']:.1f}); {summary['turns']} turns between processes, "
              f"gap {summary['gap_at_turn_mean_us']:.1f} us at a turn against "
              f"{summary['gap_within_process_mean_us']:.1f} us within one",
-             "| process | kernels ms (share) | kernels | copies ms | largest kernels (ms) |",
-             "|---|---|---|---|---|"]
+             "| process | kernels ms (share) | kernels (median us, under 10 us) | graph launches, "
+             "single kernels | copies ms | largest kernels (ms) |",
+             "|---|---|---|---|---|---|"]
     for worker, row in sorted(summary["by_process"].items(), key=lambda item: -item[1]["kernel_ms"]):
         top = "; ".join(f"{name} {ms}" for name, ms in row["top_kernels_ms"][:3])
         lines.append(f"| {worker} | {row['kernel_ms']} ({100 * row['kernel_share']:.1f} %) | "
-                     f"{row['kernels']} | {row['copy_ms']} | {top} |")
+                     f"{row['kernels']} ({row['median_kernel_us']}, "
+                     f"{100 * row['small_kernels_share']:.0f} %) | {row['graph_launches']}, "
+                     f"{row['kernel_launches']} | {row['copy_ms']} | {top} |")
     return lines
 
 

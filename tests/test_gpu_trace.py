@@ -29,8 +29,8 @@ def _write_trace(folder: Path, name: str, kernels, copies=(), other=()) -> None:
               for i, (begin, end) in enumerate(kernels)]
     events += [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": b, "dur": e - b}
                for b, e in copies]
-    events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": b, "dur": e - b}
-               for b, e in other]
+    events += [{"ph": "X", "cat": "cuda_runtime", "name": name, "ts": b, "dur": e - b}
+               for name, (b, e) in other]
     (folder / name).write_text(json.dumps({"baseTimeNanoseconds": BASE_NS, "traceEvents": events}))
 
 
@@ -39,7 +39,10 @@ def test_the_gpus_time_is_added_up_by_process_with_the_turns_between_them(tmp_pa
     # 2-2.5), roi_landmark's 3.5-4.5 and 6.2-7 ms, and a kernel before the window that ends in it.
     _write_trace(tmp_path, "detection:cuda:0-11.json",
                  kernels=[(0, 3000), (2000, 2500), (5000, 6000), (-500, 200)],
-                 copies=[(0, 9000)], other=[(0, 10_000)])
+                 copies=[(0, 9000)],
+                 other=[("cudaGraphLaunch", (100, 110)), ("cudaLaunchKernel", (200, 205)),
+                        ("cuLaunchKernel", (300, 305)), ("cudaStreamSynchronize", (400, 900)),
+                        ("cudaGraphLaunch", (20_000, 20_010))])  # the last after the window
     _write_trace(tmp_path, "roi_landmark:cuda:0:0-12.json", kernels=[(3500, 4500), (6200, 7000)])
     _write_trace(tmp_path, "capture:cuda:0:0-13.json", kernels=[(20_000, 21_000)])  # after it
 
@@ -48,6 +51,9 @@ def test_the_gpus_time_is_added_up_by_process_with_the_turns_between_them(tmp_pa
     detection = summary["by_process"]["detection:cuda:0"]
     assert detection["kernel_ms"] == 4.0  # 0-3 and 5-6; the early kernel's 0-0.2 inside 0-3
     assert detection["kernels"] == 4 and detection["copy_ms"] == 9.0
+    assert detection["graph_launches"] == 1 and detection["kernel_launches"] == 2
+    # Spans in the window 200, 500, 1000 and 3000 us: the median the upper middle one.
+    assert detection["median_kernel_us"] == 1000.0 and detection["small_kernels_share"] == 0.0
     assert summary["by_process"]["roi_landmark:cuda:0:0"]["kernel_ms"] == 1.8
     assert summary["by_process"]["capture:cuda:0:0"]["kernel_ms"] == 0.0
     assert summary["kernel_busy_ms"] == 5.8 and summary["kernel_busy_share"] == 0.58
@@ -123,3 +129,10 @@ def test_a_process_without_cuda_records_nothing(tmp_path):
     for _ in range(2):
         window.tick("output")
     assert window.done and not (tmp_path / "t").exists()
+
+
+def test_small_kernels_are_counted_as_such(tmp_path):
+    # Three kernels of 2, 4 and 40 us: two of three under 10 us, median 4.
+    _write_trace(tmp_path, "roi_landmark:cuda:0:0-12.json", kernels=[(0, 2), (10, 14), (20, 60)])
+    row = gpu_trace.summarize(tmp_path, BASE_US / 1e6, 0.001)["by_process"]["roi_landmark:cuda:0:0"]
+    assert row["median_kernel_us"] == 4.0 and row["small_kernels_share"] == 0.667
