@@ -261,8 +261,10 @@ class FaceDetector:
         short_spec, full_spec = anchors_mod.FACE_SHORT_RANGE, anchors_mod.FACE_FULL_RANGE
         full_groups = full_plan.groups if full_plan is not None else []
         if taps is None:
-            short_crops = self._crops(batch, frame_index, short_plan)
-            full_crops = [self._crops(batch, frame_index[positions], plan) for positions, plan in full_groups]
+            float_frames = {}  # Note [A whole frame's floats once]
+            short_crops = self._crops(batch, frame_index, short_plan, float_frames)
+            full_crops = [self._crops(batch, frame_index[positions], plan, float_frames)
+                          for positions, plan in full_groups]
         else:
             short_taps, *full_taps = taps
             short_crops = short_taps.crop(batch)
@@ -340,10 +342,13 @@ class FaceDetector:
         return roi_mod.crop_taps(batch, frame_index, plan.rects, plan.input_hw, border="zero",
                                  dtype=self.model_dtype, value_range=(-1.0, 1.0), axis_aligned=True)
 
-    def _crops(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plan: DetectorPlan) -> torch.Tensor:
-        """The inputs that :meth:`_taps` samples, cropped at once."""
+    def _crops(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plan: DetectorPlan,
+               float_frames: dict | None = None) -> torch.Tensor:
+        """The inputs that :meth:`_taps` samples, cropped at once (``float_frames``: the pass's,
+        Note [A whole frame's floats once])."""
         return roi_mod.crop_rois(batch, frame_index, plan.rects, plan.input_hw, border="zero",
-                                 dtype=self.model_dtype, value_range=(-1.0, 1.0), axis_aligned=True)
+                                 dtype=self.model_dtype, value_range=(-1.0, 1.0), axis_aligned=True,
+                                 float_frames=float_frames)
 
     def outputs(self, full_range: bool, crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.full_range if full_range else self.short_range

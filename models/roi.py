@@ -407,6 +407,7 @@ def crop_rois(
     value_range: tuple[float, float] = (0.0, 1.0),
     axis_aligned: bool = False,
     out: torch.Tensor | None = None,
+    float_frames: dict[int, np.ndarray] | None = None,
 ) -> torch.Tensor:
     """Crop N rotated rects out of a frame batch in one bilinear gather.
 
@@ -422,6 +423,8 @@ def crop_rois(
     the device: the call can be captured in a CUDA graph. ``frame_index`` (N,) holds integers,
     or whole numbers as float32; ``out``, where given, a contiguous (N, S, S, 3) ``dtype`` tensor,
     receives the crops (the measuring stage's graph input: Note [Measuring on the device]).
+    ``float_frames``: a dict that OpenCV's crops on the CPU may keep a whole frame's floats in
+    for the next crop of the same frame (Note [A whole frame's floats once]).
     """
     if border not in ("replicate", "zero"):
         raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
@@ -436,7 +439,8 @@ def crop_rois(
     if frame_index.is_floating_point():
         frame_index = frame_index.long()
     if frames.device.type == "cpu" and dtype == torch.float32:
-        crops = _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range)
+        crops = _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range,
+                                       float_frames)
     else:
         crops = crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
                           axis_aligned=axis_aligned).crop(frames)
@@ -445,7 +449,8 @@ def crop_rois(
 
 def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects: RotatedRects,
                            out_size_px: int | tuple[int, int], border: str,
-                           value_range: tuple[float, float]) -> torch.Tensor:
+                           value_range: tuple[float, float],
+                           float_frames: dict[int, np.ndarray] | None = None) -> torch.Tensor:
     """:func:`crop_rois` on the CPU, one warpAffine a rect (Note [Crops on the CPU])."""
     out_h, out_w = (out_size_px, out_size_px) if isinstance(out_size_px, int) else out_size_px
     low, high = value_range
@@ -479,11 +484,15 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
         y0 = min(max(0, math.floor(corners[:, 1].min()) - 1), height - 1)
         x1 = max(min(width, math.ceil(corners[:, 0].max()) + 2), x0 + 1)
         y1 = max(min(height, math.ceil(corners[:, 1].max()) + 2), y0 + 1)
-        part = pixels[top + y0:top + y1, x0:x1]
-        if frames.bgr:  # swapped on the bytes read, before the warp: no strided pass after it
-            part = cv2.cvtColor(part, cv2.COLOR_BGR2RGB)
+        if float_frames is not None and 4 * (y1 - y0) * (x1 - x0) >= 3 * height * width:
+            part = _float_frame(float_frames, frames, pixels, k)[y0:y1, x0:x1]  # Note [A whole frame's floats once]
+        else:
+            part = pixels[top + y0:top + y1, x0:x1]
+            if frames.bgr:  # swapped on the bytes read, before the warp: no strided pass after it
+                part = cv2.cvtColor(part, cv2.COLOR_BGR2RGB)
+            part = part.astype(np.float32)
         to_frame[:, 2] -= (x0, y0)
-        cv2.warpAffine(part.astype(np.float32), to_frame, (out_w, out_h), dst=crops[n],
+        cv2.warpAffine(part, to_frame, (out_w, out_h), dst=crops[n],
                        flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE)
         if outside is not None:
             crops[n][outside] = 0.0  # the low end of the value range, below
@@ -491,6 +500,36 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
     if low != 0.0:
         crops += low
     return torch.from_numpy(crops)
+
+
+# Note [A whole frame's floats once]
+#     The detection pass crops each frame twice on the CPU, both crops of the whole frame: the
+#     short-range detector's letterbox and the full-range detector's input (Note [The full-range
+#     detector over the whole frame]). Each warp reads the frame's RGB as float32 (Note [Crops on
+#     the CPU]), and each made it afresh: a channel swap and a float conversion of the whole
+#     frame, 2.8 million values at 720p and 6.2 at 1080p (25 MB of floats). Within one detection
+#     pass (FaceDetector.core gives its crops one ``float_frames`` dict) a crop that reads most
+#     of its frame (three quarters of it or more: the detectors' do) takes its part from one
+#     float RGB copy of the whole frame, made by the first such crop and kept for the next. The
+#     dict keeps one frame's: a pass over several frames crops the short-range inputs of all
+#     before the full-range ones, so it saves nothing there and holds no more than one frame's
+#     floats. The part's values are those its own conversion gives, and the warp reads them
+#     through the copy's row stride: the same crops (tests/models/test_stages.py).
+def _float_frame(float_frames: dict[int, np.ndarray], frames: FrameBatch, pixels: np.ndarray,
+                 k: int) -> np.ndarray:
+    """Frame ``k`` of the batch as float32 RGB (H, W, 3), made once a detection pass for the
+    crops that read most of it (Note [A whole frame's floats once])."""
+    converted = float_frames.get(k)
+    if converted is None:
+        height, width = frames.sizes_hw[k]
+        top = frames.row_offsets_px[k]
+        whole = pixels[top:top + height, :width]
+        if frames.bgr:
+            whole = cv2.cvtColor(whole, cv2.COLOR_BGR2RGB)
+        converted = whole.astype(np.float32)
+        float_frames.clear()
+        float_frames[k] = converted
+    return converted
 
 
 @dataclass

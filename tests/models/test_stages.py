@@ -415,6 +415,37 @@ def test_crop_rois_zero_border_is_black():
     assert torch.allclose(crop[32, 32], torch.full((3,), 200 / 255))
 
 
+def test_crops_from_a_whole_frames_floats_are_the_crops_of_their_own_parts():
+    """Note [A whole frame's floats once]: within a pass (one ``float_frames`` dict) crops that
+    read most of their frame, the detectors' letterbox and whole-frame inputs of frames of two
+    sizes among them, take their parts from one float copy of the frame, bit for bit the crops
+    each part's own conversion gives; a small crop converts its own part; the dict holds the
+    last frame's floats only."""
+    astronaut = np.ascontiguousarray(skimage.data.astronaut()[:300, :480, ::-1])
+    coffee = np.ascontiguousarray(skimage.data.coffee()[:240, :320, ::-1])
+    for bgr in (True, False):
+        batch = roi.FrameBatch([astronaut, coffee], "cpu", bgr=bgr)
+        index = torch.tensor([0, 1, 0, 1, 0])
+        rects = roi.RotatedRects(  # letterboxes, whole frames, and a face's ROI
+            torch.tensor([[240.0, 150.0], [160.0, 120.0], [240.0, 150.0], [160.0, 120.0], [200.0, 130.0]]),
+            torch.tensor([[480.0, 480.0], [320.0, 320.0], [480.0, 300.0], [320.0, 240.0], [90.0, 90.0]]),
+            torch.tensor([0.0, 0.0, 0.0, 0.0, 0.3]))
+        for size in (64, (48, 80)):
+            float_frames = {}
+            for rows in ([0, 1], [2, 3], [4], [2], [3]):
+                kept = torch.tensor(rows)
+                for border, value_range in (("zero", (-1.0, 1.0)), ("replicate", (0.0, 1.0))):
+                    expected = roi.crop_rois(batch, index[kept], rects[kept], size, border=border,
+                                             value_range=value_range)
+                    got = roi.crop_rois(batch, index[kept], rects[kept], size, border=border,
+                                        value_range=value_range, float_frames=float_frames)
+                    assert torch.equal(got, expected), (bgr, size, rows, border)
+                assert len(float_frames) == 1
+            only = next(iter(float_frames.values()))
+            frame = coffee[..., ::-1] if bgr else coffee
+            assert only.dtype == np.float32 and np.array_equal(only, frame.astype(np.float32))
+
+
 def test_project_points_inverts_the_crop_mapping():
     rects = roi.RotatedRects(torch.tensor([[300.0, 200.0]]), torch.tensor([[120.0, 120.0]]),
                              torch.tensor([math.radians(40)]))
