@@ -820,3 +820,17 @@ def test_a_job_that_dies_leaves_its_files_named_and_the_others_analysed(long_vid
     assert f"facecast: {long_videos[0]}: not analysed" in err
     assert alive["ok"] is True and alive["frames_measured"] == 240
     assert len(_rows(out / "long_b.faces.csv")) == 2 * 240
+
+
+def test_a_samples_cells_are_each_values_number():
+    """video_analysis._float32_cells writes a float32 sample's cells as _number writes each
+    value: the shortest text that reads back to the same float32, empty for NaN; over values
+    of every exponent, subnormals, zeros of both signs and infinities."""
+    rng = np.random.default_rng(14)
+    values = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    values = np.concatenate([values, np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, 0.1, 1e-45, 3.4e38,
+                                               1e16, 1e-5, 123456789.0], np.float32)])
+    expected = [va._number(value) for value in values]
+    assert va._float32_cells(values) == expected
+    assert "" in expected and all(cell == "" or np.float32(cell) == value or value != value
+                                  for cell, value in zip(expected, values))

@@ -811,7 +811,7 @@ class Analyzer:
         sample = np.empty((len(best.world_landmarks_m), 4), np.float32)
         sample[:, :3] = best.world_landmarks_m
         sample[:, 3] = best.landmarks[:, 3]
-        item._pose_writer.writerow(lead + [_number(v) for v in sample.ravel()])
+        item._pose_writer.writerow(lead + _float32_cells(sample.ravel()))
 
     def _write_faces(self, item: FileAnalysis, frame: DecodedFrame, faces) -> None:
         pts_s = frame.pts_s if frame.pts_s is not None else math.nan
@@ -839,7 +839,7 @@ class Analyzer:
                 head_pose_deg=face.head_pose, head_translation_cm=face.head_translation_cm,
                 blendshapes=face.blendshapes,
                 landmarks_px=face.landmarks if self.settings.landmarks else None))
-            item._writer.writerow(lead + [str(track_id)] + [_number(v) for v in sample[1:]]
+            item._writer.writerow(lead + [str(track_id)] + _float32_cells(sample[1:])
                                   + name)
 
     def _participants(self, item: FileAnalysis, frame: DecodedFrame, ids, faces) -> list[list]:
@@ -1039,6 +1039,13 @@ def _number(value) -> str:
     if value is None or value != value:
         return ""
     return str(value) if isinstance(value, np.floating) else repr(float(value))
+
+
+def _float32_cells(values: np.ndarray) -> list[str]:
+    """:func:`_number` of each value of a float32 array (a face's or a body's sample): the
+    same cells without its per-value tests for None and other types (a one-face frame's ~70
+    values, a four-face frame's ~280: 26 -> 21 us a face alone, 2026-11-27)."""
+    return ["" if value != value else str(value) for value in values]
 
 
 def write_private_json(path: Path, data: dict) -> None:
