@@ -19,7 +19,9 @@ BOOT_STOP_DEFINITIONS below; the JSON carries them, the table's legend repeats t
   camera's), and capture → bench inlet for reference; per-stage latency p50/p99, and each
   hop of a frame from grab to LSL push, waits included (Note [Latency accounted]);
 - CPU time of the daemon's process tree per second of the window (cores busy), by process role;
-- GPU utilisation and memory from NVML (through the supervisor's status).
+- GPU utilisation and memory from NVML (through the supervisor's status); with `--gpu-trace-s`,
+  the GPU's own time by process (every worker's kernels and copies through S seconds of the
+  window, bench/gpu_trace.py: Note [Where the GPU's time goes]).
 
 The replayed cameras (`--source synthetic-replay` and its encoded loops) capture at phases of
 their own, taken from their ids, as free-running cameras do; `--genlocked` puts every camera
