@@ -33,7 +33,10 @@ Note [A tracking step without detections on the CPU]
     numpy and torch calls of ~10 us each in place (the landmark model's invoke leaves the
     caches cold). Only on the CPU, where such calls cost host time and nothing else: a GPU's
     step keeps its one sequence of kernels. The rects are computed in numpy there
-    (roi.rects_from_landmarks_on_host: the same values, ~20 torch calls fewer).
+    (roi.rects_from_landmarks_on_host: the same values, ~20 torch calls fewer). The step before
+    it, `follow`, keeps the measured rows themselves as the block where every measured face is
+    kept in the measured order (one face a frame, always), not an identity gather of each:
+    0.063 -> 0.030 ms a 720p frame in place (2026-11-27).
 """
 
 from __future__ import annotations
