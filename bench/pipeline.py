@@ -588,9 +588,10 @@ def run_one(cameras: int, transport: str, args) -> dict:
                              args.newcomers, args.cameras_per_capture_worker, args.genlocked)
         # Note [Where the GPU's time goes]: every worker looks for the request file (absent
         # until measure() writes it) through the environment it inherits.
+        gpu_trace_request = tmp / "gpu-trace-request.json"
         os.environ.pop(GPU_TRACE_REQUEST_ENV, None)
         if args.gpu_trace_s > 0:
-            os.environ[GPU_TRACE_REQUEST_ENV] = str(tmp / "gpu-trace-request.json")
+            os.environ[GPU_TRACE_REQUEST_ENV] = str(gpu_trace_request)
         daemon = DaemonUnderTest(tmp, config, log_path)
         os.environ.pop(GPU_TRACE_REQUEST_ENV, None)
         try:
@@ -610,8 +611,7 @@ def run_one(cameras: int, transport: str, args) -> dict:
             # tens of seconds after READY) are boot's cost, reported here, not the pipeline's.
             result["spares_standing_by_after_ready_s"] = daemon.seconds_until_spares_stand_by(
                 args.spares_timeout_s)
-            measure(daemon, host, cameras, args, result,
-                    gpu_trace_request=tmp / "gpu-trace-request.json")
+            measure(daemon, host, cameras, args, result, gpu_trace_request=gpu_trace_request)
             return result
         except (OSError, RuntimeError, TimeoutError) as exc:
             result["error"] = f"{type(exc).__name__}: {exc} | {daemon.log_tail(8)}"

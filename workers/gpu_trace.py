@@ -1,5 +1,5 @@
-"""A window of this worker's GPU activity, for `bench/pipeline.py --gpu-trace` (Note [Where the
-GPU's time goes]).
+"""A window of this worker's GPU activity, for `bench/pipeline.py --gpu-trace-s` (Note [Where
+the GPU's time goes]).
 
 Note [Where the GPU's time goes]
     At 64 cameras on one H100 the GPU is busy 98-100 % of the time, and the detection pass took
@@ -69,7 +69,7 @@ class GpuTraceWindow:
         now = time.time()
         if self._started_unix is not None:
             if now >= self._start_unix + self._seconds:
-                self._finish(worker_name, now)
+                self._finish(worker_name)
             return
         if self._start_unix is None:
             if time.monotonic() < self._next_check_monotonic:
@@ -79,7 +79,12 @@ class GpuTraceWindow:
                 self._prepare(worker_name)
             return
         if now >= self._start_unix:
-            self._profiler.start_trace()
+            try:
+                self._profiler.start_trace()
+            except Exception as exc:  # noqa: BLE001 - the worker goes on without its trace
+                log.warning("%s: the GPU trace could not start (%s)", worker_name, exc)
+                self._profiler, self.done = None, True
+                return
             self._started_unix = time.time()
 
     def _read_request(self) -> bool:
@@ -111,7 +116,7 @@ class GpuTraceWindow:
             log.warning("%s: no GPU trace (%s)", worker_name, exc)
             self._profiler, self.done = None, True
 
-    def _finish(self, worker_name: str, now: float) -> None:
+    def _finish(self, worker_name: str) -> None:
         profiler, self._profiler, self.done = self._profiler, None, True
         try:
             profiler.stop_trace()
