@@ -47,6 +47,7 @@
 #                 CUDA activity through 3 s, bench/gpu_trace.py; Note [Where the GPU's time goes]):
 #                 the defaults, float16 models, one roi_landmark worker, and the defaults under
 #                 NVIDIA MPS where it is installed, one after the other (6-7, H100)
+#   probes        each .footage/*_probe.py carried (a session's probes, kept out of the repository)
 #   half          the daemon at 32 and 64 replayed cameras with its default float32 models, then
 #                 with float16 ones (models.half), one after the other (5, H100 2026-11-27)
 #   conv          bench/conv_kernels.py: each convolution under each kernel, fp16 and fp32, and the
@@ -174,6 +175,11 @@ run)
             ab_script models-ab bench/models.py --batch-sizes 64 --cameras 32 --variants fp16+graphs \
                 fp16+graphs+compile --budget-s 300 --landmarker-task .models/face_landmarker.task \
                 --docs "''" ;;
+        probes) # A session's probes kept out of the repository (.footage/*_probe.py), each run
+            # once with its output in probe-NAME.log.
+            for probe in .footage/*_probe.py; do
+                [ -f "$probe" ] && step "probe-$(basename "$probe" .py)" python3 "$probe"
+            done ;;
         triton) # Note [Kernels of our own]: each Triton kernel against its PyTorch chain.
             step triton python3 bench/kernels.py --out "$STATE/benchmarks-kernels.json" ;;
         ab_decode) # ab's pair with 64 NVDEC-decoded synthetic-h264 cameras (needs .whl2a/.whl2b).
@@ -215,7 +221,8 @@ run)
                 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             fi ;;
         gpu_time) # Note [Where the GPU's time goes]: each variant's GPU time by process.
-            for variant in defaults half one_roi_worker; do
+            # $GPU_TIME_VARIANTS: some of them only (MPS's half runs where MPS is installed).
+            for variant in ${GPU_TIME_VARIANTS-defaults half one_roi_worker}; do
                 extra=""
                 [ $variant = half ] && extra="--half"
                 [ $variant = one_roi_worker ] && extra="--roi-workers 1"

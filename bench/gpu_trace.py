@@ -146,8 +146,14 @@ def summarize(trace_dir: Path, start_unix_s: float, seconds: float) -> dict:
     window, cut to the time every worker recorded. Each trace is read once (a measuring
     worker's is ~130 MB at 64 cameras)."""
     loaded = [load_trace(path) for path in sorted(trace_dir.glob("*.json"))]
-    requested_s = seconds
+    requested_start_unix_s, requested_s = start_unix_s, seconds
     start_unix_s, seconds = recorded_window_s(loaded, start_unix_s, seconds)
+    if seconds <= 0:  # a worker started late or stopped early: no time every worker recorded
+        spans = [f"{process.worker} {process.recorded_unix_s[0] - requested_start_unix_s:+.3f}"
+                 f"..{process.recorded_unix_s[1] - requested_start_unix_s:+.3f} s"
+                 for process in loaded if process.recorded_unix_s]
+        return {"error": f"no time that every worker recorded in the {requested_s:g} s asked "
+                         f"(each one's recording from the window's start: {', '.join(spans)})"}
     start_us, end_us = start_unix_s * 1e6, (start_unix_s + seconds) * 1e6
     processes = [process.within(start_us, end_us) for process in loaded]
     window_ms = seconds * 1000.0

@@ -93,7 +93,7 @@ def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: in
                 cuda_graphs: bool, half: bool, host: str, source: str,
                 detection_share: float | None = None, decode: str = "auto",
                 newcomers: bool = False, cameras_per_capture_worker: int | str = "auto",
-                genlocked: bool = False) -> str:
+                genlocked: bool = False, heartbeat_timeout_s: float | None = None) -> str:
     # log_level "info": the supervisor's log then shows each worker's start and boot time too.
     lines = [
         "[daemon]", f'runtime_dir = "{runtime_dir}"', f'transport = "{transport}"',
@@ -103,6 +103,7 @@ def config_text(cameras: int, transport: str, runtime_dir: Path, roi_workers: in
         'log_level = "info"',
         *([f"detection_share = {detection_share}"] if detection_share is not None else []),
         f'decode = "{decode}"',  # where the encoded sources' video is decoded (Note [Decoder choice])
+        *([f"heartbeat_timeout_s = {heartbeat_timeout_s}"] if heartbeat_timeout_s is not None else []),
         "", "[models]", f"cuda_graphs = {str(cuda_graphs).lower()}",
         f"half = {str(half).lower()}", "", "[output]", f"max_faces = {MAX_FACES}", "",
     ]
@@ -585,7 +586,8 @@ def run_one(cameras: int, transport: str, args) -> dict:
         tmp = Path(tmp)
         config = config_text(cameras, transport, tmp / "run", args.roi_workers, args.cuda_graphs,
                              args.half, host, args.source, args.detection_share, args.decode,
-                             args.newcomers, args.cameras_per_capture_worker, args.genlocked)
+                             args.newcomers, args.cameras_per_capture_worker, args.genlocked,
+                             GpuTraces.HEARTBEAT_TIMEOUT_S if args.gpu_trace_s > 0 else None)
         # Note [Where the GPU's time goes]: every worker looks for the request file (absent
         # until measure() writes it) through the environment it inherits.
         gpu_trace_request = tmp / "gpu-trace-request.json"
@@ -718,9 +720,14 @@ class GpuTraces:
     """Note [Where the GPU's time goes] (workers/gpu_trace.py): asks every worker for the same
     window of its GPU activity, then adds the traces up (bench/gpu_trace.py)."""
 
-    # Workers look for the request at their heartbeats (0.5 s), then prepare the profiler,
-    # which took them 5.6-6.8 s at 64 cameras on the H100: the warm-up is at least this long.
-    PREPARE_S = 12.0
+    # Workers look for the request at their heartbeats (0.5 s), then prepare the profiler, which
+    # stalls each of them: 5.6-6.8 s at 64 cameras on the H100, over 10 s on another loan and
+    # under MPS (2026-11-27 23:02-23:08, when the supervisor killed them as hung, spares in
+    # turn, and no window was left that every worker recorded). So the warm-up is at least
+    # PREPARE_S, and the daemon of a traced run waits HEARTBEAT_TIMEOUT_S (its default 10) before
+    # it calls a silent worker hung.
+    PREPARE_S = 25.0
+    HEARTBEAT_TIMEOUT_S = 60.0
     INTO_WINDOW_S = 2.0  # the traces start this long after the warm-up, inside the window
     SETTLE_S = 3.0  # no new trace file for this long after the window: every worker has written
 

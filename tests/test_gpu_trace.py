@@ -83,6 +83,23 @@ def test_only_the_time_every_worker_recorded_is_counted(tmp_path):
     assert summary["kernel_busy_ms"] == pytest.approx(3.0)
 
 
+def test_workers_that_recorded_no_common_time_give_an_error_not_a_table(tmp_path):
+    # One worker recorded 0-4 ms of the 10 asked, the other (killed, restarted, late) 6-10 ms.
+    _write_trace(tmp_path, "detection:cuda:0-11.json", kernels=[(0, 3000)])
+    _write_trace(tmp_path, "roi_landmark:cuda:0:0-12.json", kernels=[(7000, 8000)])
+    for name, (begin, end) in (("detection:cuda:0-11.json", (0, 4000)),
+                               ("roi_landmark:cuda:0:0-12.json", (6000, 10_000))):
+        trace = json.loads((tmp_path / name).read_text())
+        trace["facecastWindowUnixS"] = [(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]
+        (tmp_path / name).write_text(json.dumps(trace))
+
+    summary = gpu_trace.summarize(tmp_path, BASE_US / 1e6, 0.010)
+
+    assert set(summary) == {"error"}
+    assert "no time that every worker recorded" in summary["error"]
+    assert "roi_landmark:cuda:0:0 +0.006..+0.010 s" in summary["error"]
+
+
 def test_a_file_that_is_not_a_workers_trace_is_refused(tmp_path):
     (tmp_path / "notes.json").write_text("{}")
     with pytest.raises(ValueError, match="not a worker's trace"):

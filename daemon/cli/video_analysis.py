@@ -223,7 +223,12 @@ class PyAvDecoder(FrameDecoder):
         if not path.is_file():
             raise VideoError(f"{path}: not a regular file (allowed: a video file)")
         try:
-            self._container = av.open(str(path), metadata_errors="ignore")
+            # A file's metadata that is not UTF-8 must not refuse the file: PyAV before 19
+            # raises on it unless told to ignore it; 19 decodes it with surrogateescape and has
+            # no such argument.
+            ignore_bad_metadata = ({"metadata_errors": "ignore"}
+                                   if int(av.__version__.split(".")[0]) < 19 else {})
+            self._container = av.open(str(path), **ignore_bad_metadata)
         except (av.FFmpegError, UnicodeDecodeError) as exc:
             raise VideoError(
                 f"{path}: not a video FFmpeg can read ({_ffmpeg_reason(exc)})") from None
