@@ -11,6 +11,8 @@
 #                 tests/test_real_footage_gpu.py, and tests/test_nvdec_gpu.py where PyAV and
 #                 PyNvVideoCodec are installed (.whl2a/, .whl2b/: bench/gpu_host_env.sh) (10-11;
 #                 15 with every wheel, 139 tests, H100 2026-11-27)
+#   cpu_tests     $CPU_TESTS' tests that need no GPU, on this host's Python 3.12 and packages
+#                 (PyAV 19, which CI's Python 3.11 cannot install)
 #   real_footage  real footage through the stack and the daemon (bench/real_footage.py) (4.5)
 #   pipeline      the whole daemon against MediaPipe at 8, 32 and 64 replayed cameras (same
 #                 definitions on both sides, bench/accounting.py) (5-6)
@@ -43,6 +45,8 @@
 #                 first half alone, to follow `pipeline` (3)
 #   mps           the daemon at 32 and 64 replayed cameras under NVIDIA MPS (the workers' kernels
 #                 run side by side instead of taking time slices; compare with `ab`'s head) (3)
+#   mps_ab        the daemon at $MPS_AB_CAMERAS (64) replayed cameras without NVIDIA MPS, then
+#                 under it, one machine, no traces (3, H100)
 #   gpu_time      where the GPU's time goes at 64 replayed cameras, by process (every worker's
 #                 CUDA activity through 3 s, bench/gpu_trace.py; Note [Where the GPU's time goes]):
 #                 the defaults, float16 models, one roi_landmark worker, and the defaults under
@@ -154,6 +158,13 @@ run)
             [ -n "${GPU_TESTS:-}" ] && test_paths=$(printf '%s\n' $GPU_TESTS | sort)
             step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider -p no:xdist --durations=30 $without_av \
                 $test_paths ;;
+        cpu_tests) # $CPU_TESTS (paths): their tests that need no GPU, on this host's Python 3.12
+            # and its packages, which CI (Python 3.11) cannot install: PyAV 19 (cp312 and later
+            # only), whose changes broke `facecast analyze` (2026-11-27) where CI saw nothing.
+            # The GPU hidden: with it, 7 of these tests failed for the device they met (a
+            # stand-in decoder without a device, a GPU recorder's name; 2026-11-27 23:34).
+            step cpu_tests env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -rs -m "not gpu" -p no:cacheprovider -p no:xdist \
+                $(printf '%s\n' ${CPU_TESTS:-tests/test_recording.py tests/test_analyze.py} | sort) ;;
         real_footage) step real_footage bash -c "cd bench && python3 real_footage.py \
             ${FACECAST_REAL_FOOTAGE//:/ } --out '$STATE/benchmarks-real-footage.json' \
             --log-dir '$STATE/logs'" ;;
@@ -205,6 +216,25 @@ run)
                     --source synthetic-replay --warmup-s 5 --measure-s 15 $extra \
                     --out "$STATE/benchmarks-pipeline-$precision.json" --log-dir "$STATE/logs-$precision"
             done ;;
+        mps_ab) # The daemon without MPS, then under it, one after the other on one machine, at
+            # $MPS_AB_CAMERAS (default 64) replayed cameras, no traces (CUPTI's own cost hides
+            # what MPS changes: Note [Where the GPU's time goes]).
+            if ! command -v nvidia-cuda-mps-control > /dev/null; then
+                echo "$(date -u +%H:%M:%S) mps_ab: no nvidia-cuda-mps-control" >> "$STATE/steps.txt"
+            else
+                for side in without with; do
+                    if [ $side = with ]; then
+                        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+                        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+                        nvidia-cuda-mps-control -d
+                    fi
+                    step "mps_ab-$side" python3 bench/pipeline.py --cameras ${MPS_AB_CAMERAS:-64} \
+                        --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 15 \
+                        --out "$STATE/benchmarks-mps-ab-$side.json" --log-dir "$STATE/logs-mps-ab-$side"
+                done
+                echo quit | nvidia-cuda-mps-control
+                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+            fi ;;
         mps) # The same daemon with NVIDIA MPS: the workers' kernels share the GPU at once
             # instead of taking turns by time slice (never tried yet; needs
             # nvidia-cuda-mps-control on the machine).

@@ -240,7 +240,8 @@ class PyAvDecoder(FrameDecoder):
         rate = self._stream.average_rate or self._stream.guessed_rate
         self.fps = float(rate) if rate else 0.0
         self.expected_frames = int(self._stream.frames or 0)
-        if self._stream.duration is not None and self._stream.time_base is not None:
+        # An unset time base is None before PyAV 19 and a falsy AVRational(0, 1) since.
+        if self._stream.duration is not None and self._stream.time_base:
             self.duration_s = float(self._stream.duration * self._stream.time_base)
         elif self._container.duration is not None:
             self.duration_s = self._container.duration / 1e6  # AV_TIME_BASE
