@@ -14,12 +14,21 @@ What is counted, in the window only (an interval is cut at its edges):
   largest kernels by time;
 - the device: the time any kernel ran (the union over every process), and the sum of the
   processes' own times. Kernels of different processes run side by side only under MPS; without
-  it the GPU gives each CUDA context time slices, so the sum equals the union and what is left
-  of the window is the time no kernel ran;
+  it the GPU gives each CUDA context time slices, and a kernel's recorded span includes the
+  time its context was switched out, so the sum exceeds the union (3,079 against 2,173 ms in
+  3 s at 64 cameras, H100, 2026-11-27) and only the union is the device's busy time;
 - the turns: how often the next kernel to start on the GPU belongs to another process than the
   last one, and the gap between them (the end of one process's kernel to the start of the
   other's), against the gaps between two kernels of one process. A gap at a turn that is larger
   than within a process is what a change of context costs the GPU.
+
+What it cannot say: how the daemon runs without the profiler. Recording every kernel, and
+writing the traces, cost the workers far more than the window's 3 s: at 64 replayed cameras
+on an H100 (2026-11-27 23:17-23:22) the bench's 15 s window published 27 % of the frames due
+with traces (60 % with one measuring worker, 26 % under MPS), where the same code without them
+published 99.6 % on the next loan. The counts, the kernels' names and the launches a batch are
+the daemon's; the shares, the idle time and the turns are those of a daemon slowed by its
+profiler.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from facecast.workers.gpu_trace import window_path
 
 KERNEL_CATEGORIES = {"kernel"}
 COPY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
@@ -70,15 +81,16 @@ class ProcessActivity:
 
 
 def load_trace(path: Path) -> ProcessActivity:
-    """A worker's Chrome trace (torch.profiler's export, with the window it recorded: the
-    `facecastWindowUnixS` workers/gpu_trace.py adds). Its timestamps are `ts` microseconds after
+    """A worker's Chrome trace (torch.profiler's export), with the window it recorded (the file
+    beside it, workers/gpu_trace.py's `window_path`). Its timestamps are `ts` microseconds after
     `baseTimeNanoseconds` (the host's clock)."""
     match = TRACE_NAME.match(path.name)
     if match is None:
         raise ValueError(f"{path}: not a worker's trace (<worker>-<pid>.json)")
     trace = json.loads(path.read_text())
     base_us = trace.get("baseTimeNanoseconds", 0) / 1000.0
-    recorded = trace.get("facecastWindowUnixS")
+    window = window_path(path)
+    recorded = json.loads(window.read_text()) if window.exists() else None
     activity = ProcessActivity(match["worker"], recorded_unix_s=tuple(recorded) if recorded else None)
     for event in trace.get("traceEvents", []):
         category = event.get("cat")

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_trace  # noqa: E402 (bench/ is not a package)
 
-from facecast.workers.gpu_trace import GpuTraceWindow  # noqa: E402
+from facecast.workers.gpu_trace import GpuTraceWindow, window_path  # noqa: E402
 
 BASE_NS = 1_790_000_000_000_000_000  # a trace's baseTimeNanoseconds
 BASE_US = BASE_NS / 1000
@@ -72,9 +72,8 @@ def test_only_the_time_every_worker_recorded_is_counted(tmp_path):
     _write_trace(tmp_path, "roi_landmark:cuda:0:0-12.json", kernels=[(4000, 5000)])
     for name, (begin, end) in (("detection:cuda:0-11.json", (2000, 10_000)),
                                ("roi_landmark:cuda:0:0-12.json", (0, 8000))):
-        trace = json.loads((tmp_path / name).read_text())
-        trace["facecastWindowUnixS"] = [(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]
-        (tmp_path / name).write_text(json.dumps(trace))
+        window_path(tmp_path / name).write_text(
+            json.dumps([(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]))
 
     summary = gpu_trace.summarize(tmp_path, BASE_US / 1e6, 0.010)
 
@@ -89,9 +88,8 @@ def test_workers_that_recorded_no_common_time_give_an_error_not_a_table(tmp_path
     _write_trace(tmp_path, "roi_landmark:cuda:0:0-12.json", kernels=[(7000, 8000)])
     for name, (begin, end) in (("detection:cuda:0-11.json", (0, 4000)),
                                ("roi_landmark:cuda:0:0-12.json", (6000, 10_000))):
-        trace = json.loads((tmp_path / name).read_text())
-        trace["facecastWindowUnixS"] = [(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]
-        (tmp_path / name).write_text(json.dumps(trace))
+        window_path(tmp_path / name).write_text(
+            json.dumps([(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]))
 
     summary = gpu_trace.summarize(tmp_path, BASE_US / 1e6, 0.010)
 
@@ -125,8 +123,9 @@ def test_a_worker_records_its_window_once_when_the_request_comes(tmp_path):
     assert [path.name.rsplit("-", 1)[0] for path in written] == ["roi_landmark:cuda:0:0"]
     trace = json.loads(written[0].read_text())
     assert any(event.get("ph") == "X" for event in trace["traceEvents"])
-    started, stopped = trace["facecastWindowUnixS"]  # what it really recorded
+    started, stopped = json.loads(window_path(written[0]).read_text())  # what it recorded
     assert start <= started < stopped and stopped - start >= 0.3
+    assert not list((tmp_path / "traces").glob("*.part"))  # exported whole, then named
     window.tick("roi_landmark:cuda:0:0")  # once only
     assert len(list((tmp_path / "traces").glob("*.json"))) == 1
 
