@@ -23,8 +23,12 @@ Note [Where the GPU's time goes]
     (`window_path`), and the bench adds up only the time every worker recorded. Only
     CUDA activity is recorded (no operator events on the host: a capture worker's sixteen
     camera threads would pay for those), and each process writes one trace, once. The bench
-    asks at the start of its warm-up (at least 12 s then), so that the stall falls before its
-    window; recording kernels still costs the GPU's and the host's time while it lasts.
+    asks at the start of its warm-up (at least 25 s then), so that the stall falls before its
+    window, and gives the workers 60 s without a heartbeat: on another loan the stall passed
+    10 s, the daemon's default, and the supervisor killed the workers as hung, their spares
+    in turn (2026-11-27 23:02). Recording kernels still costs the GPU's and the host's time
+    while it lasts, and much more than that: the traced daemon is a slower one
+    (bench/gpu_trace.py says what the traces can and cannot tell).
 """
 
 from __future__ import annotations
