@@ -161,7 +161,7 @@ run)
         cpu_tests) # $CPU_TESTS (paths): their tests that need no GPU, on this host's Python 3.12
             # and its packages, which CI (Python 3.11) cannot install: PyAV 19 (cp312 and later
             # only), whose changes broke `facecast analyze` (2026-11-27) where CI saw nothing.
-            # The GPU hidden: with it, 7 of these tests failed for the device they met (a
+            # The GPU hidden: with it, 9 of these tests failed for the device they met (a
             # stand-in decoder without a device, a GPU recorder's name; 2026-11-27 23:34).
             step cpu_tests env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -rs -m "not gpu" -p no:cacheprovider -p no:xdist \
                 $(printf '%s\n' ${CPU_TESTS:-tests/test_recording.py tests/test_analyze.py} | sort) ;;
