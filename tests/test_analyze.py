@@ -43,6 +43,7 @@ from facecast.workers.recorder.video_encoder import PyAvEncoder, Sidecar
 from footage import make_face_free_clip
 
 WIDTH, HEIGHT, FPS, FRAMES = 320, 240, 15.0, 24
+LONG_FRAMES = 960  # long_videos'
 FIRST_CAPTURE_TS_LSL = 1000.0
 RESUME_EVERY = 8  # resume points at frames 8 and 16 of the 24
 HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
@@ -743,16 +744,20 @@ def test_jobs_analyse_each_file_as_one_run_would(recording, tmp_path):
 
 @pytest.fixture(scope="module")
 def long_videos(tmp_path_factory) -> list[Path]:
-    """Two files of 240 frames: long enough for a job to be interrupted or killed mid-file on
-    any machine."""
+    """Two files of LONG_FRAMES frames: long enough for a job to be interrupted or killed
+    mid-file, after it has reported progress, on any machine. At 240 frames a job on an H100
+    host had finished its file before the test's SIGINT reached it (2026-11-27). The scene's
+    first 240 frames back and forth, rendered once."""
     folder = tmp_path_factory.mktemp("long")
     scene = SyntheticScene(WIDTH, HEIGHT, seed="jobs")
+    rendered = [scene.render(index / FPS) for index in range(240)]
     videos = []
     for name in ("long_a", "long_b"):
         path = folder / f"{name}.mkv"
         encoder = PyAvEncoder(path, WIDTH, HEIGHT, FPS, container="mkv")
-        for index in range(240):
-            encoder.write(scene.render(index / FPS), FIRST_CAPTURE_TS_LSL + index / FPS)
+        for index in range(LONG_FRAMES):
+            shown = index % 478 if index % 478 < 240 else 478 - index % 478  # 0..239..1
+            encoder.write(rendered[shown], FIRST_CAPTURE_TS_LSL + index / FPS)
         encoder.close()
         videos.append(path)
     return videos
@@ -818,8 +823,8 @@ def test_a_job_that_dies_leaves_its_files_named_and_the_others_analysed(long_vid
     dead, alive = summaries[str(long_videos[0])], summaries[str(long_videos[1])]
     assert dead["ok"] is False and "its job ended with exit status -9" in dead["error"]
     assert f"facecast: {long_videos[0]}: not analysed" in err
-    assert alive["ok"] is True and alive["frames_measured"] == 240
-    assert len(_rows(out / "long_b.faces.csv")) == 2 * 240
+    assert alive["ok"] is True and alive["frames_measured"] == LONG_FRAMES
+    assert len(_rows(out / "long_b.faces.csv")) == 2 * LONG_FRAMES
 
 
 def test_a_samples_cells_are_each_values_number():
