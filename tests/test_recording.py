@@ -71,6 +71,13 @@ def streams(daemon):
     frames = daemon.resolve("VideoExternal", count=len(CAMERAS))
     markers = daemon.resolve("Markers", count=1)
     recorder = Recorder(frames + markers)
+    # Every frame-index inlet has had a sample before a test records: a test compares the
+    # recording's frames with this stream's samples one by one, and on the GPU host the first
+    # sample came 7 frames after the recording's first (2026-11-27).
+    deadline = time.monotonic() + 30.0
+    while not all(record.samples for record in frames):
+        assert time.monotonic() < deadline, "a frame-index stream sent nothing for 30 s"
+        time.sleep(0.05)
     yield {record.source_id.rsplit("-", 2)[-2]: record for record in frames}, markers[0]
     recorder.stop()
 
