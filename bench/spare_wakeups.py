@@ -1,0 +1,196 @@
+"""What wakes an idle CUDA context's driver thread: an idle process beside GPU work of several
+kinds, each kind in a phase of its own (issue 24 item 4: a warm spare uses < 0.02 cores while
+it waits).
+
+    python bench/spare_wakeups.py --out wakeups.json     # on a GPU
+
+On the offline GPU host: `bash bench/gpu_check.sh start spare_wakeups`.
+
+Every process holding a CUDA context has the driver's `cuda-EvtHandlr` thread, which sleeps in
+`poll`. Beside the daemon, in every spare and in a bare process that holds nothing but a
+context, it woke ~720 times a second and cost 0.016-0.022 cores; away from the daemon, 10 times
+(docs/benchmarks.md, 2026-11-27). Interprocess events were ruled out (a probe of 23:08), as
+were one other process's blocking waits, expandable segments, PyCUDA's context, graphs and the
+allocator's counters (19:38). What the daemon does besides, each a phase here: several
+processes busy on the GPU at once (their contexts take turns), a kernel reading memory another
+process shares by CUDA IPC (the rings), and uploads from pinned host memory (capture).
+
+In each phase a watched process holds an idle context (a one-element tensor, then nothing) and
+`PHASE_S` seconds are counted after the busy processes are working: its driver thread's
+voluntary context switches a second (its wake-ups: each wake ends in another sleep) and its
+cores (user + system CPU a second). The busy processes' own wake-ups are reported too. Each
+busy process paces itself at `RATE_HZ` steps a second (a frame rate of a worker's order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+PHASE_S = 6.0
+RATE_HZ = 240.0  # 8 cameras at 30 fps, where the spares woke 720 times a second
+DRIVER_THREAD = "cuda-EvtHandlr"
+PHASES = {  # phase: what its busy processes do
+    "none": [],
+    "one_busy": ["compute"],
+    "two_busy": ["compute", "compute"],
+    "four_busy": ["compute"] * 4,
+    "ipc_read": ["ipc_owner", "ipc_reader"],
+    "pinned_upload": ["upload"],
+}
+
+
+def thread_switches(pid: int, name: str) -> dict[int, int]:
+    """Voluntary context switches of each thread of `pid` whose name (comm) contains `name`."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        if name in comm:
+            found[int(tid)] = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of the process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def count(pid: int, seconds: float, thread_name: str = DRIVER_THREAD) -> dict:
+    """The wake-ups a second of `pid`'s threads named `thread_name` (the driver's, by default),
+    and the process's cores, over `seconds`."""
+    before, cpu_before = thread_switches(pid, thread_name), cpu_seconds(pid)
+    time.sleep(seconds)
+    after, cpu_after = thread_switches(pid, thread_name), cpu_seconds(pid)
+    wakeups = sum(after[tid] - before[tid] for tid in after if tid in before)
+    return {"threads": len(after), "wakeups_per_s": round(wakeups / seconds, 1),
+            "cores": round((cpu_after - cpu_before) / seconds, 4)}
+
+
+def _paced(stop, step) -> None:
+    period, due = 1.0 / RATE_HZ, time.monotonic()
+    while not stop.is_set():
+        step()
+        due += period
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            due = time.monotonic()
+
+
+def run_process(kind: str, ready, stop, queue) -> None:
+    """One process of a phase: idle, or busy in one of PHASES' ways."""
+    import torch
+
+    device = torch.device("cuda")
+    if kind == "idle":
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize()
+        ready.set()
+        stop.wait()
+        return
+    if kind == "compute":  # a small batch's work and a blocking wait for it, as a worker's
+        x = torch.randn(64, 1024, device=device)
+        weight = torch.randn(1024, 1024, device=device)
+
+        def step():
+            for _ in range(8):
+                torch.relu(x @ weight, out=x)
+            torch.cuda.synchronize()
+    elif kind == "ipc_owner":  # a ring's slot: written here, read by the reader's kernels
+        frame = torch.zeros(1080, 1920, 3, dtype=torch.uint8, device=device)
+        queue.put(frame)  # torch sends a CUDA tensor by its IPC handle
+
+        def step():
+            frame.add_(1)
+            torch.cuda.synchronize()
+    elif kind == "ipc_reader":
+        frame = queue.get()
+
+        def step():
+            frame.float().mean().item()
+    elif kind == "upload":  # a 1080p frame from pinned host memory, as capture uploads
+        host = torch.empty(1080 * 1920 * 3, dtype=torch.uint8).pin_memory()
+        slot = torch.empty_like(host, device=device)
+
+        def step():
+            slot.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+    else:
+        raise ValueError(f"unknown process kind {kind!r}")
+    step()
+    ready.set()
+    _paced(stop, step)
+
+
+def measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
+    context = mp.get_context("spawn")
+    stop, queue = context.Event(), context.Queue()
+    started = []
+    for kind in ["idle", *kinds]:
+        ready = context.Event()
+        process = context.Process(target=run_process, args=(kind, ready, stop, queue), daemon=True)
+        process.start()
+        started.append((kind, process, ready))
+    try:
+        deadline = time.monotonic() + 120.0
+        for kind, process, ready in started:
+            while not ready.wait(0.5):
+                if not process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"phase {name}: the {kind} process did not start "
+                                       f"(exit code {process.exitcode})")
+        time.sleep(1.0)  # past every process's first steps
+        row = {"phase": name, "busy": kinds, "idle": count(started[0][1].pid, seconds)}
+        row["busy_processes"] = [count(process.pid, 1.0) for _, process, _ in started[1:]]
+        return row
+    finally:
+        stop.set()
+        for _, process, _ in started:
+            process.join(20)
+            if process.is_alive():
+                process.kill()
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    lines = ["| phase | busy processes | idle context: wake-ups/s, cores | busy ones: wake-ups/s |",
+             "|---|---|---|---|"]
+    for row in rows:
+        busy = ", ".join(f"{p['wakeups_per_s']:g}" for p in row["busy_processes"]) or "-"
+        lines.append(f"| {row['phase']} | {', '.join(row['busy']) or 'none'} | "
+                     f"{row['idle']['wakeups_per_s']:g}, {row['idle']['cores']:.4f} | {busy} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--phases", nargs="*", default=list(PHASES), choices=list(PHASES))
+    parser.add_argument("--seconds", type=float, default=PHASE_S)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the driver's thread is what it counts)")
+    rows = []
+    for name in args.phases:
+        rows.append(measure_phase(name, PHASES[name], args.seconds))
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n".join(table_lines(rows)))
+    if args.out:
+        args.out.write_text(json.dumps({"rate_hz": RATE_HZ, "seconds": args.seconds,
+                                        "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
