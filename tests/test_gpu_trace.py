@@ -34,6 +34,13 @@ def _write_trace(folder: Path, name: str, kernels, copies=(), other=()) -> None:
     (folder / name).write_text(json.dumps({"baseTimeNanoseconds": BASE_NS, "traceEvents": events}))
 
 
+def _write_windows(folder: Path, windows: dict[str, tuple[float, float]]) -> None:
+    """The window each worker recorded, (start, end) in us of the window, beside its trace."""
+    for name, (begin, end) in windows.items():
+        window_path(folder / name).write_text(
+            json.dumps([(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]))
+
+
 def test_the_gpus_time_is_added_up_by_process_with_the_turns_between_them(tmp_path):
     # A 10 ms window from 0: detection's kernels 0-3 and 5-6 ms (one overlapping its own at
     # 2-2.5), roi_landmark's 3.5-4.5 and 6.2-7 ms, and a kernel before the window that ends in it.
@@ -70,10 +77,8 @@ def test_only_the_time_every_worker_recorded_is_counted(tmp_path):
     # Asked for 0-10 ms; one worker recorded 2-10 ms, the other 0-8 ms: 2-8 ms is counted.
     _write_trace(tmp_path, "detection:cuda:0-11.json", kernels=[(0, 3000), (7000, 9000)])
     _write_trace(tmp_path, "roi_landmark:cuda:0:0-12.json", kernels=[(4000, 5000)])
-    for name, (begin, end) in (("detection:cuda:0-11.json", (2000, 10_000)),
-                               ("roi_landmark:cuda:0:0-12.json", (0, 8000))):
-        window_path(tmp_path / name).write_text(
-            json.dumps([(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]))
+    _write_windows(tmp_path, {"detection:cuda:0-11.json": (2000, 10_000),
+                              "roi_landmark:cuda:0:0-12.json": (0, 8000)})
 
     summary = gpu_trace.summarize(tmp_path, BASE_US / 1e6, 0.010)
 
@@ -86,10 +91,8 @@ def test_workers_that_recorded_no_common_time_give_an_error_not_a_table(tmp_path
     # One worker recorded 0-4 ms of the 10 asked, the other (killed, restarted, late) 6-10 ms.
     _write_trace(tmp_path, "detection:cuda:0-11.json", kernels=[(0, 3000)])
     _write_trace(tmp_path, "roi_landmark:cuda:0:0-12.json", kernels=[(7000, 8000)])
-    for name, (begin, end) in (("detection:cuda:0-11.json", (0, 4000)),
-                               ("roi_landmark:cuda:0:0-12.json", (6000, 10_000))):
-        window_path(tmp_path / name).write_text(
-            json.dumps([(BASE_US + begin) / 1e6, (BASE_US + end) / 1e6]))
+    _write_windows(tmp_path, {"detection:cuda:0-11.json": (0, 4000),
+                              "roi_landmark:cuda:0:0-12.json": (6000, 10_000)})
 
     summary = gpu_trace.summarize(tmp_path, BASE_US / 1e6, 0.010)
 
