@@ -16,8 +16,10 @@ import spare_wakeups  # noqa: E402 (bench/ is not a package)
 def test_a_named_threads_wakeups_and_the_process_cores_are_counted():
     # A shell that sleeps a tenth of a second at a time wakes about ten times a second, on almost
     # no CPU; its only thread is named after it.
-    sleeper = subprocess.Popen(["bash", "-c", "while :; do sleep 0.1; done"])
+    sleeper = subprocess.Popen(["bash", "-c", "echo ready; while :; do sleep 0.1; done"],
+                               stdout=subprocess.PIPE, text=True)
     try:
+        assert sleeper.stdout.readline() == "ready\n"  # bash runs (the fork had python's name)
         assert list(spare_wakeups.thread_switches(sleeper.pid, "bash")) == [sleeper.pid]
         assert spare_wakeups.thread_switches(sleeper.pid, spare_wakeups.DRIVER_THREAD) == {}
         counted = spare_wakeups.count(sleeper.pid, 1.0, "bash")
