@@ -133,13 +133,12 @@ class GpuTraceWindow:
             stopped_unix = time.time()
             self._out_dir.mkdir(parents=True, exist_ok=True)
             path = self._out_dir / f"{worker_name}-{os.getpid()}.json"
-            # What this worker really recorded, in a file beside the trace: read back and
-            # written again with it, a measuring worker's ~130 MB trace at 64 cameras kept the
-            # worker from its frames seconds longer.
+            # What this worker really recorded, in a file beside the trace: not read back and
+            # written again with it, which is seconds of the worker's time for a measuring
+            # worker's ~130 MB trace at 64 cameras.
             window_path(path).write_text(json.dumps([self._started_unix, stopped_unix]))
             partial = path.with_name(path.name + ".part")
             profiler.export_chrome_trace(str(partial))
             partial.rename(path)  # whole once the bench sees it
-
         except Exception as exc:  # noqa: BLE001 - the worker goes on whatever the profiler did
             log.warning("%s: the GPU trace could not be written (%s)", worker_name, exc)
