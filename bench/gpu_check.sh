@@ -114,6 +114,15 @@ run)
         "$@" > "$STATE/$name.log" 2>&1
         echo "$(date -u +%H:%M:%S) end $name rc=$?" >> "$STATE/steps.txt"
     }
+    mps_start() {  # NVIDIA MPS's control daemon, and this shell's processes its clients
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d
+    }
+    mps_stop() {
+        echo quit | nvidia-cuda-mps-control
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    }
     ab_script() {  # name, script, its arguments: on .base/, then on this tree (--out added, and
         # bench/pipeline.py's --log-dir)
         local name=$1 script=$2; shift 2
@@ -229,16 +238,13 @@ run)
             else
                 for side in without with; do
                     if [ $side = with ]; then
-                        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-                        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-                        nvidia-cuda-mps-control -d
+                        mps_start
                     fi
                     step "mps_ab-$side" python3 bench/pipeline.py --cameras ${MPS_AB_CAMERAS:-64} \
                         --transports cuda_ipc --source synthetic-replay --warmup-s 5 --measure-s 15 \
                         --out "$STATE/benchmarks-mps-ab-$side.json" --log-dir "$STATE/logs-mps-ab-$side"
                 done
-                echo quit | nvidia-cuda-mps-control
-                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+                mps_stop
             fi ;;
         mps) # The same daemon with NVIDIA MPS: the workers' kernels share the GPU at once
             # instead of taking turns by time slice (never tried yet; needs
@@ -246,14 +252,11 @@ run)
             if ! command -v nvidia-cuda-mps-control > /dev/null; then
                 echo "$(date -u +%H:%M:%S) mps: no nvidia-cuda-mps-control" >> "$STATE/steps.txt"
             else
-                export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-                mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-                nvidia-cuda-mps-control -d
+                mps_start
                 step mps python3 bench/pipeline.py --cameras 32 64 --transports cuda_ipc \
                     --source synthetic-replay --warmup-s 5 --measure-s 15 \
                     --out "$STATE/benchmarks-mps.json" --log-dir "$STATE/logs-mps"
-                echo quit | nvidia-cuda-mps-control
-                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+                mps_stop
             fi ;;
         gpu_time) # Note [Where the GPU's time goes]: each variant's GPU time by process.
             # $GPU_TIME_VARIANTS: some of them only (MPS's half runs where MPS is installed).
@@ -266,14 +269,11 @@ run)
                     --out "$STATE/benchmarks-gpu-time-$variant.json" --log-dir "$STATE/logs-gpu-time-$variant"
             done
             if command -v nvidia-cuda-mps-control > /dev/null; then
-                export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-                mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-                nvidia-cuda-mps-control -d
+                mps_start
                 step gpu_time_mps python3 bench/pipeline.py --cameras 64 --transports cuda_ipc \
                     --source synthetic-replay --warmup-s 5 --measure-s 15 --gpu-trace-s 3 \
                     --out "$STATE/benchmarks-gpu-time-mps.json" --log-dir "$STATE/logs-gpu-time-mps"
-                echo quit | nvidia-cuda-mps-control
-                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+                mps_stop
             fi
             # The traces (~300 MB at 64 cameras) stay on the machine; the JSON has their sums.
             rm -rf "$STATE"/logs-gpu-time*/gpu-trace-* ;;
