@@ -177,11 +177,12 @@ class Measured:
     landmarks_px: torch.Tensor | None  # (N, 478, 3) on the device
     boxes_px: torch.Tensor | None  # (N, 4) on the device
     boxes_host_px: np.ndarray | None  # (N, 4) float32: the same boxes, from the one transfer
+    landmarks_host_px: np.ndarray | None  # (N, 478, 3) float32: the same landmarks, from it too
 
     @classmethod
     def nothing(cls, frames: int) -> "Measured":
         """No face in any of ``frames`` frames."""
-        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None, None)
+        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None, None, None)
 
 
 # Note [Box of a tracked face]
@@ -410,7 +411,8 @@ class FaceMeasurer:
         self.last_host_work_s = time.perf_counter() - host_start_s
         table, count = pending.table, len(pending.owners)
         return Measured(faces, rows, table[:, self.layout.landmarks].view(count, NUM_LANDMARKS, 3),
-                        table[:, self.layout.box], host[:, self.layout.box])
+                        table[:, self.layout.box], host[:, self.layout.box],
+                        host[:, self.layout.landmarks].reshape(count, NUM_LANDMARKS, 3))
 
     def measure_on_device(self, batch, owners: list[int], rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
                           roi_scores: torch.Tensor, tracked: list[bool]) -> torch.Tensor:

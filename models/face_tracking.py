@@ -8,35 +8,39 @@ A detection of a face that is already followed is dropped: the track's ROI follo
 which is the better one.
 
 Note [Tracking without per-face work]
-    The faces that one step's cameras keep are one block (landmarks and boxes on the device, the
-    boxes also on the host, from the measuring stage's one transfer); a camera holds a range of
-    rows of its last step's block, not an object per face, and no tensor of its own. A step
-    makes every camera's ROIs at once: the followed faces' rows gathered from their blocks (none
-    at all when, as in the daemon's steady state, the cameras are the last step's in its order),
-    one copy of the ROIs' order, the gather's rows and host-side detections to the device, the
-    rects of all tracks and all detections in two batched calls, one gather into the ROIs'
-    order. Which detections are dropped as already followed (IoU > TRACKED_DETECTION_IOU with a
-    followed face's box) and which are cut by ``max_faces`` is decided on the host, with numpy,
-    on the host's copies of the boxes, for the frames that have detections: the daemon's
-    detections arrive on the host and the tracks' boxes came back in the previous step's table,
-    so nothing waits for the device (before issue 24 the decision was read back from the
-    device, one wait per step). After measuring, the faces kept in every frame become the new
-    block in one gather. The Python loops left run over cameras, doing bookkeeping only.
+    The faces that one step's cameras keep are one block (their landmarks and boxes, on the
+    host, from the measuring stage's one transfer); a camera holds a range of rows of its last
+    step's block, not an object per face. A step makes every camera's ROIs at once: the
+    followed faces' rows gathered from their blocks (none at all when, as in the daemon's steady
+    state, the cameras are the last step's in its order), the rects of all tracks and all
+    detections in two batched calls, one gather into the ROIs' order. Which detections are
+    dropped as already followed (IoU > TRACKED_DETECTION_IOU with a followed face's box) and
+    which are cut by ``max_faces`` is decided with the rest, on the host: the daemon's
+    detections arrive there, so nothing waits for the device (before issue 24 the decision was
+    read back from the device, one wait per step). After measuring, the faces kept in every
+    frame become the new block (the measured rows as they are where every face is kept in the
+    measured order, else one gather). The Python loops left run over cameras, doing
+    bookkeeping only.
 
-Note [A tracking step without detections on the CPU]
-    Between detection passes (14 frames of 15 in `facecast analyze`) a step on the CPU whose
-    followed faces are the last step's block, whole and in order, and which has no detection,
-    takes the ROIs straight from the block: the rects from its landmarks, its boxes as they
-    are, scores 0. The general path gets the same values through steps that change nothing
-    there (no detection to filter, the ROIs' order the block's own: an identity gather of
-    each tensor, a one-part concatenation, the order's copy to the "device"), about 40 small
-    numpy and torch calls of ~10 us each in place (the landmark model's invoke leaves the
-    caches cold). Only on the CPU, where such calls cost host time and nothing else: a GPU's
-    step keeps its one sequence of kernels. The rects are computed in numpy there
-    (roi.rects_from_landmarks_on_host: the same values, ~20 torch calls fewer). The step before
-    it, `follow`, keeps the measured rows themselves as the block where every measured face is
-    kept in the measured order (one face a frame, always), not an identity gather of each:
-    0.063 -> 0.030 ms a 720p frame in place (2026-11-27).
+Note [The next ROIs on the host]
+    A step's ROIs are computed on the host in numpy, on any device, and go to the device in
+    one copy (rects, boxes and scores: each a contiguous part of it). On a GPU they were
+    device tensors made by ~30 kernels launched one by one (the rects, the gathers into the
+    ROIs' order, the concatenations; `follow`'s gather 3 more), of the ~46 a measuring batch
+    launched beside its graph (bench/gpu_trace.py, 2026-11-27 23:17), and the step's host
+    calls were 29 % of a measuring worker's CPU samples at 64 cameras (py-spy, 2026-11-27
+    18:58, H100); the host has every input already (the measured
+    landmarks and boxes come back in the batch's one transfer, detections arrive on the host),
+    and numpy over ~24 faces takes microseconds where each kernel launch costs the host and
+    the GPU a turn. The values are the tensors' path's on the CPU exactly
+    (roi.rect_arrays_from_landmarks and rect_arrays_from_detections: torch's atan2 on the CPU,
+    the rest IEEE arithmetic in the same order; tests/models/test_batched_tracking.py); on a
+    GPU they may differ from what its kernels gave in an angle's last bit. A step whose followed
+    faces are the last step's block, whole and in order, with no detection (between detection
+    passes: 14 frames of 15 in `facecast analyze`, most of the daemon's) takes the ROIs straight
+    from the block, without the gathers' bookkeeping (about 40 small numpy and torch calls of
+    ~10 us each on the 2-core machine, where the landmark model's invoke leaves the caches
+    cold; 0.063 -> 0.030 ms a 720p frame for `follow`'s part, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -64,9 +68,8 @@ class _Followed:
     """The faces that one step's cameras kept, all of them (Note [Tracking without per-face
     work])."""
 
-    landmarks_px: torch.Tensor  # (n, 478, 3) on the pipeline's device
-    boxes_px: torch.Tensor  # (n, 4) on the device
-    boxes_host_px: np.ndarray  # (n, 4) float32: the same boxes on the host
+    landmarks_host_px: np.ndarray  # (n, 478, 3) float32, from the measuring stage's one transfer
+    boxes_host_px: np.ndarray  # (n, 4) float32, from it too
 
 
 @dataclass
@@ -86,13 +89,9 @@ class _CameraState:
         return self.followed.boxes_host_px[self.rows] if self.face_count else _no_boxes()
 
     @property
-    def landmarks_px(self) -> torch.Tensor | None:
-        """(k, 478, 3) on the device: the faces followed (a view of the block; for tests)."""
-        return self.followed.landmarks_px[self.rows] if self.face_count else None
-
-    @property
-    def boxes_px(self) -> torch.Tensor | None:
-        return self.followed.boxes_px[self.rows] if self.face_count else None
+    def landmarks_host_px(self) -> np.ndarray | None:
+        """(k, 478, 3): the faces followed (a view of the block; for tests)."""
+        return self.followed.landmarks_host_px[self.rows] if self.face_count else None
 
 
 @dataclass
@@ -141,8 +140,8 @@ class FaceTracks:
         per-face work].)"""
         for i, state in enumerate(states):
             state.frames_since_detection = 0 if i in det_by_frame else state.frames_since_detection + 1
-        if self.device.type == "cpu" and not any(found[0].shape[0] for found in det_by_frame.values()):
-            whole = self._followed_whole(states)  # Note [A tracking step without detections on the CPU]
+        if not any(found[0].shape[0] for found in det_by_frame.values()):
+            whole = self._followed_whole(states)  # Note [The next ROIs on the host]
             if whole is not None:
                 return whole
         frames = len(states)
@@ -173,46 +172,27 @@ class FaceTracks:
         owner, sources = owner[order_host], sources[order_host]
         tracked = order_host < total_tracks
 
-        # One copy to the device: the ROIs' order, the followed faces' rows (unless a block is
-        # used whole), and the detections when they are on the host.
-        detections = [det_by_frame[i] for i in det_frames]
-        on_host = bool(detections) and detections[0][0].device.type == "cpu"
-        upload = [sources.astype(np.float32), track_rows.astype(np.float32)[:0 if whole else None]]
-        if on_host:
-            upload.append(np.concatenate([torch.cat([part.reshape(part.shape[0], -1) for part in found], dim=1)
-                                          .float().numpy() for found in detections]).ravel())
-        uploaded = roi_mod.from_host(np.concatenate(upload), self.device)
-        order = uploaded[:sources.shape[0]].long()
-        after_rows = sources.shape[0] + upload[1].shape[0]
-
-        rects_parts, boxes_parts, scores_parts = [], [], []
+        # The ROIs on the host, in numpy, then one copy to the device (Note [The next ROIs on
+        # the host]): every track's and every detection's, then the ROIs' rows of them.
+        parts = []
         if total_tracks:
-            landmarks, boxes = ((torch.cat([block.landmarks_px for block in blocks]),
-                                 torch.cat([block.boxes_px for block in blocks])) if len(blocks) > 1
-                                else (blocks[0].landmarks_px, blocks[0].boxes_px))
+            landmarks, boxes = ((np.concatenate([block.landmarks_host_px for block in blocks]),
+                                 np.concatenate([block.boxes_host_px for block in blocks])) if len(blocks) > 1
+                                else (blocks[0].landmarks_host_px, blocks[0].boxes_host_px))
             if not whole:
-                index = uploaded[sources.shape[0]:after_rows].long()
-                landmarks, boxes = landmarks[index], boxes[index]
-            rects_parts.append(roi_mod.rects_from_landmarks(landmarks))
-            boxes_parts.append(boxes)
-            scores_parts.append(torch.zeros(total_tracks, device=self.device))
-        if detections:
-            if on_host:
-                table = uploaded[after_rows:].view(int(det_counts.sum()), -1)
-                det_boxes, det_keypoints, det_scores = (table[:, :4], table[:, 4:-1].reshape(table.shape[0], -1, 2),
-                                                        table[:, -1])
-            else:
-                det_boxes, det_keypoints, det_scores = (torch.cat([found[part] for found in detections])
-                                                        .to(self.device, torch.float32) for part in range(3))
-            rects_parts.append(roi_mod.rects_from_detections(det_boxes, det_keypoints))
-            boxes_parts.append(det_boxes)
-            scores_parts.append(det_scores)
-        return Rois(owner.tolist(), tracked.tolist(), roi_mod.RotatedRects.cat(rects_parts)[order],
-                    torch.cat(boxes_parts)[order], torch.cat(scores_parts)[order])
+                landmarks, boxes = landmarks[track_rows], boxes[track_rows]
+            parts.append((*roi_mod.rect_arrays_from_landmarks(landmarks), boxes,
+                          np.zeros(total_tracks, np.float32)))
+        if det_frames:
+            det_boxes, det_keypoints, det_scores = (
+                np.concatenate([_on_host(det_by_frame[i][part]) for i in det_frames]) for part in range(3))
+            parts.append((*roi_mod.rect_arrays_from_detections(det_boxes, det_keypoints), det_boxes, det_scores))
+        return _rois_on(self.device, owner.tolist(), tracked.tolist(),
+                        *(np.concatenate(column)[sources] for column in zip(*parts)))
 
     def _followed_whole(self, states: list[_CameraState]) -> Rois | None:
-        """Note [A tracking step without detections on the CPU]: the ROIs of the states' tracks
-        when they are one block, whole and in the states' order (else None: the general path)."""
+        """Note [The next ROIs on the host]: the ROIs of the states' tracks when they are one
+        block, whole and in the states' order (else None: the general path)."""
         block, owners = None, []
         for i, state in enumerate(states):
             if not state.face_count:
@@ -224,8 +204,9 @@ class FaceTracks:
             owners += [i] * state.face_count
         if block is None or len(owners) != block.boxes_host_px.shape[0]:
             return None
-        return Rois(owners, [True] * len(owners), roi_mod.rects_from_landmarks_on_host(block.landmarks_px),
-                    block.boxes_px, torch.zeros(len(owners), device=self.device))
+        return _rois_on(self.device, owners, [True] * len(owners),
+                        *roi_mod.rect_arrays_from_landmarks(block.landmarks_host_px), block.boxes_host_px,
+                        np.zeros(len(owners), np.float32))
 
     @staticmethod
     def _followed_rows(states: list[_CameraState], track_counts: np.ndarray
@@ -256,22 +237,37 @@ class FaceTracks:
         kept_rows = np.fromiter((k for rows in measured.rows for k in rows), np.int64, sum(kept_per_frame))
         followed = None
         kept = kept_rows.shape[0]
-        if (kept and self.device.type == "cpu" and kept == measured.boxes_host_px.shape[0]
-                and (kept_rows == np.arange(kept)).all()):
-            # Every face kept, in the measured order (one face a frame, always): on the CPU the
-            # measured rows as they are, not an identity gather of each (Note [A tracking step
-            # without detections on the CPU]); the measured table is the step's own.
-            followed = _Followed(measured.landmarks_px, measured.boxes_px, measured.boxes_host_px)
+        if kept and kept == measured.boxes_host_px.shape[0] and (kept_rows == np.arange(kept)).all():
+            # Every face kept, in the measured order (one face a frame, always): the measured
+            # rows as they are, not a copy (the host's table is the step's own).
+            followed = _Followed(measured.landmarks_host_px, measured.boxes_host_px)
         elif kept:
-            index = roi_mod.from_host(kept_rows, self.device)
-            followed = _Followed(measured.landmarks_px[index], measured.boxes_px[index],
-                                 measured.boxes_host_px[kept_rows])
+            followed = _Followed(measured.landmarks_host_px[kept_rows], measured.boxes_host_px[kept_rows])
         first_row = 0
         for i, state in enumerate(states):
             state.lost_face = bool(state.face_count) and kept_per_frame[i] < rois_per_frame[i]
             state.followed = followed if kept_per_frame[i] else None
             state.first_row, state.face_count = first_row, kept_per_frame[i]
             first_row += kept_per_frame[i]
+
+
+def _on_host(part: torch.Tensor) -> np.ndarray:
+    """A detection's boxes, keypoints or scores as float32 numpy: as they are when they came
+    from the host (the daemon's detection worker, FacePipeline.detect), else copied (a wait for
+    the device: tests only)."""
+    return part.detach().to("cpu", torch.float32).numpy()
+
+
+def _rois_on(device: torch.device, owners: list[int], tracked: list[bool], center: np.ndarray,
+             size: np.ndarray, rotation: np.ndarray, boxes: np.ndarray, scores: np.ndarray) -> Rois:
+    """Rois of the host's columns, in one copy to ``device``: each a contiguous part of it."""
+    count = len(owners)
+    uploaded = roi_mod.from_host(np.concatenate([center.ravel(), size.ravel(), rotation.ravel(),
+                                                 boxes.ravel(), scores.ravel()]).astype(np.float32, copy=False),
+                                 device)
+    center_t, size_t, rotation_t, boxes_t, scores_t = uploaded.split([2 * count, 2 * count, count, 4 * count, count])
+    return Rois(owners, tracked, roi_mod.RotatedRects(center_t.view(count, 2), size_t.view(count, 2), rotation_t),
+                boxes_t.view(count, 4), scores_t)
 
 
 def _detection_boxes_on_host(boxes: list[torch.Tensor]) -> np.ndarray:

@@ -164,19 +164,34 @@ def rects_from_landmarks(landmarks_px: torch.Tensor, scale: float = ROI_SCALE) -
     )
 
 
-def rects_from_landmarks_on_host(landmarks_px: torch.Tensor, scale: float = ROI_SCALE) -> RotatedRects:
-    """:func:`rects_from_landmarks` of landmarks on the CPU in numpy, the same values (the angle by
-    torch's atan2; the rest is IEEE arithmetic in the same order): a tracking step's ROIs in
-    ~10 numpy calls instead of ~20 torch calls (Note [A tracking step without detections on
-    the CPU], models/face_tracking.py)."""
-    xy = landmarks_px.numpy()[..., :2]
+def rect_arrays_from_landmarks(landmarks_px: np.ndarray, scale: float = ROI_SCALE
+                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`rects_from_landmarks`'s (centre (N, 2), size (N, 2), rotation (N,)) of float32
+    landmarks (N, P, ≥2) in numpy, the same values: a tracking step's ROIs in ~10 numpy calls
+    instead of ~20 torch calls (Note [The next ROIs on the host], models/face_tracking.py)."""
+    xy = landmarks_px[..., :2]
     low, high = xy_extents_on_host(xy_rows_on_host(xy))
-    delta = xy[:, MESH_ROTATION_END_INDEX] - xy[:, MESH_ROTATION_START_INDEX]
+    return _rect_arrays(low, high, xy[:, MESH_ROTATION_START_INDEX], xy[:, MESH_ROTATION_END_INDEX], scale)
+
+
+def rect_arrays_from_detections(boxes_px: np.ndarray, keypoints_px: np.ndarray, scale: float = ROI_SCALE
+                                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`rects_from_detections`'s (centre, size, rotation) of float32 boxes (N, 4) and
+    keypoints (N, K, 2) in numpy, the same values."""
+    return _rect_arrays(boxes_px[:, 0:2], boxes_px[:, 2:4], keypoints_px[:, 0], keypoints_px[:, 1], scale)
+
+
+def _rect_arrays(low: np.ndarray, high: np.ndarray, start_xy: np.ndarray, end_xy: np.ndarray,
+                 scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`rects_from_boxes_and_points` in numpy (its target angle 0), the same values: the
+    angle by torch's atan2 on the CPU, the rest IEEE arithmetic in the same order."""
+    delta = end_xy - start_xy
+    # The columns as strided views, as the tensors' path takes them: torch's CPU atan2 over a
+    # contiguous input takes its vectorised form, whose last bit can differ.
     angle = torch.atan2(torch.from_numpy(delta[:, 1]), torch.from_numpy(delta[:, 0])).numpy()
     rotation = angle - 2 * math.pi * np.floor((angle + math.pi) / (2 * math.pi))  # _wrap_radians
     side = (high - low).max(axis=1) * scale
-    return RotatedRects(torch.from_numpy((low + high) / 2), torch.from_numpy(np.stack([side, side], axis=1)),
-                        torch.from_numpy(rotation))
+    return (low + high) / 2, np.stack([side, side], axis=1), rotation
 
 
 # Note [Landmark extents over a contiguous axis]

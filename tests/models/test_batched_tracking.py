@@ -7,7 +7,8 @@ per followed face; the decision which detections are already followed read back 
 device). Both are driven through the same steps: cameras following 0 to 4 faces, detections on
 some frames (near a followed face, so dropped, or new, more than ``max_faces`` leaves room for),
 faces measured and kept at random (some tracks lost). CPU, and CUDA where there is one (marker
-``gpu``: there the detections are device tensors, as FacePipeline.detect returns them).
+``gpu``: there the detections given are device tensors, the measured faces too); the reference
+runs on the CPU, where the ROIs are made on either device (Note [The next ROIs on the host]).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def reference_next_rois(states, det_by_frame, device, max_faces):
 def reference_follow(states, owners, measured):
     for i, state in enumerate(states):
         state.lost_face = bool(state.tracks) and len(measured.faces[i]) < owners.count(i)
-        state.tracks = [ReferenceTrack(measured.landmarks_px[k], measured.boxes_px[k]) for k in measured.rows[i]]
+        state.tracks = [ReferenceTrack(measured.landmarks_px[k].cpu(), measured.boxes_px[k].cpu())
+                        for k in measured.rows[i]]
 
 
 # -- the steps ---------------------------------------------------------------------------------
@@ -143,17 +145,20 @@ def fake_measured(rng, owners, frames, device, keep=0.8):
     boxes = boxes_from_landmarks(landmarks)
     rows = [[k for k in range(count) if owners[k] == frame and rng.random() < keep] for frame in range(frames)]
     faces = [[object()] * len(frame_rows) for frame_rows in rows]  # only counted
-    return Measured(faces, rows, landmarks, boxes, boxes.cpu().numpy())
+    return Measured(faces, rows, landmarks, boxes, boxes.cpu().numpy(), landmarks.cpu().numpy())
 
 
-def assert_same_rois(rois, expected, step):
+def assert_same_rois(rois, expected, step, device):
+    """The step's ROIs, on the pipeline's device, are the reference's (made on the CPU: Note
+    [The next ROIs on the host]) exactly."""
     assert rois.owners == expected[0] and rois.tracked == expected[1], f"step {step}"
     if rois.owners:
         for got, want in ((rois.rects.center_xy_px, expected[2].center_xy_px),
                           (rois.rects.size_wh_px, expected[2].size_wh_px),
                           (rois.rects.rotation_rad, expected[2].rotation_rad),
                           (rois.boxes_px, expected[3]), (rois.scores, expected[4])):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert got.device.type == device and got.is_contiguous(), f"step {step}"
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -173,9 +178,9 @@ def test_tracking_steps_match_the_per_face_code(device):
         states = tracks.states(cameras)
         det_by_frame = {i: detections(rng, state, device) for i, state in enumerate(states)
                         if tracks.wants_detection(cameras[i]) or rng.random() < 0.2}
-        expected = reference_next_rois(reference, det_by_frame, torch.device(device), MAX_FACES)
+        expected = reference_next_rois(reference, det_by_frame, torch.device("cpu"), MAX_FACES)
         rois = tracks.next_rois(states, det_by_frame)
-        assert_same_rois(rois, expected, step)
+        assert_same_rois(rois, expected, step, device)
         assert [s.frames_since_detection for s in states] == [s.frames_since_detection for s in reference]
         detected = sum(det_by_frame[i][0].shape[0] for i in det_by_frame)
         new = sum(not t for t in rois.tracked)
@@ -193,18 +198,17 @@ def test_tracking_steps_match_the_per_face_code(device):
         for state, want in zip(states, reference):
             assert state.face_count == len(want.tracks)
             if want.tracks:
-                torch.testing.assert_close(state.landmarks_px, torch.stack([t.landmarks_px for t in want.tracks]),
-                                           rtol=0, atol=0)
-                torch.testing.assert_close(state.boxes_px, torch.stack([t.box_px for t in want.tracks]), rtol=0, atol=0)
-                np.testing.assert_array_equal(state.boxes_host_px, state.boxes_px.cpu().numpy())
+                np.testing.assert_array_equal(state.landmarks_host_px,
+                                              torch.stack([t.landmarks_px for t in want.tracks]).numpy())
+                np.testing.assert_array_equal(state.boxes_host_px, torch.stack([t.box_px for t in want.tracks]).numpy())
     assert min(seen.values()) >= 10, seen  # every rule was exercised
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_steps_without_detections_match_the_per_face_code(device):
-    """Note [A tracking step without detections on the CPU]: steps between detection passes,
-    every camera in order and every face kept (`facecast analyze`'s steady state, the
-    shortcut on the CPU), make the ROIs and keep the faces that the per-face code does."""
+    """Note [The next ROIs on the host]: steps between detection passes, every camera in order
+    and every face kept (`facecast analyze`'s steady state and the daemon's, the shortcut), make
+    the ROIs and keep the faces that the per-face code does."""
     rng = np.random.default_rng(12)
     tracks = FaceTracks(torch.device(device), MAX_FACES, detect_interval_frames=4)
     cameras = [f"cam{k}" for k in range(3)]
@@ -214,29 +218,29 @@ def test_steps_without_detections_match_the_per_face_code(device):
         states = tracks.states(cameras)
         det_by_frame = {i: detections(rng, state, device) for i, state in enumerate(states)
                         if tracks.wants_detection(cameras[i])}
-        expected = reference_next_rois(reference, det_by_frame, torch.device(device), MAX_FACES)
+        expected = reference_next_rois(reference, det_by_frame, torch.device("cpu"), MAX_FACES)
         without_detections += bool(expected[0]) and not any(
             found[0].shape[0] for found in det_by_frame.values())
         rois = tracks.next_rois(states, det_by_frame)
-        assert_same_rois(rois, expected, step)
+        assert_same_rois(rois, expected, step, device)
         assert [s.frames_since_detection for s in states] == [s.frames_since_detection for s in reference]
         measured = (fake_measured(rng, rois.owners, len(cameras), device, keep=1.0) if rois.owners
                     else Measured.nothing(len(cameras)))
         tracks.follow(states, rois.owners, measured)
         reference_follow(reference, rois.owners, measured)
-        # Every face kept in the measured order: on the CPU the tracks keep the measured rows
-        # as they are (no gather), which the next step's ROIs above compare with the reference.
-        measured_whole += any(state.followed is not None and state.followed.landmarks_px is measured.landmarks_px
+        # Every face kept in the measured order: the tracks keep the measured rows as they are
+        # (no gather), which the next step's ROIs above compare with the reference.
+        measured_whole += any(state.followed is not None
+                              and state.followed.landmarks_host_px is measured.landmarks_host_px
                               for state in states)
         for state, want in zip(states, reference):
             assert state.face_count == len(want.tracks)
-    assert without_detections >= 12
-    assert measured_whole >= 12 if device == "cpu" else measured_whole == 0
+    assert without_detections >= 12 and measured_whole >= 12
 
 
 def test_rects_from_landmarks_in_numpy_are_the_tensor_operations_rects():
-    """roi.rects_from_landmarks_on_host (a CPU tracking step's ROIs, Note [A tracking step without
-    detections on the CPU]) gives rects_from_landmarks's values exactly: faces turned every way
+    """roi.rect_arrays_from_landmarks (a tracking step's ROIs of followed faces, Note [The next
+    ROIs on the host]) gives rects_from_landmarks's values exactly: faces turned every way
     (the angle wrapped at ±π included), of any size, anywhere in the frame."""
     rng = np.random.default_rng(11)
     landmarks = torch.from_numpy((rng.normal(0, 1, (64, 478, 3)) * rng.uniform(5, 300, (64, 1, 1))
@@ -245,12 +249,30 @@ def test_rects_from_landmarks_in_numpy_are_the_tensor_operations_rects():
     landmarks[0, roi_mod.MESH_ROTATION_END_INDEX, :2] = landmarks[0, roi_mod.MESH_ROTATION_START_INDEX, :2] - \
         torch.tensor([10.0, 0.0])
     expected = roi_mod.rects_from_landmarks(landmarks)
-    got = roi_mod.rects_from_landmarks_on_host(landmarks)
-    for name in ("center_xy_px", "size_wh_px", "rotation_rad"):
-        theirs, ours = getattr(expected, name), getattr(got, name)
-        assert ours.dtype == theirs.dtype == torch.float32, name
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
-    assert got.rotation_rad.abs().max() <= np.pi
+    got = roi_mod.rect_arrays_from_landmarks(landmarks.numpy())
+    for name, ours in zip(("center_xy_px", "size_wh_px", "rotation_rad"), got):
+        theirs = getattr(expected, name).numpy()
+        assert ours.dtype == theirs.dtype == np.float32 and ours.shape == theirs.shape, name
+        np.testing.assert_array_equal(ours, theirs, err_msg=name)
+    assert np.abs(got[2]).max() <= np.pi
+
+
+def test_rects_from_detections_in_numpy_are_the_tensor_operations_rects():
+    """roi.rect_arrays_from_detections (a tracking step's ROIs of new faces, Note [The next ROIs
+    on the host]) gives rects_from_detections's values exactly: boxes of any size anywhere,
+    eyes turned every way (the angle wrapped at ±π included), one or several a step."""
+    rng = np.random.default_rng(14)
+    for count in (1, 5, 64):
+        corner = rng.uniform(0, 1800, (count, 2))
+        boxes = np.concatenate([corner, corner + rng.uniform(20, 400, (count, 2))], axis=1).astype(np.float32)
+        keypoints = rng.uniform(0, 1900, (count, 6, 2)).astype(np.float32)
+        keypoints[0, 1] = keypoints[0, 0] - np.float32([10.0, 0.0])  # an angle of exactly ±π
+        expected = roi_mod.rects_from_detections(torch.from_numpy(boxes), torch.from_numpy(keypoints))
+        got = roi_mod.rect_arrays_from_detections(boxes, keypoints)
+        for name, ours in zip(("center_xy_px", "size_wh_px", "rotation_rad"), got):
+            theirs = getattr(expected, name).numpy()
+            assert ours.dtype == theirs.dtype == np.float32 and ours.shape == theirs.shape, name
+            np.testing.assert_array_equal(ours, theirs, err_msg=f"{name}, {count} detections")
 
 
 def test_landmark_extents_over_contiguous_rows_are_the_strided_reductions():
