@@ -152,12 +152,22 @@ class FaceTracks:
         det_frames = [i for i in sorted(det_by_frame) if det_by_frame[i][0].shape[0]]
         det_counts = np.fromiter((det_by_frame[i][0].shape[0] for i in det_frames), np.int64, len(det_frames))
         det_owner = np.repeat(np.asarray(det_frames, np.int64), det_counts)
+        # Every track's landmarks and boxes and every detection's parts, on the host (Note [The
+        # next ROIs on the host]): for the decisions below and the ROIs made from them.
+        if total_tracks:
+            landmarks, boxes = ((np.concatenate([block.landmarks_host_px for block in blocks]),
+                                 np.concatenate([block.boxes_host_px for block in blocks])) if len(blocks) > 1
+                                else (blocks[0].landmarks_host_px, blocks[0].boxes_host_px))
+            if not whole:
+                landmarks, boxes = landmarks[track_rows], boxes[track_rows]
+        if det_frames:
+            det_boxes, det_keypoints, det_scores = (
+                np.concatenate([_on_host(det_by_frame[i][part]) for i in det_frames]) for part in range(3))
         # A detection of a face already followed is dropped: the track's ROI is the better one
         # (it follows the mesh, not a coarse box). Then as many as max_faces leaves room for.
         new = np.ones(det_owner.shape[0], bool)
         if det_owner.shape[0] and total_tracks:
-            track_boxes_host = np.concatenate([block.boxes_host_px for block in blocks])[track_rows]
-            iou = box_iou(_detection_boxes_on_host([det_by_frame[i][0] for i in det_frames]), track_boxes_host)
+            iou = box_iou(det_boxes, boxes)
             new = (iou * (det_owner[:, None] == track_owner[None, :])).max(axis=1) <= TRACKED_DETECTION_IOU
         new_before_frame = np.cumsum(new) - new  # new detections of earlier rows
         frame_start = np.repeat(np.cumsum(det_counts) - det_counts, det_counts)
@@ -172,20 +182,13 @@ class FaceTracks:
         owner, sources = owner[order_host], sources[order_host]
         tracked = order_host < total_tracks
 
-        # The ROIs on the host, in numpy, then one copy to the device (Note [The next ROIs on
-        # the host]): every track's and every detection's, then the ROIs' rows of them.
+        # The ROIs: every track's and every detection's, then the ROIs' rows of them, in one
+        # copy to the device.
         parts = []
         if total_tracks:
-            landmarks, boxes = ((np.concatenate([block.landmarks_host_px for block in blocks]),
-                                 np.concatenate([block.boxes_host_px for block in blocks])) if len(blocks) > 1
-                                else (blocks[0].landmarks_host_px, blocks[0].boxes_host_px))
-            if not whole:
-                landmarks, boxes = landmarks[track_rows], boxes[track_rows]
             parts.append((*roi_mod.rect_arrays_from_landmarks(landmarks), boxes,
                           np.zeros(total_tracks, np.float32)))
         if det_frames:
-            det_boxes, det_keypoints, det_scores = (
-                np.concatenate([_on_host(det_by_frame[i][part]) for i in det_frames]) for part in range(3))
             parts.append((*roi_mod.rect_arrays_from_detections(det_boxes, det_keypoints), det_boxes, det_scores))
         return _rois_on(self.device, owner.tolist(), tracked.tolist(),
                         *(np.concatenate(column)[sources] for column in zip(*parts)))
@@ -253,8 +256,8 @@ class FaceTracks:
 
 def _on_host(part: torch.Tensor) -> np.ndarray:
     """A detection's boxes, keypoints or scores as float32 numpy: as they are when they came
-    from the host (the daemon's detection worker, FacePipeline.detect), else copied (a wait for
-    the device: tests only)."""
+    from the host (the daemon's detection worker, FacePipeline.detect, after its own one wait
+    for the device), else copied (a wait for the device: tests only)."""
     return part.detach().to("cpu", torch.float32).numpy()
 
 
@@ -268,12 +271,3 @@ def _rois_on(device: torch.device, owners: list[int], tracked: list[bool], cente
     center_t, size_t, rotation_t, boxes_t, scores_t = uploaded.split([2 * count, 2 * count, count, 4 * count, count])
     return Rois(owners, tracked, roi_mod.RotatedRects(center_t.view(count, 2), size_t.view(count, 2), rotation_t),
                 boxes_t.view(count, 4), scores_t)
-
-
-def _detection_boxes_on_host(boxes: list[torch.Tensor]) -> np.ndarray:
-    """The detections' boxes (D, 4) float32 on the host, for the overlap test: as they are when
-    they came from the host (the daemon's detection worker), else in one copy (after
-    :meth:`FacePipeline.detect`'s own wait for the device, nothing is left to wait for)."""
-    if not boxes:
-        return _no_boxes()
-    return torch.cat(boxes).float().cpu().numpy()
