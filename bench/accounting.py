@@ -52,6 +52,11 @@ DEFINITIONS = {
                         "all-NaN 'no face' sample counts); MediaPipe, FaceMesh.process returned",
     "dropped": "frames_due - frames_published, and as % of frames_due; never clamped (skipped "
                "by the source, by a worker that fell behind, or lost)",
+    "lost_between": "frames missing between two published frames of a camera, summed over "
+                    "cameras: each gap in its published capture timestamps longer than 1.5 "
+                    "periods counts round(gap x fps) - 1 (losses the window's edges cannot "
+                    "explain: dropped - lost_between is the edges' +-1 per camera and frames "
+                    "lost at the window's ends)",
     "published_fps": "frames_published / window length",
     "latency_ms": "capture timestamp -> result available in the producing process (facecast: "
                   "the output worker right after its LSL push, its last 512 frames per camera "
@@ -111,8 +116,10 @@ class Window:
         return self.start_ts_lsl <= capture_ts_lsl < self.end_ts_lsl
 
 
-def frame_counts(cameras: int, window: Window, published: int) -> dict:
-    """frames_due, frames_published, dropped (count and % of due, never clamped), published_fps."""
+def frame_counts(cameras: int, window: Window, published: int,
+                 lost_between: int | None = None) -> dict:
+    """frames_due, frames_published, dropped (count and % of due, never clamped), published_fps,
+    and lost_between (frames_lost_between's sum over cameras) when given."""
     due = cameras * window.frames_per_camera
     dropped = due - published
     return {
@@ -121,8 +128,19 @@ def frame_counts(cameras: int, window: Window, published: int) -> dict:
         "frames_published": published,
         "dropped": dropped,
         "dropped_pct": round(100.0 * dropped / due, 2),
+        **({} if lost_between is None else {"lost_between": lost_between}),
         "published_fps": round(published / window.length_s, 1),
     }
+
+
+def frames_lost_between(capture_ts_lsl: Sequence[float], fps: float) -> int:
+    """The frames missing between one camera's published frames (their capture timestamps, in
+    any order): each gap longer than 1.5 periods counts round(gap x fps) - 1. A frame stamped up
+    to a quarter period late or early counts nothing; the
+    window's edges count nothing either (what `dropped` cannot tell apart from a loss)."""
+    stamps = np.sort(np.asarray(capture_ts_lsl, dtype=np.float64))
+    periods = np.diff(stamps) * fps
+    return int(np.sum(np.rint(periods[periods > 1.5]) - 1))
 
 
 def worst_camera_latency(per_camera_ms: Iterable[tuple[float, float]]) -> dict:

@@ -174,6 +174,7 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
         _, start_ts_lsl, frames_per_camera = sys.stdin.readline().split()
         window = accounting.Window(float(start_ts_lsl), int(frames_per_camera), FPS)
         latencies_ms: list[float] = []
+        published_ts_lsl: list[float] = []
         faces = accounting.FaceTally()
         render_cpu_s = accounting_cpu_s = 0.0
         cpu_at_start_s = skipped_at_start = None  # before reading the window's first frame
@@ -193,6 +194,7 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
                 continue
             render_cpu_s += render_done_cpu_s - render_started_cpu_s
             latencies_ms.append((done_ts_lsl - capture_ts_lsl) * 1e3)
+            published_ts_lsl.append(capture_ts_lsl)
             counting_started_cpu_s = time.thread_time()
             boxes = [accounting.mesh_box_px(np.array([(point.x * WIDTH, point.y * HEIGHT)
                                                       for point in face.landmark]))
@@ -206,6 +208,7 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
         "mediapipe_version": importlib.metadata.version("mediapipe"),
         "window_s": window.length_s,
         "frames_published": len(latencies_ms),
+        "lost_between": accounting.frames_lost_between(published_ts_lsl, FPS),
         "skipped_by_source": source.frames_skipped - skipped_at_start,
         # The bench's counting (boxes, matching) ran in this process but is not MediaPipe's cost.
         "cpu_s": cpu_before_read_s - cpu_at_start_s - accounting_cpu_s,
@@ -304,7 +307,8 @@ def run(cameras: int, *, face_px: list[float] | None = None, source: str = "synt
         faces.merge(r["faces"])
     result.update({
         "mediapipe_version": reports[0]["mediapipe_version"],
-        **accounting.frame_counts(cameras, window, published),
+        **accounting.frame_counts(cameras, window, published,
+                                  sum(r["lost_between"] for r in reports)),
         "skipped_by_source": sum(r["skipped_by_source"] for r in reports),
         **accounting.worst_camera_latency((r["latency_p50_ms"], r["latency_p99_ms"])
                                           for r in reports),

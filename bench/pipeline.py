@@ -520,6 +520,13 @@ class FaceStreamReader:
                 for camera, chunks in parts.items()}
 
 
+def _dropped_cell(row: dict) -> str:
+    """dropped (% of due), and the frames lost between published ones where counted (rows
+    before 2026-11-28 have no lost_between)."""
+    between = f", {row['lost_between']} between" if "lost_between" in row else ""
+    return f"{row['dropped']} ({row['dropped_pct']}%{between})"
+
+
 def published_frames(samples, window: accounting.Window, camera_ids: list[str],
                      source: str = "synthetic", newcomers: bool = False,
                     genlocked: bool = False) -> dict:
@@ -535,7 +542,7 @@ def published_frames(samples, window: accounting.Window, camera_ids: list[str],
     staging = msgspec.convert(NEWCOMER_STAGING, StagingConfig) if newcomers else None
     faces = accounting.FaceTally()
     arrivals_tally = accounting.NewcomerTally(NEWCOMER)
-    published = 0
+    published = lost_between = 0
     per_camera_inlet: list[tuple[float, float]] = []
     for camera in camera_ids:
         if camera not in samples:
@@ -546,6 +553,7 @@ def published_frames(samples, window: accounting.Window, camera_ids: list[str],
         # One frame, one capture timestamp, on every face slot's stream: a frame counts once.
         frame_ts, frame_of_sample = np.unique(stamps, return_inverse=True)
         published += len(frame_ts)
+        lost_between += accounting.frames_lost_between(frame_ts, FPS)
         if not len(frame_ts):
             continue
         # Each frame's faces: its samples' boxes that are not NaN (an empty slot is all NaN).
@@ -564,7 +572,7 @@ def published_frames(samples, window: accounting.Window, camera_ids: list[str],
         per_camera_inlet.append(tuple(np.percentile((first_arrival - frame_ts) * 1e3, [50, 99])))
         if newcomers:
             arrivals_tally.add_camera(truth, FPS, window, frame_ts, found_boxes, first_arrival)
-    return {"published": published, "faces": faces,
+    return {"published": published, "lost_between": lost_between, "faces": faces,
             "inlet_latency": accounting.worst_camera_latency(per_camera_inlet),
             "newcomers": arrivals_tally.summary() if newcomers else None}
 
@@ -681,7 +689,7 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
     status_window_s = window.length_s  # the status reads bracket the window
     result.update({
         "window_start_ts_lsl": window.start_ts_lsl,
-        **accounting.frame_counts(cameras, window, counted["published"]),
+        **accounting.frame_counts(cameras, window, counted["published"], counted["lost_between"]),
         # For reference, not part of "dropped": the capture workers' own counters (sent with
         # heartbeats, so exact to about one heartbeat per camera).
         "captured_fps": round((captured_total(last) - captured_total(first)) / status_window_s, 1),
@@ -926,7 +934,7 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         print(text)
         return text
     header = ["cameras", "transport (used)", "frames due", "published fps",
-              "dropped = due − published", "capture→result p50 / p99 ms", "faces found/true", "slowest stage p99 ms",
+              "dropped = due − published (lost between)", "capture→result p50 / p99 ms", "faces found/true", "slowest stage p99 ms",
               "CPU cores busy", "GPU util / mem", "boot s (hung), spares booted after", "stop s (SIGKILLed / stuck)"]
     with_baseline = any("mediapipe" in r for r in rows)
     if with_baseline:
@@ -946,7 +954,7 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
         if r.get("source", "").startswith("synthetic-") and r["source"] != "synthetic-replay":
             source += f" (decode {r.get('decode', 'auto')})"
         cells = [r["cameras"], f"{r['transport']} ({'/'.join(r['transports_seen'])}){source}",
-                 r["frames_due"], r["published_fps"], f"{r['dropped']} ({r['dropped_pct']}%)",
+                 r["frames_due"], r["published_fps"], _dropped_cell(r),
                  f"{r['latency_p50_ms']} / {r['latency_p99_ms']}", _faces_cell(r["faces"]),
                  f"{stage[0]} {stage[1]['p99_ms']:.0f}", r["cpu_cores_busy"],
                  gpus,
@@ -958,7 +966,7 @@ def print_table(rows: list[dict], small_faces: dict | None = None,
             elif v is None:
                 cells += [f"failed: {b.get('error', '')[:160]}"] + [""] * 6
             else:
-                cells += [b["published_fps"], f"{b['dropped']} ({b['dropped_pct']}%)",
+                cells += [b["published_fps"], _dropped_cell(b),
                           f"{b['latency_p50_ms']} / {b['latency_p99_ms']}", _faces_cell(b["faces"]),
                           b["cpu_cores_busy"], f"{v['cpu_ratio']} ({v['cpu_per_frame_ratio']})",
                           v["p99_ratio"]]

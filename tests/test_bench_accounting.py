@@ -58,6 +58,21 @@ def test_dropped_is_due_minus_published_never_clamped():
     assert over["dropped"] == -1 and over["dropped_pct"] < 0
 
 
+def test_frames_lost_between_published_ones_are_gaps_not_jitter_nor_edges():
+    fps = 30.0
+    rng = np.random.default_rng(5)
+    stamps = 50.0 + np.arange(90) / fps + rng.uniform(-0.2, 0.2, 90) / fps  # a grid, each stamp off by < 1/4 period
+    assert accounting.frames_lost_between(stamps, fps) == 0
+    # Frames 10 and 40-42 never published: 4 lost, whatever order the stamps come in.
+    kept = np.delete(stamps, [10, 40, 41, 42])
+    assert accounting.frames_lost_between(kept[::-1], fps) == 4
+    # Missing at the window's ends is not a gap between published frames.
+    assert accounting.frames_lost_between(kept[3:-5], fps) == 4
+    assert accounting.frames_lost_between([], fps) == 0
+    assert accounting.frame_counts(1, accounting.Window.starting_at(0.0, 3.0, fps), 86,
+                                   lost_between=4)["lost_between"] == 4
+
+
 def test_faces_count_when_their_box_overlaps_a_true_face_enough():
     truths = SyntheticScene(1920, 1080, seed="cam00").faces_at(12.5)
     exact = [t.box_px for t in truths]
@@ -102,6 +117,7 @@ def test_published_frames_count_each_frame_once_from_every_slot_sample(source):
                          np.array(stamps) + 0.030)}
     counted = pipeline.published_frames(samples, window, ["cam00", "cam01"], source)
     assert counted["published"] == len(published_in_window) == 28
+    assert counted["lost_between"] == 0  # its 2 unpublished frames were the window's last
     faces = counted["faces"].summary()
     assert faces["frames"] == 28 and faces["found_of_true"] == f"{28 + 14}/56"
     assert faces["extra"] == 0
