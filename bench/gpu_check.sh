@@ -51,9 +51,9 @@
 #                 CUDA activity through 3 s, bench/gpu_trace.py; Note [Where the GPU's time goes]):
 #                 the defaults, float16 models, one roi_landmark worker, and the defaults under
 #                 NVIDIA MPS where it is installed, one after the other (6-7, H100)
-#   spare_wakeups bench/spare_wakeups.py: an idle CUDA context's driver thread beside several
-#                 processes busy at once, a kernel reading another process's IPC memory, pinned
-#                 uploads (issue 24 item 4) (about 2, not yet run)
+#   spare_wakeups bench/spare_wakeups.py: an idle CUDA context's driver thread beside GPU work
+#                 of each kind the daemon does, one phase a kind (issue 24 item 4); $SPARE_PHASES
+#                 (names) runs those phases only (1.5 for the first six, H100 2026-11-28)
 #   probes        each .footage/*_probe.py carried (a session's probes, kept out of the repository)
 #   half          the daemon at 32 and 64 replayed cameras with its default float32 models, then
 #                 with float16 ones (models.half), one after the other (5, H100 2026-11-27)
@@ -199,7 +199,8 @@ run)
                 fp16+graphs+compile --budget-s 300 --landmarker-task .models/face_landmarker.task \
                 --docs "''" ;;
         spare_wakeups) # Issue 24 item 4: what wakes an idle CUDA context's driver thread.
-            step spare_wakeups python3 bench/spare_wakeups.py --out "$STATE/benchmarks-spare-wakeups.json" ;;
+            step spare_wakeups python3 bench/spare_wakeups.py ${SPARE_PHASES:+--phases $SPARE_PHASES} \
+                --out "$STATE/benchmarks-spare-wakeups.json" ;;
         probes) # A session's probes kept out of the repository (.footage/*_probe.py), each run
             # once with its output in probe-NAME.log.
             for probe in .footage/*_probe.py; do

@@ -14,6 +14,10 @@ were one other process's blocking waits, expandable segments, PyCUDA's context, 
 allocator's counters (19:38). What the daemon does besides, each a phase here: several
 processes busy on the GPU at once (their contexts take turns), a kernel reading memory another
 process shares by CUDA IPC (the rings), and uploads from pinned host memory (capture).
+On 2026-11-28 (H100) none of those, nor downloads into pinned memory, a table pinned anew for
+each copy, device memory freed and taken again, 16 threads with a stream each, or ten contexts,
+woke the idle context more than its 10 times a second (docs/benchmarks.md). What they all
+lacked is the daemon's blocking waits (Note [Blocking waits]): the `blocking_*` phases.
 
 In each phase a watched process holds an idle context (a one-element tensor, then nothing) and
 `PHASE_S` seconds are counted after the busy processes are working: its driver thread's
@@ -42,7 +46,22 @@ PHASES = {  # phase: what its busy processes do
     "four_busy": ["compute"] * 4,
     "ipc_read": ["ipc_owner", "ipc_reader"],
     "pinned_upload": ["upload"],
+    # What the daemon does besides, the next suspects (2026-11-28: the phases above left the idle
+    # context at its 10 wake-ups a second).
+    "pinned_download": ["download"],
+    "pin_each_step": ["pin_each"],
+    "device_alloc_free": ["alloc_free"],
+    "streams_in_threads": ["threads"],
+    "many_contexts": ["idle"] * 8 + ["compute"] * 2,  # the daemon's count of contexts at 64
+    # The daemon's workers and spares make their contexts with CU_CTX_SCHED_BLOCKING_SYNC (Note
+    # [Blocking waits]): a wait sleeps until the driver is told the GPU is done, which none of
+    # the phases above did. Next suspect (2026-11-28): that notice reaches every context.
+    "blocking_one": ["compute_blocking"],
+    "blocking_four": ["compute_blocking"] * 4,
+    "blocking_upload": ["upload_blocking"],
+    "blocking_both": ["compute_blocking"] * 2,  # the watched context blocking too, as a spare's
 }
+WATCHED = {"blocking_both": "idle_blocking"}  # the watched process's kind, where not "idle"
 
 
 def thread_switches(pid: int, name: str) -> dict[int, int]:
@@ -90,6 +109,11 @@ def _paced(stop, step) -> None:
 
 def run_process(kind: str, ready, stop, queue) -> None:
     """One process of a phase: idle, or busy in one of PHASES' ways."""
+    if kind.endswith("_blocking"):  # as every facecast worker makes its context
+        from facecast.shared.transport.cuda_driver import wait_by_blocking
+
+        wait_by_blocking(0)
+        kind = kind.removesuffix("_blocking")
     import torch
 
     device = torch.device("cuda")
@@ -128,6 +152,45 @@ def run_process(kind: str, ready, stop, queue) -> None:
         def step():
             slot.copy_(host, non_blocking=True)
             torch.cuda.synchronize()
+    elif kind == "download":  # results to pinned host memory, waited for on an event
+        result = torch.randn(64, 1434, device=device)
+        host = torch.empty(result.shape).pin_memory()
+        done = torch.cuda.Event()
+
+        def step():
+            host.copy_(result, non_blocking=True)
+            done.record()
+            done.synchronize()
+    elif kind == "pin_each":  # a small table pinned anew for each copy, as models/roi.py's
+        slot = torch.empty(64, 8, device=device)
+
+        def step():
+            slot.copy_(torch.randn(64, 8).pin_memory(), non_blocking=True)
+            torch.cuda.synchronize()
+    elif kind == "alloc_free":  # device memory given back to the driver and taken again
+        def step():
+            torch.empty(8 << 20, dtype=torch.uint8, device=device).fill_(1)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # cudaFree, so that the next step's is a cudaMalloc
+    elif kind == "threads":  # 16 threads with a stream each, as a capture group's cameras
+        import threading
+
+        streams = [torch.cuda.Stream() for _ in range(16)]
+        frames = [torch.zeros(1080 * 1920 * 3 // 4, dtype=torch.int32, device=device)
+                  for _ in streams]
+
+        def on_stream(stream, frame):
+            with torch.cuda.stream(stream):
+                frame.add_(1)
+            stream.synchronize()
+
+        def step():
+            workers = [threading.Thread(target=on_stream, args=pair)
+                       for pair in zip(streams, frames)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
     else:
         raise ValueError(f"unknown process kind {kind!r}")
     step()
@@ -139,7 +202,7 @@ def measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
     context = mp.get_context("spawn")
     stop, queue = context.Event(), context.Queue()
     started = []
-    for kind in ["idle", *kinds]:
+    for kind in [WATCHED.get(name, "idle"), *kinds]:
         ready = context.Event()
         process = context.Process(target=run_process, args=(kind, ready, stop, queue), daemon=True)
         process.start()
