@@ -417,7 +417,8 @@ def bench_embeddings(device, batch, measured, batch_sizes, args, budget) -> list
     except Exception as exc:  # noqa: BLE001 - a missing model must not end the run
         return [{"batch": 0, "error": f"{type(exc).__name__}: {exc}"}]
     owners = [index for index, frame in zip(range(len(measured.rows)), measured.rows) for _ in frame]
-    landmarks = measured.landmarks_px[[row for frame in measured.rows for row in frame]]
+    landmarks = torch.from_numpy(measured.landmarks_host_px[[row for frame in measured.rows
+                                                             for row in frame]]).to(device)
     for size in batch_sizes:
         row = {"batch": size}
         rows.append(row)

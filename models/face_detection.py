@@ -156,6 +156,14 @@ def in_frame_order(found: list[Detections], order: torch.Tensor | None) -> Detec
 CANDIDATES_PER_SLOT = 16
 
 
+def packed(found: Detections) -> torch.Tensor:
+    """The detections of F frames as one (F, K, 4 + 2P + 2) float32 table: each slot's box,
+    its P keypoints (x, y), its score, and 1.0 where it holds a detection (0.0 where not)."""
+    frames, slots = found.scores.shape
+    return torch.cat([found.boxes, found.keypoints.reshape(frames, slots, -1), found.scores[..., None],
+                      found.valid[..., None].float()], dim=-1)
+
+
 class FaceDetector:
     """Both face detectors over batches of frames, merged; ``full_range=None`` runs the
     short-range detector alone."""
@@ -191,10 +199,8 @@ class FaceDetector:
         frame_indices = list(range(len(batch)) if frame_indices is None else frame_indices)
         if not frame_indices:
             return []
-        found = self.detect_batched(batch, frame_indices)
-        frames, slots = found.scores.shape
-        host = torch.cat([found.boxes, found.keypoints.reshape(frames, slots, -1), found.scores[..., None],
-                          found.valid[..., None].float()], dim=-1).cpu()
+        host = self.detect_packed(batch, frame_indices).cpu()
+        frames, slots = host.shape[:2]
         boxes, keypoints = host[..., :4], host[..., 4:-2].reshape(frames, slots, -1, 2)
         scores, counts = host[..., -2], host[..., -1].sum(dim=1).int().tolist()  # valid slots come first
         return [(boxes[f, :c], keypoints[f, :c], scores[f, :c]) for f, c in enumerate(counts)]
@@ -231,21 +237,27 @@ class FaceDetector:
             for batch in shapes_up_to(bucket(frames), SMALLEST_DETECTOR_BATCH):
                 model(torch.zeros(batch, height, width, 3, dtype=self.model_dtype, device=self.device))
 
-    def detect_batched(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> Detections:
-        """Both detectors over the frames, merged: (F, K) slots per frame, valid ones first."""
+    def detect_packed(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> torch.Tensor:
+        """Both detectors over the frames, merged: (F, K, C) slots per frame, valid ones first,
+        as :func:`packed` lays them out, on the device, for one copy to the host at once.
+
+        A graph's packed table is its output, read in place (Note [The graph's table read in
+        place], models/face_mesh.py): the caller's copy is queued before any later replay.
+        Only where one batch takes several replays of the same graph are the earlier ones'
+        rows copied out first."""
         sizes = tuple(batch.sizes_hw[i] for i in frame_indices)
         if len(set(sizes)) == 1 and self.graphs.replays("detect"):
             parts = []
-            for start in range(0, len(frame_indices), MAX_GRAPH_FRAMES):
+            starts = range(0, len(frame_indices), MAX_GRAPH_FRAMES)
+            for start in starts:
                 part = self._detect_graphed(batch, frame_indices[start:start + MAX_GRAPH_FRAMES])
                 if part is None:
                     break
-                parts.append(part)
+                parts.append(part if start == starts[-1] else part.clone())
             else:
-                return Detections(*(torch.cat(fields) for fields in zip(
-                    *((p.boxes, p.keypoints, p.scores, p.valid) for p in parts))))
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
         index = roi_mod.from_host(frame_indices, self.device)
-        return self.core(batch, index, self.plans_for(sizes))
+        return packed(self.core(batch, index, self.plans_for(sizes)))
 
     def core(self, batch: roi_mod.FrameBatch, frame_index: torch.Tensor, plans,
              on_stage: Callable[[str], None] | None = None,
@@ -435,8 +447,10 @@ class FaceDetector:
             valid=torch.isfinite(ranked),
         )
 
-    def _detect_graphed(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> Detections | None:
-        """:meth:`core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline]); None when the stage cannot be captured."""
+    def _detect_graphed(self, batch: roi_mod.FrameBatch, frame_indices: list[int]) -> torch.Tensor | None:
+        """:meth:`core` replayed from a CUDA graph (Note [CUDA graphs of the pipeline]), its
+        :func:`packed` table's rows of these frames, in place in the graph's output; None when
+        the stage cannot be captured."""
         height, width = batch.sizes_hw[frame_indices[0]]
         count = len(frame_indices)
         padded = bucket(count, MAX_GRAPH_FRAMES)
@@ -451,7 +465,7 @@ class FaceDetector:
             # Taps outside the graph (they never change) where the one-kernel crop cannot serve.
             taps = (self.crop_taps(static, index, plans)
                     if triton_kernels.unavailable_reason(self.device, "facecast_crop") else None)
-            return (lambda: self.core(static, index, plans, taps=taps)), {"pixels": pixels}
+            return (lambda: packed(self.core(static, index, plans, taps=taps))), {"pixels": pixels}
 
         captured = self.graphs.get("detect", (height, width, padded, batch.bgr), build)
         if captured is None:
@@ -463,6 +477,4 @@ class FaceDetector:
         else:
             for k, start in enumerate(starts):
                 pixels[k * height:(k + 1) * height].copy_(batch.pixels[start:start + height, :width])
-        out = captured.replay()
-        return Detections(out.boxes[:count].clone(), out.keypoints[:count].clone(), out.scores[:count].clone(),
-                          out.valid[:count].clone())
+        return captured.replay()[:count]

@@ -156,13 +156,13 @@ class Face:
 
 @dataclass
 class PendingMeasure:
-    """:meth:`FaceMeasurer.measure_start`'s work on its way: the device's (N, C) table, its host
-    copy (pinned; the same tensor on the CPU) and the event of that copy (None on the CPU)."""
+    """:meth:`FaceMeasurer.measure_start`'s work on its way: the host's copy of the device's
+    (N, C) table (pinned; on the CPU the table itself) and the event of that copy (None on the
+    CPU)."""
 
     frames: int
     owners: list[int]
     tracked: list[bool]
-    table: torch.Tensor | None
     host: torch.Tensor | None
     copied: torch.cuda.Event | None
 
@@ -170,19 +170,18 @@ class PendingMeasure:
 @dataclass
 class Measured:
     """What :meth:`FaceMeasurer.measure` found: the faces of each frame, and for each kept
-    face its row in the device tensors (which the tracks keep, without a copy back)."""
+    face its row in the measured table, whose boxes and landmarks the tracks keep (host arrays
+    from the one transfer: Note [The next ROIs on the host], models/face_tracking.py)."""
 
     faces: list[list[Face]]
     rows: list[list[int]]
-    landmarks_px: torch.Tensor | None  # (N, 478, 3) on the device
-    boxes_px: torch.Tensor | None  # (N, 4) on the device
-    boxes_host_px: np.ndarray | None  # (N, 4) float32: the same boxes, from the one transfer
-    landmarks_host_px: np.ndarray | None  # (N, 478, 3) float32: the same landmarks, from it too
+    boxes_host_px: np.ndarray | None  # (N, 4) float32
+    landmarks_host_px: np.ndarray | None  # (N, 478, 3) float32
 
     @classmethod
     def nothing(cls, frames: int) -> "Measured":
         """No face in any of ``frames`` frames."""
-        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None, None, None)
+        return cls([[] for _ in range(frames)], [[] for _ in range(frames)], None, None)
 
 
 # Note [Box of a tracked face]
@@ -389,15 +388,17 @@ class FaceMeasurer:
         measures])."""
         frames = len(batch)
         if not owners:
-            return PendingMeasure(frames, owners, tracked, None, None, None)
+            return PendingMeasure(frames, owners, tracked, None, None)
         table = self.measure_on_device(batch, owners, rects, roi_boxes, roi_scores, tracked)
         if table.device.type != "cuda":
-            return PendingMeasure(frames, owners, tracked, table, table, None)
+            return PendingMeasure(frames, owners, tracked, table, None)
+        # Queued on the stream before anything later: a graph's output table, which the next
+        # replay rewrites, is read here first (Note [The graph's table read in place]).
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
         host.copy_(table, non_blocking=True)
         copied = torch.cuda.Event(blocking=True)  # the host sleeps on it, rather than spin
         copied.record()
-        return PendingMeasure(frames, owners, tracked, table, host, copied)
+        return PendingMeasure(frames, owners, tracked, host, copied)
 
     def measure_finish(self, pending: PendingMeasure) -> Measured:
         """The faces of :meth:`measure_start`'s work: the one wait for the device."""
@@ -409,10 +410,8 @@ class FaceMeasurer:
         host_start_s = time.perf_counter()
         faces, rows = self._faces(host, np.asarray(pending.owners), pending.tracked, pending.frames)
         self.last_host_work_s = time.perf_counter() - host_start_s
-        table, count = pending.table, len(pending.owners)
-        return Measured(faces, rows, table[:, self.layout.landmarks].view(count, NUM_LANDMARKS, 3),
-                        table[:, self.layout.box], host[:, self.layout.box],
-                        host[:, self.layout.landmarks].reshape(count, NUM_LANDMARKS, 3))
+        return Measured(faces, rows, host[:, self.layout.box],
+                        host[:, self.layout.landmarks].reshape(len(pending.owners), NUM_LANDMARKS, 3))
 
     def measure_on_device(self, batch, owners: list[int], rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
                           roi_scores: torch.Tensor, tracked: list[bool]) -> torch.Tensor:
@@ -634,10 +633,20 @@ class FaceMeasurer:
     def _replay(captured, count: int, rects: roi_mod.RotatedRects, roi_boxes: torch.Tensor,
                 roi_scores: torch.Tensor) -> torch.Tensor:
         """The ROIs' rects, boxes and scores into the graph's packed static (one pass), the
-        replay, and a copy of the table's first ``count`` rows (the next replay rewrites it)."""
+        replay, and the table's first ``count`` rows as they lie in the graph's output.
+
+        Note [The graph's table read in place]
+            The next replay of the same graph rewrites its output table, and a copy of the
+            rows (a kernel a batch) once kept them safe. Their one reader is the copy to the
+            host that measure_start queues right after, on the same stream, so it runs before
+            any later replay: no copy is needed, and nothing else keeps the device table (the
+            tracks keep the host's arrays since Note [The next ROIs on the host]). Where the
+            graphs' bookkeeping runs on the CPU (tests), the table is the host's result itself,
+            read after the next batch has started: there it is copied."""
         torch.cat([rects.center_xy_px.float(), rects.size_wh_px.float(), rects.rotation_rad.float()[:, None],
                    roi_boxes.float(), roi_scores.float()[:, None]], dim=1, out=captured.statics["per_roi"][:count])
-        return captured.replay()[:count].clone()
+        table = captured.replay()[:count]
+        return table if table.is_cuda else table.clone()
 
     # -- the host's part ----------------------------------------------------------------------------
 

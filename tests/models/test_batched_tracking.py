@@ -106,7 +106,8 @@ def reference_next_rois(states, det_by_frame, device, max_faces):
 def reference_follow(states, owners, measured):
     for i, state in enumerate(states):
         state.lost_face = bool(state.tracks) and len(measured.faces[i]) < owners.count(i)
-        state.tracks = [ReferenceTrack(measured.landmarks_px[k].cpu(), measured.boxes_px[k].cpu())
+        state.tracks = [ReferenceTrack(torch.from_numpy(measured.landmarks_host_px[k]),
+                                       torch.from_numpy(measured.boxes_host_px[k]))
                         for k in measured.rows[i]]
 
 
@@ -145,7 +146,7 @@ def fake_measured(rng, owners, frames, device, keep=0.8):
     boxes = boxes_from_landmarks(landmarks)
     rows = [[k for k in range(count) if owners[k] == frame and rng.random() < keep] for frame in range(frames)]
     faces = [[object()] * len(frame_rows) for frame_rows in rows]  # only counted
-    return Measured(faces, rows, landmarks, boxes, boxes.cpu().numpy(), landmarks.cpu().numpy())
+    return Measured(faces, rows, boxes.cpu().numpy(), landmarks.cpu().numpy())
 
 
 def assert_same_rois(rois, expected, step, device):
