@@ -1043,6 +1043,34 @@ def test_detection_graphs_of_one_frame_size_read_their_frames_from_one_buffer(cp
     assert cpu_pipeline.graphs.captured[("detect", (1080, 1920, 4, True))].statics["pixels"] is pixels[4]
 
 
+def test_a_pass_of_several_replays_of_one_graph_keeps_each_replay_s_detections(cpu_pipeline, photos,
+                                                                               monkeypatch):
+    """Note [The graph's table read in place]: five frames with at most two a graph are three
+    replays, two of them of the same graph, whose output the second rewrites: each frame gets
+    its own faces, the eager pass's."""
+    _graphs_on_the_cpu(cpu_pipeline, monkeypatch, _CallInsteadOfReplay)
+    monkeypatch.setattr(face_detection, "MAX_GRAPH_FRAMES", 2)
+    # A face in frames 0, 2 and 4 only, each elsewhere: a replay's rows in another's place show.
+    faces = [scene_1080p(photos, shift) for shift in (0, 10, 20)]
+    empty = np.zeros_like(faces[0])
+    frames = [faces[0], empty, faces[1], empty, faces[2]]
+
+    def detect():
+        with torch.inference_mode():  # as the pipeline calls it
+            return cpu_pipeline.detector.detect(roi.FrameBatch(frames, "cpu"))
+
+    graphed = detect()
+    assert sorted(key for stage, key in cpu_pipeline.graphs.captured if stage == "detect") == [
+        (1080, 1920, 1, True), (1080, 1920, 2, True)]
+    monkeypatch.setattr(cpu_pipeline.graphs, "enabled", False)
+    eager = detect()
+    assert [len(scores) for _, _, scores in graphed] == [len(scores) for _, _, scores in eager]
+    assert [len(scores) > 0 for _, _, scores in eager] == [True, False, True, False, True]
+    for (got_boxes, _, got_scores), (want_boxes, _, want_scores) in zip(graphed, eager):
+        torch.testing.assert_close(got_boxes, want_boxes, atol=1e-2, rtol=0)
+        torch.testing.assert_close(got_scores, want_scores, atol=1e-4, rtol=0)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_graphs_released_free_their_memory_and_are_captured_again_with_the_same_faces(
