@@ -33,6 +33,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +61,17 @@ PHASES = {  # phase: what its busy processes do
     "blocking_four": ["compute_blocking"] * 4,
     "blocking_upload": ["upload_blocking"],
     "blocking_both": ["compute_blocking"] * 2,  # the watched context blocking too, as a spare's
+    # CUDA graphs replayed (each worker's batches, capture's frame: an upload from pinned memory
+    # and kernels in one graph, Note [A frame's GPU work in one graph]), which no phase above ran.
+    "graph_replays": ["graph"],
+    "graph_uploads": ["graph_upload"],
+    "blocking_graph_uploads": ["graph_upload_blocking"] * 2,
+    # facecast's own CUDA ring (shared/transport): a capture's producer publishing 1080p frames
+    # and a consumer reading them on its GPU, checksums and events included, both with the
+    # daemon's blocking waits: the daemon's frame path without its models.
+    "facecast_ring": ["ring_producer", "ring_consumer"],
 }
+RING_DIR_ENV = "FACECAST_SPARE_WAKEUPS_RING_DIR"  # the ring phase's runtime dir, for its processes
 WATCHED = {"blocking_both": "idle_blocking"}  # the watched process's kind, where not "idle"
 
 
@@ -191,6 +202,56 @@ def run_process(kind: str, ready, stop, queue) -> None:
                 worker.start()
             for worker in workers:
                 worker.join()
+    elif kind in ("ring_producer", "ring_consumer"):
+        import numpy as np
+        import zmq
+
+        context = zmq.Context()
+        runtime_dir = os.environ[RING_DIR_ENV]
+        if kind == "ring_producer":
+            from facecast.shared.transport.publisher import FramePublisher
+
+            publisher = FramePublisher(context, runtime_dir, "cam0", transport="cuda_ipc")
+            frames = [np.random.default_rng(k).integers(0, 256, (1080, 1920, 3), np.uint8)
+                      for k in range(4)]
+            published = [0]
+
+            def step():
+                publisher.serve_control()
+                publisher.publish(frames[published[0] % len(frames)], time.monotonic())
+                published[0] += 1
+        else:
+            from facecast.shared.transport.cuda_driver import wait_by_blocking
+            from facecast.shared.transport.subscriber import FrameSubscriber
+
+            wait_by_blocking(0)  # as a daemon worker waits (workers/inference/pipelines.py)
+            subscriber = FrameSubscriber(context, runtime_dir, ["cam0"], device=device)
+
+            def step():
+                if subscriber.receive(timeout_ms=10):
+                    torch.cuda.synchronize()
+    elif kind in ("graph", "graph_upload"):
+        host = torch.empty(1080 * 1920 * 3, dtype=torch.uint8).pin_memory()
+        frame = torch.zeros(1080 * 1920 * 3, dtype=torch.uint8, device=device)
+        total = torch.zeros(1, dtype=torch.int64, device=device)
+        stream = torch.cuda.Stream()
+
+        def work():
+            if kind == "graph_upload":
+                frame.copy_(host, non_blocking=True)
+            frame.add_(1)
+            total.copy_(frame[:4096].sum())
+
+        with torch.cuda.stream(stream):  # warmed on the side stream, as torch asks
+            work()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            work()
+
+        def step():
+            graph.replay()
+            torch.cuda.current_stream().synchronize()
     else:
         raise ValueError(f"unknown process kind {kind!r}")
     step()
@@ -199,6 +260,12 @@ def run_process(kind: str, ready, stop, queue) -> None:
 
 
 def measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="fc-wakeups-") as ring_dir:
+        os.environ[RING_DIR_ENV] = ring_dir  # the spawned processes inherit it
+        return _measure_phase(name, kinds, seconds)
+
+
+def _measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
     context = mp.get_context("spawn")
     stop, queue = context.Event(), context.Queue()
     started = []
