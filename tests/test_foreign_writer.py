@@ -49,12 +49,30 @@ def _run(runtime_dir: str, transport: str, device: str, change: str) -> tuple[di
         peers.kill_all()
 
 
+ATTEMPTS = 3
+
+
+def _run_until_writes_land(runtime_dir: str, transport: str, device: str, change: str
+                           ) -> tuple[dict, dict]:
+    """`_run` until the writer's changes have landed on frames the consumer read (a checksum
+    mismatch seen), at most ATTEMPTS times, each in a directory of its own: on a loaded machine
+    the writer may get no turn while a published frame waits to be read (seen in a clean-clone
+    run beside a busy loop, 2026-11-28). Not one wrong frame may be handed on in any attempt."""
+    for attempt in range(ATTEMPTS):
+        directory = Path(runtime_dir) / str(attempt)
+        directory.mkdir(mode=0o700)
+        seen, tampered = _run(str(directory), transport, device, change)
+        assert tampered["changes"] > 0, tampered
+        assert seen["mismatched"] == 0, seen  # not one wrong frame was handed on ...
+        if seen["counts"].get("checksum_mismatch", 0) > 0:
+            break
+    assert seen["counts"].get("checksum_mismatch", 0) > 0, seen  # ... though the writes landed
+    return seen, tampered
+
+
 @pytest.mark.parametrize("change", TAMPER_CHANGES)
 def test_a_writer_looping_over_every_shm_slot_gets_no_wrong_frame_accepted(runtime_dir, change):
-    seen, tampered = _run(runtime_dir, "shm", "host", change)
-    assert tampered["changes"] > 0, tampered
-    assert seen["counts"].get("checksum_mismatch", 0) > 0, seen  # the writes landed ...
-    assert seen["mismatched"] == 0, seen  # ... and not one wrong frame was handed on
+    _run_until_writes_land(runtime_dir, "shm", "host", change)
 
 
 @pytest.mark.gpu
@@ -65,7 +83,4 @@ def test_a_writer_looping_over_every_cuda_slot_gets_no_wrong_frame_accepted(runt
     reason = cuda_unavailable_reason()
     if reason:
         pytest.skip(f"needs CUDA IPC: {reason}")
-    seen, tampered = _run(runtime_dir, "cuda_ipc", "cuda", change)
-    assert tampered["changes"] > 0, tampered
-    assert seen["counts"].get("checksum_mismatch", 0) > 0, seen
-    assert seen["mismatched"] == 0, seen
+    _run_until_writes_land(runtime_dir, "cuda_ipc", "cuda", change)
