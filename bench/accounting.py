@@ -22,10 +22,10 @@ import numpy as np
 #     what the table showed as 0. Faces per frame came from two status samples on one side and
 #     every frame on the other. Now both sides count against what was *due*, from every frame:
 #
-#     - the window is a span of capture time, [start_ts_lsl, start_ts_lsl + N / fps), N whole
-#       frame periods, the same for every camera; whatever its phase, a camera paced at fps has
-#       exactly N frames due in it (a frame stamped a little late at one edge is balanced by one
-#       at the other; the count is exact to ±1 per camera, usually 0);
+#     - the window is a span of time, [start_ts_lsl, start_ts_lsl + N / fps), N whole frame
+#       periods, the same for every camera; whatever its phase, a camera paced at fps has
+#       exactly N frames due in it. A frame counts in the window by when it was due (Note [Due,
+#       not stamped]);
 #     - published = frames captured in the window that produced a result: for facecast a sample
 #       read by a real pylsl inlet (a frame counts once whatever the number of face slots; an
 #       all-NaN sample, "no face in this frame", is a result); for MediaPipe `FaceMesh.process`
@@ -38,25 +38,41 @@ import numpy as np
 #       the output worker, right after the LSL push; MediaPipe: `FaceMesh.process` returned),
 #       p50 and p99 per camera, the worst camera's reported.
 
+# Note [Due, not stamped]
+#     A frame's capture timestamp is when its camera's read returned: the instant it was due
+#     plus the wake-up's lateness. Counted by their stamps, the window's edges moved frames in
+#     and out (a frame due just before the start but stamped after it counted, one due just
+#     before the end but stamped after it did not), so `dropped` was exact only to one frame a
+#     camera (5 of 34,560 at 64 cameras on 2026-11-28, none of them missing between two
+#     published frames). A replayed camera (and its encoded loops) captures in the middle of
+#     the ticks of its own phase (Note [Capture phases], workers/capture/sources.py), so when
+#     each frame was due is known exactly (`SyntheticReplay.due_ts_lsl`), on both sides: the
+#     window holds N due frames a camera and a published frame is counted by when it was due,
+#     once however many times it was shown. The live synthetic camera's pacer has no fixed
+#     grid: there the stamp stands for when it was due, as before.
+
 MIN_IOU = 0.5  # a result's box matches a true face when their IoU is at least this
 NEWCOMER_GOAL_MS = 100.0  # a face that appears is published within this (issue 24 item 5)
 # Face widths (the detector-style box of SyntheticScene's ground truth) are counted in these bins.
 SIZE_BINS_PX = ((0, 150, "<150 px"), (150, 300, "150-300 px"), (300, math.inf, ">=300 px"))
 
 DEFINITIONS = {
-    "window": "a span of capture time of N whole frame periods (N = round(measure_s x fps)), "
-              "the same for every camera of a run",
+    "window": "a span of time of N whole frame periods (N = round(measure_s x fps)), the same "
+              "for every camera of a run; a frame is in it when it was due in it (a replayed "
+              "camera's frame: the middle of its capture tick, which its capture timestamp "
+              "follows by a wake-up's lateness; the live synthetic camera's: its capture "
+              "timestamp)",
     "frames_due": "cameras x N: the frames the cameras were asked to capture in the window",
-    "frames_published": "frames captured in the window that produced a result: facecast, a "
-                        "sample read by a real pylsl inlet (once per frame, any face slot; an "
-                        "all-NaN 'no face' sample counts); MediaPipe, FaceMesh.process returned",
+    "frames_published": "frames due in the window that produced a result, each once however "
+                        "often it was shown: facecast, a sample read by a real pylsl inlet (any "
+                        "face slot; an all-NaN 'no face' sample counts); MediaPipe, "
+                        "FaceMesh.process returned",
     "dropped": "frames_due - frames_published, and as % of frames_due; never clamped (skipped "
                "by the source, by a worker that fell behind, or lost)",
     "lost_between": "frames missing between two published frames of a camera, summed over "
-                    "cameras: each gap in its published capture timestamps longer than 1.5 "
-                    "periods counts round(gap x fps) - 1 (losses the window's edges cannot "
-                    "explain: dropped - lost_between is the edges' +-1 per camera and frames "
-                    "lost at the window's ends)",
+                    "cameras: each gap in its published frames' due times longer than 1.5 "
+                    "periods counts round(gap x fps) - 1 (dropped - lost_between: frames lost "
+                    "at the window's ends)",
     "published_fps": "frames_published / window length",
     "latency_ms": "capture timestamp -> result available in the producing process (facecast: "
                   "the output worker right after its LSL push, its last 512 frames per camera "
@@ -112,8 +128,19 @@ class Window:
     def end_ts_lsl(self) -> float:
         return self.start_ts_lsl + self.length_s
 
-    def contains(self, capture_ts_lsl: float) -> bool:
-        return self.start_ts_lsl <= capture_ts_lsl < self.end_ts_lsl
+    def contains(self, due_ts_lsl: float) -> bool:
+        return self.start_ts_lsl <= due_ts_lsl < self.end_ts_lsl
+
+    def holds(self, due_ts_lsl: np.ndarray) -> np.ndarray:
+        """`contains` of each of an array of times."""
+        return (due_ts_lsl >= self.start_ts_lsl) & (due_ts_lsl < self.end_ts_lsl)
+
+
+def due_ts_lsl(truth, capture_ts_lsl):
+    """When frames captured at `capture_ts_lsl` (a number or an array) were due (Note [Due, not
+    stamped]): a replayed camera's truth (SyntheticReplay) knows; else the stamps themselves."""
+    due = getattr(truth, "due_ts_lsl", None)
+    return due(capture_ts_lsl) if due is not None else np.asarray(capture_ts_lsl, np.float64)
 
 
 def frame_counts(cameras: int, window: Window, published: int,
@@ -133,12 +160,12 @@ def frame_counts(cameras: int, window: Window, published: int,
     }
 
 
-def frames_lost_between(capture_ts_lsl: Sequence[float], fps: float) -> int:
-    """The frames missing between one camera's published frames (their capture timestamps, in
-    any order): each gap longer than 1.5 periods counts round(gap x fps) - 1. A frame stamped up
-    to a quarter period late or early counts nothing; the
-    window's edges count nothing either (what `dropped` cannot tell apart from a loss)."""
-    stamps = np.sort(np.asarray(capture_ts_lsl, dtype=np.float64))
+def frames_lost_between(due_ts_lsl: Sequence[float], fps: float) -> int:
+    """The frames missing between one camera's published frames (when they were due, or their
+    capture timestamps, in any order): each gap longer than 1.5 periods counts round(gap x fps)
+    - 1. A frame stamped up to a quarter period late or early counts nothing; nor do frames
+    lost at the window's ends."""
+    stamps = np.sort(np.asarray(due_ts_lsl, dtype=np.float64))
     periods = np.diff(stamps) * fps
     return int(np.sum(np.rint(periods[periods > 1.5]) - 1))
 

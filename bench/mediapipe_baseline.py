@@ -13,7 +13,7 @@ a frame the process is too busy to take is skipped and counted), converts it to 
 `mediapipe.solutions.face_mesh.FaceMesh(static_image_mode=False, refine_landmarks=True,
 max_num_faces=2)` (mediapipe 0.10.21, the legacy solution: its .tflite models ship in the wheel,
 no face_landmarker.task needed; the same models facecast ports to PyTorch). Reported over a
-window of capture time after a warm-up, the same for every camera, counted as bench/accounting.py
+window of time after a warm-up (frames in it by when they were due), the same for every camera, counted as bench/accounting.py
 defines for both sides (Note [One definition for both sides]):
 
 - frames due, frames published (here: `FaceMesh.process` returned on the frame), dropped = due −
@@ -151,15 +151,16 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
     import importlib.metadata
 
     from facecast.shared.config import CameraConfig
-    from facecast.workers.capture.sources import open_source
+    from facecast.workers.capture.sources import open_source, synthetic_truth
 
     face_mesh = import_face_mesh()
     cv2.setNumThreads(1)  # as facecast's capture workers render (workers/capture/worker.py)
     # The daemon's capture worker of this camera id opens the same source: same frames, paced
     # the same way ("synthetic-replay": a loop rendered once, Note [Synthetic replay]).
-    source = open_source(CameraConfig(id=camera_id, source=source_kind, width=WIDTH,
-                                      height=HEIGHT, fps=FPS,
-                                      phase=0.0 if genlocked else None))
+    camera = CameraConfig(id=camera_id, source=source_kind, width=WIDTH, height=HEIGHT, fps=FPS,
+                          phase=0.0 if genlocked else None)
+    source = open_source(camera)
+    truth = synthetic_truth(camera)  # when each frame was due (Note [Due, not stamped])
     if face_px:
         if source_kind != "synthetic":
             raise ValueError(f"--face-px needs the live synthetic source, not {source_kind!r}")
@@ -174,7 +175,7 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
         _, start_ts_lsl, frames_per_camera = sys.stdin.readline().split()
         window = accounting.Window(float(start_ts_lsl), int(frames_per_camera), FPS)
         latencies_ms: list[float] = []
-        published_ts_lsl: list[float] = []
+        published_due_ts_lsl: set[float] = set()
         faces = accounting.FaceTally()
         render_cpu_s = accounting_cpu_s = 0.0
         cpu_at_start_s = skipped_at_start = None  # before reading the window's first frame
@@ -183,9 +184,10 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
             render_started_cpu_s = time.thread_time()
             frame, capture_ts_lsl = source.read()  # waits for the frame's turn, then renders it
             render_done_cpu_s = time.thread_time()
-            if capture_ts_lsl >= window.end_ts_lsl:
+            due_ts_lsl = float(accounting.due_ts_lsl(truth, capture_ts_lsl))
+            if due_ts_lsl >= window.end_ts_lsl:
                 break  # not processed: the window's CPU ends before this frame's read
-            in_window = window.contains(capture_ts_lsl)
+            in_window = window.contains(due_ts_lsl)
             if in_window and cpu_at_start_s is None:
                 cpu_at_start_s, skipped_at_start = cpu_before_read_s, skipped_before_read
             result = mesh.process(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
@@ -194,7 +196,7 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
                 continue
             render_cpu_s += render_done_cpu_s - render_started_cpu_s
             latencies_ms.append((done_ts_lsl - capture_ts_lsl) * 1e3)
-            published_ts_lsl.append(capture_ts_lsl)
+            published_due_ts_lsl.add(due_ts_lsl)  # a frame shown twice counts once
             counting_started_cpu_s = time.thread_time()
             boxes = [accounting.mesh_box_px(np.array([(point.x * WIDTH, point.y * HEIGHT)
                                                       for point in face.landmark]))
@@ -207,8 +209,8 @@ def camera_process(camera_id: str, face_px: list[float] | None, source_kind: str
         "camera": camera_id,
         "mediapipe_version": importlib.metadata.version("mediapipe"),
         "window_s": window.length_s,
-        "frames_published": len(latencies_ms),
-        "lost_between": accounting.frames_lost_between(published_ts_lsl, FPS),
+        "frames_published": len(published_due_ts_lsl),
+        "lost_between": accounting.frames_lost_between(sorted(published_due_ts_lsl), FPS),
         "skipped_by_source": source.frames_skipped - skipped_at_start,
         # The bench's counting (boxes, matching) ran in this process but is not MediaPipe's cost.
         "cpu_s": cpu_before_read_s - cpu_at_start_s - accounting_cpu_s,

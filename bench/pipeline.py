@@ -12,9 +12,9 @@ BOOT_STOP_DEFINITIONS below; the JSON carries them, the table's legend repeats t
 
 - boot: `facecast run` → READY=1 on a real NOTIFY_SOCKET socket, and workers killed as hung while
   booting; stop: SIGTERM → the supervisor's exit, and workers it had to SIGKILL (from its log);
-- after a warm-up, a window of capture time read by real pylsl inlets on every Face stream:
-  frames due, frames published (a sample an inlet read), dropped = due − published, never
-  clamped; faces of every published frame against the synthetic scene's ground truth;
+- after a warm-up, a window of time read by real pylsl inlets on every Face stream: frames
+  due, frames published (a sample an inlet read; frames by when they were due), dropped = due
+  − published, never clamped, and lost between published frames; faces of every published frame against the synthetic scene's ground truth;
 - capture → result latency p50/p99 (the output worker, right after its LSL push; the worst
   camera's), and capture → bench inlet for reference; per-stage latency p50/p99, and each
   hop of a frame from grab to LSL push, waits included (Note [Latency accounted]);
@@ -548,20 +548,23 @@ def published_frames(samples, window: accounting.Window, camera_ids: list[str],
         if camera not in samples:
             continue  # nothing published: all its frames are due and dropped
         stamps, boxes, arrivals = samples[camera]
-        inside = (stamps >= window.start_ts_lsl) & (stamps < window.end_ts_lsl)
-        stamps, boxes, arrivals = stamps[inside], boxes[inside], arrivals[inside]
-        # One frame, one capture timestamp, on every face slot's stream: a frame counts once.
+        truth = synthetic_truth(CameraConfig(id=camera, source=source, width=WIDTH,
+                                             height=HEIGHT, fps=FPS, staging=staging,
+                                             phase=0.0 if genlocked else None))
+        due = accounting.due_ts_lsl(truth, stamps)  # Note [Due, not stamped]
+        inside = window.holds(due)
+        stamps, boxes, arrivals, due = stamps[inside], boxes[inside], arrivals[inside], due[inside]
+        # One frame, one capture timestamp, on every face slot's stream; and a frame due once
+        # counts once, however often it was shown.
         frame_ts, frame_of_sample = np.unique(stamps, return_inverse=True)
-        published += len(frame_ts)
-        lost_between += accounting.frames_lost_between(frame_ts, FPS)
+        due_frames = np.unique(due)
+        published += len(due_frames)
+        lost_between += accounting.frames_lost_between(due_frames, FPS)
         if not len(frame_ts):
             continue
         # Each frame's faces: its samples' boxes that are not NaN (an empty slot is all NaN).
         order = np.argsort(frame_of_sample, kind="stable")
         boxes_by_frame = np.split(boxes[order], np.cumsum(np.bincount(frame_of_sample))[:-1])
-        truth = synthetic_truth(CameraConfig(id=camera, source=source, width=WIDTH,
-                                             height=HEIGHT, fps=FPS, staging=staging,
-                                             phase=0.0 if genlocked else None))
         found_boxes = [[tuple(b) for b in frame_boxes[np.isfinite(frame_boxes).all(axis=1)]]
                        for frame_boxes in boxes_by_frame]
         for capture_ts_lsl, frame_boxes in zip(frame_ts, found_boxes):
@@ -668,9 +671,10 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         cpu_last = tree_cpu_s(daemon.process.pid)
         roles_last = role_cpu_s(last)
         spares_last = spare_threads_cpu_s(last)
-        # Drain: frames captured before the window's end may still be in the pipeline.
+        # Drain: frames due before the window's end may still be in the pipeline, stamped up
+        # to half a period after it (Note [Due, not stamped]).
         drain_deadline_monotonic = time.monotonic() + args.drain_s
-        while (min(reader.newest_ts_lsl_by_camera().values()) < window.end_ts_lsl
+        while (min(reader.newest_ts_lsl_by_camera().values()) < window.end_ts_lsl + 1.0 / FPS
                and time.monotonic() < drain_deadline_monotonic):
             time.sleep(0.05)
         drained = daemon.status()
@@ -1167,10 +1171,11 @@ def plot(json_path: Path, png_path: Path) -> None:
     fig.savefig(png_path, dpi=110)
 
 
-# The meaning of the JSON's columns: 2 = bench/accounting.py's (before: dropped = captured −
-# published clamped at 0, faces per frame sampled from status;
-# `git show 1cc25b8:bench/pipeline.py`).
-DEFINITIONS_VERSION = 2
+# The meaning of the JSON's columns: 3 = bench/accounting.py's, frames counted by when they
+# were due (Note [Due, not stamped]; 2: by their capture timestamps, `git show 540cc19:bench/
+# accounting.py`; 1: dropped = captured − published clamped at 0, faces per frame sampled from
+# status, `git show 1cc25b8:bench/pipeline.py`).
+DEFINITIONS_VERSION = 3
 
 
 def use_loopback_lsl() -> None:

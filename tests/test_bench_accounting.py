@@ -58,6 +58,33 @@ def test_dropped_is_due_minus_published_never_clamped():
     assert over["dropped"] == -1 and over["dropped_pct"] < 0
 
 
+def test_a_replayed_frame_counts_by_when_it_was_due_and_once():
+    """Note [Due, not stamped]: a frame due before the window's end but stamped after it counts,
+    one stamped inside the window but due before its start does not, and a frame shown twice
+    (a late wake-up that showed the next tick's frame) counts once."""
+    fps = 30.0
+    camera = "cam00"
+    truth = synthetic_truth(CameraConfig(id=camera, source="synthetic-replay",
+                                         width=pipeline.WIDTH, height=pipeline.HEIGHT, fps=fps))
+    due = accounting.due_ts_lsl(truth, 200.0 + np.arange(0, 40) / fps)  # the camera's captures
+    window = accounting.Window(float(due[4] + 0.1 / fps), 30, fps)  # due[5] .. due[34] inside
+    assert window.holds(due).sum() == 30
+    stamps = due[4:36] + 0.004  # 4 ms late, each
+    stamps[0] = window.start_ts_lsl + 0.001  # due before the start, stamped after it
+    stamps[30] = window.end_ts_lsl + 0.002  # due[34]: stamped after the end, due before it
+    stamps = np.insert(stamps, 11, stamps[10] + 0.3 / fps)  # due[14] shown twice
+    assert float(accounting.due_ts_lsl(truth, stamps[11])) == due[14]
+    box = [(np.nan,) * 4]
+    samples = {camera: (stamps, np.array(box * len(stamps)), stamps + 0.03)}
+    counted = pipeline.published_frames(samples, window, [camera], "synthetic-replay")
+    assert counted["published"] == 30 and counted["lost_between"] == 0
+    dropped_two = np.delete(stamps, [7, 8])  # due[10] and due[11] never came
+    counted = pipeline.published_frames({camera: (dropped_two, np.array(box * len(dropped_two)),
+                                                  dropped_two + 0.03)}, window, [camera],
+                                        "synthetic-replay")
+    assert counted["published"] == 28 and counted["lost_between"] == 2
+
+
 def test_frames_lost_between_published_ones_are_gaps_not_jitter_nor_edges():
     fps = 30.0
     rng = np.random.default_rng(5)
@@ -105,8 +132,12 @@ def test_published_frames_count_each_frame_once_from_every_slot_sample(source):
     scene = synthetic_truth(CameraConfig(id="cam00", source=source, width=pipeline.WIDTH,
                                          height=pipeline.HEIGHT, fps=fps))
     stamps, boxes = [], []
-    frame_ts = 100.001 + np.arange(-3, 33) / fps  # 3 before the window, 3 after
-    published_in_window = [ts for ts in frame_ts if window.contains(ts)][:-2]  # 2 never came
+    # Frames as the camera captures them (a replayed one in the middle of its ticks), 1 ms
+    # late: 3 before the window, 3 after.
+    grid = accounting.due_ts_lsl(scene, 100.0 + np.arange(-3, 33) / fps)
+    frame_ts = grid + 0.001
+    published_in_window = [ts for ts in frame_ts
+                           if window.contains(accounting.due_ts_lsl(scene, ts))][:-2]  # 2 never came
     for k, ts in enumerate(published_in_window + [frame_ts[0], frame_ts[-1]]):
         truth = [t.box_px for t in scene.faces_at(ts)]
         slot0 = truth[0]

@@ -613,6 +613,14 @@ class SyntheticReplay:
         """The camera's capture clock's tick at `capture_ts_lsl` (Note [Capture phases])."""
         return math.floor(capture_ts_lsl * self.fps - self.phase)
 
+    def due_ts_lsl(self, capture_ts_lsl):
+        """When the frame captured at `capture_ts_lsl` (a number or a numpy array of them) was
+        due: the middle of its tick, where the camera captures (`middle_of_tick_s`); its capture
+        timestamp follows by the wake-up's lateness. The benches count frames by it
+        (bench/accounting.py)."""
+        ticks = np.floor(np.asarray(capture_ts_lsl, np.float64) * self.fps - self.phase)
+        return (ticks + 0.5 + self.phase) / self.fps
+
     def middle_of_tick_s(self, tick: int) -> float:
         """The capture time half a period into `tick`, where the camera captures (Note
         [Synthetic replay])."""
