@@ -13,8 +13,9 @@ a frame the process is too busy to take is skipped and counted), converts it to 
 `mediapipe.solutions.face_mesh.FaceMesh(static_image_mode=False, refine_landmarks=True,
 max_num_faces=2)` (mediapipe 0.10.21, the legacy solution: its .tflite models ship in the wheel,
 no face_landmarker.task needed; the same models facecast ports to PyTorch). Reported over a
-window of time after a warm-up (frames in it by when they were due), the same for every camera, counted as bench/accounting.py
-defines for both sides (Note [One definition for both sides]):
+window of time after a warm-up (frames in it by when they were due), the same for every
+camera, counted as bench/accounting.py defines for both sides (Note [One definition for both
+sides]):
 
 - frames due, frames published (here: `FaceMesh.process` returned on the frame), dropped = due −
   published (count and %); frames the source skipped while the process was busy, for reference;

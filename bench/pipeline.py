@@ -14,7 +14,8 @@ BOOT_STOP_DEFINITIONS below; the JSON carries them, the table's legend repeats t
   booting; stop: SIGTERM → the supervisor's exit, and workers it had to SIGKILL (from its log);
 - after a warm-up, a window of time read by real pylsl inlets on every Face stream: frames
   due, frames published (a sample an inlet read; frames by when they were due), dropped = due
-  − published, never clamped, and lost between published frames; faces of every published frame against the synthetic scene's ground truth;
+  − published, never clamped, and lost between published frames; faces of every published
+  frame against the synthetic scene's ground truth;
 - capture → result latency p50/p99 (the output worker, right after its LSL push; the worst
   camera's), and capture → bench inlet for reference; per-stage latency p50/p99, and each
   hop of a frame from grab to LSL push, waits included (Note [Latency accounted]);
