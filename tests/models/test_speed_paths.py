@@ -979,7 +979,7 @@ def test_the_face_stack_never_waits_for_the_gpu_until_its_one_transfer(gpu_pipel
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                pipe.detector.detect_batched(batch, [0, 1])
+                pipe.detector.detect_packed(batch, [0, 1])
                 rois = pipe.tracks.next_rois(states, {1: found[1]})
                 pipe.measurer.measure_on_device(batch, rois.owners, rois.rects, rois.boxes_px, rois.scores,
                                                 rois.tracked)

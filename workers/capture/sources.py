@@ -618,12 +618,12 @@ class SyntheticReplay:
         due: the middle of its tick, where the camera captures (`middle_of_tick_s`); its capture
         timestamp follows by the wake-up's lateness. The benches count frames by it
         (bench/accounting.py)."""
-        ticks = np.floor(np.asarray(capture_ts_lsl, np.float64) * self.fps - self.phase)
-        return (ticks + 0.5 + self.phase) / self.fps
+        return self.middle_of_tick_s(np.floor(np.asarray(capture_ts_lsl, np.float64) * self.fps
+                                              - self.phase))
 
-    def middle_of_tick_s(self, tick: int) -> float:
-        """The capture time half a period into `tick`, where the camera captures (Note
-        [Synthetic replay])."""
+    def middle_of_tick_s(self, tick):
+        """The capture time half a period into `tick` (a number, or a numpy array of them),
+        where the camera captures (Note [Synthetic replay])."""
         return (tick + 0.5 + self.phase) / self.fps
 
     def schedule_half_into_ticks(self, pacer: _Pacer) -> None:
