@@ -69,7 +69,7 @@ PHASES = {  # phase: what its busy processes do
     # facecast's own CUDA ring (shared/transport): a capture's producer publishing 1080p frames
     # and a consumer reading them on its GPU, checksums and events included, both with the
     # daemon's blocking waits: the daemon's frame path without its models.
-    "facecast_ring": ["ring_producer", "ring_consumer"],
+    "facecast_ring": ["ring_producer", "ring_consumer_blocking"],
 }
 RING_DIR_ENV = "FACECAST_SPARE_WAKEUPS_RING_DIR"  # the ring phase's runtime dir, for its processes
 WATCHED = {"blocking_both": "idle_blocking"}  # the watched process's kind, where not "idle"
@@ -119,7 +119,7 @@ def _paced(stop, step) -> None:
 
 
 def run_process(kind: str, ready, stop, queue) -> None:
-    """One process of a phase: idle, or busy in one of PHASES' ways."""
+    """One process of a phase: idle, or busy in one of PHASES' ways (STEP_MAKERS), paced."""
     if kind.endswith("_blocking"):  # as every facecast worker makes its context
         from facecast.shared.transport.cuda_driver import wait_by_blocking
 
@@ -134,129 +134,175 @@ def run_process(kind: str, ready, stop, queue) -> None:
         ready.set()
         stop.wait()
         return
-    if kind == "compute":  # a small batch's work and a blocking wait for it, as a worker's
-        x = torch.randn(64, 1024, device=device)
-        product = torch.empty_like(x)
-        weight = torch.randn(1024, 1024, device=device) / 32  # values neither grow nor vanish
-
-        def step():
-            for _ in range(8):  # no allocation: torch.relu has no out=, clamp has
-                torch.mm(x, weight, out=product)
-                torch.clamp(product, min=0, out=x)
-            torch.cuda.synchronize()
-    elif kind == "ipc_owner":  # a ring's slot: written here, read by the reader's kernels
-        frame = torch.zeros(1080, 1920, 3, dtype=torch.uint8, device=device)
-        queue.put(frame)  # torch sends a CUDA tensor by its IPC handle
-
-        def step():
-            frame.add_(1)
-            torch.cuda.synchronize()
-    elif kind == "ipc_reader":
-        frame = queue.get()
-
-        def step():
-            frame.float().mean().item()
-    elif kind == "upload":  # a 1080p frame from pinned host memory, as capture uploads
-        host = torch.empty(1080 * 1920 * 3, dtype=torch.uint8).pin_memory()
-        slot = torch.empty_like(host, device=device)
-
-        def step():
-            slot.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-    elif kind == "download":  # results to pinned host memory, waited for on an event
-        result = torch.randn(64, 1434, device=device)
-        host = torch.empty(result.shape).pin_memory()
-        done = torch.cuda.Event()
-
-        def step():
-            host.copy_(result, non_blocking=True)
-            done.record()
-            done.synchronize()
-    elif kind == "pin_each":  # a small table pinned anew for each copy, as models/roi.py's
-        slot = torch.empty(64, 8, device=device)
-
-        def step():
-            slot.copy_(torch.randn(64, 8).pin_memory(), non_blocking=True)
-            torch.cuda.synchronize()
-    elif kind == "alloc_free":  # device memory given back to the driver and taken again
-        def step():
-            torch.empty(8 << 20, dtype=torch.uint8, device=device).fill_(1)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()  # cudaFree, so that the next step's is a cudaMalloc
-    elif kind == "threads":  # 16 threads with a stream each, as a capture group's cameras
-        import threading
-
-        streams = [torch.cuda.Stream() for _ in range(16)]
-        frames = [torch.zeros(1080 * 1920 * 3 // 4, dtype=torch.int32, device=device)
-                  for _ in streams]
-
-        def on_stream(stream, frame):
-            with torch.cuda.stream(stream):
-                frame.add_(1)
-            stream.synchronize()
-
-        def step():
-            workers = [threading.Thread(target=on_stream, args=pair)
-                       for pair in zip(streams, frames)]
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                worker.join()
-    elif kind in ("ring_producer", "ring_consumer"):
-        import numpy as np
-        import zmq
-
-        context = zmq.Context()
-        runtime_dir = os.environ[RING_DIR_ENV]
-        if kind == "ring_producer":
-            from facecast.shared.transport.publisher import FramePublisher
-
-            publisher = FramePublisher(context, runtime_dir, "cam0", transport="cuda_ipc")
-            frames = [np.random.default_rng(k).integers(0, 256, (1080, 1920, 3), np.uint8)
-                      for k in range(4)]
-            published = [0]
-
-            def step():
-                publisher.serve_control()
-                publisher.publish(frames[published[0] % len(frames)], time.monotonic())
-                published[0] += 1
-        else:
-            from facecast.shared.transport.cuda_driver import wait_by_blocking
-            from facecast.shared.transport.subscriber import FrameSubscriber
-
-            wait_by_blocking(0)  # as a daemon worker waits (workers/inference/pipelines.py)
-            subscriber = FrameSubscriber(context, runtime_dir, ["cam0"], device=device)
-
-            def step():
-                if subscriber.receive(timeout_ms=10):
-                    torch.cuda.synchronize()
-    elif kind in ("graph", "graph_upload"):
-        host = torch.empty(1080 * 1920 * 3, dtype=torch.uint8).pin_memory()
-        frame = torch.zeros(1080 * 1920 * 3, dtype=torch.uint8, device=device)
-        total = torch.zeros(1, dtype=torch.int64, device=device)
-        stream = torch.cuda.Stream()
-
-        def work():
-            if kind == "graph_upload":
-                frame.copy_(host, non_blocking=True)
-            frame.add_(1)
-            total.copy_(frame[:4096].sum())
-
-        with torch.cuda.stream(stream):  # warmed on the side stream, as torch asks
-            work()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            work()
-
-        def step():
-            graph.replay()
-            torch.cuda.current_stream().synchronize()
-    else:
+    if kind not in STEP_MAKERS:
         raise ValueError(f"unknown process kind {kind!r}")
+    step = STEP_MAKERS[kind](torch, device, queue)
     step()
     ready.set()
     _paced(stop, step)
+
+
+# Each busy kind's step (made in its process, after torch's import): what it does at RATE_HZ.
+
+def _compute(torch, device, queue):
+    """A small batch's work and a blocking wait for it, as a worker's."""
+    x = torch.randn(64, 1024, device=device)
+    product = torch.empty_like(x)
+    weight = torch.randn(1024, 1024, device=device) / 32  # values neither grow nor vanish
+
+    def step():
+        for _ in range(8):  # no allocation: torch.relu has no out=, clamp has
+            torch.mm(x, weight, out=product)
+            torch.clamp(product, min=0, out=x)
+        torch.cuda.synchronize()
+    return step
+
+
+def _ipc_owner(torch, device, queue):
+    """A ring's slot: written here, read by the reader's kernels."""
+    frame = torch.zeros(1080, 1920, 3, dtype=torch.uint8, device=device)
+    queue.put(frame)  # torch sends a CUDA tensor by its IPC handle
+
+    def step():
+        frame.add_(1)
+        torch.cuda.synchronize()
+    return step
+
+
+def _ipc_reader(torch, device, queue):
+    frame = queue.get()
+    return lambda: frame.float().mean().item()
+
+
+def _upload(torch, device, queue):
+    """A 1080p frame from pinned host memory, as capture uploads."""
+    host = torch.empty(1080 * 1920 * 3, dtype=torch.uint8).pin_memory()
+    slot = torch.empty_like(host, device=device)
+
+    def step():
+        slot.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+    return step
+
+
+def _download(torch, device, queue):
+    """Results to pinned host memory, waited for on an event."""
+    result = torch.randn(64, 1434, device=device)
+    host = torch.empty(result.shape).pin_memory()
+    done = torch.cuda.Event()
+
+    def step():
+        host.copy_(result, non_blocking=True)
+        done.record()
+        done.synchronize()
+    return step
+
+
+def _pin_each(torch, device, queue):
+    """A small table pinned anew for each copy, as models/roi.py's."""
+    slot = torch.empty(64, 8, device=device)
+
+    def step():
+        slot.copy_(torch.randn(64, 8).pin_memory(), non_blocking=True)
+        torch.cuda.synchronize()
+    return step
+
+
+def _alloc_free(torch, device, queue):
+    """Device memory given back to the driver and taken again."""
+    def step():
+        torch.empty(8 << 20, dtype=torch.uint8, device=device).fill_(1)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # cudaFree, so that the next step's is a cudaMalloc
+    return step
+
+
+def _threads(torch, device, queue):
+    """16 threads with a stream each, as a capture group's cameras."""
+    import threading
+
+    streams = [torch.cuda.Stream() for _ in range(16)]
+    frames = [torch.zeros(1080 * 1920 * 3 // 4, dtype=torch.int32, device=device) for _ in streams]
+
+    def on_stream(stream, frame):
+        with torch.cuda.stream(stream):
+            frame.add_(1)
+        stream.synchronize()
+
+    def step():
+        workers = [threading.Thread(target=on_stream, args=pair) for pair in zip(streams, frames)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    return step
+
+
+def _ring_producer(torch, device, queue):
+    """facecast's CUDA ring, written as a capture worker writes it (its own blocking waits)."""
+    import numpy as np
+    import zmq
+
+    from facecast.shared.transport.publisher import FramePublisher
+
+    publisher = FramePublisher(zmq.Context(), os.environ[RING_DIR_ENV], "cam0", transport="cuda_ipc")
+    frames = [np.random.default_rng(k).integers(0, 256, (1080, 1920, 3), np.uint8) for k in range(4)]
+    published = [0]
+
+    def step():
+        publisher.serve_control()
+        publisher.publish(frames[published[0] % len(frames)], time.monotonic())
+        published[0] += 1
+    return step
+
+
+def _ring_consumer(torch, device, queue):
+    """facecast's CUDA ring, read as an inference worker reads it."""
+    import zmq
+
+    from facecast.shared.transport.subscriber import FrameSubscriber
+
+    subscriber = FrameSubscriber(zmq.Context(), os.environ[RING_DIR_ENV], ["cam0"], device=device)
+
+    def step():
+        if subscriber.receive(timeout_ms=10):
+            torch.cuda.synchronize()
+    return step
+
+
+def _graph(torch, device, queue, upload: bool = False):
+    """A CUDA graph replayed: kernels, and with `upload` a copy from pinned memory first, as
+    capture's frame graph."""
+    host = torch.empty(1080 * 1920 * 3, dtype=torch.uint8).pin_memory()
+    frame = torch.zeros(1080 * 1920 * 3, dtype=torch.uint8, device=device)
+    total = torch.zeros(1, dtype=torch.int64, device=device)
+    stream = torch.cuda.Stream()
+
+    def work():
+        if upload:
+            frame.copy_(host, non_blocking=True)
+        frame.add_(1)
+        total.copy_(frame[:4096].sum())
+
+    with torch.cuda.stream(stream):  # warmed on the side stream, as torch asks
+        work()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+
+    def step():
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+    return step
+
+
+STEP_MAKERS = {
+    "compute": _compute, "ipc_owner": _ipc_owner, "ipc_reader": _ipc_reader, "upload": _upload,
+    "download": _download, "pin_each": _pin_each, "alloc_free": _alloc_free,
+    "threads": _threads, "ring_producer": _ring_producer, "ring_consumer": _ring_consumer,
+    "graph": _graph, "graph_upload": lambda torch, device, queue: _graph(torch, device, queue, upload=True),
+}
 
 
 def measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
