@@ -2,9 +2,9 @@
 and back, transport fallback, worker restarts, reloads, models missing.
 
 Events come from the supervisor itself and from workers (`Event` messages on the control
-socket). They are kept, bounded, until the output worker, which owns the Markers outlet, is up
-and has had MARKERS_SETTLE_S for inlets to find its (re)created outlet, then sent to it in order.
-The last few are also kept for `facecast status`.
+socket). They are kept, bounded, until the output worker, which owns the Markers outlet, is up,
+then sent to it in order; it holds them until its (re)created outlet has a reader (Note [Markers
+wait for a reader], workers/output/outlets.py). The last few are also kept for `facecast status`.
 
 Runs in the supervisor only.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from typing import Callable
 
 import msgspec
@@ -24,9 +23,6 @@ log = logging.getLogger(__name__)
 
 RECENT_EVENTS = 50
 PENDING_EVENTS_MAX = 1000
-# pylsl inlets (LabRecorder's too) take a moment to find a re-created outlet; markers pushed
-# before that are lost to them. Events wait this long after the output worker (re)starts.
-MARKERS_SETTLE_S = 2.0
 
 
 class MarkerEvents:
@@ -47,14 +43,11 @@ class MarkerEvents:
     def recent(self, count: int) -> list[str]:
         return list(self._recent)[-count:]
 
-    def flush(self, send: Callable[[Event], bool], output_up_since_monotonic: float | None,
-              settled: bool = False) -> None:
-        """Send what is pending through `send` (False: not delivered, try next tick) once the
-        output worker is up (`output_up_since_monotonic` is None while it is not) and settled."""
-        if output_up_since_monotonic is None:
+    def flush(self, send: Callable[[Event], bool], output_up: bool) -> None:
+        """Send what is pending through `send` (False: not delivered, try next tick) while the
+        output worker is up."""
+        if not output_up:
             return  # kept (bounded) until the output worker is up again
-        if not settled and time.monotonic() - output_up_since_monotonic < MARKERS_SETTLE_S:
-            return  # let inlets find the (re)created Markers outlet first, or they miss these
         while self._pending:
             if not send(self._pending[0]):
                 return

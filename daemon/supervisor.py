@@ -226,7 +226,7 @@ class Supervisor:
     # ============================================================================================
 
     def _begin_shutdown(self) -> None:
-        self.shutdown = Shutdown(self.workers, lambda: self._flush_events(settled=True),
+        self.shutdown = Shutdown(self.workers, self._flush_events,
                                  time.monotonic() + self.config.daemon.stop_timeout_s)
         self._reload = None  # its workers are stopped with the rest
         self.notifier.stopping()
@@ -282,10 +282,10 @@ class Supervisor:
         """An event of the supervisor's own, for the Markers stream."""
         self.events.new(kind, **fields)
 
-    def _flush_events(self, settled: bool = False) -> None:
+    def _flush_events(self) -> None:
         output = self.workers.get("output")
-        up_since = output.started_monotonic if output and output.state is S.RUNNING else None
-        self.events.flush(lambda event: self.send_to("output", event), up_since, settled)
+        self.events.flush(lambda event: self.send_to("output", event),
+                          output is not None and output.state is S.RUNNING)
 
     # ============================================================================================
     # Status, readiness, systemd

@@ -343,6 +343,44 @@ def test_markers_are_compact_json_with_their_timestamps() -> None:
     markers.close()
 
 
+def test_markers_sent_before_a_reader_reach_it_once_it_connects() -> None:
+    """Note [Markers wait for a reader]: a restarted output worker's new Markers outlet holds
+    its events until an inlet has found it, then sends them in order with their timestamps."""
+    host = _unique_host()
+    markers = MarkerOutlet(host, hold_s=60.0)
+    restart_ts_lsl = pylsl.local_clock() + CAPTURE_TS_OFFSET_S
+    sent = [markers.event("worker_restart", event_ts_lsl=restart_ts_lsl, worker="output"),
+            markers.event("camera_back", camera="cam0")]
+    assert markers.held == 2  # nobody reads the new outlet yet
+    (info,) = _resolve("Markers", [f"facecast-{host}-markers"])
+    inlet = _open_inlet(info)
+    deadline = time.monotonic() + RESOLVE_TIMEOUT_S
+    while markers.held and time.monotonic() < deadline:  # the owner's loop, until a reader
+        markers.send_held()
+        time.sleep(0.01)
+    assert markers.held == 0
+    received = [inlet.pull_sample(timeout=RESOLVE_TIMEOUT_S) for _ in sent]
+    assert [sample[0] for sample, _ts in received] == sent
+    assert received[0][1] == pytest.approx(restart_ts_lsl, abs=1e-9)
+    markers.close()
+
+
+def test_held_markers_go_out_after_the_hold_or_at_close_without_a_reader() -> None:
+    unread = MarkerOutlet(_unique_host(), hold_s=60.0)
+    unread.event("start")
+    unread.send_held(now_monotonic=time.monotonic() + 30.0)
+    assert unread.held == 1  # still within the hold, and no reader
+    unread.send_held(now_monotonic=time.monotonic() + 61.0)
+    assert unread.held == 0
+    unread.event("stop")
+    assert unread.held == 1
+    unread.close()
+    assert unread.held == 0
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="hold_s"):
+            MarkerOutlet(_unique_host(), hold_s=bad)
+
+
 def test_event_encoding_handles_numpy_and_odd_values() -> None:
     text = encode_event(
         "worker_restart",

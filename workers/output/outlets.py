@@ -15,6 +15,17 @@ Note [No channel that is always NaN]
     facecast/head_translation) says why. NaN then only ever means "this slot has no face in
     this frame" (or, in the landmark channels, a point the model did not give).
 
+Note [Markers wait for a reader]
+    An LSL inlet receives the samples pushed after it connected, none before. When the output
+    worker restarts, its Markers outlet is created again, and every inlet that read the old one
+    (LabRecorder's, with recovery) needs a moment to find it: on a busy 2-core machine more
+    than the 2 s the supervisor once waited (CI, 2026-11-28: the worker_restart marker of the
+    output worker itself was lost). So the outlet that owns the markers holds them until it has
+    a reader (`have_consumers`), or until `hold_s` has passed since it was created (nobody
+    reads them then, and a late reader would not get them from LSL either), and sends them in
+    order. At close, whatever is still held is sent. With two readers, the first to reconnect
+    releases them: the second could still miss the markers sent before it is back.
+
 Every sample carries the frame's **capture** timestamp (`pylsl.local_clock()` domain, taken at
 grab by the capture worker), never the time of the push; LSL keeps it as a double, so it never
 passes through the float32 channels.
@@ -604,12 +615,18 @@ class MarkerOutlet:
     (README "Recording").
     """
 
-    def __init__(self, host: str, *, daemon_pid: int = 0, runtime_dir: str = "") -> None:
+    def __init__(self, host: str, *, daemon_pid: int = 0, runtime_dir: str = "",
+                 hold_s: float = 0.0) -> None:
         """`daemon_pid`, `runtime_dir`: the supervisor's, in the metadata, so that a second
         daemon that would publish the same ids can say where this one runs (Note [One daemon
-        per stream id])."""
+        per stream id]). `hold_s`: how long after its creation markers wait for a reader
+        (Note [Markers wait for a reader]); 0 sends each at once."""
         if not host:
             raise ValueError("host must be non-empty")
+        if not (math.isfinite(hold_s) and hold_s >= 0):
+            raise ValueError(f"hold_s must be a finite number of seconds >= 0, got {hold_s!r}")
+        self._hold_until_monotonic = time.monotonic() + hold_s
+        self._held: list[tuple[str, float]] = []  # (text, timestamp), in order
         self.host = host
         self.source_id = f"facecast-{host}-markers"
         info = pylsl.StreamInfo(
@@ -637,10 +654,30 @@ class MarkerOutlet:
             raise ValueError("'event' is the kind; pick another field name")
         text = encode_event(kind, fields)
         timestamp = pylsl.local_clock() if event_ts_lsl is None else _check_capture_ts(event_ts_lsl)
-        self._outlet.push_sample([text], timestamp=timestamp)
+        self._held.append((text, timestamp))
+        self.send_held()
         return text
 
+    @property
+    def held(self) -> int:
+        """Markers waiting for a reader (Note [Markers wait for a reader])."""
+        return len(self._held)
+
+    def send_held(self, *, now_monotonic: float | None = None, force: bool = False) -> None:
+        """Send the held markers, in order, once the outlet has a reader or has waited long
+        enough for one (or `force`). Called with each event and from the owner's loop."""
+        if not self._held:
+            return
+        now = time.monotonic() if now_monotonic is None else now_monotonic
+        if not (force or now >= self._hold_until_monotonic or self._outlet.have_consumers()):
+            return
+        for text, timestamp in self._held:
+            self._outlet.push_sample([text], timestamp=timestamp)
+        self._held.clear()
+
     def close(self) -> None:
+        if self._outlet is not None:
+            self.send_held(force=True)
         self._outlet = None  # type: ignore[assignment]
 
 

@@ -59,6 +59,10 @@ from facecast.workers.output.participant_streams import ParticipantStreams
 
 log = logging.getLogger(__name__)
 
+# Note [Markers wait for a reader]: how long a new Markers outlet holds the daemon's events
+# for inlets to find it. liblsl's recovering inlets took over 2 s on a busy 2-core machine.
+MARKERS_HOLD_S = 15.0
+
 
 class OutputWorker(Worker):
     role = "output"
@@ -67,7 +71,7 @@ class OutputWorker(Worker):
         self.host = self.config.host()
         # The supervisor is this process's parent (Note [One daemon per stream id]).
         self.markers = MarkerOutlet(self.host, daemon_pid=os.getppid(),
-                                    runtime_dir=self.runtime_dir)
+                                    runtime_dir=self.runtime_dir, hold_s=MARKERS_HOLD_S)
         self.blendshapes_missing = blendshapes_missing_reason(self.config)
         if self.blendshapes_missing:
             self.markers.event("model_missing", model="face_blendshapes",
@@ -138,6 +142,7 @@ class OutputWorker(Worker):
         if self.results.poll(50):
             self._drain_results()
         self.frame_index.step(pylsl.local_clock())
+        self.markers.send_held()  # Note [Markers wait for a reader]
         if self.participant_streams is not None:
             self.participant_streams.step(time.monotonic())
 
