@@ -19,7 +19,8 @@ The files are made once in `--work` and reused.
 *facecast*: `facecast analyze`'s work in this process: `video_analysis.Analyzer` (decoding as
 *Decoder* says, the daemon's FacePipeline with face_landmarker.task: detection on the live schedule,
 tracking, the 478-point mesh, blendshapes, head pose and translation, track ids, the CSV table),
-`output.max_faces = 4`, one torch thread on the CPU and one OpenCV thread as the command sets
+`output.max_faces` = the file's face count (the baseline's `num_faces`: like with like, see
+*LiteRT*), one torch thread on the CPU and one OpenCV thread as the command sets
 them (Note [One thread for OpenCV]: the baseline keeps OpenCV's default; Note [One thread on
 the CPU]) and the LiteRT models on `--model-threads` (default: the command's `--threads auto` for
 one job, the cores this process may run on, at most 8: Note [Threads of the models]). Timed from opening the file to its summary; model loading is not included (once per
@@ -30,7 +31,9 @@ FFmpeg's too) / frames.
 graph runs in VIDEO mode, on the frames of the same file decoded by the same decoder class
 (PyAvDecoder, BGR): RGB conversion; the bundle's face detector (BlazeFace short range, 128x128
 letterbox, anchors decoded and NMS in numpy) only while fewer faces are tracked than there are
-(MediaPipe's gate, with `num_faces` = the file's face count, the setting that favours it most);
+(MediaPipe's gate, with `num_faces` = the file's face count, the setting that favours it most;
+facecast gets the same limit, and skips its searches for newcomers while every slot is followed
+as this gate does: Note [No search where no face could go], models/face_tracking.py);
 per face a 256x256 crop of the rotated ROI (`cv2.warpAffine`, MediaPipe's ImageToTensor), the
 landmarks detector, landmarks projected to the frame, the blendshape model on 146 of them, and
 the next frame's ROI from the landmarks (bounding box, eye-corner rotation, square, x1.5). No
@@ -86,7 +89,6 @@ REPO = Path(__file__).resolve().parent.parent
 SECTION_TITLE = "## `facecast analyze` (`bench/analyze.py`)"
 FPS = 30.0
 FOOTAGE = ((1280, 720, 1), (1280, 720, 4), (1920, 1080, 1), (1920, 1080, 4))
-MAX_FACES = 4
 GPU_GOAL_FRAMES_PER_S = 1000.0  # one H100/H200, 1080p H.264, one face (issue 23)
 
 
@@ -272,9 +274,12 @@ def run_command(args, footage: Footage, out_dir: Path, jobs: int) -> dict:
     import subprocess
 
     paths = copies(footage, args.files_at_once)
+    config = out_dir / f"max_faces_{footage.faces}.toml"  # the in-process runs' limit
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f"[output]\nmax_faces = {footage.faces}\n")
     command = [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--format",
                "csv", "--restart", "--jobs", str(jobs), "--device", args.device, "--decode",
-               args.decode, "--out", str(out_dir), *map(str, paths)]
+               args.decode, "--config", str(config), "--out", str(out_dir), *map(str, paths)]
     wall0 = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     frame_of: dict[str, int] = {}
@@ -636,9 +641,12 @@ def components_text(data: dict) -> str:
         f"{parts['litert_landmarks_model_ms_per_face']:.1f} ms in the baseline's LiteRT (XNNPACK), "
         f"the blendshape model {parts['facecast_blendshapes_model_ms_per_face']:.1f} against "
         f"{parts['litert_blendshapes_model_ms_per_face']:.1f} ms; a detection pass, which the "
-        "live schedule runs every `daemon.detect_interval_s` (0.5 s: every 15th frame) and "
-        f"whenever a face is lost: {detection}. MediaPipe in VIDEO mode runs its detector only "
-        "while it tracks fewer faces than asked for, and computes no head pose; facecast's "
+        "live schedule runs when a face is lost and, while fewer faces are followed than "
+        "`output.max_faces` (here each file's face count, as the baseline's `num_faces`), every "
+        f"`daemon.detect_interval_s` (0.5 s: every 15th frame): {detection}. MediaPipe in VIDEO "
+        "mode runs its detector only while it tracks fewer faces than asked for (facecast's "
+        "searches for newcomers too: Note [No search where no face could go]), and computes no "
+        "head pose; facecast's "
         "stack adds the crops, projection, face geometry and head pose, the duplicate filter "
         "and the table (decoding: the decode-only column). facecast's models by runtime: "
         f"{runtimes or 'not recorded'}.")
@@ -752,15 +760,26 @@ def main() -> int:
         args.litert_threads = [1] + ([model_threads] if device.type == "cpu" and model_threads > 1 else [])
     if device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
-    config = va.StackConfig(output=config_mod.OutputConfig(max_faces=MAX_FACES))
-    analyzer = va.build_analyzer(config, device, va.Settings(decode=args.decode),
-                                 cpu_threads=model_threads if device.type == "cpu" else None)
+    analyzers, inline_analyzers = {}, {}  # by output.max_faces: each file's face count
+
+    def analyzer_for(faces: int):
+        """`facecast analyze`'s Analyzer with `output.max_faces = faces` (the baseline's
+        num_faces), and the per-frame baseline: the same stack, each frame decoded when the
+        models want it."""
+        if faces not in analyzers:
+            config = va.StackConfig(output=config_mod.OutputConfig(max_faces=faces))
+            analyzers[faces] = va.build_analyzer(
+                config, device, va.Settings(decode=args.decode),
+                cpu_threads=model_threads if device.type == "cpu" else None)
+            inline_analyzers[faces] = va.Analyzer(
+                analyzers[faces].pipeline, va.Settings(decode_ahead=False, decode=args.decode),
+                landmarker_problem=analyzers[faces].landmarker_problem)
+        return analyzers[faces]
+
+    analyzer = analyzer_for(footage_specs[0][2])
     if analyzer.gpu_decode_problem and (args.decode == "gpu" or device.type == "cuda"):
         print(f"bench/analyze.py: decoding with PyAV on the CPU: {analyzer.gpu_decode_problem}",
               file=sys.stderr)
-    # The per-frame baseline: the same stack, each frame decoded when the models want it.
-    inline = va.Analyzer(analyzer.pipeline, va.Settings(decode_ahead=False, decode=args.decode),
-                         landmarker_problem=analyzer.landmarker_problem)
     if analyzer.pipeline.landmarker != "face_landmarker":
         print(f"bench/analyze.py: no face_landmarker.task ({analyzer.landmarker_problem}): "
               "`facecast models install` first", file=sys.stderr)
@@ -773,7 +792,8 @@ def main() -> int:
             "settings": {"frames": args.frames, "repeats": args.repeats, "fps": FPS,
                          "decode": args.decode, "gpu_decode_problem": analyzer.gpu_decode_problem,
                          "files_at_once": args.files_at_once, "jobs": args.jobs,
-                         "max_faces": MAX_FACES, "litert_threads": args.litert_threads,
+                         "max_faces": "each file's face count, on both sides",
+                         "litert_threads": args.litert_threads,
                          "torch_threads": torch.get_num_threads(),
                          "model_threads": model_threads if device.type == "cpu" else None},
             "rows": [], "notes": args.note}
@@ -794,7 +814,8 @@ def main() -> int:
         # their own captures (H100, 2026-11-26: 1080p one face 188 frames/s in its first run,
         # 486 in its second).
         for footage in footages:
-            run_facecast(analyzer, footage, args.work / "warmup", args.files_at_once)
+            run_facecast(analyzer_for(footage.faces), footage, args.work / "warmup",
+                         args.files_at_once)
     for footage in footages:
         row = {"footage": footage.name, "width": footage.width, "height": footage.height,
                "faces": footage.faces, "file": footage.path.name,
@@ -803,6 +824,7 @@ def main() -> int:
                "command": {str(n): [] for n in args.jobs},
                "litert": {str(t): [] for t in args.litert_threads}}
         data["rows"].append(row)
+        analyzer, inline = analyzer_for(footage.faces), inline_analyzers[footage.faces]
         for repeat in range(args.repeats):
             row["decode"].append(decode_only(footage, analyzer))
             if not args.skip_inline:

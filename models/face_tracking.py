@@ -3,9 +3,24 @@ next frame's ROIs lie (DESIGN §3).
 
 As MediaPipe's face_landmarks_to_roi: a followed face's next ROI comes from this frame's
 landmarks, not from a detection; the detector runs only when a camera has no face, lost one, or
-every ``detect_interval_frames`` frames to pick up newcomers (:meth:`FaceTracks.wants_detection`).
-A detection of a face that is already followed is dropped: the track's ROI follows the mesh,
-which is the better one.
+every ``detect_interval_frames`` frames to pick up newcomers where one could still be followed
+(:meth:`FaceTracks.wants_detection`). A detection of a face that is already followed is dropped:
+the track's ROI follows the mesh, which is the better one.
+
+Note [No search where no face could go]
+    A detection pass starts faces only in the room a camera's tracks leave: a detection of a
+    followed face is dropped, and new ones are cut at ``max_faces`` (`next_rois`). So where a
+    camera follows ``max_faces`` faces, a search for newcomers cannot change what is measured,
+    in this frame or any later one, and it is not made: the periodic and the device's-room
+    passes (daemon.detect_interval_s, Note [Detection while the device has room],
+    workers/inference/detection.py) look only where there is room (`has_room`); a camera that
+    loses a face asks for a pass at once, as before. This is MediaPipe's gate too (its detector
+    runs only while it tracks fewer faces than `num_faces`). The cost it saves is large: a pass
+    is two detectors over the whole frame, about 2.8 ms of CPU a frame averaged in `facecast
+    analyze` on the 2-core machine (a pass every 15th frame, 2026-11-28), and on a GPU at 64
+    cameras with as many faces as `max_faces` the newcomer searches took ~37 % of the device's
+    time (2026-11-27) while starting no face. What it gives up: nothing a stream showed, by
+    the rule above; a face beyond ``max_faces`` was never followed.
 
 Note [Tracking without per-face work]
     The faces that one step's cameras keep are one block (their landmarks and boxes, on the
@@ -121,10 +136,18 @@ class FaceTracks:
 
     def wants_detection(self, camera_id: Hashable) -> bool:
         """Whether the camera's next frame should get a detection pass: it has no face, lost
-        one, or it is time to look for newcomers."""
+        one, or it is time to look for newcomers and one could be followed (Note [No search
+        where no face could go])."""
         state = self.cameras.get(camera_id)
         return (state is None or not state.face_count or state.lost_face
-                or state.frames_since_detection >= self.detect_interval_frames)
+                or (state.frames_since_detection >= self.detect_interval_frames
+                    and state.face_count < self.max_faces))
+
+    def has_room(self, camera_id: Hashable) -> bool:
+        """Whether a newcomer found on the camera's next frame would be followed: it follows
+        fewer than ``max_faces`` faces (Note [No search where no face could go])."""
+        state = self.cameras.get(camera_id)
+        return state is None or state.face_count < self.max_faces
 
     def reset(self, camera_id: Hashable | None = None) -> None:
         """Forget the tracks of one camera (or of all)."""

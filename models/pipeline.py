@@ -18,7 +18,8 @@ over every frame (and face) of a call:
    the same.
 4. **Tracking** (:mod:`facecast.models.face_tracking`): per camera, the next frame's ROIs come
    from this frame's landmarks (MediaPipe's face_landmarks_to_roi); the detector runs only when a
-   camera has no face, lost one, or every ``detect_interval_frames`` frames to pick up newcomers.
+   camera has no face, lost one, or every ``detect_interval_frames`` frames to pick up newcomers
+   where its tracks leave room for one.
 
 No stage loops over frames or faces in Python or waits for the device before its end
 (Note [Detection without per-frame work]); with
@@ -415,8 +416,13 @@ class FacePipeline:
 
     def wants_detection(self, camera_id: Hashable) -> bool:
         """Whether the camera's next frame should get a detection pass: it has no face, lost
-        one, or it is time to look for newcomers."""
+        one, or it is time to look for newcomers and one could be followed."""
         return self.tracks.wants_detection(camera_id)
+
+    def has_room(self, camera_id: Hashable) -> bool:
+        """Whether a newcomer found on the camera's next frame would be followed (Note [No
+        search where no face could go], models/face_tracking.py)."""
+        return self.tracks.has_room(camera_id)
 
     def reset(self, camera_id: Hashable | None = None) -> None:
         """Forget the tracks of one camera (or of all)."""

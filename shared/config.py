@@ -105,7 +105,8 @@ class DaemonConfig(_Strict):
     detect_interval_s: Annotated[
         float,
         msgspec.Meta(gt=0, le=60, description="a camera with faces is searched for newcomers at "
-                     "least this often"),
+                     "least this often, while it follows fewer than output.max_faces (a newcomer "
+                     "would have no stream beyond them)"),
     ] = 0.5
     detection_share: Annotated[
         Annotated[float, msgspec.Meta(gt=0, le=1)] | Literal["auto"],

@@ -2,7 +2,9 @@
 camera's frames are searched about every other frame, also where the cameras publish their frames
 a millisecond apart, as a daemon's cameras do (issue 24 item 5: at 8 cameras on the H100 a
 newcomer was published p50 4 frames, at most 14, after their first frame); while the measuring
-is behind (MeasuringBehind, from the roi_landmark workers), only the interval's passes.
+is behind (MeasuringBehind, from the roi_landmark workers), only the interval's passes; a camera
+whose tracks fill max_faces (TracksFull) is not searched for newcomers at all, only when asked
+(Note [No search where no face could go]).
 
 No daemon: `DetectionWorker.step` runs against a frame bus, a detector and a clock played by the
 test. The bus behaves as FrameSubscriber.receive does: a poll until the first frame comes, then
@@ -143,6 +145,7 @@ def _worker(clock: Clock, share: float, interval_s: float = 0.5
     worker.rates, worker.faces = {}, {}
     worker._last_pass_monotonic = {}
     worker._wanted = set()
+    worker._full = set()
     worker.detection_share = share
     worker._room_from_monotonic = float("-inf")
     worker._behind_said_monotonic = float("-inf")
@@ -270,3 +273,97 @@ def test_a_roi_landmark_worker_says_it_is_behind_when_it_passed_over_frames(monk
     once = len(worker.requests.messages)    # still hold the end of the last one's)
     batches(2.5, skipped_per_s=0, start=0)
     assert len(worker.requests.messages) == once
+
+
+def test_a_camera_whose_tracks_are_full_is_searched_only_when_asked(monkeypatch):
+    """Note [No search where no face could go]: cam00 and cam01 are full from the start (the
+    roi_landmark worker said so); cam01 asks for a pass at 1.0 s (it lost a face: no longer
+    full) and cam00's worker says at 2.0 s that it has room again. With room for a pass every
+    other frame, the full cameras get none until then; the others are searched as before."""
+    clock = Clock()
+    monkeypatch.setattr(detection, "time", SimpleNamespace(monotonic=clock.monotonic))
+    worker, published = _worker(clock, 0.5)
+    encode = detection.messages.encode
+    worker.requests = Requests(clock, [
+        (0.0, encode(detection.TracksFull(camera_ids=list(CAMERAS), full=["cam00", "cam01"]))),
+        (1.0, encode(detection.DetectionWanted(camera_ids=["cam01"]))),
+        (2.0, encode(detection.TracksFull(camera_ids=["cam00"], full=[]))),
+    ])
+    while clock.now_s < 3.0:
+        worker.step()
+    times = {camera_id: sorted(frame_seq * FRAME_PERIOD_S for frame_seq in searched)
+             for camera_id, searched in published.frames.items()}
+    assert not [t for t in times["cam00"] if t < 2.0], times["cam00"]
+    assert len([t for t in times["cam00"] if t >= 2.0]) >= 14, times["cam00"]
+    assert not [t for t in times["cam01"] if t < 1.0], times["cam01"]
+    # Asked for at 1.0 s: the next frame, and from then on as a camera with room.
+    assert times["cam01"][0] <= 1.0 + 2 * FRAME_PERIOD_S, times["cam01"]
+    assert len([t for t in times["cam01"] if t >= 1.0]) >= 28, times["cam01"]
+    for camera_id in ("cam02", "cam03"):
+        assert len(times[camera_id]) >= 3.0 / FRAME_PERIOD_S / 2, (camera_id, times[camera_id])
+
+
+def test_with_every_camera_full_the_frames_are_still_taken_off_the_bus(monkeypatch):
+    """No camera to search, and no interval to end the wait: the frames are taken off the bus
+    every MAX_BUS_WAIT_S all the same (a full queue drops the newest), and none is searched."""
+    clock = Clock()
+    monkeypatch.setattr(detection, "time", SimpleNamespace(monotonic=clock.monotonic))
+    worker, published = _worker(clock, 0.5)
+    full = detection.messages.encode(detection.TracksFull(camera_ids=list(CAMERAS),
+                                                          full=list(CAMERAS)))
+    worker.requests = Requests(clock, [(0.0, full)])
+    while clock.now_s < 2.0:
+        worker.step()
+    assert not any(published.frames.values()), published.frames
+    reads_s = worker.subscriber.reads_s
+    assert len(reads_s) >= 2.0 / (MAX_BUS_WAIT_S + 0.05)
+    assert max(b - a for a, b in zip(reads_s, reads_s[1:])) <= MAX_BUS_WAIT_S + 0.05 + 1e-9
+
+
+def test_a_roi_landmark_worker_says_which_cameras_are_full_on_change_and_every_second(monkeypatch):
+    """TracksFull: all of the worker's cameras and those whose tracks fill max_faces, sent when
+    that changes and again every FULL_RESEND_S; a message the socket refused (the detection
+    worker busy or restarting) is sent again on the next batch."""
+    from facecast.workers.inference import roi_landmark
+
+    clock = Clock()
+    monkeypatch.setattr(roi_landmark, "time", SimpleNamespace(monotonic=clock.monotonic))
+
+    class Socket:
+        def __init__(self) -> None:
+            self.sent, self.refuse = [], False
+
+        def send(self, payload, flags=0) -> None:
+            if self.refuse:
+                raise roi_landmark.zmq.Again()
+            message = detection.messages.decode(payload)
+            self.sent.append((round(clock.now_s, 3), message.camera_ids, message.full))
+
+    room = {"cam0": True, "cam1": True}
+    worker = roi_landmark.RoiLandmarkWorker.__new__(roi_landmark.RoiLandmarkWorker)
+    worker.camera_ids = ["cam0", "cam1"]
+    worker.pipeline = SimpleNamespace(has_room=lambda camera_id: room[camera_id])
+    worker.requests = Socket()
+    worker._full_said, worker._full_said_monotonic = None, float("-inf")
+
+    def batch(seconds: float = FRAME_PERIOD_S) -> None:
+        clock.now_s += seconds
+        worker._say_which_are_full()
+
+    batch()
+    batch()
+    assert worker.requests.sent == [(0.033, ["cam0", "cam1"], [])]
+    room["cam1"] = False
+    batch()
+    assert worker.requests.sent[-1] == (0.1, ["cam0", "cam1"], ["cam1"])
+    for _ in range(29):
+        batch()
+    assert len(worker.requests.sent) == 2  # nothing new within FULL_RESEND_S
+    batch(roi_landmark.FULL_RESEND_S)
+    assert worker.requests.sent[-1][1:] == (["cam0", "cam1"], ["cam1"])
+    worker.requests.refuse = True
+    room["cam0"] = False
+    batch()
+    worker.requests.refuse = False
+    batch()
+    assert worker.requests.sent[-1][1:] == (["cam0", "cam1"], ["cam0", "cam1"])

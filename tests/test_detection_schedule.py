@@ -21,8 +21,10 @@ from facecast.workers.inference.detection import detection_share
 
 pytestmark = pytest.mark.daemon
 
-# A pass every 60 s at most from the interval, and a face the roi_landmark worker keeps tracking
-# (so it asks for no pass): every pass beyond the first few is the share's.
+# A pass every 60 s at most from the interval, and faces the roi_landmark worker keeps tracking
+# (so it asks for no pass): every pass beyond the first few is the share's. The synthetic scene's
+# two faces leave room for a third (max_faces = 3): a camera whose tracks fill max_faces is not
+# searched for newcomers at all (Note [No search where no face could go]).
 CONFIG = """
 [daemon]
 transport = "shm"
@@ -31,7 +33,7 @@ detect_interval_s = 60
 detection_share = 1.0
 
 [output]
-max_faces = 1
+max_faces = 3
 
 [[cameras]]
 id = "synth0"
@@ -89,7 +91,8 @@ def test_a_camera_slower_than_the_detection_age_limit_gets_its_faces(daemon):
     test-time work): the previous frame's detection is used whatever its age. Its faces are
     read where a lab reads them: its Face stream (the detection worker's own count in status
     said 1 face all along)."""
-    [slow] = [record for record in daemon.resolve("Face", 2) if "slow0" in record.name]
+    [slow] = [record for record in daemon.resolve("Face", 2 * 3)  # 2 cameras, 3 slots each
+              if record.source_id.endswith("-slow0-face0")]
     recorder = Recorder([slow])
     try:
         deadline = time.monotonic() + 30
@@ -100,6 +103,47 @@ def test_a_camera_slower_than_the_detection_age_limit_gets_its_faces(daemon):
     finally:
         recorder.stop()
     assert with_face >= 4, (len(slow.samples), with_face, daemon.log_tail())
+
+
+def _passes_over(runtime_dir, camera_id: str, seconds: float) -> set[int]:
+    """The frames of `camera_id` the detection worker searched in the next `seconds`."""
+    searched: set[int] = set()
+    with zmq.Context() as context, context.socket(zmq.SUB) as sub:
+        sub.setsockopt(zmq.SUBSCRIBE, camera_id.encode())
+        sub.connect(endpoints.detections(runtime_dir, "cpu"))
+        gate = messages.MessageGate("test")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if sub.poll(100):
+                found = gate.decode(sub.recv_multipart()[-1])
+                assert isinstance(found, Detections)
+                searched.add(found.frame_seq)
+    return searched
+
+
+def test_a_camera_whose_tracks_fill_max_faces_is_not_searched_for_newcomers(
+        installed_models, tmp_path):
+    """Note [No search where no face could go], end to end: the same cameras and share as
+    above, but max_faces = 2, which the scene's two faces fill. Once the roi_landmark worker
+    follows both (its TracksFull reached the detection worker), a pass comes only when a face
+    is lost, not on nearly every frame."""
+    full_config = CONFIG.replace("max_faces = 3", "max_faces = 2")
+    with ready_daemon(tmp_path, config_text=full_config) as running:
+        # Both faces followed: both slots' Face streams carry a face.
+        streams = [r for r in running.resolve("Face", 2 * 2) if "-synth0-face" in r.source_id]
+        recorder = Recorder(streams)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not all(
+                    any(not math.isnan(sample[0]) for sample in list(r.samples)[-3:]) for r in streams):
+                time.sleep(0.1)
+        finally:
+            recorder.stop()
+        assert len(streams) == 2 and all(
+            any(not math.isnan(sample[0]) for sample in list(r.samples)[-3:]) for r in streams), (
+            running.log_tail())
+        searched = _passes_over(running.runtime_dir, "synth0", 4.0)  # 20 frames at 5 fps
+    assert len(searched) <= 4, sorted(searched)
 
 
 @pytest.mark.parametrize("configured, device, share", [

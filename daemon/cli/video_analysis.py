@@ -15,7 +15,9 @@ Note [Analysis as live]
     (`FacePipeline.track(..., detections=...)`, its own detection interval switched off) and
     names them with `TrackIds` (hold `TRACK_HOLD_S`). Here the same, on the video's clock
     (presentation time instead of capture time): a frame is due for a pass when the pipeline
-    wants one for its file or `detect_interval_s` of video time has passed since the last pass.
+    wants one for its file, or `detect_interval_s` of video time has passed since the last pass
+    and the file's tracks leave room for a newcomer (Note [No search where no face could go],
+    models/face_tracking.py: the detection worker skips those passes too).
     What live has and this does not: the pass lands one frame late live (the request travels
     while the next frame is measured), and live skips frames when it falls behind; offline, the
     pass is on the frame that wanted it and no frame is skipped. tests/test_analyze.py checks
@@ -791,7 +793,8 @@ class Analyzer:
         for index, (item, frame) in enumerate(batch):
             pts_s = frame.pts_s if frame.pts_s is not None else item._last_pass_pts_s
             if (self.pipeline.wants_detection(item.camera_id)
-                    or pts_s - item._last_pass_pts_s >= self.settings.detect_interval_s):
+                    or (pts_s - item._last_pass_pts_s >= self.settings.detect_interval_s
+                        and self.pipeline.has_room(item.camera_id))):
                 due.append(index)
                 item._last_pass_pts_s = pts_s
         detections = {}

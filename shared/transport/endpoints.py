@@ -31,7 +31,7 @@ def detections(runtime_dir: str | Path, device: str) -> str:
 
 def detection_requests(runtime_dir: str | Path, device: str) -> str:
     """roi_landmark workers PUSH → the device's detection worker PULL: DetectionWanted,
-    MeasuringBehind."""
+    MeasuringBehind, TracksFull."""
     return f"ipc://{runtime_dir}/detect-requests-{device.replace(':', '')}"
 
 

@@ -146,6 +146,16 @@ class MeasuringBehind(Message, tag="measuring_behind"):
     skipped: int
 
 
+class TracksFull(Message, tag="tracks_full"):
+    """A roi_landmark worker's cameras (`camera_ids`: all of its own) and those of them whose
+    tracks fill `output.max_faces` (`full`): the detection worker searches those for newcomers
+    no more, since no newcomer could be followed there (Note [No search where no face could
+    go], models/face_tracking.py). Sent when the set changes and once a second."""
+
+    camera_ids: list[str]
+    full: list[str]
+
+
 class Detections(Message, tag="detections"):
     """Face detections in one frame of one camera, in that frame's pixels."""
 
@@ -533,7 +543,7 @@ class DaemonStatus(Message, tag="daemon_status"):
 
 AnyMessage = Union[
     FrameReady, RingDescription, DescribeRing, TransportFault, Ack,
-    DetectionWanted, MeasuringBehind, Detections, FaceResults,
+    DetectionWanted, MeasuringBehind, TracksFull, Detections, FaceResults,
     Hello, Assignment, Promote, Release, Heartbeat, BootFailed, Closed, Event, TrackIdsWanted,
     TrackIdGrant,
     StatusRequest, ReloadRequest, StopRequest, InjectFault, DaemonStatus,

@@ -313,3 +313,40 @@ def test_landmarks_projected_in_numpy_are_the_tensor_operations_points():
         got = _project_points_on_host(points, rects, 256)
         assert got.dtype == expected.dtype == np.float32 and got.shape == expected.shape
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_search_of_a_camera_whose_tracks_are_full_changes_nothing():
+    """Note [No search where no face could go]: two trackers driven through the same steps, one
+    given detections (followed faces and new ones) on every frame of a camera whose tracks fill
+    max_faces, the other none there: the same ROIs, step after step, and the same faces kept.
+    `has_room` says which cameras those are, and `wants_detection` asks no newcomer search of
+    them (a lost face is still asked for)."""
+    rng = np.random.default_rng(13)
+    searched = FaceTracks(torch.device("cpu"), MAX_FACES, detect_interval_frames=2)
+    skipped = FaceTracks(torch.device("cpu"), MAX_FACES, detect_interval_frames=2)
+    cameras = [f"cam{k}" for k in range(4)]
+    full_frames_searched = 0
+    for step in range(80):
+        states, other_states = searched.states(cameras), skipped.states(cameras)
+        full = [not skipped.has_room(camera) for camera in cameras]
+        assert full == [state.face_count == MAX_FACES for state in other_states]
+        assert full == [not searched.has_room(camera) for camera in cameras]
+        for camera, state, is_full in zip(cameras, other_states, full):
+            if is_full:
+                assert skipped.wants_detection(camera) == state.lost_face, step
+        det_by_frame = {i: detections(rng, state, "cpu") for i, state in enumerate(states)
+                        if searched.wants_detection(cameras[i]) or full[i] or rng.random() < 0.3}
+        full_frames_searched += sum(full[i] and det_by_frame[i][0].shape[0] > 0 for i in det_by_frame)
+        rois = searched.next_rois(states, det_by_frame)
+        other_rois = skipped.next_rois(other_states, {i: found for i, found in det_by_frame.items()
+                                                      if not full[i]})
+        assert_same_rois(other_rois, (rois.owners, rois.tracked, rois.rects, rois.boxes_px, rois.scores)
+                         if rois.owners else (rois.owners, rois.tracked), step, "cpu")
+        # Keep most faces (so that cameras fill up and stay full), now and then lose some.
+        measured = (fake_measured(rng, rois.owners, len(cameras), "cpu", keep=0.97) if rois.owners
+                    else Measured.nothing(len(cameras)))
+        searched.follow(states, rois.owners, measured)
+        skipped.follow(other_states, rois.owners, measured)
+        assert [s.face_count for s in states] == [s.face_count for s in other_states]
+        assert [s.lost_face for s in states] == [s.lost_face for s in other_states]
+    assert full_frames_searched >= 20

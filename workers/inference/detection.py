@@ -3,8 +3,10 @@ that needs a detection pass into one forward pass of the face detectors and publ
 
 A camera needs a pass when a roi_landmark worker asks for one (`DetectionWanted`: it has no face
 there or lost one), when `daemon.detect_interval_s` has passed since its last pass (newcomers),
-and whenever the device has room (Note [Detection while the device has room]). Between passes
-the roi_landmark workers follow faces by their landmarks alone, as MediaPipe does.
+and whenever the device has room (Note [Detection while the device has room]); the two searches
+for newcomers skip a camera whose tracks fill `output.max_faces` (`TracksFull`: Note [No search
+where no face could go], models/face_tracking.py). Between passes the roi_landmark workers
+follow faces by their landmarks alone, as MediaPipe does.
 
 Note [Detection while the device has room]
     A person who walks into view is found by the next detection pass over their camera; with
@@ -57,6 +59,7 @@ from facecast.shared.transport.messages import (
     Detections,
     MeasuringBehind,
     MessageGate,
+    TracksFull,
 )
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport.subscriber import FrameSubscriber
@@ -100,6 +103,7 @@ class DetectionWorker(Worker):
         self.faces: dict[str, int] = {}
         self._last_pass_monotonic: dict[str, float] = {}
         self._wanted: set[str] = set()
+        self._full: set[str] = set()  # Note [No search where no face could go]
         self.detection_share = detection_share(self.config.daemon.detection_share, self.device)
         self._room_from_monotonic = -math.inf  # Note [Detection while the device has room]
         self._behind_said_monotonic = -math.inf  # when the measuring last said it was behind
@@ -122,10 +126,13 @@ class DetectionWorker(Worker):
         self._subscribe()
 
     def _due(self, camera_id: str) -> bool:
-        """Asked for, not searched for newcomers within `detect_interval_s`, or the device has
-        room (Note [Detection while the device has room])."""
+        """Asked for; or, where its tracks leave room for a newcomer (Note [No search where no
+        face could go]), not searched for newcomers within `detect_interval_s`, or the device
+        has room (Note [Detection while the device has room])."""
         if camera_id in self._wanted:
             return True
+        if camera_id in self._full:
+            return False
         now = time.monotonic()
         if now >= self._room_from():
             return True
@@ -134,15 +141,17 @@ class DetectionWorker(Worker):
 
     def _until_due_s(self) -> float:
         """How long the frames may wait on the bus: 0 when a camera is asked for or the device
-        has room, else until room comes, a camera's `detect_interval_s` is up or the frames have
-        waited MAX_BUS_WAIT_S."""
+        has room, else until room comes, a camera's `detect_interval_s` is up (cameras with
+        room for a newcomer) or the frames have waited MAX_BUS_WAIT_S."""
         if self._wanted:
             return 0.0
-        last_pass = min((self._last_pass_monotonic.get(camera_id, -math.inf)
-                         for camera_id in self.camera_ids), default=-math.inf)
-        due_monotonic = min(self._room_from(),
-                            last_pass + self.config.daemon.detect_interval_s,
-                            self._bus_read_monotonic + MAX_BUS_WAIT_S)
+        searched = [camera_id for camera_id in self.camera_ids if camera_id not in self._full]
+        due_monotonic = self._bus_read_monotonic + MAX_BUS_WAIT_S
+        if searched:
+            last_pass = min(self._last_pass_monotonic.get(camera_id, -math.inf)
+                            for camera_id in searched)
+            due_monotonic = min(due_monotonic, self._room_from(),
+                                last_pass + self.config.daemon.detect_interval_s)
         return max(0.0, due_monotonic - time.monotonic())
 
     def _room_from(self) -> float:
@@ -161,6 +170,10 @@ class DetectionWorker(Worker):
             request = self._requests_gate.decode(self.requests.recv())
             if isinstance(request, DetectionWanted):
                 self._wanted.update(request.camera_ids)
+                self._full.difference_update(request.camera_ids)  # it has no face or lost one
+            elif isinstance(request, TracksFull):
+                self._full.difference_update(request.camera_ids)
+                self._full.update(set(request.full) & set(request.camera_ids))
             elif isinstance(request, MeasuringBehind):
                 self._behind_said_monotonic = time.monotonic()
         if self._until_due_s() > 0:

@@ -19,6 +19,7 @@ frames, or the seat map).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ from facecast.shared.transport.messages import (
     FaceResult,
     FaceResults,
     MeasuringBehind,
+    TracksFull,
     MessageGate,
     PoseResult,
     TrackIdBlock,
@@ -86,6 +88,8 @@ MAX_DETECTION_AGE_S = 0.3
 # more than BEHIND_SHARE of its cameras' frames says its measuring is behind. A frame now and then
 # is not behind: at 32 cameras on the H100 0.13 % were passed over (2026-11-27), 3.1 % at 64.
 BEHIND_WINDOW_S = 1.0
+# TracksFull goes again this often though nothing changed (_say_which_are_full).
+FULL_RESEND_S = 1.0
 BEHIND_SHARE = 0.01
 # Faces are held in their track id (and their LSL slot) this long while unseen.
 TRACK_HOLD_S = 1.0
@@ -164,6 +168,9 @@ class RoiLandmarkWorker(Worker):
         self.requests.setsockopt(zmq.SNDHWM, 16)
         self.requests.connect(endpoints.detection_requests(self.runtime_dir, self.device))
         self._behind_window = _Window(time.monotonic())  # Note [Detection while the device has room]
+        # Note [No search where no face could go]: what TracksFull last told the detection worker.
+        self._full_said: tuple[list[str], list[str]] | None = None
+        self._full_said_monotonic = -math.inf
         self.results = self.context.socket(zmq.PUB)
         self.results.setsockopt(zmq.LINGER, 100)
         self.results.setsockopt(zmq.SNDHWM, 1000)
@@ -255,13 +262,27 @@ class RoiLandmarkWorker(Worker):
         wanted = sorted({c for c in camera_ids if self.pipeline.wants_detection(c)})
         if wanted:
             self._ask(DetectionWanted(camera_ids=wanted))
+        self._say_which_are_full()
         self._say_if_behind(len(received))
 
-    def _ask(self, message: DetectionWanted | MeasuringBehind) -> None:
+    def _ask(self, message: DetectionWanted | MeasuringBehind | TracksFull) -> bool:
+        """False when it could not be sent."""
         try:
             self.requests.send(messages.encode(message), zmq.NOBLOCK)
         except zmq.Again:
-            pass  # the detection worker is busy or restarting: we ask again next batch
+            return False  # the detection worker is busy or restarting: we ask again next batch
+        return True
+
+    def _say_which_are_full(self) -> None:
+        """Note [No search where no face could go]: this worker's cameras whose tracks fill
+        max_faces, to the detection worker, when that changes and every FULL_RESEND_S (so that a
+        message lost to a busy or restarted detection worker is made good)."""
+        said = (list(self.camera_ids), [c for c in self.camera_ids if not self.pipeline.has_room(c)])
+        now = time.monotonic()
+        if said == self._full_said and now - self._full_said_monotonic < FULL_RESEND_S:
+            return
+        if self._ask(TracksFull(camera_ids=said[0], full=said[1])):
+            self._full_said, self._full_said_monotonic = said, now
 
     def _say_if_behind(self, measured: int) -> None:
         """After each batch of `measured` frames: at the end of each BEHIND_WINDOW_S, whether
