@@ -37,12 +37,12 @@ from facecast.shared.transport.messages import (
     FaceResult,
     FaceResults,
     MeasuringBehind,
-    TracksFull,
     MessageGate,
     PoseResult,
     TrackIdBlock,
     TrackIdGrant,
     TrackIdsWanted,
+    TracksFull,
 )
 from facecast.shared.stats import RateMeter, StageTimer
 from facecast.shared.transport.subscriber import FrameSubscriber
@@ -88,9 +88,9 @@ MAX_DETECTION_AGE_S = 0.3
 # more than BEHIND_SHARE of its cameras' frames says its measuring is behind. A frame now and then
 # is not behind: at 32 cameras on the H100 0.13 % were passed over (2026-11-27), 3.1 % at 64.
 BEHIND_WINDOW_S = 1.0
+BEHIND_SHARE = 0.01
 # TracksFull goes again this often though nothing changed (_say_which_are_full).
 FULL_RESEND_S = 1.0
-BEHIND_SHARE = 0.01
 # Faces are held in their track id (and their LSL slot) this long while unseen.
 TRACK_HOLD_S = 1.0
 # A request for track ids with no answer after this long was lost (a full control socket drops
