@@ -128,12 +128,12 @@ class Window:
     def end_ts_lsl(self) -> float:
         return self.start_ts_lsl + self.length_s
 
-    def contains(self, due_ts_lsl: float) -> bool:
-        return self.start_ts_lsl <= due_ts_lsl < self.end_ts_lsl
-
     def holds(self, due_ts_lsl: np.ndarray) -> np.ndarray:
-        """`contains` of each of an array of times."""
+        """Whether each of an array of times lies in the window."""
         return (due_ts_lsl >= self.start_ts_lsl) & (due_ts_lsl < self.end_ts_lsl)
+
+    def contains(self, due_ts_lsl: float) -> bool:
+        return bool(self.holds(due_ts_lsl))
 
 
 def due_ts_lsl(truth, capture_ts_lsl):

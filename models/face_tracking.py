@@ -141,7 +141,7 @@ class FaceTracks:
         state = self.cameras.get(camera_id)
         return (state is None or not state.face_count or state.lost_face
                 or (state.frames_since_detection >= self.detect_interval_frames
-                    and state.face_count < self.max_faces))
+                    and self.has_room(camera_id)))
 
     def has_room(self, camera_id: Hashable) -> bool:
         """Whether a newcomer found on the camera's next frame would be followed: it follows
