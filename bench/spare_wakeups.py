@@ -17,7 +17,11 @@ process shares by CUDA IPC (the rings), and uploads from pinned host memory (cap
 On 2026-11-28 (H100) none of those, nor downloads into pinned memory, a table pinned anew for
 each copy, device memory freed and taken again, 16 threads with a stream each, or ten contexts,
 woke the idle context more than its 10 times a second (docs/benchmarks.md). What they all
-lacked is the daemon's blocking waits (Note [Blocking waits]): the `blocking_*` phases.
+lacked is the daemon's blocking waits (Note [Blocking waits]): the `blocking_*` phases. They
+woke it (2026-11-28, H100): two or more processes' blocking waits wake every context's driver
+thread, 190-930 times a second. The `*_stopped` phases stop the watched (warm) process while it
+is counted, as the supervisor stops a spare (Note [Spares stopped while they stand by]), then
+continue it and check that its graph still replays right.
 
 In each phase a watched process holds an idle context (a one-element tensor, then nothing) and
 `PHASE_S` seconds are counted after the busy processes are working: its driver thread's
@@ -32,6 +36,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -70,9 +75,19 @@ PHASES = {  # phase: what its busy processes do
     # and a consumer reading them on its GPU, checksums and events included, both with the
     # daemon's blocking waits: the daemon's frame path without its models.
     "facecast_ring": ["ring_producer", "ring_consumer_blocking"],
+    # The watched context warm (a CUDA graph captured, as a spare's) and stopped (SIGSTOP) while
+    # it is counted, then continued and asked to replay its graph: whether a stopped spare costs
+    # nothing beside the daemon's blocking waits, and comes back working (2026-11-28: the phases
+    # above showed two or more processes' blocking waits waking every idle context's driver
+    # thread, 190-930 times a second).
+    "facecast_ring_stopped": ["ring_producer", "ring_consumer_blocking"],
+    "blocking_graph_uploads_stopped": ["graph_upload_blocking"] * 2,
 }
 RING_DIR_ENV = "FACECAST_SPARE_WAKEUPS_RING_DIR"  # the ring phase's runtime dir, for its processes
-WATCHED = {"blocking_both": "idle_blocking"}  # the watched process's kind, where not "idle"
+WATCHED = {"blocking_both": "idle_blocking",  # the watched process's kind, where not "idle"
+           "facecast_ring_stopped": "warm_blocking",
+           "blocking_graph_uploads_stopped": "warm_blocking"}
+STOPPED = {"facecast_ring_stopped", "blocking_graph_uploads_stopped"}
 
 
 def thread_switches(pid: int, name: str) -> dict[int, int]:
@@ -134,12 +149,41 @@ def run_process(kind: str, ready, stop, queue) -> None:
         ready.set()
         stop.wait()
         return
+    if kind == "warm":
+        _warm_until_asked(torch, device, ready, queue)
+        return
     if kind not in STEP_MAKERS:
         raise ValueError(f"unknown process kind {kind!r}")
     step = STEP_MAKERS[kind](torch, device, queue)
     step()
     ready.set()
     _paced(stop, step)
+
+
+def _warm_until_asked(torch, device, ready, asked) -> None:
+    """A spare's state: a CUDA graph captured and replayed once; then, when the bench says so
+    (`asked`: an event and a queue; after it has stopped and continued this process), one
+    replay more, checked, and its time (ms) on the queue."""
+    go, replies = asked
+    x = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.mul(x, 2, out=y)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(x, 2, out=y)
+    graph.replay()
+    torch.cuda.synchronize()
+    ready.set()
+    go.wait()
+    start = time.perf_counter()
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    correct = bool(torch.equal(y, x * 2))
+    replies.put({"replay_ms": round((time.perf_counter() - start) * 1000, 3), "correct": correct})
 
 
 # Each busy kind's step (made in its process, after torch's import): what it does at RATE_HZ.
@@ -314,10 +358,12 @@ def measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
 def _measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
     context = mp.get_context("spawn")
     stop, queue = context.Event(), context.Queue()
+    go, replies = context.Event(), context.Queue()  # the stopped phases' watched process
     started = []
-    for kind in [WATCHED.get(name, "idle"), *kinds]:
+    for index, kind in enumerate([WATCHED.get(name, "idle"), *kinds]):
         ready = context.Event()
-        process = context.Process(target=run_process, args=(kind, ready, stop, queue), daemon=True)
+        process = context.Process(target=run_process, daemon=True,
+                                  args=(kind, ready, stop, (go, replies) if index == 0 else queue))
         process.start()
         started.append((kind, process, ready))
     try:
@@ -328,8 +374,15 @@ def _measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
                     raise RuntimeError(f"phase {name}: the {kind} process did not start "
                                        f"(exit code {process.exitcode})")
         time.sleep(1.0)  # past every process's first steps
-        row = {"phase": name, "busy": kinds, "idle": count(started[0][1].pid, seconds)}
+        watched = started[0][1]
+        if name in STOPPED:
+            os.kill(watched.pid, signal.SIGSTOP)
+        row = {"phase": name, "busy": kinds, "idle": count(watched.pid, seconds)}
         row["busy_processes"] = [count(process.pid, 1.0) for _, process, _ in started[1:]]
+        if name in STOPPED:
+            os.kill(watched.pid, signal.SIGCONT)
+            go.set()
+            row["resumed"] = replies.get(timeout=60)
         return row
     finally:
         stop.set()
@@ -340,12 +393,14 @@ def _measure_phase(name: str, kinds: list[str], seconds: float) -> dict:
 
 
 def table_lines(rows: list[dict]) -> list[str]:
-    lines = ["| phase | busy processes | idle context: wake-ups/s, cores | busy ones: wake-ups/s |",
-             "|---|---|---|---|"]
+    lines = ["| phase | busy processes | idle context: wake-ups/s, cores | busy ones: wake-ups/s "
+             "| stopped, then: first replay ms, correct |", "|---|---|---|---|---|"]
     for row in rows:
         busy = ", ".join(f"{p['wakeups_per_s']:g}" for p in row["busy_processes"]) or "-"
         lines.append(f"| {row['phase']} | {', '.join(row['busy']) or 'none'} | "
-                     f"{row['idle']['wakeups_per_s']:g}, {row['idle']['cores']:.4f} | {busy} |")
+                     f"{row['idle']['wakeups_per_s']:g}, {row['idle']['cores']:.4f} | {busy} | "
+                     + (f"{row['resumed']['replay_ms']:g}, {row['resumed']['correct']} |"
+                        if "resumed" in row else "- |"))
     return lines
 
 
