@@ -20,7 +20,7 @@ woke the idle context more than its 10 times a second (docs/benchmarks.md). What
 lacked is the daemon's blocking waits (Note [Blocking waits]): the `blocking_*` phases. They
 woke it (2026-11-28, H100): two or more processes' blocking waits wake every context's driver
 thread, 190-930 times a second. The `*_stopped` phases stop the watched (warm) process while it
-is counted, as the supervisor stops a spare (Note [Spares stopped while they stand by]), then
+is counted, as the supervisor stops a spare (Note [Spares paused while they stand by]), then
 continue it and check that its graph still replays right.
 
 In each phase a watched process holds an idle context (a one-element tensor, then nothing) and

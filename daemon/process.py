@@ -14,7 +14,8 @@ Note [Worker states]
               promoted, a worker started afresh by a reload);
     booting   its process runs and has not said it is up;
     running   it heartbeats from its main loop;
-    standby   a warm spare, booted and waiting (Note [Warm standby]);
+    standby   a warm spare, booted and waiting (Note [Warm standby]), its process paused
+              meanwhile (Note [Spares paused while they stand by]);
     backoff   its process ended unexpectedly; it starts again at `next_start_monotonic`;
     failed    it could not boot (exit code EXIT_BOOT_ERROR): never respawned;
     flapping  it ended too often within a window: given up on;
@@ -141,6 +142,7 @@ class WorkerProcess:
     stop_deadline_monotonic: float = 0.0  # stopping: SIGKILL when this passes
     abort_sent_monotonic: float | None = None  # hung: SIGABRT first (its stack to the log)
     kill_sent_monotonic: float | None = None
+    paused: bool = False  # a spare's process stopped by SIGSTOP (Note [Spares paused while they stand by])
     closed_monotonic: float | None = None  # said Closed: its process is ending
     last_exit: str = ""
     detail: str = ""  # why it is in its state (boot error, hang, flapping)
@@ -193,6 +195,7 @@ class WorkerProcess:
     def hand_over(self, successor: WorkerProcess, respawn_delay_s: float) -> None:
         """This warm standby's process becomes `successor`'s (it was told to take the name);
         this spare starts afresh after `respawn_delay_s` (Note [Warm standby])."""
+        self.resume()  # (the table continues it before it sends Promote)
         popen, self.popen = self.popen, None
         secret, self.secret = self.secret, ""
         self.move_to(WorkerState.PENDING)  # refused unless this is a spare in standby
@@ -209,11 +212,14 @@ class WorkerProcess:
         self.started_monotonic = self.last_heartbeat_monotonic = now
         self.held = False  # its Assignment says (Note [Boot order])
         self.abort_sent_monotonic = self.kill_sent_monotonic = self.closed_monotonic = None
+        self.paused = False  # a promoted spare's process was continued first (`resume`)
         self.reports, self.stages, self.boot_error, self.trouble = [], {}, "", ""
         self.rejected_messages = 0
         self.torch_memory = None
 
     def signal(self, signum: int) -> None:
+        """`signum` to its process; a paused one is continued after it, so that it acts on it
+        (SIGKILL needs no continuing)."""
         if self.alive():
             try:
                 os.kill(self.popen.pid, signum)
@@ -224,6 +230,30 @@ class WorkerProcess:
                 self.kill_sent_monotonic = now
             elif signum == signal.SIGABRT and self.abort_sent_monotonic is None:
                 self.abort_sent_monotonic = now
+            if signum != signal.SIGKILL:
+                self.resume()
+
+    def pause(self, again: bool = False) -> None:
+        """Note [Spares paused while they stand by]: stop a standing-by spare's process (`again`:
+        one that should be paused already; a second SIGSTOP changes nothing)."""
+        if self.state is WorkerState.STANDBY and self.alive() and (again or not self.paused):
+            try:
+                os.kill(self.popen.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                return  # reaped as any dead worker is
+            if not self.paused:
+                log.info("%s (pid %d) paused until promoted", self.name, self.pid)
+            self.paused = True
+
+    def resume(self) -> None:
+        """Continue a paused process. SIGCONT goes to any live spare, paused or not as far as
+        this record knows: it changes nothing for a running process."""
+        if self.spec.standby and self.alive():
+            try:
+                os.kill(self.popen.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.paused = False
 
     def on_closed(self) -> None:
         """It closed everything it owns; its process is ending (Note [A closed worker is not
@@ -324,7 +354,10 @@ class WorkerProcess:
         return WorkerStatus(name=self.name, role=self.spec.role, pid=self.pid,
                             state=self.state.value, restarts=self.restarts,
                             uptime_s=round(uptime_s, 1), last_exit=self.last_exit,
-                            detail=self.detail or self.trouble, rejected_messages=self.rejected_messages,
+                            detail="; ".join(part for part in (
+                                self.detail or self.trouble,
+                                "paused until promoted" if self.paused else "") if part),
+                            rejected_messages=self.rejected_messages,
                             standby=self.spec.standby,
                             # A process that is gone holds no memory, whatever it said last.
                             torch_memory=self.torch_memory if self.alive() else None)

@@ -41,6 +41,26 @@ Note [Warm standby]
     models again (slow, never wrong). An inference spare keeps its models and the GPU libraries'
     preparations but not its CUDA graphs, which it captures again when promoted (Note [Spares
     without graphs]).
+
+Note [Spares paused while they stand by]
+    A warm spare waits for Promote and does nothing else, yet on a GPU each cost 0.03-0.04
+    cores beside the daemon at 64 cameras (H100, 2026-11-28), against 0.0015 on a CPU: nearly
+    all of it in the CUDA driver's own thread of its context (`cuda-EvtHandlr`). That thread
+    wakes whenever another process's blocking wait (Note [Blocking waits]) asks the GPU for an
+    interrupt, two or more such waiters at a time, 190-930 times a second in
+    bench/spare_wakeups.py, whether its own process waits for anything or not; spinning waits
+    would spare it and cost each worker a core. So once a spare stands by, the supervisor
+    stops its process (SIGSTOP) as soon as it says it stands by: nothing of it is scheduled, its context,
+    memory and prepared models stay. It is continued (SIGCONT) before it is sent Promote, and
+    after any other signal the supervisor sends it (SIGTERM at a stop or a reload), so that it
+    acts on it. A stopped spare cannot heartbeat, so liveness does not judge a paused one;
+    one continued by anyone else heartbeats again and is paused again. On the
+    H100 a stopped, warm context beside the daemon's ring traffic woke 0 times a second
+    (against 474 running) and, continued, replayed its CUDA graph right, the first replay
+    taking ~40 ms (the driver's pending notices handled first; docs/benchmarks.md). A paused
+    spare cannot act on SIGTERM from its dying supervisor either, so while it stands by its
+    parent-death signal is SIGKILL (`workers.base.stand_by`): it holds no camera, ring or
+    stream that needs closing.
 """
 
 from __future__ import annotations
@@ -158,6 +178,7 @@ class WorkerTable:
         return None
 
     def _promote(self, standby: WorkerProcess, worker: WorkerProcess) -> bool:
+        standby.resume()  # Note [Spares paused while they stand by]
         if not self._send(standby.name, Promote(worker=worker.name)):
             log.warning("could not promote %s: it is unreachable", standby.name)
             return False
@@ -202,8 +223,8 @@ class WorkerTable:
         """Note [Supervisor liveness]: a hung worker gets SIGABRT, then SIGKILL."""
         now = time.monotonic()
         for worker in self:
-            if not worker.alive() or worker.kill_sent_monotonic is not None:
-                continue
+            if not worker.alive() or worker.kill_sent_monotonic is not None or worker.paused:
+                continue  # (a paused spare cannot heartbeat: Note [Spares paused while they stand by])
             if worker.abort_sent_monotonic is not None:
                 if now - worker.abort_sent_monotonic >= ABORT_GRACE_S:
                     log.error("worker %s (pid %d) still there %.1f s after SIGABRT; killing it",

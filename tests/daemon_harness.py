@@ -59,6 +59,27 @@ def shm_entries_of(pids: set[int]) -> list[str]:
     return sorted(names)
 
 
+WAIT_S = 20.0  # for a signal's effect on a process: at once, unless the machine is very busy
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of `pid` (R, S, T for stopped, Z...), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def wait_for_state(pid: int, wanted: set[str]) -> str:
+    """`pid`'s state once it is one of `wanted`, or whatever it is after WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    state = process_state(pid)
+    while state not in wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+        state = process_state(pid)
+    return state
+
+
 class NotifyListener:
     """systemd's side of sd_notify: a bound AF_UNIX datagram socket, every message kept."""
 

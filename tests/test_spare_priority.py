@@ -44,7 +44,9 @@ def test_spares_stand_by_at_a_lower_priority_and_a_promoted_one_gets_it_back(spa
                            "standby:roi_landmark:cpu", "standby:output"}
     for spare in spares.values():
         assert set(thread_nices(spare.pid).values()) == {lowered}, (spare, daemon.log_tail())
-        assert spare.detail == ("" if permitted else f"normal priority: {why_not}")
+        # (and paused: Note [Spares paused while they stand by])
+        assert spare.detail == ("" if permitted else f"normal priority: {why_not}; ") + (
+            "paused until promoted")
     for worker in status.workers:
         if not worker.standby:
             assert set(thread_nices(worker.pid).values()) == {base}, worker

@@ -260,6 +260,9 @@ class Worker:
         self.state = "standby"
         log.info("%s: warm standby ready in %.1f s (%s)", self.name,
                  time.monotonic() - started_monotonic, self.device)
+        # The supervisor pauses a spare that stands by, and a stopped process does not act on
+        # SIGTERM: Note [Spares paused while they stand by].
+        _die_with_parent(signal.SIGKILL)
         while not self.stopping:
             self.heartbeat_if_due()
             if not self.control.poll(100):
@@ -267,6 +270,7 @@ class Worker:
             message = self._gate.decode(self.control.recv())
             if isinstance(message, Promote):
                 log.info("%s: promoted to %s", self.name, message.worker)
+                _die_with_parent(signal.SIGTERM)
                 # Note [Spares at a lower priority]: the workers' priority back, if allowed.
                 self.priority_trouble = cpu_priority.restore_this_process()
                 if self.priority_trouble:
@@ -402,11 +406,12 @@ def enable_stack_dumps() -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
-def _die_with_parent() -> None:
-    """SIGTERM this worker when the supervisor dies (even by SIGKILL): no orphaned cameras."""
+def _die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """`signum` to this worker when the supervisor dies (even by SIGKILL): no orphaned cameras.
+    SIGKILL while it stands by paused (Note [Spares paused while they stand by])."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
