@@ -243,8 +243,6 @@ def _on_heartbeat(supervisor: Supervisor, identity: bytes, worker: WorkerProcess
     if not worker.alive() or worker.state is S.STOPPING:
         return
     worker.last_heartbeat_monotonic = time.monotonic()
-    if worker.paused:  # its last heartbeat before the pause, or someone else continued it
-        worker.pause(again=True)  # (Note [Spares paused while they stand by])
     worker.reports, worker.stages = heartbeat.cameras, heartbeat.stages
     worker.rejected_messages = heartbeat.rejected_messages
     worker.torch_memory = heartbeat.torch_memory
@@ -256,7 +254,11 @@ def _on_heartbeat(supervisor: Supervisor, identity: bytes, worker: WorkerProcess
         worker.move_to(S(heartbeat.state))
         log.info("worker %s %s (pid %d, boot %.1f s)", worker.name, heartbeat.state,
                  worker.pid, time.monotonic() - worker.started_monotonic)
-        worker.pause()  # a spare: Note [Spares paused while they stand by]
+    if worker.state is S.STANDBY:
+        # Note [Spares paused while they stand by]: a spare that heartbeats is running (its
+        # first "standby", its last heartbeat before a pause, one continued by someone else or
+        # for a promotion that could not be sent): stopped.
+        worker.pause()
 
 
 def _on_boot_failed(supervisor: Supervisor, identity: bytes, worker: WorkerProcess,

@@ -233,10 +233,10 @@ class WorkerProcess:
             if signum != signal.SIGKILL:
                 self.resume()
 
-    def pause(self, again: bool = False) -> None:
-        """Note [Spares paused while they stand by]: stop a standing-by spare's process (`again`:
-        one that should be paused already; a second SIGSTOP changes nothing)."""
-        if self.state is WorkerState.STANDBY and self.alive() and (again or not self.paused):
+    def pause(self) -> None:
+        """Note [Spares paused while they stand by]: stop a standing-by spare's process (again,
+        if it should be paused already: a second SIGSTOP changes nothing)."""
+        if self.state is WorkerState.STANDBY and self.alive():
             try:
                 os.kill(self.popen.pid, signal.SIGSTOP)
             except ProcessLookupError:

@@ -365,6 +365,32 @@ def test_markers_sent_before_a_reader_reach_it_once_it_connects() -> None:
     markers.close()
 
 
+def test_held_markers_wait_for_a_second_reader_that_is_back_soon_after_the_first() -> None:
+    """A daemon's Markers stream has two readers or more (the console's, LabRecorder's): once
+    the first has found the new outlet, the markers wait `settle_s` for the others."""
+    host = _unique_host()
+    markers = MarkerOutlet(host, hold_s=60.0, settle_s=30.0)
+    sent = markers.event("worker_restart", worker="output")
+    (info,) = _resolve("Markers", [f"facecast-{host}-markers"])
+    first = _open_inlet(info)
+    deadline = time.monotonic() + RESOLVE_TIMEOUT_S
+    while markers.reader_since_monotonic is None and time.monotonic() < deadline:
+        markers.send_held()  # the owner's loop
+        time.sleep(0.01)
+    assert markers.reader_since_monotonic is not None and markers.held == 1  # settling
+    second = _open_inlet(info)
+    markers.send_held(now_monotonic=markers.reader_since_monotonic + 29.0)
+    assert markers.held == 1
+    markers.send_held(now_monotonic=markers.reader_since_monotonic + 30.0)
+    assert markers.held == 0
+    for inlet in (first, second):
+        sample, _ts = inlet.pull_sample(timeout=RESOLVE_TIMEOUT_S)
+        assert sample == [sent]
+    with pytest.raises(ValueError, match="settle_s"):
+        MarkerOutlet(_unique_host(), settle_s=-1.0)
+    markers.close()
+
+
 def test_held_markers_go_out_after_the_hold_or_at_close_without_a_reader() -> None:
     unread = MarkerOutlet(_unique_host(), hold_s=60.0)
     unread.event("start")

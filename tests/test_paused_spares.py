@@ -21,20 +21,25 @@ from facecast.daemon.worker_table import WorkerTable
 from facecast.shared.config import DaemonConfig
 from facecast.shared.transport.messages import Heartbeat, Promote
 
+
 class _Table:
     """A WorkerTable with one spare whose process is a plain Python that sleeps (no facecast
     worker: what is tested is what the supervisor does to a process)."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, object]] = []
-        self.table = WorkerTable("ipc:///nonexistent/control", RestartPolicy(),
-                                 send=lambda name, message: self.sent.append((name, message)) or True,
+        self.reachable = True  # whether a message to the spare is delivered
+        self.table = WorkerTable("ipc:///nonexistent/control", RestartPolicy(), send=self._send,
                                  event=lambda kind, **fields: None)
         self.spare = self.table.start(WorkerSpec("standby:detection:cpu", "detection", (), "cpu",
                                                  standby=True))
         self.spare.popen.kill()  # the real worker it started: replaced by a sleeper
         self.spare.popen.wait()
         self.spare.popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+    def _send(self, name: str, message: object) -> bool:
+        self.sent.append((name, message))
+        return self.reachable
 
     def heartbeat(self) -> None:
         """What the supervisor does with a "standby" heartbeat from the spare (its first one
@@ -43,9 +48,12 @@ class _Table:
                               Heartbeat(worker=self.spare.name, state="standby"))
 
     def close(self) -> None:
-        if self.spare.popen is not None and self.spare.popen.poll() is None:
-            self.spare.popen.kill()
-            self.spare.popen.wait()
+        """Every process the table holds, killed (a promoted sleeper too)."""
+        for worker in self.table:
+            if worker.popen is not None and worker.popen.poll() is None:
+                worker.popen.send_signal(signal.SIGCONT)
+                worker.popen.kill()
+                worker.popen.wait()
 
 
 @pytest.fixture
@@ -77,6 +85,21 @@ def test_a_paused_spare_is_not_judged_hung_for_its_missing_heartbeats(table):
     assert "hung: no heartbeat" in table.spare.detail
 
 
+def test_a_spare_whose_promotion_could_not_be_sent_is_paused_again(table):
+    table.heartbeat()
+    table.reachable = False
+    dead = table.table.start(WorkerSpec("detection:cpu", "detection", ("cam0",), "cpu"))
+    dead.popen.kill()
+    dead.popen.wait()
+    table.table.reap()
+    table.table.start_due()  # continued for Promote, which could not go: a cold start instead
+    assert dead.pid != table.spare.pid and table.spare.state is WorkerState.STANDBY
+    assert not table.spare.paused
+    assert wait_for_state(table.spare.pid, {"R", "S"}) in {"R", "S"}
+    table.heartbeat()  # running, it heartbeats
+    assert table.spare.paused and wait_for_state(table.spare.pid, {"T"}) == "T"
+
+
 def test_a_paused_spare_acts_on_sigterm_at_a_stop(table):
     table.heartbeat()
     assert wait_for_state(table.spare.pid, {"T"}) == "T"
@@ -101,8 +124,6 @@ def test_a_paused_spare_is_continued_before_it_is_sent_promote(table):
     assert dead.pid == pid and dead.state is WorkerState.BOOTING and not dead.paused
     assert wait_for_state(pid, {"R", "S"}) in {"R", "S"}  # running again, to read its Promote
     assert table.spare.state is WorkerState.PENDING  # a fresh spare follows
-    dead.popen.kill()
-    dead.popen.wait()
 
 
 def test_a_heartbeat_from_a_paused_spare_pauses_it_again(table):

@@ -23,8 +23,12 @@ Note [Markers wait for a reader]
     output worker itself was lost). So the outlet that owns the markers holds them until it has
     a reader (`have_consumers`), or until `hold_s` has passed since it was created (nobody
     reads them then, and a late reader would not get them from LSL either), and sends them in
-    order. At close, whatever is still held is sent. With two readers, the first to reconnect
-    releases them: the second could still miss the markers sent before it is back.
+    order. At close, whatever is still held is sent. A daemon has two readers at least, the
+    console's and the lab's (LabRecorder), which reconnect about together but not at once: when
+    the first to be back released the markers, the other missed them (the same e2e test,
+    2026-11-28, the console first). So the markers go once the outlet has had a reader for
+    `settle_s` (the output worker's: 2 s), time for the others to be back too. A reader later
+    than that still misses them, as it would miss any sample pushed before it connected.
 
 Every sample carries the frame's **capture** timestamp (`pylsl.local_clock()` domain, taken at
 grab by the capture worker), never the time of the push; LSL keeps it as a double, so it never
@@ -616,16 +620,20 @@ class MarkerOutlet:
     """
 
     def __init__(self, host: str, *, daemon_pid: int = 0, runtime_dir: str = "",
-                 hold_s: float = 0.0) -> None:
+                 hold_s: float = 0.0, settle_s: float = 0.0) -> None:
         """`daemon_pid`, `runtime_dir`: the supervisor's, in the metadata, so that a second
         daemon that would publish the same ids can say where this one runs (Note [One daemon
-        per stream id]). `hold_s`: how long after its creation markers wait for a reader
-        (Note [Markers wait for a reader]); 0 sends each at once."""
+        per stream id]). `hold_s`: how long after its creation markers wait for readers, and
+        `settle_s` how long they wait once a first one is there (Note [Markers wait for a
+        reader]); 0 sends each at once."""
         if not host:
             raise ValueError("host must be non-empty")
-        if not (math.isfinite(hold_s) and hold_s >= 0):
-            raise ValueError(f"hold_s must be a finite number of seconds >= 0, got {hold_s!r}")
+        for name, value in (("hold_s", hold_s), ("settle_s", settle_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         self._hold_until_monotonic = time.monotonic() + hold_s
+        self._settle_s = settle_s
+        self.reader_since_monotonic: float | None = None  # since when it has had a reader
         self._held: list[tuple[str, float]] = []  # (text, timestamp), in order
         self.host = host
         self.source_id = f"facecast-{host}-markers"
@@ -664,12 +672,18 @@ class MarkerOutlet:
         return len(self._held)
 
     def send_held(self, *, now_monotonic: float | None = None, force: bool = False) -> None:
-        """Send the held markers, in order, once the outlet has a reader or has waited long
-        enough for one (or `force`). Called with each event and from the owner's loop."""
+        """Send the held markers, in order, once the outlet has had a reader for `settle_s` or
+        has waited `hold_s` (or `force`). Called with each event and from the owner's loop."""
         if not self._held:
             return
         now = time.monotonic() if now_monotonic is None else now_monotonic
-        if not (force or now >= self._hold_until_monotonic or self._outlet.have_consumers()):
+        if not self._outlet.have_consumers():
+            self.reader_since_monotonic = None
+        elif self.reader_since_monotonic is None:
+            self.reader_since_monotonic = now
+        settled = (self.reader_since_monotonic is not None
+                   and now - self.reader_since_monotonic >= self._settle_s)
+        if not (force or settled or now >= self._hold_until_monotonic):
             return
         for text, timestamp in self._held:
             self._outlet.push_sample([text], timestamp=timestamp)

@@ -60,8 +60,10 @@ from facecast.workers.output.participant_streams import ParticipantStreams
 log = logging.getLogger(__name__)
 
 # Note [Markers wait for a reader]: how long a new Markers outlet holds the daemon's events
-# for inlets to find it. liblsl's recovering inlets took over 2 s on a busy 2-core machine.
+# for inlets to find it (liblsl's recovering inlets took over 2 s on a busy 2-core machine),
+# and how long after the first one is back, for the others.
 MARKERS_HOLD_S = 15.0
+MARKERS_SETTLE_S = 2.0
 
 
 class OutputWorker(Worker):
@@ -71,7 +73,8 @@ class OutputWorker(Worker):
         self.host = self.config.host()
         # The supervisor is this process's parent (Note [One daemon per stream id]).
         self.markers = MarkerOutlet(self.host, daemon_pid=os.getppid(),
-                                    runtime_dir=self.runtime_dir, hold_s=MARKERS_HOLD_S)
+                                    runtime_dir=self.runtime_dir, hold_s=MARKERS_HOLD_S,
+                                    settle_s=MARKERS_SETTLE_S)
         self.blendshapes_missing = blendshapes_missing_reason(self.config)
         if self.blendshapes_missing:
             self.markers.event("model_missing", model="face_blendshapes",
