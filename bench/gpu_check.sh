@@ -53,7 +53,9 @@
 #                 NVIDIA MPS where it is installed, one after the other (6-7, H100)
 #   spare_wakeups bench/spare_wakeups.py: an idle CUDA context's driver thread beside GPU work
 #                 of each kind the daemon does, one phase a kind (issue 24 item 4); $SPARE_PHASES
-#                 (names) runs those phases only (1.5 for the first six, H100 2026-11-28)
+#                 (names) runs those phases only (1.5 for the first six, H100 2026-11-28; 2.3
+#                 for nine, the `*_stopped` ones with the watched spare stopped: Note [Spares
+#                 paused while they stand by])
 #   probes        each .footage/*_probe.py carried (a session's probes, kept out of the repository)
 #   half          the daemon at 32 and 64 replayed cameras with its default float32 models, then
 #                 with float16 ones (models.half), one after the other (5, H100 2026-11-27)
