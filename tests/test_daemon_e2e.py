@@ -20,7 +20,8 @@ import numpy as np
 import pylsl
 import pytest
 
-from daemon_harness import REPO, Daemon, Recorder, frames_of, score_against_truth
+from daemon_harness import (REPO, Daemon, Recorder, frames_of, score_against_truth,
+                            wait_for_state)
 from facecast.shared import config as config_mod
 from facecast.shared.stats import FrameHops
 from facecast.shared.transport import shm
@@ -300,6 +301,11 @@ def test_status_command_answers_what_the_daemon_is_doing(daemon):
 
 
 def test_sigterm_stops_in_order_within_5_s_and_leaves_nothing(daemon, markers):
+    # Its spares paused (Note [Spares paused while they stand by]): a stopped process acts on
+    # SIGTERM only once continued, which the supervisor must do.
+    daemon.wait_for_spares()
+    for spare in (w for w in daemon.status().workers if w.standby):
+        assert wait_for_state(spare.pid, {"T"}) == "T", spare
     worker_pids = [w.pid for w in daemon.status().workers]
     # Only this daemon's segments are checked (Note [A test's own shared memory] in
     # daemon_harness.py); the check must see them while it runs, or it would prove nothing.

@@ -36,7 +36,14 @@ def test_the_table_has_a_row_a_phase():
              "busy_processes": []},
             {"phase": "two_busy", "busy": ["compute", "compute"],
              "idle": {"wakeups_per_s": 720.0, "cores": 0.018},
-             "busy_processes": [{"wakeups_per_s": 240.0}, {"wakeups_per_s": 250.5}]}]
+             "busy_processes": [{"wakeups_per_s": 240.0}, {"wakeups_per_s": 250.5}]},
+            # The watched process stopped while counted, then continued and checked.
+            {"phase": "facecast_ring_stopped", "busy": ["ring_producer"],
+             "idle": {"wakeups_per_s": 0.0, "cores": 0.0},
+             "busy_processes": [{"wakeups_per_s": 700.0}],
+             "resumed": {"replay_ms": 42.205, "correct": True}}]
     lines = spare_wakeups.table_lines(rows)
-    assert lines[2] == "| none | none | 10, 0.0013 | - |"
-    assert lines[3] == "| two_busy | compute, compute | 720, 0.0180 | 240, 250.5 |"
+    assert lines[2] == "| none | none | 10, 0.0013 | - | - |"
+    assert lines[3] == "| two_busy | compute, compute | 720, 0.0180 | 240, 250.5 | - |"
+    assert lines[4] == "| facecast_ring_stopped | ring_producer | 0, 0.0000 | 700 | 42.205, True |"
+    assert set(spare_wakeups.STOPPED) <= set(spare_wakeups.PHASES)
