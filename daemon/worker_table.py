@@ -49,18 +49,18 @@ Note [Spares paused while they stand by]
     wakes whenever another process's blocking wait (Note [Blocking waits]) asks the GPU for an
     interrupt, two or more such waiters at a time, 190-930 times a second in
     bench/spare_wakeups.py, whether its own process waits for anything or not; spinning waits
-    would spare it and cost each worker a core. So once a spare stands by, the supervisor
-    stops its process (SIGSTOP) as soon as it says it stands by: nothing of it is scheduled, its context,
-    memory and prepared models stay. It is continued (SIGCONT) before it is sent Promote, and
-    after any other signal the supervisor sends it (SIGTERM at a stop or a reload), so that it
-    acts on it. A stopped spare cannot heartbeat, so liveness does not judge a paused one;
-    one continued by anyone else heartbeats again and is paused again. On the
-    H100 a stopped, warm context beside the daemon's ring traffic woke 0 times a second
-    (against 474 running) and, continued, replayed its CUDA graph right, the first replay
-    taking ~40 ms (the driver's pending notices handled first; docs/benchmarks.md). A paused
-    spare cannot act on SIGTERM from its dying supervisor either, so while it stands by its
-    parent-death signal is SIGKILL (`workers.base.stand_by`): it holds no camera, ring or
-    stream that needs closing.
+    would spare it and cost each worker a core. So the supervisor stops a spare's process
+    (SIGSTOP) as soon as it says it stands by: nothing of it is scheduled, its context, memory
+    and prepared models stay. It is continued (SIGCONT) before it is sent Promote, and after
+    any other signal the supervisor sends it (SIGTERM at a stop or a reload), so that it acts
+    on it. A stopped spare cannot heartbeat, so liveness does not judge a paused one; a spare
+    in standby that heartbeats (continued by anyone else, or for a promotion that could not be
+    sent) is paused again. On the H100 a stopped, warm context beside the daemon's ring
+    traffic woke 0 times a second (against 474 running) and, continued, replayed its CUDA
+    graph right, the first replay taking ~40 ms (the driver's pending notices handled first;
+    docs/benchmarks.md). A paused spare cannot act on SIGTERM from its dying supervisor
+    either, so while it stands by its parent-death signal is SIGKILL (`Worker.stand_by`,
+    workers/base.py): it holds no camera, ring or stream that needs closing.
 """
 
 from __future__ import annotations
