@@ -87,7 +87,7 @@ RING_DIR_ENV = "FACECAST_SPARE_WAKEUPS_RING_DIR"  # the ring phase's runtime dir
 WATCHED = {"blocking_both": "idle_blocking",  # the watched process's kind, where not "idle"
            "facecast_ring_stopped": "warm_blocking",
            "blocking_graph_uploads_stopped": "warm_blocking"}
-STOPPED = {"facecast_ring_stopped", "blocking_graph_uploads_stopped"}
+STOPPED = {name for name, kind in WATCHED.items() if kind == "warm_blocking"}  # stopped while counted
 
 
 def thread_switches(pid: int, name: str) -> dict[int, int]:

@@ -195,7 +195,6 @@ class WorkerProcess:
     def hand_over(self, successor: WorkerProcess, respawn_delay_s: float) -> None:
         """This warm standby's process becomes `successor`'s (it was told to take the name);
         this spare starts afresh after `respawn_delay_s` (Note [Warm standby])."""
-        self.resume()  # (the table continues it before it sends Promote)
         popen, self.popen = self.popen, None
         secret, self.secret = self.secret, ""
         self.move_to(WorkerState.PENDING)  # refused unless this is a spare in standby

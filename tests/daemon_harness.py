@@ -62,12 +62,23 @@ def shm_entries_of(pids: set[int]) -> list[str]:
 WAIT_S = 20.0  # for a signal's effect on a process: at once, unless the machine is very busy
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command's name (its state first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def process_state(pid: int) -> str:
     """The kernel's one-letter state of `pid` (R, S, T for stopped, Z...), "" once it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return _stat_fields(pid)[0]
     except (FileNotFoundError, ProcessLookupError):
         return ""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` so far."""
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for_state(pid: int, wanted: set[str]) -> str:

@@ -20,8 +20,8 @@ import numpy as np
 import pylsl
 import pytest
 
-from daemon_harness import (REPO, Daemon, Recorder, frames_of, score_against_truth,
-                            wait_for_state)
+from daemon_harness import (REPO, Daemon, Recorder, cpu_seconds, frames_of,
+                            score_against_truth, wait_for_state)
 from facecast.shared import config as config_mod
 from facecast.shared.stats import FrameHops
 from facecast.shared.transport import shm
@@ -263,11 +263,6 @@ def test_reload_refuses_a_bad_file_and_applies_an_added_camera(daemon, face_stre
     assert "reload_refused" in events and "reload" in events
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_sighup_reloads_and_the_supervisor_loop_stays_idle(daemon, markers):
     """SIGHUP goes through the same path as `facecast reload`; after it (and any signal) the
     loop must go back to waiting: an unread wakeup byte once made every poll return at once."""
@@ -278,9 +273,9 @@ def test_sighup_reloads_and_the_supervisor_loop_stays_idle(daemon, markers):
         assert time.monotonic() < deadline, daemon.log_tail()
         time.sleep(0.1)
     window_s = 2.0  # a measuring window, not a wait for something to happen
-    cpu_before_s, started = _cpu_s(daemon.process.pid), time.monotonic()
+    cpu_before_s, started = cpu_seconds(daemon.process.pid), time.monotonic()
     time.sleep(window_s)
-    busy = (_cpu_s(daemon.process.pid) - cpu_before_s) / (time.monotonic() - started)
+    busy = (cpu_seconds(daemon.process.pid) - cpu_before_s) / (time.monotonic() - started)
     assert busy < 0.3, f"the supervisor used {busy:.0%} of a core while idle after SIGHUP"
 
 

@@ -9,12 +9,12 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pylsl
 import pytest
 
-from daemon_harness import REPO, Daemon, Recorder, process_state, wait_for_state
+from daemon_harness import (REPO, Daemon, Recorder, cpu_seconds, process_state,
+                            wait_for_state)
 from facecast.daemon import layout
 from facecast.daemon.process import WorkerProcess, WorkerState
 from facecast.shared import config as config_mod
@@ -131,21 +131,15 @@ def test_spares_are_paused_while_they_stand_by(daemon):
                                         "standby:roi_landmark:cpu", "standby:output"}
     for spare in spares:
         assert wait_for_state(spare.pid, {"T"}) == "T", (spare, daemon.log_tail())
-    cpu_before = {w.pid: _cpu_ticks(w.pid) for w in spares}
+    cpu_before = {w.pid: cpu_seconds(w.pid) for w in spares}
     status = {w.name: w for w in daemon.status().workers}  # a round trip through the daemon
     for spare in spares:
         assert status[spare.name].pid == spare.pid and status[spare.name].state == "standby"
         assert status[spare.name].detail.endswith("paused until promoted"), status[spare.name]
         assert process_state(spare.pid) == "T"
-        assert _cpu_ticks(spare.pid) == cpu_before[spare.pid]
+        assert cpu_seconds(spare.pid) == cpu_before[spare.pid]
     log = (daemon.tmp / "daemon.log").read_text()
     assert all(f"{w.name} (pid {w.pid}) paused until promoted" in log for w in spares)
-
-
-def _cpu_ticks(pid: int) -> int:
-    """User + system CPU of `pid` so far, in clock ticks."""
-    fields = (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split())
-    return int(fields[11]) + int(fields[12])
 
 
 @pytest.mark.daemon
