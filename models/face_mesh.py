@@ -444,7 +444,7 @@ class FaceMeasurer:
         roi_table = uploaded[:roi_host.size].view(roi_host.shape)
         frame_index = uploaded[roi_host.size:].long()
         crops = roi_mod.crop_rois(batch, frame_index, rects, self.input_px, border="replicate",
-                                  dtype=self.model_dtype)
+                                  dtype=self.model_dtype, from_bytes=True)
         if len(chunks) == 1 and padded[0] == len(owners):  # one chunk of every ROI, as they are
             return self._chunk_table(crops, rects, roi_table, roi_boxes, roi_scores, group_steps)
         parts = [self._chunk_table(crops[start:stop], rects[start:stop], roi_table[first:first + rows],
@@ -608,7 +608,7 @@ class FaceMeasurer:
         statics = captured.statics
         roi_mod.copy_from_host(roi_host, statics["roi_table"])
         roi_mod.crop_rois(batch, statics["roi_table"][:count, 0], rects, self.input_px, border="replicate",
-                          dtype=self.model_dtype, out=statics["crops"][:count])
+                          dtype=self.model_dtype, out=statics["crops"][:count], from_bytes=True)
         return self._replay(captured, count, rects, roi_boxes, roi_scores)
 
     def _mesh_graph(self, rows: int, group_steps: int):

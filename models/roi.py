@@ -58,7 +58,25 @@ Note [Crops on the CPU]
     made once (Note [Crop taps made once]). MediaPipe's own CPU recipe, a uint8 warp then
     floats, was tried for every crop (2026-11-27) and not taken: rounded to whole grey levels,
     body pose's landmarks moved by up to 4 % of the frame and its visibilities by 0.1 against
-    the float reference (tests/models/test_pose.py), for 0.04 ms a crop.
+    the float reference (tests/models/test_pose.py), for 0.04 ms a crop. The face meshes'
+    crops take it since (next Note).
+
+Note [Face crops from bytes on the CPU]
+    The measuring stage's crops (FaceMeasurer: the FaceLandmarker's and the attention mesh's
+    256x256 input) are warped from the frame's bytes on the CPU and made floats after the warp,
+    as MediaPipe's CPU ImageToTensor makes them for these models (a uint8 warpPerspective, then
+    convertTo float), so their samples round to whole grey levels (at most 0.5 off the float
+    warp's, 0.25 on average). A face that fills a large part of the frame made the float warp's
+    cost grow with it: the part's channel swap and float conversion, then OpenCV's float32
+    warp, which has no SIMD path; from bytes the swap and the floats are the crop's 196 k values
+    whatever the face's size. Measured on the 2-core machine (2026-11-28, one thread, a 1080p
+    frame): a crop of a 630 px ROI 2.9-3.2 -> 1.0-1.1 ms, of a 300 px ROI 0.72-0.82 -> 0.83-0.88
+    (the same within the noise). What it changes (the CPU stack over the 72 frames of
+    ../shared/footage/single_face.mp4, a 150 px face in 640x360, tracking): the landmarks 0.019 px
+    apart per frame (median; 0.039 at most), no point more than 0.3 px, blendshapes within 0.017
+    (float16 models against float32 on a GPU: 0.0196). Body pose and the detectors keep the
+    float warp (above); a GPU's crops are the float kernel's (Note [One kernel for a batch of
+    crops]), which this does not change.
 """
 
 from __future__ import annotations
@@ -423,6 +441,7 @@ def crop_rois(
     axis_aligned: bool = False,
     out: torch.Tensor | None = None,
     float_frames: dict[int, np.ndarray] | None = None,
+    from_bytes: bool = False,
 ) -> torch.Tensor:
     """Crop N rotated rects out of a frame batch in one bilinear gather.
 
@@ -439,7 +458,10 @@ def crop_rois(
     or whole numbers as float32; ``out``, where given, a contiguous (N, S, S, 3) ``dtype`` tensor,
     receives the crops (the measuring stage's graph input: Note [Measuring on the device]).
     ``float_frames``: a dict that OpenCV's crops on the CPU may keep a whole frame's floats in
-    for the next crop of the same frame (Note [A whole frame's floats once]).
+    for the next crop of the same frame (Note [A whole frame's floats once]). ``from_bytes``: on
+    the CPU, warp the frame's bytes and convert the warped crop, as MediaPipe's CPU path does:
+    its samples round to whole grey levels (Note [Face crops from bytes on the CPU]); on a GPU
+    and in the taps it changes nothing.
     """
     if border not in ("replicate", "zero"):
         raise ValueError(f"border must be 'replicate' or 'zero', got {border!r}")
@@ -455,7 +477,7 @@ def crop_rois(
         frame_index = frame_index.long()
     if frames.device.type == "cpu" and dtype == torch.float32:
         crops = _crop_rois_with_opencv(frames, frame_index, rects, out_size_px, border, value_range,
-                                       float_frames)
+                                       float_frames, from_bytes)
     else:
         crops = crop_taps(frames, frame_index, rects, out_size_px, border, dtype, value_range=value_range,
                           axis_aligned=axis_aligned).crop(frames)
@@ -465,8 +487,10 @@ def crop_rois(
 def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects: RotatedRects,
                            out_size_px: int | tuple[int, int], border: str,
                            value_range: tuple[float, float],
-                           float_frames: dict[int, np.ndarray] | None = None) -> torch.Tensor:
-    """:func:`crop_rois` on the CPU, one warpAffine a rect (Note [Crops on the CPU])."""
+                           float_frames: dict[int, np.ndarray] | None = None,
+                           from_bytes: bool = False) -> torch.Tensor:
+    """:func:`crop_rois` on the CPU, one warpAffine a rect (Note [Crops on the CPU]; ``from_bytes``:
+    Note [Face crops from bytes on the CPU])."""
     out_h, out_w = (out_size_px, out_size_px) if isinstance(out_size_px, int) else out_size_px
     low, high = value_range
     scale = (high - low) / 255.0
@@ -493,6 +517,16 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
             x = to_frame[0, 0] * columns + to_frame[0, 1] * rows + to_frame[0, 2]
             y = to_frame[1, 0] * columns + to_frame[1, 1] * rows + to_frame[1, 2]
             outside = (x < -0.5) | (x > width - 0.5) | (y < -0.5) | (y > height - 0.5)
+        if from_bytes:
+            # Straight from the frame's bytes, its own edge replicated; the channels swapped and
+            # the floats made on the crop's 256x256 pixels, not on the part's.
+            warped = cv2.warpAffine(pixels[top:top + height, :width], to_frame, (out_w, out_h),
+                                    flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                                    borderMode=cv2.BORDER_REPLICATE)
+            crops[n] = cv2.cvtColor(warped, cv2.COLOR_BGR2RGB) if frames.bgr else warped
+            if outside is not None:
+                crops[n][outside] = 0.0
+            continue
         # The part of the frame the samples and their right and lower neighbours fall in; a
         # crop beyond the frame's edge replicates the edge, as the frame's own border would.
         x0 = min(max(0, math.floor(corners[:, 0].min()) - 1), width - 1)

@@ -127,7 +127,9 @@ def test_on_the_cpu_the_landmarker_models_run_in_litert_and_give_the_same_faces(
     # Float rounding apart, the same numbers (seen: 3e-5 px median on a 90 px face).
     assert error.max() < 1e-4 * face_width
     assert np.abs(litert_faces[0].blendshapes - torch_faces[0].blendshapes).max() < 1e-4
-    np.testing.assert_allclose(litert_faces[0].head_pose, torch_faces[0].head_pose, atol=1e-3)
+    # Degrees: the two runtimes' landmarks (above) through two Procrustes methods; seen 1.5e-3
+    # on the crop from bytes (Note [Face crops from bytes on the CPU]), 1e-3 before.
+    np.testing.assert_allclose(litert_faces[0].head_pose, torch_faces[0].head_pose, atol=3e-3)
     np.testing.assert_allclose(litert_faces[0].transform_matrix, torch_faces[0].transform_matrix, atol=1e-4)
 
 
