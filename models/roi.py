@@ -71,10 +71,12 @@ Note [Face crops from bytes on the CPU]
     warp, which has no SIMD path; from bytes the swap and the floats are the crop's 196 k values
     whatever the face's size. Measured on the 2-core machine (2026-11-28, one thread, a 1080p
     frame): a crop of a 630 px ROI 2.9-3.2 -> 1.0-1.1 ms, of a 300 px ROI 0.72-0.82 -> 0.83-0.88
-    (the same within the noise). What it changes (the CPU stack over the 72 frames of
-    ../shared/footage/single_face.mp4, a 150 px face in 640x360, tracking): the landmarks 0.019 px
-    apart per frame (median; 0.039 at most), no point more than 0.3 px, blendshapes within 0.017
-    (float16 models against float32 on a GPU: 0.0196). Body pose and the detectors keep the
+    (the same within the noise); `facecast analyze` of a 1080p file with one face 71.6 -> 78.8
+    frames/s in interleaved turns, 720p (a 420 px ROI) 83.3 -> 83.8 (docs/benchmarks.md). What
+    it changes (the CPU stack over the 72 frames of ../shared/footage/single_face.mp4, a 150 px
+    face in 640x360, tracking): the landmarks 0.019 px apart per frame (median; 0.039 at most),
+    no point more than 0.3 px, blendshapes within 0.017 (float16 models against float32 on a
+    GPU: 0.0196). Body pose and the detectors keep the
     float warp (above); a GPU's crops are the float kernel's (Note [One kernel for a batch of
     crops]), which this does not change.
 """
@@ -519,7 +521,7 @@ def _crop_rois_with_opencv(frames: FrameBatch, frame_index: torch.Tensor, rects:
             outside = (x < -0.5) | (x > width - 0.5) | (y < -0.5) | (y > height - 0.5)
         if from_bytes:
             # Straight from the frame's bytes, its own edge replicated; the channels swapped and
-            # the floats made on the crop's 256x256 pixels, not on the part's.
+            # the floats made on the crop's pixels, not on the part's.
             warped = cv2.warpAffine(pixels[top:top + height, :width], to_frame, (out_w, out_h),
                                     flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
                                     borderMode=cv2.BORDER_REPLICATE)
