@@ -76,9 +76,8 @@ Note [Face crops from bytes on the CPU]
     it changes (the CPU stack over the 72 frames of ../shared/footage/single_face.mp4, a 150 px
     face in 640x360, tracking): the landmarks 0.019 px apart per frame (median; 0.039 at most),
     no point more than 0.3 px, blendshapes within 0.017 (float16 models against float32 on a
-    GPU: 0.0196). Body pose and the detectors keep the
-    float warp (above); a GPU's crops are the float kernel's (Note [One kernel for a batch of
-    crops]), which this does not change.
+    GPU: 0.0196). Body pose and the detectors keep the float warp (above); a GPU's crops are
+    the float kernel's (Note [One kernel for a batch of crops]), which this does not change.
 """
 
 from __future__ import annotations
