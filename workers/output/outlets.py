@@ -442,7 +442,14 @@ class FaceLayout:
         return sample
 
 
-def _values(values: Sequence[float] | np.ndarray, count: int, what: str) -> np.ndarray:
+def _values(values: Sequence[float] | np.ndarray, count: int,
+            what: str) -> Sequence[float] | np.ndarray:
+    if isinstance(values, (tuple, list)):
+        # What results' messages carry: numpy converts them in the sample's slice assignment,
+        # without an array of their own (a third of the output worker's Python for a frame).
+        if len(values) != count:
+            raise ValueError(f"{what} must have {count} values, got {len(values)}")
+        return values
     array = np.asarray(values, dtype=np.float32).reshape(-1)
     if array.shape != (count,):
         raise ValueError(f"{what} must have {count} values, got {array.shape[0]}")
