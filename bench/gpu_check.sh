@@ -101,6 +101,7 @@ start)
     shift
     rm -rf "$STATE" && mkdir -p "$STATE"
     setsid nohup bash "$0" run "${@:-$DEFAULT_STEPS}" > "$STATE/run.log" 2>&1 < /dev/null &
+    echo $! > "$STATE/pid"
     echo "gpu_check: started"
     ;;
 run)
@@ -373,12 +374,19 @@ wait)
     fi
     deadline=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $deadline ] && ! grep -q "gpu_check: done" "$STATE/steps.txt" 2>/dev/null; do
+        # A run that died (2026-11-28: a fresh machine without .whl/, its setup failed at once)
+        # ends the wait, with its log, rather than hold the machine for nothing.
+        if ! kill -0 "$(cat "$STATE/pid" 2>/dev/null)" 2>/dev/null; then
+            echo "gpu_check: the run ended early; its log:" >&2
+            tail -20 "$STATE/run.log" >&2
+            break
+        fi
         sleep 5
     done
     # What is there so far, as two files ($OUT brings back at most 8, two folders down): every
     # step's log, JSON and daemon/profile log in one archive, and the step list.
     mkdir -p "$OUT/gpu_check"
-    cp "$STATE/steps.txt" "$OUT/gpu_check/"
+    cp "$STATE/steps.txt" "$OUT/gpu_check/" 2>/dev/null
     # Not the private tree nor analyze's made footage (111 and 26 MB: over what $OUT brings back).
     tar -czf "$OUT/gpu_check/results.tar.gz" -C "$STATE" --exclude=./tree --exclude=./analyze . 2>/dev/null
     cat "$STATE/steps.txt"
