@@ -66,3 +66,16 @@ def test_latency_windows_report_their_last_values_alone_and_many_windows_at_once
     assert timings[1] == StageTiming(p50_ms=6.0, p99_ms=6.98, count=2, mean_ms=6.0)
     assert timings[2] is None
     assert [window.timing() for window in windows] == timings
+
+
+def test_the_hops_are_of_the_last_frames_and_the_count_of_every_frame():
+    """The stamps' ring keeps its last `size` frames: an older frame's hops leave the figures,
+    while the count says how many frames were added in all."""
+    hops = FrameHops(size=2)
+    for hops_ms in ([100] * 7, [1] * 7, [3] * 7):  # the 100 ms frame leaves the ring
+        assert hops.add(stamps(10.0, hops_ms))
+    timings = hops.timings()
+    for name in HOP_NAMES:
+        assert (timings[name].p50_ms, timings[name].mean_ms, timings[name].count) == (2.0, 2.0, 3)
+    assert timings[TOTAL].mean_ms == pytest.approx(14.0, abs=1e-3)
+    assert timings[TOTAL].p99_ms == pytest.approx(20.86, abs=1e-3)
