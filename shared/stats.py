@@ -16,8 +16,8 @@ class LatencyWindow:
 
     The values live in a ring of floats (not a deque), so that a heartbeat's percentiles read
     them where they are, and `window_timings` takes many windows' in one numpy call: the output
-    worker reports 8 hop windows of 16384 frames and one window per camera every heartbeat
-    (HEARTBEAT_INTERVAL_S), and the 11 ms that took at 64 cameras (2-core VM) held up the
+    worker reports one window per camera every heartbeat (HEARTBEAT_INTERVAL_S), besides its
+    FrameHops, and the 11 ms that its windows took at 64 cameras (2-core VM) held up the
     results behind it (the "sent → received" hop's tail, Note [Latency accounted])."""
 
     def __init__(self, size: int = 512) -> None:
