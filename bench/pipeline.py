@@ -811,8 +811,15 @@ class Profiles:
             try:
                 _, error = process.communicate(timeout=60)
             except subprocess.TimeoutExpired:
-                process.kill()
-                error = "py-spy did not finish"
+                # Still sampling after its window (the output worker's py-spy at 64 cameras, in
+                # every run of 2026-11-28): Ctrl-C makes py-spy write the samples it has.
+                process.send_signal(signal.SIGINT)
+                try:
+                    _, error = process.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.communicate()
+                    error = "py-spy did not finish"
             found[name] = (self.summary(path.read_text()) if path.exists()
                            else {"error": (error or "no output").strip()[-300:]})
         return found
