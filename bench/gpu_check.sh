@@ -90,7 +90,9 @@
 # ../shared/footage/*.mp4) carried (bench/gpu_host_env.sh; they fit one call's 64 MiB). The
 # machine goes back 30 s after a call ends, taking the background run with it: call `wait` again
 # at once, every time. Even so it went back between two calls made at once (2026-11-26, and
-# 2026-11-28 with `gpu_tests` 1 minute in, at 12 minutes held): put the step that matters most
+# 2026-11-28 with `gpu_tests` 1 minute in, at 12 minutes held; and again on an H200 the same day,
+# 16 s between the calls, at 12 minutes held: the next call's run found no .whl/ and failed,
+# which `wait` now notices at once): put the step that matters most
 # first, and where steps fit 9.5 minutes, give each a call of its own (`start STEP; wait 570`),
 # so that none spans two calls (2026-11-28: `pipeline` and a `GPU_TESTS` subset so, lost none).
 set -u
