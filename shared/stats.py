@@ -47,13 +47,21 @@ def window_timings(windows: list[LatencyWindow | None]) -> list[StageTiming | No
         if window is not None and window.count:
             by_length[window.values_ms().shape[0]].append(index)
     for indices in by_length.values():
-        values = np.stack([windows[i].values_ms() for i in indices])
-        p50, p99 = np.percentile(values, [50, 99], axis=1)
-        means = values.mean(axis=1)
-        for row, i in enumerate(indices):
-            out[i] = StageTiming(p50_ms=round(float(p50[row]), 3), p99_ms=round(float(p99[row]), 3),
-                                 count=windows[i].count, mean_ms=round(float(means[row]), 3))
+        timings = rows_timings(np.stack([windows[i].values_ms() for i in indices]),
+                               [windows[i].count for i in indices])
+        for i, timing in zip(indices, timings):
+            out[i] = timing
     return out
+
+
+def rows_timings(values_ms: np.ndarray, counts: list[int]) -> list[StageTiming]:
+    """Each row's p50, p99 and mean (ms, as a heartbeat reports them), in one numpy call;
+    `counts`: how many values each row's stage has seen in all."""
+    p50, p99 = np.percentile(values_ms, [50, 99], axis=1)
+    means = values_ms.mean(axis=1)
+    return [StageTiming(p50_ms=round(float(p50[row]), 3), p99_ms=round(float(p99[row]), 3),
+                        count=count, mean_ms=round(float(means[row]), 3))
+            for row, count in enumerate(counts)]
 
 
 class FrameHops:
@@ -119,15 +127,10 @@ class FrameHops:
         hops_ms = np.empty((len(self.HOPS) + 1, stamps.shape[0]))
         hops_ms[:-1] = np.diff(stamps, axis=1).T * 1e3
         hops_ms[-1] = (stamps[:, -1] - stamps[:, 0]) * 1e3
-        p50, p99 = np.percentile(hops_ms, [50, 99], axis=1)
-        means = hops_ms.mean(axis=1)
-        out = {}
-        for row, name in enumerate((*self.HOPS, self.TOTAL)):
-            label = "total" if name == self.TOTAL else f"{row + 1}"
-            out[f"hop {label}: {name}"] = StageTiming(
-                p50_ms=round(float(p50[row]), 3), p99_ms=round(float(p99[row]), 3),
-                count=self.count, mean_ms=round(float(means[row]), 3))
-        return out
+        names = (*self.HOPS, self.TOTAL)
+        return {f"hop {'total' if name == self.TOTAL else number}: {name}": timing
+                for number, (name, timing) in enumerate(
+                    zip(names, rows_timings(hops_ms, [self.count] * len(names))), start=1)}
 
 
 class StageTimer:
