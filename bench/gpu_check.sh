@@ -5,12 +5,14 @@
 # $OUT/gpu_check/results.tar.gz (with steps.txt beside it).
 # Call `wait` again at once (the machine goes back when idle) until it prints "gpu_check: done".
 #
+# `bench/gpu_check.sh install` installs the wheel folders a call carries (see below).
 # Steps (each one's log in the archive; minutes on the H200, 2026-11-26):
 #   boot_stop     boot and stop of 32 and 64 replayed cameras on cuda_ipc (2)
 #   gpu_tests     the `gpu` tests, with $FACECAST_REAL_FOOTAGE set to the videos in .footage/ for
 #                 tests/test_real_footage_gpu.py, and tests/test_nvdec_gpu.py where PyAV and
 #                 PyNvVideoCodec are installed (.whl2a/, .whl2b/: bench/gpu_host_env.sh) (10-11;
-#                 15 with every wheel, 139 tests, H100 2026-11-27)
+#                 15 with every wheel, 139 tests, H100 2026-11-27; 17 with every wheel, 161 tests,
+#                 H200 2026-11-28: 123 in the first 9.3 minutes, the rest 7.5)
 #   cpu_tests     $CPU_TESTS' tests that need no GPU, on this host's Python 3.12 and packages
 #                 (PyAV 19, which CI's Python 3.11 cannot install)
 #   real_footage  real footage through the stack and the daemon (bench/real_footage.py) (4.5)
@@ -19,7 +21,9 @@
 #   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle,
 #                 the "+compile" variants included (Note [Compiled models]) (3-5)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
-#                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU)
+#                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU), on GPU 0 where
+#                 there are two; `decode_gpu` and `decode_cpu` run one side each, so that each can
+#                 have calls of its own; $DECODE_CAMERAS (counts) runs those counts only
 #   decode_profile  where the capture, roi_landmark and detection workers' CPU goes at 64
 #                 NVDEC-decoded synthetic-h264 cameras (py-spy, --profile-roles) (2.5)
 #   two_gpus      issue 22 item 4, on the nvidia-h100-x2 kind: 64 synthetic-h264 cameras on one
@@ -99,6 +103,14 @@ set -u
 STATE=/tmp/gpu_check
 DEFAULT_STEPS="boot_stop gpu_tests real_footage pipeline models"
 case "${1:-}" in
+install)
+    # The wheel folders this call carries, installed for the later calls to this machine (the
+    # big ones, .whl2a/ .whl2b/ .whl2c/, in calls of their own: carry .whl2a alone, then .whl2b
+    # and .whl2c together, then start the run carrying .whl/, .models/ and .footage/; 2 s each,
+    # H200 2026-11-28). Says what the machine has.
+    . bench/gpu_host_env.sh
+    echo "gpu_check: installed: $(ls -A /tmp/fc | tr '\n' ' ')"
+    ;;
 start)
     shift
     rm -rf "$STATE" && mkdir -p "$STATE"
@@ -288,8 +300,13 @@ run)
         models) step models python3 bench/models.py --batch-sizes 64 --cameras 32 \
             --budget-s 420 --landmarker-task .models/face_landmarker.task \
             --out "$STATE/benchmarks-models.json" ;;
-        decode) for decode in gpu cpu; do
-                step "decode-$decode" python3 bench/pipeline.py --cameras 8 16 32 48 64 \
+        decode|decode_gpu|decode_cpu)
+            # One GPU's table, also on a host of two (Note [Visible GPUs]): the x2 kind can run
+            # it in the loan that runs `two_gpus`. $DECODE_CAMERAS (counts) narrows it.
+            decoders="gpu cpu"; [ "$name" != decode ] && decoders=${name#decode_}
+            for decode in $decoders; do
+                CUDA_VISIBLE_DEVICES=0 step "decode-$decode" python3 bench/pipeline.py \
+                    --cameras ${DECODE_CAMERAS:-8 16 32 48 64} \
                     --transports cuda_ipc --source synthetic-h264 --decode "$decode" \
                     --warmup-s 4 --measure-s 10 \
                     --out "$STATE/benchmarks-decode-$decode.json" --log-dir "$STATE/logs-decode-$decode"

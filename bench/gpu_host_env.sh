@@ -28,7 +28,7 @@
 # which is what pyproject's package-dir does for an installed copy.
 set -e
 _fc_root=/tmp/fc
-if [ ! -d "$_fc_root/site" ]; then
+if [ ! -d "$_fc_root/site" ] && [ -d .whl ]; then  # (a call carrying only .whl2a/, say)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$_fc_root/site" .whl/*.whl
 fi
