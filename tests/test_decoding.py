@@ -727,8 +727,8 @@ class SteppedGroup:
         self.worker.cameras = self.captures
 
     def _recording(self, publish, camera_id, method):
-        def recording(*args):
-            message = publish(*args)
+        def recording(*args, **kwargs):
+            message = publish(*args, **kwargs)
             self.published[camera_id].append((method, message))
             return message
         return recording

@@ -123,8 +123,9 @@ def test_an_h264_rtsp_camera_on_nvdec(h264_rtsp_camera):
 # --- device frames into the rings (Note [Frames born on the GPU]) ---------------------------------
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["kept", "scratch"])
 @pytest.mark.parametrize("kind", frames.CHECKSUM_KINDS)
-def test_device_frames_into_a_cuda_ring_are_checked_by_its_consumers(kind):
+def test_device_frames_into_a_cuda_ring_are_checked_by_its_consumers(kind, scratch):
     from facecast.shared.transport.cuda_ring import CudaRingProducer, CudaRingReader
     from facecast.shared.transport.rings import Verdict
 
@@ -135,10 +136,13 @@ def test_device_frames_into_a_cuda_ring_are_checked_by_its_consumers(kind):
         for seq in range(6):  # twice round the ring
             frame = torch.randint(0, 256, (360, 640, 3), dtype=torch.uint8, device="cuda",
                                   generator=generator)
-            message = producer.write_device(frame, seq, float(seq))
-            assert message.checksum == frames.checksum(frame.cpu().numpy(), kind)
+            given = frame.clone()
+            message = producer.write_device(frame, seq, float(seq), scratch=scratch)
+            assert message.checksum == frames.checksum(given.cpu().numpy(), kind)
             read = reader.read(message)
-            assert read.verdict is Verdict.OK and torch.equal(read.tensor, frame)
+            assert read.verdict is Verdict.OK and torch.equal(read.tensor, given)
+            if not scratch:  # the caller's frame as it was; a scratch one served the checksum
+                assert torch.equal(frame, given)
         producer.corrupt_next_frame()
         message = producer.write_device(torch.zeros(360, 640, 3, dtype=torch.uint8,
                                                     device="cuda"), 6, 6.0)

@@ -33,7 +33,8 @@ Note [Producer checksum]
        already (Note [Frames born on the GPU]);
     2. the slot's generation goes odd; the private copy's device-to-device copy into the slot
        is queued, then the slot's event, then the checksum of the private copy (`_to_slot`; of
-       a host frame's private copy in place, sparing a temporary of the frame's size);
+       a host frame's private copy in place, sparing a temporary of the frame's size, and so of
+       a GPU decoder's frame, which the capture worker hands over as scratch: `write_device`);
     3. the checksum's value is fetched on the same stream: one host sync per frame, which waits
        for the upload, the checksum and the copy (the FrameReady must carry the value before it
        is sent). With blocking waits (Note [Blocking waits]) the camera's capture thread sleeps
@@ -317,10 +318,13 @@ class CudaRingProducer(RingProducer):
         with torch.cuda.stream(self.stream):
             self._uploaded.copy_(self._staging[slot], non_blocking=True)
 
-    def write_device(self, frame: torch.Tensor, frame_seq: int,
-                     capture_ts_lsl: float) -> FrameReady:
+    def write_device(self, frame: torch.Tensor, frame_seq: int, capture_ts_lsl: float,
+                     scratch: bool = False) -> FrameReady:
         """Note [Frames born on the GPU]: a frame already on this ring's GPU (the caller's own
-        tensor, ready on its current stream) into the next slot, device to device."""
+        tensor, ready on its current stream) into the next slot, device to device. `scratch`:
+        the caller will not read the frame again, so the checksum is computed in its memory,
+        after the copy into the slot, as a host frame's in the producer's own device copy
+        (no temporary of the frame's size a frame; Note [Producer checksum])."""
         if (tuple(frame.shape) != self.frame_shape or frame.dtype != torch.uint8
                 or frame.device != self.slots.device):
             raise ValueError(
@@ -329,14 +333,14 @@ class CudaRingProducer(RingProducer):
                 f"{self.slots.device}); a new resolution needs a new ring")
         slot = self._take_slot() if self._staged_view is None else self._staged_slot
         self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
-        checksum = self._commit_device(slot, frame.contiguous())
+        checksum = self._commit_device(slot, frame.contiguous(), scratch)
         return self._committed(slot, checksum, frame_seq, capture_ts_lsl)
 
-    def _commit_device(self, slot: int, frame: torch.Tensor) -> int:
+    def _commit_device(self, slot: int, frame: torch.Tensor, scratch: bool) -> int:
         """Note [Frames born on the GPU], step 1, then `_to_slot` from the caller's tensor."""
         self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
         self.header.begin_write(slot)
-        return self._to_slot(slot, frame.view(-1), scratch=False)
+        return self._to_slot(slot, frame.view(-1), scratch=scratch)
 
     def _to_slot(self, slot: int, private: torch.Tensor, scratch: bool) -> int:
         """Stage "to slot": the producer's own device bytes copied into the slot, the slot's

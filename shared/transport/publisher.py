@@ -172,15 +172,17 @@ class FramePublisher:
         self._arm_corruption()
         return self._send(self.producer.write(frame, self.frame_seq, capture_ts_lsl))
 
-    def publish_device(self, frame, capture_ts_lsl: float) -> FrameReady:
+    def publish_device(self, frame, capture_ts_lsl: float, scratch: bool = False) -> FrameReady:
         """Write a finished frame that is already in GPU memory (a torch tensor of the caller's
         own, HxWx3 uint8 BGR, ready on the current stream) into the camera's ring and publish
         it: device to device on a CUDA ring, through a host copy on shm (Note [Frames born on
-        the GPU])."""
+        the GPU]). `scratch`: the caller will not read the frame again (its memory may be
+        overwritten: RingProducer.write_device)."""
         self._ensure_ring(tuple(frame.shape))
         self._staged = False  # a frame staged and never published is dropped
         self._arm_corruption()
-        return self._send(self.producer.write_device(frame, self.frame_seq, capture_ts_lsl))
+        return self._send(self.producer.write_device(frame, self.frame_seq, capture_ts_lsl,
+                                                     scratch=scratch))
 
     def staging_view(self, frame_shape: tuple[int, ...]) -> np.ndarray:
         """Where the next frame goes: decode or render it into this (frame_shape) uint8 array,

@@ -268,13 +268,14 @@ class RingProducer(ABC):
         self._fill(staging, frame)
         return staging
 
-    def write_device(self, frame: torch.Tensor, frame_seq: int,
-                     capture_ts_lsl: float) -> FrameReady:
+    def write_device(self, frame: torch.Tensor, frame_seq: int, capture_ts_lsl: float,
+                     scratch: bool = False) -> FrameReady:
         """A finished frame made on a GPU (the caller's own tensor, ready on its current
         stream: Note [Frames born on the GPU]) into the next slot. Here, a ring in host memory:
         the frame comes to the producer's private host memory first and is written as any host
         frame is, its checksum taken from that copy. cuda_ring.CudaRingProducer copies it
-        device to device instead."""
+        device to device instead. `scratch`: the caller will not read the frame again, so its
+        memory may serve the checksum's arithmetic (the CUDA ring's; unused here)."""
         return self.write(frame.contiguous().cpu().numpy(), frame_seq, capture_ts_lsl)
 
     def _publish(self, slot: int, pixels: np.ndarray, frame_seq: int,

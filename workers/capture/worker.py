@@ -291,7 +291,8 @@ class CameraCapture:
         if corrupting:
             self.publisher.corrupt_next_frame()
         if self.source.on_device:  # decoded on the GPU (Note [Frames born on the GPU])
-            message = self.publisher.publish_device(frame, capture_ts_lsl)
+            # A GPU decoder's frame is a new tensor of this worker's, read no more after this.
+            message = self.publisher.publish_device(frame, capture_ts_lsl, scratch=True)
         elif frame is staged:  # decoded into the ring's staging memory
             message = self.publisher.publish_staged(capture_ts_lsl)
         else:
