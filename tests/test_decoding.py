@@ -4,7 +4,8 @@ BGR against OpenCV's own decode (Note [NV12 to BGR]), the GPU path's demuxing, p
 and looping with NVDEC played on the CPU by FFmpeg (`CpuNvdec`: only the decoder call itself and
 the device memory are stand-ins), a frame published from "device" memory onto an shm ring, and a
 capture group whose GPU-decoded camera fails mid-stream and goes on on the CPU decoder while the
-other camera keeps publishing (Note [GPU decoder failing mid-stream]).
+other camera keeps publishing (Note [GPU decoder failing mid-stream]), and a capture process of
+H.264 cameras SIGKILLed, its cameras taken over by the warm spare with nothing corrupt.
 
 The same checks against the real NVDEC are tests/test_nvdec_gpu.py (marker gpu)."""
 
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import queue
+import signal
 import sys
 import time
 import types
 
 import cv2
 import numpy as np
+import pylsl
 import pytest
 import torch
 import zmq
@@ -26,6 +30,7 @@ import zmq
 # facecast needs PyAV; a GPU host without the wheel (.whl2a/) skips these tests.
 av = pytest.importorskip("av", reason="PyAV (the `av` wheel) demuxes and encodes the test videos")
 
+from daemon_harness import Daemon, Recorder, box_close, frames_of, score_against_truth
 from facecast.shared import config as config_mod
 from facecast.shared.config import CameraConfig
 from facecast.shared.transport import frames
@@ -971,3 +976,88 @@ def test_doctor_names_the_engines_where_nvdec_decodes(monkeypatch):
                              "up to 4096x4096; H.265: not supported by this GPU")
     assert doctor.check_nvdec(None, decoder_caps=lambda codec: 1 / 0).detail.endswith(
         "H.265: capabilities unknown (ZeroDivisionError: division by zero)")
+
+
+# --- a capture process killed (issue 22: the GPU form is tests/test_nvdec_gpu.py's) ---------------
+
+
+def a_capture_process_killed(tmp_path, *, transport: str, decode: str, models: str, device: str,
+                             cameras: int, size: tuple[int, int], fps: int,
+                             samples_before: int, samples_after: int) -> dict[str, float]:
+    """A daemon whose one capture process reads `cameras` synthetic H.264 cameras (decoded by
+    `decode`), with warm spares: once every Face stream has `samples_before` samples, that
+    process is SIGKILLed. Its device's spare must take the cameras over; the frames published on
+    either side of the kill must show the synthetic scene's faces (nine in ten with every face,
+    none with a box where no face is); no consumer may have met a slot whose bytes were not the
+    published frame; each camera must be captured again on `transport`. Returns each camera's
+    seconds from the kill to its first frame captured after it (the Face streams' capture
+    timestamps)."""
+    names = [f"kill{k}" for k in range(cameras)]
+    text = (f'[daemon]\ntransport = "{transport}"\ndecode = "{decode}"\n'
+            f'cameras_per_capture_worker = {cameras}\nwarm_standby = "on"\n'
+            f'[models]\ndevice = "{models}"\n[output]\nmax_faces = 2\n[web]\nenabled = false\n'
+            + "".join(f'[[cameras]]\nid = "{name}"\nsource = "synthetic-h264"\nwidth = {size[0]}\n'
+                      f'height = {size[1]}\nfps = {fps}\n' for name in names))
+    parsed = config_mod.loads(text)
+    capture = f"capture:{device}:0" if device != "cpu" else "capture:cpu:0"
+    daemon = Daemon(tmp_path, config_text=text)
+    try:
+        assert daemon.notify.wait_for("READY=1", timeout_s=180), daemon.log_tail()
+        spare = daemon.wait_for_worker(f"standby:capture:{device}", "standby", timeout_s=120)
+        victim = daemon.wait_for_worker(capture, "running")
+        faces = daemon.resolve("Face", count=2 * cameras)
+        assert len(faces) == 2 * cameras, [r.source_id for r in faces]
+        recorder = Recorder(faces)
+        try:
+            deadline = time.monotonic() + 60
+            while not all(len(r.timestamps) >= samples_before for r in faces):
+                assert time.monotonic() < deadline, daemon.log_tail()
+                time.sleep(0.1)
+            killed_at = pylsl.local_clock()
+            os.kill(victim.pid, signal.SIGKILL)
+            promoted = daemon.wait_for_worker(capture, "running", timeout_s=30, not_pid=victim.pid)
+            assert promoted.pid == spare.pid, (promoted, spare, daemon.log_tail())
+            deadline = time.monotonic() + 60
+            while not all(sum(t > killed_at for t in list(r.timestamps)) >= samples_after
+                          for r in faces):
+                assert time.monotonic() < deadline, daemon.log_tail()
+                time.sleep(0.1)
+        finally:
+            recorder.stop()
+        back_s = {}
+        for name in names:
+            slots = [r for r in faces if f"-{name}-face" in r.source_id]
+            frames_by_stamp, stamps = frames_of(slots)
+            after = stamps[stamps > killed_at]
+            assert after.size, (name, "no frame after the kill")
+            back_s[name] = float(after[0] - killed_at)
+            faces_at = synthetic_truth(parsed.camera(name)).faces_at
+            score = score_against_truth(frames_by_stamp, stamps, faces_at)
+            print(f"{name}: back {back_s[name]:.2f} s after the SIGKILL; {score.describe()}")
+            assert score.good >= 0.9 * score.frames, (name, score.describe())
+            # A frame of another time or camera, or a torn one, would put a box where no face is.
+            stray = [(stamp, sample[2:6]) for stamp in stamps for sample in frames_by_stamp[stamp]
+                     if not math.isnan(sample[2])
+                     and not any(box_close(face.box_px, [sample[2:6]]) for face in faces_at(stamp))]
+            assert not stray, (name, stray[:5])
+        status = daemon.status()
+        for name in names:
+            reports = status.cameras[name]
+            assert sum(r.checksum_mismatches for r in reports) == 0, reports
+            captured = next(r for r in reports if r.source)
+            assert captured.source == "ok" and captured.transport == transport, captured
+        return back_s
+    finally:
+        daemon.close()
+
+
+@pytest.mark.daemon
+def test_a_capture_process_of_h264_cameras_killed_is_taken_over_by_its_spare(installed_models,
+                                                                           tmp_path):
+    """The CPU form (no GPU here): two 320x240 H.264 cameras at 10 fps decoded on the CPU, one
+    capture process, SIGKILLed; the spare's first frames within 5 s on this busy machine (the
+    2 s of the GPU form is tests/test_nvdec_gpu.py's, on a machine of 16 cores)."""
+    back_s = a_capture_process_killed(
+        tmp_path, transport="shm", decode="cpu", models="cpu", device="cpu", cameras=2,
+        size=(320, 240), fps=10, samples_before=20, samples_after=10)
+    assert max(back_s.values()) < 5.0, back_s

@@ -1,8 +1,9 @@
 """Frames born on the GPU, against the real NVDEC (marker gpu; issue 22 item 1): PyNvVideoCodec's
 frames, converted to BGR on the GPU, against OpenCV's CPU decode of the same files (PSNR >= 40 dB), the synthetic H.264 camera's frames against its truth, device frames into a CUDA ring and
-an shm ring checked by consumers, an H.264 RTSP camera, and the daemon on GPU-decoded cameras in
+an shm ring checked by consumers, an H.264 RTSP camera, the daemon on GPU-decoded cameras in
 one capture group, one of whose decoders fails mid-stream (injected) and goes on on the CPU
-decoder while the other keeps publishing.
+decoder while the other keeps publishing, and a capture process of eight NVDEC cameras
+SIGKILLed, its cameras back within 2 s with nothing corrupt.
 
 Needs an NVIDIA GPU with its driver (libnvcuvid.so.1), PyCUDA and pynvvideocodec (the `gpu`
 extra); elsewhere every test skips with the reason. Written on a machine without a GPU: the same
@@ -33,6 +34,7 @@ from test_decoding import (  # noqa: F401 - h264_rtsp_camera is a fixture
     _psnr_db,
     _write_bt709_file,
     _write_video,
+    a_capture_process_killed,
     h264_rtsp_camera,
 )
 
@@ -251,3 +253,19 @@ def test_the_daemon_on_gpu_decoded_cameras_and_one_decoder_failing(installed_mod
     finally:
         daemon.close()
 
+
+
+
+# --- a capture process of eight NVDEC cameras SIGKILLed (issue 22's tests) ------------------------
+
+
+@pytest.mark.daemon
+def test_a_capture_process_of_eight_nvdec_cameras_killed_is_back_within_2_s(installed_models,
+                                                                            tmp_path):
+    """One capture process decodes eight 640x360 H.264 cameras at 30 fps on NVDEC; SIGKILLed,
+    its warm spare takes them over: every camera publishes again within 2 s of the kill (issue
+    22), with nothing corrupt (tests/test_decoding.py's `a_capture_process_killed`)."""
+    back_s = a_capture_process_killed(
+        tmp_path, transport="cuda_ipc", decode="gpu", models="cuda", device="cuda:0",
+        cameras=8, size=(640, 360), fps=30, samples_before=60, samples_after=30)
+    assert max(back_s.values()) < 2.0, back_s
