@@ -999,7 +999,7 @@ def a_capture_process_killed(tmp_path, *, transport: str, decode: str, models: s
             + "".join(f'[[cameras]]\nid = "{name}"\nsource = "synthetic-h264"\nwidth = {size[0]}\n'
                       f'height = {size[1]}\nfps = {fps}\n' for name in names))
     parsed = config_mod.loads(text)
-    capture = f"capture:{device}:0" if device != "cpu" else "capture:cpu:0"
+    capture = f"capture:{device}:0"  # the group's worker (daemon/layout.py)
     daemon = Daemon(tmp_path, config_text=text)
     try:
         assert daemon.notify.wait_for("READY=1", timeout_s=180), daemon.log_tail()
