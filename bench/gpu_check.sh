@@ -21,7 +21,8 @@
 #   models        the models bench at batch 64 (the goals' batch) with the FaceLandmarker bundle,
 #                 the "+compile" variants included (Note [Compiled models]) (3-5)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
-#                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU), on GPU 0 where
+#                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU; 11.7 on the
+#                 H200 pair, 2026-11-28: 5.7 GPU, 3 + 3 CPU in two calls of $DECODE_CAMERAS), on GPU 0 where
 #                 there are two; `decode_gpu` and `decode_cpu` run one side each, so that each can
 #                 have calls of its own; $DECODE_CAMERAS (counts) runs those counts only
 #   decode_profile  where the capture, roi_landmark and detection workers' CPU goes at 64
@@ -158,9 +159,11 @@ run)
         done
         . bench/gpu_host_env.sh  # facecast.* back to this tree
     }
-    ab_runs() {  # name, bench/pipeline.py arguments: on .base/, then on this tree
+    ab_runs() {  # name, bench/pipeline.py arguments: on .base/, then on this tree; on GPU 0
+        # alone, as the goals count, also on a host of two (2026-11-28 `ab_decode` on the x2
+        # kind spread its 64 cameras over both GPUs)
         local name=$1; shift
-        ab_script "$name" bench/pipeline.py --transports cuda_ipc "$@"
+        CUDA_VISIBLE_DEVICES=0 ab_script "$name" bench/pipeline.py --transports cuda_ipc "$@"
     }
     for name in $*; do
         case $name in

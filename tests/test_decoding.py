@@ -993,11 +993,14 @@ def a_capture_process_killed(tmp_path, *, transport: str, decode: str, models: s
     seconds from the kill to its first frame captured after it (the Face streams' capture
     timestamps)."""
     names = [f"kill{k}" for k in range(cameras)]
+    # Every camera on the one device (round-robin would spread them over a host's GPUs, a group
+    # on each: the killed process would hold only some of them).
+    pinned = f"gpu = {device.partition(':')[2]}\n" if device.startswith("cuda") else ""
     text = (f'[daemon]\ntransport = "{transport}"\ndecode = "{decode}"\n'
             f'cameras_per_capture_worker = {cameras}\nwarm_standby = "on"\n'
             f'[models]\ndevice = "{models}"\n[output]\nmax_faces = 2\n[web]\nenabled = false\n'
             + "".join(f'[[cameras]]\nid = "{name}"\nsource = "synthetic-h264"\nwidth = {size[0]}\n'
-                      f'height = {size[1]}\nfps = {fps}\n' for name in names))
+                      f'height = {size[1]}\nfps = {fps}\n{pinned}' for name in names))
     parsed = config_mod.loads(text)
     capture = f"capture:{device}:0"  # the group's worker (daemon/layout.py)
     daemon = Daemon(tmp_path, config_text=text)

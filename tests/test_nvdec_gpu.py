@@ -178,10 +178,12 @@ DAEMON_CONFIG = (
     '[daemon]\ntransport = "cuda_ipc"\ndecode = "gpu"\ncameras_per_capture_worker = 2\n'
     'warm_standby = "off"\n'
     '[models]\ndevice = "cuda"\n[output]\nmax_faces = 2\n[web]\nenabled = false\n'
+    # Both on GPU 0, in one capture group, where a host has more GPUs (round-robin would put
+    # them in a group each: failed so on the two-GPU H200 host, 2026-11-28).
     '[[cameras]]\nid = "h264a"\nsource = "synthetic-h264"\nwidth = 1280\nheight = 720\n'
-    'fps = 30\n'
+    'fps = 30\ngpu = 0\n'
     '[[cameras]]\nid = "h264b"\nsource = "synthetic-h264"\nwidth = 1280\nheight = 720\n'
-    'fps = 30\n')
+    'fps = 30\ngpu = 0\n')
 
 
 def _markers(record, kind: str) -> list[tuple[float, dict]]:
