@@ -776,14 +776,21 @@ def _as_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _jobs_working(videos: list[Path], out: Path) -> tuple[subprocess.Popen, list[str]]:
+def _as_in_the_background() -> None:
+    """SIGINT ignored, as a shell script's `facecast analyze ... &` starts it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _jobs_working(videos: list[Path], out: Path, sigint=_as_at_a_terminal
+                  ) -> tuple[subprocess.Popen, list[str]]:
     """`facecast analyze --jobs 2` on the videos, once both report progress; the command and
-    the pids of its two jobs."""
+    the pids of its two jobs. `sigint`: the command's SIGINT disposition, set before it
+    starts."""
     command = subprocess.Popen(
         [sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json", "--format", "csv",
          "--jobs", "2", "--out", str(out), *map(str, videos)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
-        preexec_fn=_as_at_a_terminal)
+        preexec_fn=sigint)
     working = set()
     for line in command.stdout:
         message = json.loads(line)
@@ -802,13 +809,18 @@ def _gone(pid: str) -> bool:
     return not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-def test_an_interrupt_reaches_every_job_once(long_videos, tmp_path):
-    """SIGINT to the command (a Ctrl-C reaches it alone: each job has a session of its own):
-    each job stops, the command says so once and exits 130, no job process is left."""
-    command, jobs = _jobs_working(long_videos, tmp_path / "interrupted")
+@pytest.mark.parametrize("started, sent", [
+    (_as_at_a_terminal, signal.SIGINT), (_as_in_the_background, signal.SIGTERM)],
+    ids=["ctrl-c", "sigterm-in-the-background"])
+def test_an_interrupt_reaches_every_job_once(long_videos, tmp_path, started, sent):
+    """SIGINT to the command (a Ctrl-C reaches it alone: each job has a session of its own), or
+    SIGTERM to a command started with SIGINT ignored, which its jobs inherit: each job stops at
+    once (well within the 60 s a job is given to save), the command says so once and exits
+    130, no job process is left."""
+    command, jobs = _jobs_working(long_videos, tmp_path / "interrupted", started)
     try:
-        command.send_signal(signal.SIGINT)
-        rest, err = command.communicate(timeout=120)
+        command.send_signal(sent)
+        rest, err = command.communicate(timeout=30)
     finally:
         if command.poll() is None:
             command.kill()
@@ -816,6 +828,9 @@ def test_an_interrupt_reaches_every_job_once(long_videos, tmp_path):
     assert err.count("interrupted; run the same command again to resume") == 1
     assert not any(json.loads(line)["type"] == "summary" for line in rest.splitlines())
     assert all(_gone(pid) for pid in jobs)
+    for video in long_videos:  # stopped mid-file: a table begun, no summary (a file's end)
+        table, summary, _ = va.output_paths(video, tmp_path / "interrupted")
+        assert table.exists() and not summary.exists(), sorted(table.parent.iterdir())
 
 
 def test_a_job_that_dies_leaves_its_files_named_and_the_others_analysed(long_videos, tmp_path):

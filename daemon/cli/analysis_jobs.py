@@ -161,8 +161,11 @@ class _Job:
             sys.stderr.flush()
 
     def interrupt(self) -> None:
+        # SIGTERM, which a job takes as an interrupt whatever it inherited: a command started
+        # with SIGINT ignored (a script's `facecast analyze ... &`) hands that on to its jobs,
+        # and Python then gives them no KeyboardInterrupt for a SIGINT.
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            self.process.send_signal(signal.SIGTERM)
 
     def wait(self) -> int:
         """Its exit status, once its output is all read (a job that does not stop within
@@ -193,7 +196,7 @@ def run(args, videos: list[Path], jobs: int, parquet: bool, threads: int) -> int
     running: list[_Job] = []
     interrupted = False
     # A SIGTERM is an interrupt too: each job saves its resume point.
-    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous_term = signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         running = [_Job(index, job_command(args, share, parquet, threads), lines, said, said_lock)
                    for index, share in enumerate(shares)]
@@ -262,5 +265,6 @@ def _wait_for(jobs: list[_Job]) -> list[int]:
         return [job.wait() for job in jobs]
 
 
-def _raise_interrupt(signum, frame) -> None:
+def raise_interrupt(signum, frame) -> None:
+    """A SIGTERM handler: the signal is an interrupt (each file saves its resume point)."""
     raise KeyboardInterrupt

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -195,6 +196,9 @@ def main(args) -> int:
         if shown is not None:
             shown(item)
 
+    # A SIGTERM is an interrupt too, as in a command of several jobs (analysis_jobs.run): it
+    # is how that command passes an interrupt on to this process as its job.
+    previous_term = signal.signal(signal.SIGTERM, analysis_jobs.raise_interrupt)
     try:
         analyzer.run(files, on_progress=on_progress)
     except KeyboardInterrupt:
@@ -202,6 +206,8 @@ def main(args) -> int:
             shown.close()
         print("facecast: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
     if shown is not None:
         shown.close()
     bad = 0
