@@ -23,8 +23,9 @@
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
 #                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU; 11.7 on the
 #                 H200 pair, 2026-11-28: 5.7 GPU, 3 + 3 CPU in two calls of $DECODE_CAMERAS),
-#                 on GPU 0 where there are two; `decode_gpu` and `decode_cpu` run one side each, so that each can
-#                 have calls of its own; $DECODE_CAMERAS (counts) runs those counts only
+#                 on GPU 0 where there are two; `decode_gpu` and `decode_cpu` run one side each,
+#                 so that each can have calls of its own; $DECODE_CAMERAS (counts) runs those
+#                 counts only
 #   decode_profile  where the capture, roi_landmark and detection workers' CPU goes at 64
 #                 NVDEC-decoded synthetic-h264 cameras (py-spy, --profile-roles) (2.5)
 #   two_gpus      issue 22 item 4, on the nvidia-h100-x2 kind: 64 synthetic-h264 cameras on one

@@ -989,10 +989,10 @@ def a_capture_process_killed(tmp_path, *, transport: str, decode: str, models: s
     `decode`), with warm spares: once every Face stream has `samples_before` samples, that
     process is SIGKILLed. Its device's spare must take the cameras over; the frames published on
     either side of the kill must show the synthetic scene's faces (`least_right` of them with
-    every face, none with a box where no face is); no consumer may have met a slot whose bytes were not the
-    published frame; each camera must be captured again on `transport`. Returns each camera's
-    seconds from the kill to its first frame captured after it (the Face streams' capture
-    timestamps)."""
+    every face, none with a box where no face is); no consumer may have met a slot whose bytes
+    were not the published frame; each camera must be captured again on `transport`. Returns
+    each camera's seconds from the kill to its first frame captured after it (the Face streams'
+    capture timestamps)."""
     names = [f"kill{k}" for k in range(cameras)]
     # Every camera on the one device (round-robin would spread them over a host's GPUs, a group
     # on each: the killed process would hold only some of them).

@@ -256,7 +256,6 @@ def test_the_daemon_on_gpu_decoded_cameras_and_one_decoder_failing(installed_mod
         daemon.close()
 
 
-
 # --- a capture process of eight NVDEC cameras SIGKILLed (issue 22's tests) ------------------------
 
 
