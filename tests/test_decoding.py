@@ -1040,10 +1040,13 @@ def a_capture_process_killed(tmp_path, *, transport: str, decode: str, models: s
             print(f"{name}: back {back_s[name]:.2f} s after the SIGKILL; {score.describe()}")
             assert score.good >= least_right * score.frames, (name, score.describe())
             # A frame of another time or camera, or a torn one, would put a box where no face is.
-            stray = [(stamp, sample[2:6]) for stamp in stamps for sample in frames_by_stamp[stamp]
+            # Each stray as its seconds from the kill, its box and the true boxes then.
+            stray = [(round(stamp - killed_at, 3), sample[2:6].round(),
+                      [face.box_px for face in faces_at(stamp)])
+                     for stamp in stamps for sample in frames_by_stamp[stamp]
                      if not math.isnan(sample[2])
                      and not any(box_close(face.box_px, [sample[2:6]]) for face in faces_at(stamp))]
-            assert not stray, (name, stray[:5])
+            assert not stray, (name, stray[:5], daemon.log_tail())
         status = daemon.status()
         for name in names:
             reports = status.cameras[name]
