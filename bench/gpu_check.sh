@@ -71,7 +71,8 @@
 #                 counts, top kernels, eager/graph, cudnn.benchmark, inductor on one model) (1)
 #   roi_workers   64 replayed cameras with one roi_landmark worker, then two (the default's
 #                 count: Note [Measuring workers per GPU]) (5.5, H100)
-#   groups_decode 64 NVDEC cameras in capture processes of 16 (auto), then of 8 (4)
+#   groups_decode 64 NVDEC cameras in capture processes of 16 (auto), then of 8 (4); or of
+#                 each size in $GROUPS_DECODE
 #   detection_share  32 and 64 replayed cameras with daemon.detection_share 0.5 (auto), 0.25 and
 #                 0.1, then newcomers at 32 cameras with 0.5 and 0.25, one machine (12, H100)
 #   worker_memory the inference workers' GPU memory as spares and once promoted, and what a
@@ -353,8 +354,9 @@ run)
                     --out "$STATE/benchmarks-roi-workers-$count.json" --log-dir "$STATE/logs-roi-$count"
             done ;;
         groups_decode) # Note [Capture groups] for decoded cameras: 64 NVDEC cameras in capture
-            # processes of 16 (auto: four a GPU), then of 8, one machine (needs .whl2a/.whl2b).
-            for per_worker in auto 8; do
+            # processes of 16 (auto: four a GPU), then of 8, one machine (needs .whl2a/.whl2b);
+            # $GROUPS_DECODE (sizes) runs those instead.
+            for per_worker in ${GROUPS_DECODE:-auto 8}; do
                 step "groups-decode-$per_worker" python3 bench/pipeline.py --cameras 64 \
                     --cameras-per-capture-worker $per_worker --transports cuda_ipc \
                     --source synthetic-h264 --decode gpu --warmup-s 4 --measure-s 10 \

@@ -605,3 +605,26 @@ def facecast_transform_landmarks(landmarks, matrix, out, points, count, DIMS: tl
     tl.store(out + q * DIMS + 1, (m10 * x + m11 * y + m13).to(out.dtype.element_ty), mask=ok)
     if DIMS == 3:
         tl.store(out + q * DIMS + 2, tl.load(landmarks + q * DIMS + 2, mask=ok, other=0.0), mask=ok)
+
+
+@triton.jit(do_not_specialize=["nv12", "out", "height", "width"])
+def facecast_nv12_to_bgr(nv12, out, height, width, y_scale, b_u, g_u, g_v, r_v, b_0, g_0, r_0,
+                         BLOCK: tl.constexpr):
+    """BLOCK pixels of an NV12 frame (the Y plane, then U and V interleaved at half resolution)
+    as BGR bytes into ``out`` (height x width x 3): nvdec.converted_by_torch's terms in its order
+    and in float32 (the chroma's terms, then the luma's), clamped and truncated (Note [NV12 to BGR
+    into memory of the process's own])."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = p < height * width
+    row = p // width
+    column = p - row * width
+    y = tl.load(nv12 + p, mask=inside, other=0).to(tl.float32)
+    chroma = nv12 + height * width + (row // 2) * width + (column // 2) * 2
+    u = tl.load(chroma, mask=inside, other=0).to(tl.float32)
+    v = tl.load(chroma + 1, mask=inside, other=0).to(tl.float32)
+    blue = (b_0 + u * b_u) + y * y_scale
+    green = ((g_0 + u * g_u) + v * g_v) + y * y_scale
+    red = (r_0 + v * r_v) + y * y_scale
+    tl.store(out + p * 3, tl.minimum(tl.maximum(blue, 0.0), 255.99).to(tl.uint8), mask=inside)
+    tl.store(out + p * 3 + 1, tl.minimum(tl.maximum(green, 0.0), 255.99).to(tl.uint8), mask=inside)
+    tl.store(out + p * 3 + 2, tl.minimum(tl.maximum(red, 0.0), 255.99).to(tl.uint8), mask=inside)

@@ -574,6 +574,25 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
     return None if launched is None else (kept, rank)
 
 
+NV12_BLOCK = 1024  # pixels a program of the NV12 conversion
+
+
+def nv12_to_bgr(nv12: torch.Tensor, out: torch.Tensor, terms) -> torch.Tensor | None:
+    """An NV12 frame (flat uint8, or (height * 3 / 2) x width) as BGR bytes into ``out``
+    (contiguous height x width x 3 uint8, on nv12's device) in one kernel, on the current
+    stream: nvdec's conversion with its ``terms`` (from_u, from_v, constant, y_scale: nvdec._terms),
+    in float32 as PyTorch's kernels round it; None where the kernel cannot serve."""
+    import numpy as np
+
+    if unavailable_reason(nv12.device, "facecast_nv12_to_bgr") is not None:
+        return None
+    height, width = out.shape[:2]
+    from_u, from_v, constant, y_scale = (np.float32(value).tolist() for value in terms)
+    return _launch(out, "facecast_nv12_to_bgr", (math.ceil(height * width / NV12_BLOCK),), (
+        nv12, out, height, width, y_scale, from_u[0], from_u[1], from_v[1], from_v[2], *constant),
+        BLOCK=NV12_BLOCK)
+
+
 def prepare(device: torch.device, crops) -> str | None:
     """Compile the crop kernel now for each (dtype, border) of ``crops`` and each dtype of
     frame index it meets (warm-up: Note [Kernels of our own]); the reason it cannot be used, or

@@ -332,6 +332,15 @@ def test_nv12_to_bgr_on_the_gpu_is_one_kernel_with_the_cpus_bytes(matrix, full_r
         difference = (fused.cpu().int() - other.int()).abs()
         assert difference.max() <= 1 and (difference > 0).sum() <= 2_000, int(
             (difference > 0).sum())
+    # Into given memory (Note [NV12 to BGR into memory of the process's own]): Triton's kernel,
+    # PyTorch's form's bytes but at float32's ties.
+    from facecast.models import triton_kernels
+
+    into = torch.empty_like(on_gpu.new_empty(height, width, 3))
+    assert nv12_to_bgr(on_gpu, height, width, colour, out=into) is into
+    assert triton_kernels.unavailable_reason(on_gpu.device, "facecast_nv12_to_bgr") is None
+    difference = (into.cpu().int() - by_torch.int()).abs()
+    assert difference.max() <= 1 and (difference > 0).sum() <= 2_000, int((difference > 0).sum())
 
     def broken(colour):
         raise RuntimeError("nvrtc: no such thing")
@@ -423,6 +432,9 @@ def cpu_nvdec(monkeypatch):
     monkeypatch.setattr(nvdec.NvdecSource, "_new_stream", lambda self: _NoStream())
     monkeypatch.setattr(nvdec.NvdecSource, "_output_at", _cpu_output_at)
     monkeypatch.setattr(nvdec.NvdecSource, "_hand_over", lambda self: None)
+    monkeypatch.setattr(nvdec.NvdecSource, "_new_frame",
+                        lambda self, height, width: torch.empty(height, width, 3, dtype=torch.uint8))
+    monkeypatch.setattr(nvdec.NvdecSource, "_written_on_own_stream", lambda self, frame: None)
     monkeypatch.setattr(decoding, "nvdec_unavailable_reason", lambda: None)
     yield CpuNvdec
     CpuNvdec.buffers.clear()

@@ -321,3 +321,24 @@ def test_the_kernels_run_the_attention_meshs_custom_operators_as_pytorch(interpr
         assert torch.allclose(sampled.float(), expected_sampled, rtol=2 ** -10, atol=2 ** -14)
         assert torch.allclose(mapped.float(), expected_mapped, rtol=2 ** -10, atol=2 ** -14)
     assert torch.allclose(mapped_2d.float(), expected_mapped[:, :5, :2], rtol=2 ** -10, atol=1e-4)
+
+
+@pytest.mark.parametrize("matrix", ["bt601", "bt709"])
+@pytest.mark.parametrize("full_range", [False, True])
+def test_the_nv12_kernel_writes_the_torch_forms_bytes_into_the_given_memory(interpreted, matrix,
+                                                                             full_range):
+    """Note [NV12 to BGR into memory of the process's own]: the kernel's bytes in the given
+    tensor are PyTorch's form's (the same terms in the same order, no fused multiply-adds), but
+    for a grey level at float32's ties."""
+    from facecast.workers.capture import nvdec
+
+    colour = nvdec.YuvToBgr(matrix, full_range)
+    height, width = 36, 50  # a last program only partly inside the frame
+    nv12 = torch.randint(0, 256, (height * 3 // 2, width), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(13))
+    out = torch.full((height, width, 3), 7, dtype=torch.uint8)
+    assert triton_kernels.nv12_to_bgr(nv12, out, nvdec._terms(colour)) is out, (
+        triton_kernels.unavailable_reason(torch.device("cpu")))
+    by_torch = nvdec.converted_by_torch(nv12, height, width, colour)
+    difference = (out.int() - by_torch.int()).abs()
+    assert difference.max() <= 1 and (difference > 0).sum() <= 3, int((difference > 0).sum())

@@ -103,6 +103,23 @@ Note [NV12 to BGR]
     `Decode` in 387 of 479 samples: with the inference workers keeping the GPU busy, its RGB
     output seems to wait for the device on each call (not yet looked into further).
 
+Note [NV12 to BGR into memory of the process's own]
+    torch's caching allocator keeps its blocks per stream, and with expandable segments (Note
+    [Expandable segments]) maps a stream's large blocks in 20 MiB steps (kLargeBuffer): a
+    camera's 6 MiB BGR frame (1080p), made on the camera's own stream, held 20 MiB of device
+    memory per camera, which at 64 cameras is most of the capture processes' torch reserve
+    (1,600 MiB against 48 live, H200 2026-11-28). So a camera's frame is allocated on its
+    thread's current stream, which the process's camera threads share (torch's default
+    stream), where the frames of 16 cameras pack into a few steps, and written on the camera's
+    own stream; `record_stream` keeps the allocator from handing its memory out again before
+    that stream is done with it. The write is one Triton kernel into the given memory
+    (triton_kernels.nv12_to_bgr: the torch form's terms in its order, without fused
+    multiply-adds), PyTorch's jiterator having no output argument; where Triton cannot serve,
+    the conversion above is copied in. Measured (`bench/gpu_check.sh start ab_decode`, 64 NVDEC
+    cameras, one H200, 2026-11-28 16:03 UTC, base d181a98): the capture processes' torch
+    reserve 1,504 -> 556 MiB, their GPU memory 8,906 -> 7,958 MiB (-948), the rate, latency
+    and CPU unchanged within a run's spread (0 dropped both; 5.39 and 5.52 cores).
+
 Note [A looped file on one decoder]
     A file camera plays its file again from the start at its end. Where the file has B-frames,
     the decoder then holds the round's last frames (four, on the real clip), which an end of
@@ -202,12 +219,21 @@ class YuvToBgr:
                 -2.0 * kr * (1.0 - kr) / kg, 2.0 * (1.0 - kr), chroma_scale)
 
 
-def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr) -> torch.Tensor:
+def nv12_to_bgr(nv12: torch.Tensor, height: int, width: int, colour: YuvToBgr,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """An NV12 frame ((height * 3 / 2) x width uint8: the Y plane, then interleaved U, V at half
-    resolution) as a new height x width x 3 uint8 BGR tensor on the same device, on the current
-    stream (Note [NV12 to BGR]). Width and height must be even (4:2:0)."""
+    resolution) as a height x width x 3 uint8 BGR tensor on the same device, on the current
+    stream (Note [NV12 to BGR]): a new one, or `out` (contiguous, of that shape) where given
+    (Note [NV12 to BGR into memory of the process's own]). Width and height must be even
+    (4:2:0)."""
     if height % 2 or width % 2:
         raise ValueError(f"NV12 needs an even width and height, got {width}x{height}")
+    if out is not None:
+        from facecast.models import triton_kernels
+
+        if triton_kernels.nv12_to_bgr(nv12, out, _terms(colour)) is None:
+            out.copy_(nv12_to_bgr(nv12, height, width, colour))  # where the kernel cannot serve
+        return out
     half_h, half_w = height // 2, width // 2
     if nv12.is_cuda and _fused_failed is None:
         # One kernel from the bytes to the bytes: each output byte is its luma, its block's U
@@ -551,10 +577,28 @@ class NvdecSource(GpuDecodedSource):
                              f"{self.granted.height} to {width}x{height}; reopen to renegotiate")
         try:
             output = self._output_at(pointer, output_bytes(width, height, self.nvdec_rgb))
+            if self.nvdec_rgb:
+                with torch.cuda.stream(self.stream):
+                    return bgr_of(output, height, width, self.colour, self.nvdec_rgb)
+            # Note [NV12 to BGR into memory of the process's own]: allocated on the thread's
+            # current stream, written on the camera's.
+            bgr = self._new_frame(height, width)
             with torch.cuda.stream(self.stream):
-                return bgr_of(output, height, width, self.colour, self.nvdec_rgb)
+                nv12_to_bgr(output.view(height * 3 // 2, width), height, width, self.colour,
+                            out=bgr)
+            self._written_on_own_stream(bgr)
+            return bgr
         except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
             raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
+
+    def _new_frame(self, height: int, width: int) -> torch.Tensor:
+        """Memory for a BGR frame, from the thread's current stream's blocks (Note [NV12 to
+        BGR into memory of the process's own]); a seam of tests/test_decoding.py."""
+        return torch.empty((height, width, 3), dtype=torch.uint8, device=self.device)
+
+    def _written_on_own_stream(self, frame: torch.Tensor) -> None:
+        """The frame's memory is not handed out again before the camera's stream is done."""
+        frame.record_stream(self.stream)
 
     def _output_at(self, pointer: int, size_bytes: int) -> torch.Tensor:
         """NVDEC's output buffer as a flat uint8 tensor (no copy); a seam of
