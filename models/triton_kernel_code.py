@@ -628,3 +628,36 @@ def facecast_nv12_to_bgr(nv12, out, height, width, y_scale, b_u, g_u, g_v, r_v, 
     tl.store(out + p * 3, tl.minimum(tl.maximum(blue, 0.0), 255.99).to(tl.uint8), mask=inside)
     tl.store(out + p * 3 + 1, tl.minimum(tl.maximum(green, 0.0), 255.99).to(tl.uint8), mask=inside)
     tl.store(out + p * 3 + 2, tl.minimum(tl.maximum(red, 0.0), 255.99).to(tl.uint8), mask=inside)
+
+
+@triton.jit(do_not_specialize=["nv12", "out", "weights", "partials", "height", "width", "words"])
+def facecast_nv12_to_slot(nv12, out, weights, partials, height, width, words, y_scale, b_u, g_u,
+                          g_v, r_v, b_0, g_0, r_0, WORDS: tl.constexpr):
+    """WORDS 8-byte words of a frame's BGR bytes made from its NV12 frame, with
+    facecast_nv12_to_bgr's arithmetic, stored into ``out`` (a ring slot), and their share of Note
+    [Frame checksum] (the words times their ``weights``, summed mod 2**64) from the bytes made
+    here, never read back from ``out``, into ``partials[program]`` (Note [NV12 into the slot])."""
+    w = tl.program_id(0) * WORDS + tl.arange(0, WORDS)
+    b = w[:, None] * 8 + tl.arange(0, 8)[None, :]  # the words' bytes, little-endian
+    inside = b < words * 8
+    pixel = b // 3
+    channel = b - pixel * 3  # 0 blue, 1 green, 2 red
+    row = pixel // width
+    column = pixel - row * width
+    y = tl.load(nv12 + pixel, mask=inside, other=0).to(tl.float32)
+    chroma = nv12 + height * width + (row // 2) * width + (column // 2) * 2
+    u = tl.load(chroma, mask=inside, other=0).to(tl.float32)
+    v = tl.load(chroma + 1, mask=inside, other=0).to(tl.float32)
+    # One form for the three channels: a term of 0.0 adds exactly nothing (blue has no V term,
+    # red no U term), so each channel's value is facecast_nv12_to_bgr's to the bit.
+    blue, green = channel == 0, channel == 1
+    k_0 = tl.where(blue, b_0, tl.where(green, g_0, r_0))
+    k_u = tl.where(blue, b_u, tl.where(green, g_u, 0.0))
+    k_v = tl.where(blue, 0.0, tl.where(green, g_v, r_v))
+    value = ((k_0 + u * k_u) + v * k_v) + y * y_scale
+    byte = tl.minimum(tl.maximum(value, 0.0), 255.99).to(tl.uint8)
+    tl.store(out + b, byte, mask=inside)
+    shift = (tl.arange(0, 8) * 8).to(tl.int64)[None, :]
+    word = tl.sum(byte.to(tl.int64) << shift, axis=1)
+    weight = tl.load(weights + w, mask=w < words, other=0)
+    tl.store(partials + tl.program_id(0), tl.sum(word * weight, axis=0))

@@ -593,6 +593,36 @@ def nv12_to_bgr(nv12: torch.Tensor, out: torch.Tensor, terms) -> torch.Tensor | 
         BLOCK=NV12_BLOCK)
 
 
+NV12_SLOT_WORDS = 512  # checksum words (4 KiB of the frame) a program of the NV12 slot write
+
+
+def nv12_slot_partials(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Memory for ``nv12_to_slot``'s partial sums of a frame of ``nbytes`` bytes."""
+    return torch.empty(math.ceil(nbytes // 8 / NV12_SLOT_WORDS), dtype=torch.int64, device=device)
+
+
+def nv12_to_slot(nv12: torch.Tensor, out: torch.Tensor, height: int, width: int, terms,
+                 word_weights: torch.Tensor, partials: torch.Tensor) -> torch.Tensor | None:
+    """An NV12 frame (flat uint8) as height x width BGR bytes into ``out`` (flat uint8, a ring
+    slot: height * width * 3 bytes, a multiple of 8) with nv12_to_bgr's arithmetic, and the
+    partial sums of Note [Frame checksum] of the bytes written (``word_weights``: the frame
+    size's weights, one per word) into ``partials`` (nv12_slot_partials), whose sum mod 2**64 is
+    the checksum; one kernel on the current stream (Note [NV12 into the slot]). ``partials``,
+    or None where the kernel cannot serve."""
+    import numpy as np
+
+    if unavailable_reason(nv12.device, "facecast_nv12_to_slot") is not None:
+        return None
+    words = word_weights.numel()
+    if words * 8 != height * width * 3 or partials.numel() != math.ceil(words / NV12_SLOT_WORDS):
+        raise ValueError(f"nv12_to_slot: {words} checksum words and {partials.numel()} partial "
+                         f"sums for a {width}x{height} frame")
+    from_u, from_v, constant, y_scale = (np.float32(value).tolist() for value in terms)
+    return _launch(partials, "facecast_nv12_to_slot", (partials.numel(),), (
+        nv12, out, word_weights, partials, height, width, words, y_scale, from_u[0], from_u[1],
+        from_v[1], from_v[2], *constant), WORDS=NV12_SLOT_WORDS)
+
+
 def prepare(device: torch.device, crops) -> str | None:
     """Compile the crop kernel now for each (dtype, border) of ``crops`` and each dtype of
     frame index it meets (warm-up: Note [Kernels of our own]); the reason it cannot be used, or

@@ -736,7 +736,7 @@ class SteppedGroup:
             capture = capture_worker.CameraCapture(camera, loaded, self.worker)
             capture.publisher = FramePublisher(context, runtime_dir, camera.id, slot_count=4,
                                                transport="shm")
-            for method in ("publish", "publish_device", "publish_staged"):
+            for method in ("publish", "publish_decoded", "publish_staged"):
                 setattr(capture.publisher, method,
                         self._recording(getattr(capture.publisher, method), camera.id, method))
             capture._open()
@@ -813,7 +813,7 @@ def test_a_failing_gpu_decoder_falls_back_while_the_groups_other_camera_publishe
             methods = group.methods("gpucam")
             # 8 frames from the GPU decoder, then the CPU's (decoded into the ring's staging
             # memory, Note [Staged writes]), with no step lost.
-            assert methods[:8] == ["publish_device"] * 8 and set(methods[8:]) == {"publish_staged"}
+            assert methods[:8] == ["publish_decoded"] * 8 and set(methods[8:]) == {"publish_staged"}
             assert len(methods) == 19  # the step that failed published nothing
             assert group.methods("cpucam") == ["publish_staged"] * 20
             assert gpu.decode.decoder == "cpu" and not gpu.source.on_device

@@ -408,10 +408,10 @@ def test_a_failing_nvjpeg_camera_falls_back_while_the_groups_other_camera_publis
             group.step(20)
             methods = group.methods("gpucam")
             # 8 frames from nvJPEG, then the CPU decoder's, with no step lost.
-            assert methods[:8] == ["publish_device"] * 8 and set(methods[8:]) == {"publish_staged"}
+            assert methods[:8] == ["publish_decoded"] * 8 and set(methods[8:]) == {"publish_staged"}
             assert len(methods) == 19  # the step that failed published nothing
             # The other camera kept its GPU decoder and published every step.
-            assert group.methods("othercam") == ["publish_device"] * 20
+            assert group.methods("othercam") == ["publish_decoded"] * 20
             assert gpu.decode.decoder == "cpu" and not gpu.source.on_device
             assert gpu.decode.reason.startswith(
                 "its GPU decoder failed mid-stream (injected failure after 8 frames")

@@ -156,6 +156,51 @@ def test_device_frames_into_a_cuda_ring_are_checked_by_its_consumers(kind, scrat
         producer.close()
 
 
+@pytest.mark.parametrize("kind", frames.CHECKSUM_KINDS)
+def test_nvdec_frames_write_themselves_into_a_cuda_ring_slot_checked_by_its_consumers(
+        kind, monkeypatch):
+    """Note [NV12 into the slot]: with the full checksum each NVDEC frame is converted straight
+    into the slot by the one kernel, its bytes those of the frame's BGR tensor, the checksum
+    theirs; the sampled kind takes the tensor. Consumers accept them and refuse a slot spoiled
+    after publishing."""
+    from facecast.models import triton_kernels
+    from facecast.shared.transport.cuda_ring import CudaRingProducer, CudaRingReader
+    from facecast.shared.transport.rings import Verdict
+
+    written = []
+    kernel = triton_kernels.nv12_to_slot
+
+    def counted(*args):
+        written.append(kernel(*args))
+        return written[-1]
+
+    monkeypatch.setattr(triton_kernels, "nv12_to_slot", counted)
+    with open_source(_camera("synthetic-h264", width=640, height=360), decode=GPU) as opened:
+        assert isinstance(opened, nvdec.NvdecEncodedSyntheticSource), opened.decode
+        producer = CudaRingProducer("nvslot", (360, 640, 3), slot_count=3, checksum_kind=kind)
+        reader = CudaRingReader(producer.description(), checksum_every=1)  # in-process (rule 6)
+        try:
+            for seq in range(6):  # twice round the ring
+                frame, capture_ts_lsl = opened.read_decoded()
+                assert isinstance(frame, nvdec.NvdecFrame)
+                expected = frame.bgr().clone()  # its tensor form, from the same NV12 bytes
+                message = producer.write_decoded(frame, seq, capture_ts_lsl)
+                assert message.checksum == frames.checksum(expected.cpu().numpy(), kind)
+                read = reader.read(message)
+                assert read.verdict is Verdict.OK and torch.equal(read.tensor, expected), seq
+            if kind == "full":
+                assert len(written) == 6 and all(w is not None for w in written), written
+            else:
+                assert written == []
+            producer.corrupt_next_frame()
+            frame, capture_ts_lsl = opened.read_decoded()
+            message = producer.write_decoded(frame, 6, capture_ts_lsl)
+            assert reader.read(message).verdict is Verdict.CHECKSUM_MISMATCH
+        finally:
+            reader.close()
+            producer.close()
+
+
 def test_a_device_frame_after_a_fallback_to_shm_goes_through_a_host_copy():
     from facecast.shared.transport.rings import ShmRingProducer, ShmRingReader, Verdict
 

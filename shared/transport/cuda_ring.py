@@ -93,7 +93,31 @@ Note [Frames born on the GPU]
     no longer read, so its memory may go back to the caching allocator without record_stream.
     Nothing is staged: the decoder's frame is its own private buffer. On an shm ring (after a
     transport fallback) the frame is copied to the host first and written as a host frame
-    (rings.RingProducer.write_device).
+    (rings.RingProducer.write_device). NVDEC's frames skip the BGR tensor and the copy: Note
+    [NV12 into the slot].
+
+Note [NV12 into the slot]
+    An NVDEC frame converted to a BGR tensor of its own, then copied into the slot and
+    checksummed there, cost the capture thread a dozen PyTorch calls a frame: on one H200 (16
+    NVDEC cameras at 1080p30 in one process, idle GPU, 2026-11-28, .footage's ablation probe)
+    the conversion added 0.48 ms of CPU a frame and the ring's write 0.79, of 1.70 ms in all (the
+    demuxing 0.12, NVDEC's decode call 0.30); the same calls in a tight loop take a fifth of
+    that, so it is their count, not contention, that costs. So the capture worker hands the
+    ring the decoder's frame as NVDEC left it (`write_decoded`, gpu_decoded.DecodedFrame): the
+    slot's generation goes odd, and one Triton kernel on the producer's stream
+    (triton_kernels.nv12_to_slot) reads the NV12 bytes, writes the BGR bytes into the slot with
+    the conversion's arithmetic to the bit, and sums Note [Frame checksum] over the bytes it
+    computed (per program, the host adding the partial sums after the one sync): then the
+    slot's event. The value certifies what the producer made from the decoder's private buffer,
+    never what is read back from the slot, as Note [Producer checksum] asks; a third process's
+    write into the slot is refused as before. The decoder's buffer stays valid until its next
+    decode, which comes after the sync. Where the kernel cannot serve (no Triton, a frame whose
+    bytes are not whole 8-byte words, the sampled checksum, rule 3's fault), the frame is
+    converted to its tensor and written as above. Measured (2026-11-28, one H200): the probe's
+    1.64 ms of CPU a frame became 0.96 (NVDEC's decode alone 0.38); the daemon at 64 NVDEC
+    cameras, two `ab_decode` pairs on one loan, capture 3.23 and 3.80 cores -> 2.75 and 2.65,
+    the process tree 5.29 and 6.06 -> 4.98 and 4.84, GPU memory -250 to -350 MiB (no BGR
+    tensors: the capture processes' torch reserve 576 -> 168 MiB).
 """
 
 from __future__ import annotations
@@ -334,6 +358,31 @@ class CudaRingProducer(RingProducer):
         slot = self._take_slot() if self._staged_view is None else self._staged_slot
         self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
         checksum = self._commit_device(slot, frame.contiguous(), scratch)
+        return self._committed(slot, checksum, frame_seq, capture_ts_lsl)
+
+    def write_decoded(self, frame, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
+        """Note [NV12 into the slot]: a frame decoded on this ring's GPU, as its decoder left it
+        (gpu_decoded.DecodedFrame, ready on the current stream), written into the next slot by
+        the frame itself with its checksum from the bytes it wrote; where it cannot (or the
+        ring's checksum is another kind, or a fault of rule 3 is on), its BGR form as
+        `write_device` takes it."""
+        if (self.checksum_kind != "full" or self.frame_bytes % frames.WORD_BYTES
+                or self.faults.delay_copy_cycles or tuple(frame.shape) != self.frame_shape):
+            return self.write_device(frame.bgr(), frame_seq, capture_ts_lsl, scratch=True)
+        word_weights, _ = frames.frame_word_weights(self.frame_bytes, self.slots.device)
+        slot = self._take_slot() if self._staged_view is None else self._staged_slot
+        self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
+        self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+        self.header.begin_write(slot)
+        with torch.cuda.stream(self.stream):
+            partials = frame.write_into(self._slot_targets[slot], word_weights)
+            if partials is not None:
+                self.events[slot].record(self.stream)
+                checksum = frames.sum_of_partials(partials)  # waits for the kernel
+        if partials is None:  # (the kernel given up: the conversion, then the copy)
+            bgr = frame.bgr()
+            self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+            checksum = self._to_slot(slot, bgr.view(-1), scratch=True)
         return self._committed(slot, checksum, frame_seq, capture_ts_lsl)
 
     def _commit_device(self, slot: int, frame: torch.Tensor, scratch: bool) -> int:

@@ -223,6 +223,19 @@ def full_checksum_start(frame: torch.Tensor, scratch: bool = False) -> PendingCh
     return PendingChecksum(value, 0)
 
 
+def frame_word_weights(nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Note [Frame checksum]'s weights for a frame of `nbytes` on `device`: one per 8-byte word
+    (a*b, int64) and one per tail byte, made once per size and device; for a kernel that
+    computes the checksum itself (Note [NV12 into the slot])."""
+    return _word_weights_on(nbytes, device)
+
+
+def sum_of_partials(partials: torch.Tensor) -> int:
+    """The checksum whose partial sums (int64, mod 2**64) a kernel left in `partials`: one
+    device-to-host transfer (one sync), summed on the host."""
+    return int(np.sum(partials.cpu().numpy().view(np.uint64), dtype=np.uint64)) & MASK_64
+
+
 CHUNK_BYTES = 32 << 20  # frames per multiply in full_checksums_start: at least one
 
 

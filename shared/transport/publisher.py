@@ -172,17 +172,16 @@ class FramePublisher:
         self._arm_corruption()
         return self._send(self.producer.write(frame, self.frame_seq, capture_ts_lsl))
 
-    def publish_device(self, frame, capture_ts_lsl: float, scratch: bool = False) -> FrameReady:
-        """Write a finished frame that is already in GPU memory (a torch tensor of the caller's
-        own, HxWx3 uint8 BGR, ready on the current stream) into the camera's ring and publish
-        it: device to device on a CUDA ring, through a host copy on shm (Note [Frames born on
-        the GPU]). `scratch`: the caller will not read the frame again (its memory may be
-        overwritten: RingProducer.write_device)."""
+    def publish_decoded(self, frame, capture_ts_lsl: float) -> FrameReady:
+        """Write a frame decoded on the GPU, as its decoder left it (capture's
+        gpu_decoded.DecodedFrame, ready on the current stream), into the camera's ring and
+        publish it (Note [Frames born on the GPU]): on a CUDA ring the frame writes its BGR
+        bytes into the slot itself where it can (Note [NV12 into the slot]), else its BGR
+        tensor is copied device to device; on shm, through a host copy."""
         self._ensure_ring(tuple(frame.shape))
         self._staged = False  # a frame staged and never published is dropped
         self._arm_corruption()
-        return self._send(self.producer.write_device(frame, self.frame_seq, capture_ts_lsl,
-                                                     scratch=scratch))
+        return self._send(self.producer.write_decoded(frame, self.frame_seq, capture_ts_lsl))
 
     def staging_view(self, frame_shape: tuple[int, ...]) -> np.ndarray:
         """Where the next frame goes: decode or render it into this (frame_shape) uint8 array,

@@ -278,6 +278,12 @@ class RingProducer(ABC):
         memory may serve the checksum's arithmetic (the CUDA ring's; unused here)."""
         return self.write(frame.contiguous().cpu().numpy(), frame_seq, capture_ts_lsl)
 
+    def write_decoded(self, frame, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
+        """A frame decoded on a GPU, as its decoder left it (capture's gpu_decoded.DecodedFrame:
+        Note [NV12 into the slot]) into the next slot. Here, its BGR form as `write_device`
+        takes it; cuda_ring.CudaRingProducer lets the frame write itself into the slot."""
+        return self.write_device(frame.bgr(), frame_seq, capture_ts_lsl, scratch=True)
+
     def _publish(self, slot: int, pixels: np.ndarray, frame_seq: int,
                  capture_ts_lsl: float) -> FrameReady:
         return self._committed(slot, self._commit(slot, pixels), frame_seq, capture_ts_lsl)

@@ -342,3 +342,35 @@ def test_the_nv12_kernel_writes_the_torch_forms_bytes_into_the_given_memory(inte
     by_torch = nvdec.converted_by_torch(nv12, height, width, colour)
     difference = (out.int() - by_torch.int()).abs()
     assert difference.max() <= 1 and (difference > 0).sum() <= 3, int((difference > 0).sum())
+
+
+@pytest.mark.parametrize("matrix", ["bt601", "bt709"])
+@pytest.mark.parametrize("size", [(36, 48), (24, 1400)])
+def test_the_nv12_slot_kernel_writes_the_frame_and_sums_the_checksum_of_what_it_wrote(
+        interpreted, matrix, size):
+    """Note [NV12 into the slot]: the slot gets the NV12 kernel's bytes to the bit, the partial
+    sums add up to Note [Frame checksum] of those bytes, and a checksum taken of other bytes (one
+    byte off) is not that sum. (24 x 1400: a last program only partly inside the frame.)"""
+    from facecast.shared.transport import frames
+    from facecast.workers.capture import nvdec
+
+    colour = nvdec.YuvToBgr(matrix, False)
+    height, width = size
+    nv12 = torch.randint(0, 256, (height * 3 // 2 * width,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(17))
+    nbytes = height * width * 3
+    slot = torch.full((nbytes + 64,), 7, dtype=torch.uint8)  # a slot's padding after the frame
+    weights, _ = frames.frame_word_weights(nbytes, slot.device)
+    partials = triton_kernels.nv12_slot_partials(nbytes, slot.device)
+    assert triton_kernels.nv12_to_slot(nv12, slot[:nbytes], height, width, nvdec._terms(colour),
+                                       weights, partials) is partials, (
+        triton_kernels.unavailable_reason(torch.device("cpu")))
+    expected = torch.zeros((height, width, 3), dtype=torch.uint8)
+    assert triton_kernels.nv12_to_bgr(nv12, expected, nvdec._terms(colour)) is expected
+    assert torch.equal(slot[:nbytes], expected.view(-1))
+    assert (slot[nbytes:] == 7).all()  # nothing written past the frame
+    checksum = frames.checksum(expected.numpy())
+    assert frames.sum_of_partials(partials) == checksum
+    other = expected.clone()
+    other.view(-1)[nbytes // 2] ^= 1
+    assert frames.checksum(other.numpy()) != checksum

@@ -168,6 +168,40 @@ class PacketReader:
         self.container.close()
 
 
+# --- the frames -----------------------------------------------------------------------------------
+
+
+class DecodedFrame:
+    """A frame decoded on the GPU, as the capture worker hands it to the camera's ring: `shape`
+    (height, width, 3) of its BGR form; `bgr()` that form, a tensor of the caller's own ready on
+    its current stream; `write_into` its BGR bytes straight into a ring slot with their checksum
+    where the decoder's own form allows (Note [NV12 into the slot])."""
+
+    shape: tuple[int, int, int]
+
+    def bgr(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write_into(self, out: torch.Tensor, word_weights: torch.Tensor) -> torch.Tensor | None:
+        """Queue, on the current stream, the frame's BGR bytes into `out` (flat uint8) and the
+        partial sums of their checksum (`word_weights`: frames.frame_word_weights), computed
+        from the bytes written, never read back; returns the sums' tensor
+        (frames.sum_of_partials), valid until the source's next frame, or None where this frame
+        cannot (nothing queued: the caller takes `bgr()`)."""
+        return None
+
+
+class ConvertedFrame(DecodedFrame):
+    """A frame already converted to its BGR tensor (handed over by the source's `read`)."""
+
+    def __init__(self, frame: torch.Tensor) -> None:
+        self.frame = frame
+        self.shape = tuple(frame.shape)
+
+    def bgr(self) -> torch.Tensor:
+        return self.frame
+
+
 # --- the sources ----------------------------------------------------------------------------------
 
 
@@ -200,6 +234,12 @@ class GpuDecodedSource(FrameSource):
         return self.reader.read()
 
     def read(self) -> tuple[torch.Tensor, float]:
+        frame, capture_ts_lsl = self.read_decoded()
+        return frame.bgr(), capture_ts_lsl
+
+    def read_decoded(self) -> tuple[DecodedFrame, float]:
+        """The next frame as the decoder left it (Note [NV12 into the slot]): the capture
+        worker's read; valid until the next."""
         if self.decoder is None:
             raise self._lost("source is closed")
         if self._inject_after is not None and self.frames_read >= self._inject_after:
@@ -208,9 +248,10 @@ class GpuDecodedSource(FrameSource):
         frame, capture_ts_lsl = self._read_frame()
         self.frames_read += 1
         self._hand_over()
-        return frame, capture_ts_lsl
+        return (frame if isinstance(frame, DecodedFrame) else ConvertedFrame(frame),
+                capture_ts_lsl)
 
-    def _read_frame(self) -> tuple[torch.Tensor, float]:
+    def _read_frame(self) -> tuple[DecodedFrame | torch.Tensor, float]:
         raise NotImplementedError
 
     # -- the device (small seams: tests/test_decoding.py and tests/test_mjpeg_decoding.py play

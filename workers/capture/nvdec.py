@@ -1,6 +1,7 @@
 """Frames born on the GPU: H.264/H.265 demuxed on the CPU (PyAV), decoded by NVDEC (PyNvVideoCodec),
-made BGR on the camera's GPU (Note [NV12 to BGR]), and handed to the ring as device tensors
-(`FramePublisher.publish_device`; Note [Frames born on the GPU]).
+made BGR on the camera's GPU straight into the ring's slot (Note [NV12 into the slot]), or as a
+device tensor where that cannot be (Note [NV12 to BGR]; `FramePublisher.publish_decoded`, Note
+[Frames born on the GPU]).
 
 Runs in the capture worker, on the camera's thread (Note [Camera threads]), and is imported only
 where the GPU decoder is tried (decoding.plan): it imports torch and PyAV; PyNvVideoCodec is
@@ -164,6 +165,8 @@ from facecast.workers.capture.decoding import (
 )
 from facecast.workers.capture.gpu_decoded import (
     READ_ERRORS,
+    ConvertedFrame,
+    DecodedFrame,
     EncodedLoopPlayback,
     FilePlayback,
     GpuDecodedSource,
@@ -474,6 +477,29 @@ def colour_of(reader: PacketReader) -> YuvToBgr:
     return YuvToBgr.of(reader.colorspace, reader.color_range, reader.pix_fmt)
 
 
+class NvdecFrame(DecodedFrame):
+    """NVDEC's NV12 frame as the capture worker takes it: still in the decoder's buffer (valid
+    until the decoder's next decode), converted where it goes (Note [NV12 into the slot])."""
+
+    def __init__(self, source: NvdecSource, nv12: torch.Tensor, height: int, width: int) -> None:
+        self.source = source
+        self.nv12 = nv12
+        self.shape = (height, width, 3)
+
+    def bgr(self) -> torch.Tensor:
+        height, width, _ = self.shape
+        frame = self.source._converted(self.nv12, height, width)
+        self.source._hand_over()
+        return frame
+
+    def write_into(self, out: torch.Tensor, word_weights: torch.Tensor) -> torch.Tensor | None:
+        from facecast.models import triton_kernels
+
+        height, width, _ = self.shape
+        return triton_kernels.nv12_to_slot(self.nv12, out, height, width, self.source.terms,
+                                           word_weights, self.source.partials_for(out.numel()))
+
+
 class NvdecSource(GpuDecodedSource):
     """A camera's H.264/H.265 decoded by NVDEC (Note [NVDEC path])."""
 
@@ -484,13 +510,17 @@ class NvdecSource(GpuDecodedSource):
         super().__init__(camera, request)
         self.decoder: NvdecDecoder | None = None
         self._pts = 0
-        self._ready: collections.deque[tuple[torch.Tensor, float]] = collections.deque()
+        # Frames decoded and not read yet: NVDEC's own buffers, valid until the next decode,
+        # which comes only once this is empty (Note [NV12 into the slot]).
+        self._ready: collections.deque[tuple[DecodedFrame, float]] = collections.deque()
+        self._partials: torch.Tensor | None = None  # NvdecFrame.write_into's
+        self._partials_nbytes = 0
 
     # -- opening
 
-    def _start(self, reader: PacketReader, keyframe_deadline_s: float) -> torch.Tensor:
+    def _start(self, reader: PacketReader, keyframe_deadline_s: float) -> DecodedFrame:
         """Check what the reader found, make the decoder, decode the first frame (Note [NVDEC
-        path]); returns it (BGR). GpuDecodeUnavailable says why the GPU cannot take it."""
+        path]); returns it (converted). GpuDecodeUnavailable says why the GPU cannot take it."""
         if reader.codec in decoding.JPEG_CODECS:
             raise _MjpegFound(reader)  # nvJPEG's, the reader open (open_gpu_source)
         self.reader = reader
@@ -498,6 +528,7 @@ class NvdecSource(GpuDecodedSource):
         if reason:  # (plan may have let NVDEC's own reason by for MJPEG)
             raise GpuDecodeUnavailable(reason)
         self.colour = colour_of(reader)
+        self.terms = _terms(self.colour)
         self.nvdec_rgb = False  # cameras: the conversion here (Note [NV12 to BGR])
         self.low_latency = self.low_latency_always or not reader.has_b_frames
         try:
@@ -534,7 +565,9 @@ class NvdecSource(GpuDecodedSource):
             raise GpuDecodeUnavailable(f"NVDEC gives {pixel_format} for {reader.describe()}; "
                                        "the GPU path converts NV12 only")
         try:
-            first, *more = [self._convert(pointer) for pointer in pointers]
+            # Converted now: a conversion that cannot work says so here, where the CPU decoder
+            # can still take the camera.
+            first, *more = [self._convert(pointer, defer=False) for pointer in pointers]
         except GpuDecodeFailed as exc:
             raise GpuDecodeUnavailable(exc.reason) from exc
         self._ready.extend((frame, read_ts) for frame in more)
@@ -565,18 +598,29 @@ class NvdecSource(GpuDecodedSource):
         self.frames_decoded += len(pointers)
         return pointers
 
-    def _decode_into_ready(self, data: bytes, read_ts: float) -> None:
+    def _decode_into_ready(self, data: bytes, read_ts: float, defer: bool = True) -> None:
         for pointer in self._decode(data, read_ts):
-            self._ready.append((self._convert(pointer), read_ts))
+            self._ready.append((self._convert(pointer, defer), read_ts))
 
-    def _convert(self, pointer: int) -> torch.Tensor:
-        """NVDEC's frame at `pointer` as a new BGR tensor, on the camera's stream."""
+    def _convert(self, pointer: int, defer: bool = True) -> DecodedFrame:
+        """NVDEC's frame at `pointer`, left in NVDEC's buffer to be converted where it goes
+        (`defer`: Note [NV12 into the slot]; valid until the next decode) or converted now into
+        a new BGR tensor on the camera's stream."""
         width, height = self.decoder.frame_size()
         if self._primed and (width, height) != (self.granted.width, self.granted.height):
             raise self._lost(f"frame size changed from {self.granted.width}x"
                              f"{self.granted.height} to {width}x{height}; reopen to renegotiate")
         try:
             output = self._output_at(pointer, output_bytes(width, height, self.nvdec_rgb))
+        except Exception as exc:  # noqa: BLE001 - a CUDA error on NVDEC's buffer
+            raise GpuDecodeFailed(f"NVDEC's frame cannot be read ({error_text(exc)})") from exc
+        if defer and not self.nvdec_rgb:
+            return NvdecFrame(self, output, height, width)
+        return ConvertedFrame(self._converted(output, height, width))
+
+    def _converted(self, output: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """NVDEC's output as a new BGR tensor, written on the camera's stream."""
+        try:
             if self.nvdec_rgb:
                 with torch.cuda.stream(self.stream):
                     return bgr_of(output, height, width, self.colour, self.nvdec_rgb)
@@ -590,6 +634,19 @@ class NvdecSource(GpuDecodedSource):
             return bgr
         except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
             raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
+
+    def partials_for(self, nbytes: int) -> torch.Tensor:
+        """Where NvdecFrame.write_into's kernel leaves its partial sums: made once, reused for
+        every frame (the ring fetches them before it asks for the next)."""
+        from facecast.models import triton_kernels
+
+        if self._partials is None or self._partials_nbytes != nbytes:
+            # From the default stream's blocks (Note [NV12 to BGR into memory of the process's
+            # own]): the ring's stream would hold a block of its own for these few bytes.
+            with torch.cuda.stream(torch.cuda.default_stream(self.device)):
+                self._partials = triton_kernels.nv12_slot_partials(nbytes, self.device)
+            self._partials_nbytes = nbytes
+        return self._partials
 
     def _new_frame(self, height: int, width: int) -> torch.Tensor:
         """Memory for a BGR frame, from the thread's current stream's blocks (Note [NV12 to
@@ -635,7 +692,7 @@ class NvdecFileSource(FilePlayback, NvdecSource):
         self._ready.appendleft((first, self._first_read_ts))
         self._play()
 
-    def _read_frame(self) -> tuple[torch.Tensor, float]:
+    def _read_frame(self) -> tuple[DecodedFrame, float]:
         self._pacer.wait()
         while not self._ready:
             packet = self.reader.read()
@@ -657,7 +714,8 @@ class NvdecFileSource(FilePlayback, NvdecSource):
         end of the stream gets them out and a new decoder takes the file again (Note [A looped
         file on one decoder])."""
         if not self.low_latency and not self.starts_clean:
-            self._decode_into_ready(b"", pylsl.local_clock())
+            # Converted now: the decoder's buffers go with it.
+            self._decode_into_ready(b"", pylsl.local_clock(), defer=False)
             self.decoder.close()
             self.decoder = None
             try:
@@ -694,7 +752,7 @@ class NvdecStreamSource(StreamPlayback, NvdecSource):
         self._ready.appendleft((first, self._first_read_ts))
         self._play()
 
-    def _read_frame(self) -> tuple[torch.Tensor, float]:
+    def _read_frame(self) -> tuple[DecodedFrame, float]:
         while not self._ready:
             data, _, read_ts = self._next_packet_or_ended()
             self._decode_into_ready(data, read_ts)
@@ -722,7 +780,7 @@ class NvdecEncodedSyntheticSource(EncodedLoopPlayback, NvdecSource):
         self._ready.clear()  # frames are taken by capture time, not in order (read)
         self._play(next_position=self._pts)  # the loop's frames decoded at open
 
-    def _read_frame(self) -> tuple[torch.Tensor, float]:
+    def _read_frame(self) -> tuple[DecodedFrame, float]:
         capture_ts_lsl, position = self._next_capture()
         # A late reader's frames are decoded, not converted; the file's end is its frame 0.
         while self._next_position % self.encoded.frame_count != position:

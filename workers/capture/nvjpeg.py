@@ -1,7 +1,7 @@
 """MJPEG cameras decoded on the GPU: each compressed frame (a whole JPEG) demuxed on the CPU by
 PyAV (gpu_decoded.PacketReader), decoded by nvImageCodec (`nvidia.nvimgcodec`, wheel
 nvidia-nvimgcodec-cu13 0.9.0.20) into the camera's GPU, RGB → BGR in torch, and handed to the
-ring as a device tensor (`FramePublisher.publish_device`; Note [Frames born on the GPU]).
+ring as a device tensor (`FramePublisher.publish_decoded`; Note [Frames born on the GPU]).
 
 Runs in the capture worker, on the camera's thread (Note [Camera threads]), and is imported only
 where the GPU decoder is tried for MJPEG (nvdec.open_gpu_source): it imports torch and PyAV;

@@ -129,7 +129,8 @@ class FrameSource:
 
     `decode` says which decoder makes the frames and why (Note [Decoder choice]); a source
     with `on_device` (the GPU decoder's, facecast.workers.capture.nvdec) gives torch tensors on
-    the camera's GPU, which the capture worker publishes with `publish_device`."""
+    the camera's GPU (`read`), and to the capture worker frames as the decoder left them
+    (`read_decoded`), which it publishes with `publish_decoded`."""
 
     kind = "?"
     on_device = False

@@ -279,6 +279,8 @@ class CameraCapture:
         try:
             if staged is not None:
                 frame, capture_ts_lsl = self.source.read_into(staged)
+            elif self.source.on_device:  # decoded on the GPU (Note [Frames born on the GPU])
+                frame, capture_ts_lsl = self.source.read_decoded()
             else:
                 frame, capture_ts_lsl = self.source.read()
         except SourceLost as exc:
@@ -290,9 +292,13 @@ class CameraCapture:
         corrupting = self._take_fault_request()
         if corrupting:
             self.publisher.corrupt_next_frame()
-        if self.source.on_device:  # decoded on the GPU (Note [Frames born on the GPU])
-            # A GPU decoder's frame is a new tensor of this worker's, read no more after this.
-            message = self.publisher.publish_device(frame, capture_ts_lsl, scratch=True)
+        if self.source.on_device:
+            # As the decoder left it, valid until the next read (Note [NV12 into the slot]).
+            try:
+                message = self.publisher.publish_decoded(frame, capture_ts_lsl)
+            except GpuDecodeFailed as exc:  # converting it failed
+                self._gpu_decoder_failed(exc.reason)
+                return
         elif frame is staged:  # decoded into the ring's staging memory
             message = self.publisher.publish_staged(capture_ts_lsl)
         else:
