@@ -66,6 +66,44 @@ def test_a_slow_cameras_detection_of_its_previous_frame_is_used():
     assert not usable(detections_of(frame(12, 3.0)), frame(11, 3.0))  # of a later frame
 
 
+def test_a_cameras_tracks_are_forgotten_where_its_frames_break():
+    """Note [Tracks across a break]: a camera's frames from a new ring (a spare took its capture
+    over) or after a gap longer than TRACK_BREAK_S start without its old tracks (whose ROIs
+    were the last frame's faces); consecutive frames, dropped ones between them included,
+    keep them, and another camera's break is not this one's."""
+    from types import SimpleNamespace
+
+    from facecast.workers.inference import roi_landmark
+
+    resets = []
+    worker = RoiLandmarkWorker.__new__(RoiLandmarkWorker)
+    worker.pipeline = SimpleNamespace(reset=resets.append,
+                                      batch_in_place=lambda tensors: tensors,
+                                      track_start=lambda batch, camera_ids, detections: None)
+    worker.pose_pipeline = None
+    worker._pending = {}
+    worker._last_frame = {}
+
+    def frames(*shown):
+        return [SimpleNamespace(tensor=None, message=messages.FrameReady(
+            camera_id=camera, transport="shm", ring_epoch=epoch, slot=0, slot_generation=2,
+            frame_seq=0, capture_ts_lsl=ts, shape=(4, 4, 3), dtype="uint8",
+            strides_bytes=(12, 3, 1), pixel_format="bgr24", checksum=0))
+            for camera, epoch, ts in shown]
+
+    gap = roi_landmark.TRACK_BREAK_S
+    worker._start(frames(("a", 1, 10.0), ("b", 1, 10.0)))
+    worker._start(frames(("a", 1, 10.1), ("b", 1, 10.1)))
+    worker._start(frames(("a", 1, 10.1 + 0.9 * gap)))  # frames dropped between: the same run
+    assert resets == []
+    worker._start(frames(("a", 2, 10.2 + 0.9 * gap), ("b", 1, 10.2)))  # a's new ring
+    assert resets == ["a"]
+    worker._start(frames(("b", 1, 10.3 + 1.1 * gap)))  # b's source lost and back
+    assert resets == ["a", "b"]
+    worker._start(frames(("a", 2, 10.3 + gap), ("b", 1, 10.4 + 1.1 * gap)))
+    assert resets == ["a", "b"]
+
+
 # --- track ids from the supervisor (Note [Track id blocks]) ----------
 # The worker's side of the protocol against a ROUTER playing the supervisor, answering with the
 # supervisor's own allocator (no models: the track id half of the worker needs none).

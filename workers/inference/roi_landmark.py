@@ -93,6 +93,19 @@ BEHIND_SHARE = 0.01
 FULL_RESEND_S = 1.0
 # Faces are held in their track id (and their LSL slot) this long while unseen.
 TRACK_HOLD_S = 1.0
+# Note [Tracks across a break]
+#     A followed face's next ROI is its last frame's mesh (models/face_tracking.py), which holds
+#     only where the frames are consecutive. A camera's frames break when a new ring brings
+#     them (another ring epoch: a spare took the capture process's cameras over, or the camera
+#     came back with another size) or after a gap longer than TRACK_BREAK_S (the source was
+#     lost and reopened, or this worker fell far behind): the faces may be anywhere by then.
+#     The old ROIs were still used on the first frame after a capture takeover (~1 s later):
+#     where a face had moved out of them the mesh found nothing or, once in a few loaded runs
+#     of tests/test_decoding.py's killed capture process, a box where the truth had no face
+#     (2026-11-28). So at a break the camera's tracks are forgotten and the frame asks for a
+#     detection, as a camera's first frame does; its faces keep their track ids where they are
+#     found again within TRACK_HOLD_S (TrackIds).
+TRACK_BREAK_S = 1.0
 # A request for track ids with no answer after this long was lost (a full control socket drops
 # it, STYLE §11): ask again. A refusal (the daemon's ids are used up) is asked again far later.
 TRACK_IDS_ASK_AGAIN_S = 2.0
@@ -158,6 +171,8 @@ class RoiLandmarkWorker(Worker):
         self.faces: dict[str, int] = {}
         self.track_ids: dict[str, TrackIds] = {}
         self._pending: dict[str, Detections] = {}
+        # Each camera's last frame started: (ring epoch, capture time) (Note [Tracks across a break])
+        self._last_frame: dict[str, tuple[int, float]] = {}
         # Not self._gate: that one is the control socket's (Worker.serve_control).
         self._detections_gate = MessageGate("detections")
         self.detections = self.context.socket(zmq.SUB)
@@ -193,6 +208,7 @@ class RoiLandmarkWorker(Worker):
         for camera_id in set(previous_camera_ids) - set(self.camera_ids):
             self._reset(camera_id)
             self.track_ids.pop(camera_id, None)
+            self._last_frame.pop(camera_id, None)
         self._subscribe(previous_camera_ids)
         # A reload's new [participants] table (Note [Gallery reload]).
         if self.identities_config != self.config.participants:
@@ -216,6 +232,8 @@ class RoiLandmarkWorker(Worker):
     def _start(self, received) -> _Measuring:
         """The batch's device work queued (FacePipeline.track_start)."""
         camera_ids = [frame.message.camera_id for frame in received]
+        for frame in received:
+            self._forget_tracks_at_a_break(frame.message)
         detections = {}
         for index, frame in enumerate(received):
             found = self._pending.pop(frame.message.camera_id, None)
@@ -320,6 +338,14 @@ class RoiLandmarkWorker(Worker):
         if found.ring_epoch != frame.ring_epoch or age_s < -0.05:
             return False
         return frame.frame_seq - found.frame_seq <= 1 or age_s <= MAX_DETECTION_AGE_S
+
+    def _forget_tracks_at_a_break(self, message: messages.FrameReady) -> None:
+        """Note [Tracks across a break]."""
+        last = self._last_frame.get(message.camera_id)
+        self._last_frame[message.camera_id] = (message.ring_epoch, message.capture_ts_lsl)
+        if last is not None and (last[0] != message.ring_epoch
+                                 or message.capture_ts_lsl - last[1] > TRACK_BREAK_S):
+            self._reset(message.camera_id)
 
     def _reset(self, camera_id: str) -> None:
         """Forget what was tracked on this camera."""
