@@ -519,7 +519,8 @@ class Config(_Strict):
     cameras: list[CameraConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        problems = _camera_list_problems([camera.id for camera in self.cameras])
+        # (No camera at all is `loads`'s to refuse, where the file is a daemon's.)
+        problems = _repeated_camera_ids([camera.id for camera in self.cameras])
         camera_ids = {camera.id for camera in self.cameras}
         problems += [f"participants.seats[{index}]: camera {seat.camera!r} is not configured "
                      f"(allowed: {', '.join(sorted(camera_ids))})"
@@ -572,17 +573,19 @@ def gpu_decode_source_problem(source: str | int) -> str:
 # --- loading -----------------------------------------------------------------------------------
 
 
-def load(path: str | Path) -> Config:
+def load(path: str | Path, *, cameras_required: bool = True) -> Config:
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
-    return loads(data, origin=str(path))
+    return loads(data, origin=str(path), cameras_required=cameras_required)
 
 
-def loads(data: bytes | str, origin: str = "<config>") -> Config:
-    """Decode and validate; a ConfigError lists every problem of the file, not only the first."""
+def loads(data: bytes | str, origin: str = "<config>", *, cameras_required: bool = True) -> Config:
+    """Decode and validate; a ConfigError lists every problem of the file, not only the first.
+    `cameras_required`: a daemon's file needs a camera; `facecast analyze`, which reads the
+    models, output, daemon and participants tables only, takes a file without one."""
     try:
         raw = msgspec.toml.decode(data)
     except msgspec.DecodeError as exc:
@@ -591,7 +594,7 @@ def loads(data: bytes | str, origin: str = "<config>") -> Config:
     if isinstance(raw, dict) and isinstance(raw.get("cameras", []), list):
         camera_ids = [camera.get("id") for camera in raw.get("cameras", [])
                       if isinstance(camera, dict) and isinstance(camera.get("id"), str)]
-        problems += _camera_list_problems(camera_ids)
+        problems += _camera_list_problems(camera_ids, cameras_required)
     if len(problems) == 1:
         raise ConfigError(f"{origin}: {problems[0]}")
     if problems:
@@ -604,12 +607,17 @@ def loads(data: bytes | str, origin: str = "<config>") -> Config:
         raise ConfigError(f"{origin}: {_explain(str(exc))}") from None
 
 
-def _camera_list_problems(camera_ids: list[str]) -> list[str]:
-    """The whole-file rules on `[[cameras]]`, shared by Config.__post_init__ and `loads`."""
-    if not camera_ids:
+def _camera_list_problems(camera_ids: list[str], cameras_required: bool) -> list[str]:
+    """The whole-file rules on `[[cameras]]` (`loads`)."""
+    if not camera_ids and cameras_required:
         # Zero cameras used to start a daemon that measured nothing and said nothing about it.
         return ["cameras: no camera configured: add at least one [[cameras]] table with an id and "
                 'a source (config/default.toml has two with source = "synthetic")']
+    return _repeated_camera_ids(camera_ids)
+
+
+def _repeated_camera_ids(camera_ids: list[str]) -> list[str]:
+    """The rule on `[[cameras]]` that a Config itself holds (Config.__post_init__)."""
     repeated = sorted({camera_id for camera_id in camera_ids if camera_ids.count(camera_id) > 1})
     return [f"camera id {camera_id!r} appears twice; ids must be unique" for camera_id in repeated]
 

@@ -702,8 +702,11 @@ def test_the_models_threads_are_the_cores_dealt_among_the_jobs(monkeypatch, reco
 
 def test_jobs_analyse_each_file_as_one_run_would(recording, tmp_path):
     """Two jobs, three files (one missing): the same JSON lines and exit status as one run,
-    summaries in the order given, and each table the one process's within float tolerance."""
+    summaries in the order given, and each table the one process's within float tolerance.
+    Both read a config of the analysis' own tables, without cameras (bench/analyze.py's)."""
     video = recording[0]
+    config = tmp_path / "analysis.toml"
+    config.write_text("[output]\nmax_faces = 2\n")
     copies = []
     for name in ("a", "b"):
         copy = tmp_path / f"{name}.mkv"
@@ -714,8 +717,8 @@ def test_jobs_analyse_each_file_as_one_run_would(recording, tmp_path):
 
     def analyze(*arguments: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "facecast.daemon.cli", "analyze", "--json",
-                               "--format", "csv", *arguments], capture_output=True, text=True,
-                              timeout=240, env=os.environ.copy())
+                               "--format", "csv", "--config", str(config), *arguments],
+                              capture_output=True, text=True, timeout=240, env=os.environ.copy())
 
     one = analyze("--jobs", "1", "--out", str(tmp_path / "one"), str(video))
     assert one.returncode == 0, one.stderr

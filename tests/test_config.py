@@ -89,6 +89,18 @@ def test_a_config_without_cameras_is_refused_with_the_reason(text):
         'and a source (config/default.toml has two with source = "synthetic")')
 
 
+def test_a_file_without_cameras_is_enough_where_cameras_are_not_required():
+    """`facecast analyze` reads the models, output, daemon and participants tables only: a file
+    of those is its config, checked as strictly as a daemon's."""
+    loaded = config.loads("[output]\nmax_faces = 3\n", cameras_required=False)
+    assert loaded.output.max_faces == 3 and loaded.cameras == []
+    with pytest.raises(config.ConfigError, match="output.max_face: unknown key"):
+        config.loads("[output]\nmax_face = 3\n", origin="a.toml", cameras_required=False)
+    with pytest.raises(config.ConfigError, match="camera id 'a' appears twice"):
+        config.loads('[[cameras]]\nid = "a"\nsource = "synthetic"\n' * 2,
+                     cameras_required=False)
+
+
 @pytest.mark.parametrize("source", ["rtsp://lab:pa55word@10.1.2.3:554/s1",
                                     "rtsp://lab:p@ss/1@10.1.2.3:554/s1"])  # an '@' in it too
 def test_check_config_masks_an_rtsp_password(tmp_path, capsys, source):

@@ -92,11 +92,12 @@ def main(args) -> int:
 
     path = config_path(args.config)
     try:
-        loaded = config_mod.load(path) if path is not None else None
+        # Cameras are the daemon's: a file of the analysis' tables alone will do.
+        loaded = config_mod.load(path, cameras_required=False) if path is not None else None
     except config_mod.ConfigError as exc:
         print(f"facecast: {exc}", file=sys.stderr)
         return 2
-    # Without a config file, the defaults (a Config needs cameras, which analysis has none of).
+    # Without a config file, the defaults.
     config = video_analysis.StackConfig.of(loaded)
     parquet = _parquet_wanted(args.format, quiet=args.quiet)
     if parquet is None:

@@ -1065,7 +1065,7 @@ def write_private_json(path: Path, data: dict) -> None:
 @dataclass(frozen=True)
 class StackConfig:
     """The parts of a daemon's config that analysis uses: the models and output tables, which
-    build_pipeline reads, and the daemon table's detection interval. (A whole Config also needs
+    build_pipeline reads, and the daemon table's detection interval. (A whole Config also holds
     cameras, which analysis has none of.)"""
 
     models: config_mod.ModelsConfig = field(default_factory=config_mod.ModelsConfig)
