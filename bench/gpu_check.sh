@@ -87,7 +87,7 @@
 #                 the rate of 240-frame files (4, H100 2026-11-26)
 #   analyze_jobs  issue 23's goal with `--jobs` (Note [Jobs]): 32 copies of the 1080p one-face
 #                 file in this process, then as the command with --jobs 1 and 4 (needs
-#                 .whl2a/.whl2b) (5)
+#                 .whl2a/.whl2b) (5; 2.4 on the H200, 2026-11-28)
 # Default: boot_stop gpu_tests real_footage pipeline models (23 minutes). A machine is held at
 # most 30 minutes: start on a fresh machine, and put `decode` in a run of its own. Device time
 # is 30 minutes a session, and a one-GPU loan may count only part of its held time or all of it

@@ -374,15 +374,22 @@ class CudaRingProducer(RingProducer):
         self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
         self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
         self.header.begin_write(slot)
-        with torch.cuda.stream(self.stream):
-            partials = frame.write_into(self._slot_targets[slot], word_weights)
-            if partials is not None:
-                self.events[slot].record(self.stream)
-                checksum = frames.sum_of_partials(partials)  # waits for the kernel
-        if partials is None:  # (the kernel given up: the conversion, then the copy)
-            bgr = frame.bgr()
-            self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
-            checksum = self._to_slot(slot, bgr.view(-1), scratch=True)
+        try:
+            with torch.cuda.stream(self.stream):
+                partials = frame.write_into(self._slot_targets[slot], word_weights)
+                if partials is not None:
+                    self.events[slot].record(self.stream)
+                    checksum = frames.sum_of_partials(partials)  # waits for the kernel
+            if partials is None:  # (the kernel given up: the conversion, then the copy)
+                bgr = frame.bgr()
+                self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+                checksum = self._to_slot(slot, bgr.view(-1), scratch=True)
+        except BaseException:
+            # The generation even again (no message names it): a slot left odd would turn
+            # odd-when-complete at its next write (a conversion failing here, GpuDecodeFailed,
+            # leaves the camera to the CPU decoder, on this ring).
+            self.header.end_write(slot)
+            raise
         return self._committed(slot, checksum, frame_seq, capture_ts_lsl)
 
     def _commit_device(self, slot: int, frame: torch.Tensor, scratch: bool) -> int:
