@@ -607,6 +607,19 @@ def facecast_transform_landmarks(landmarks, matrix, out, points, count, DIMS: tl
         tl.store(out + q * DIMS + 2, tl.load(landmarks + q * DIMS + 2, mask=ok, other=0.0), mask=ok)
 
 
+@triton.jit
+def _nv12_at(nv12, pixel, inside, height, width):
+    """The luma and the two chroma values (float32) of the NV12 frame's pixels at ``pixel``
+    (row-major indices): the Y plane, then U and V interleaved at half resolution."""
+    row = pixel // width
+    column = pixel - row * width
+    y = tl.load(nv12 + pixel, mask=inside, other=0).to(tl.float32)
+    chroma = nv12 + height * width + (row // 2) * width + (column // 2) * 2
+    u = tl.load(chroma, mask=inside, other=0).to(tl.float32)
+    v = tl.load(chroma + 1, mask=inside, other=0).to(tl.float32)
+    return y, u, v
+
+
 @triton.jit(do_not_specialize=["nv12", "out", "height", "width"])
 def facecast_nv12_to_bgr(nv12, out, height, width, y_scale, b_u, g_u, g_v, r_v, b_0, g_0, r_0,
                          BLOCK: tl.constexpr):
@@ -616,12 +629,7 @@ def facecast_nv12_to_bgr(nv12, out, height, width, y_scale, b_u, g_u, g_v, r_v, 
     into memory of the process's own])."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = p < height * width
-    row = p // width
-    column = p - row * width
-    y = tl.load(nv12 + p, mask=inside, other=0).to(tl.float32)
-    chroma = nv12 + height * width + (row // 2) * width + (column // 2) * 2
-    u = tl.load(chroma, mask=inside, other=0).to(tl.float32)
-    v = tl.load(chroma + 1, mask=inside, other=0).to(tl.float32)
+    y, u, v = _nv12_at(nv12, p, inside, height, width)
     blue = (b_0 + u * b_u) + y * y_scale
     green = ((g_0 + u * g_u) + v * g_v) + y * y_scale
     red = (r_0 + v * r_v) + y * y_scale
@@ -642,12 +650,7 @@ def facecast_nv12_to_slot(nv12, out, weights, partials, height, width, words, y_
     inside = b < words * 8
     pixel = b // 3
     channel = b - pixel * 3  # 0 blue, 1 green, 2 red
-    row = pixel // width
-    column = pixel - row * width
-    y = tl.load(nv12 + pixel, mask=inside, other=0).to(tl.float32)
-    chroma = nv12 + height * width + (row // 2) * width + (column // 2) * 2
-    u = tl.load(chroma, mask=inside, other=0).to(tl.float32)
-    v = tl.load(chroma + 1, mask=inside, other=0).to(tl.float32)
+    y, u, v = _nv12_at(nv12, pixel, inside, height, width)
     # One form for the three channels: a term of 0.0 adds exactly nothing (blue has no V term,
     # red no U term), so each channel's value is facecast_nv12_to_bgr's to the bit.
     blue, green = channel == 0, channel == 1
