@@ -363,11 +363,12 @@ class CudaRingProducer(RingProducer):
     def write_decoded(self, frame, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
         """Note [NV12 into the slot]: a frame decoded on this ring's GPU, as its decoder left it
         (gpu_decoded.DecodedFrame, ready on the current stream), written into the next slot by
-        the frame itself with its checksum from the bytes it wrote; where it cannot (or the
-        ring's checksum is another kind, or a fault of rule 3 is on), its BGR form as
-        `write_device` takes it."""
-        if (self.checksum_kind != "full" or self.frame_bytes % frames.WORD_BYTES
-                or self.faults.delay_copy_cycles or tuple(frame.shape) != self.frame_shape):
+        the frame itself with its checksum from the bytes it wrote; where it cannot (a frame
+        that is a BGR tensor already, nvJPEG's; another kind of checksum; a fault of rule 3),
+        its BGR form as `write_device` takes it."""
+        if (not frame.writes_itself or self.checksum_kind != "full"
+                or self.frame_bytes % frames.WORD_BYTES or self.faults.delay_copy_cycles
+                or tuple(frame.shape) != self.frame_shape):
             return self.write_device(frame.bgr(), frame_seq, capture_ts_lsl, scratch=True)
         word_weights, _ = frames.frame_word_weights(self.frame_bytes, self.slots.device)
         slot = self._take_slot() if self._staged_view is None else self._staged_slot

@@ -175,9 +175,10 @@ class DecodedFrame:
     """A frame decoded on the GPU, as the capture worker hands it to the camera's ring: `shape`
     (height, width, 3) of its BGR form; `bgr()` that form, a tensor of the caller's own ready on
     its current stream; `write_into` its BGR bytes straight into a ring slot with their checksum
-    where the decoder's own form allows (Note [NV12 into the slot])."""
+    where the decoder's own form allows (Note [NV12 into the slot]): where `writes_itself`."""
 
     shape: tuple[int, int, int]
+    writes_itself = False
 
     def bgr(self) -> torch.Tensor:
         raise NotImplementedError

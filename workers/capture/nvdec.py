@@ -481,6 +481,8 @@ class NvdecFrame(DecodedFrame):
     """NVDEC's NV12 frame as the capture worker takes it: still in the decoder's buffer (valid
     until the decoder's next decode), converted where it goes (Note [NV12 into the slot])."""
 
+    writes_itself = True
+
     def __init__(self, source: NvdecSource, nv12: torch.Tensor, height: int, width: int) -> None:
         self.source = source
         self.nv12 = nv12
