@@ -78,6 +78,9 @@ DEFINITIONS = {
                   "the output worker right after its LSL push, its last 512 frames per camera "
                   "read after the window; MediaPipe: FaceMesh.process returned, every frame of "
                   "the window); p50 and p99 per camera, the worst camera's",
+    "latency_p99_by_camera": "facecast only: the cameras' p99s of latency_ms beside their "
+                             "maximum: their median, 90th percentile and the three worst "
+                             "cameras with theirs",
     "frame_hops": "facecast only: the same grab-to-push span split at the stamps each process "
                   "takes as a frame passes (shared/stats.py, Note [Latency accounted]): grab, "
                   "published by capture, picked up and read by roi_landmark, measured, sent, "
@@ -177,6 +180,20 @@ def worst_camera_latency(per_camera_ms: Iterable[tuple[float, float]]) -> dict:
         return {"latency_p50_ms": None, "latency_p99_ms": None}
     return {"latency_p50_ms": round(max(p for p, _ in pairs), 1),
             "latency_p99_ms": round(max(p for _, p in pairs), 1)}
+
+
+def camera_p99_spread(p99_by_camera: dict[str, float | None], worst: int = 3) -> dict | None:
+    """How the cameras' p99 latencies spread (the row's latency_p99_ms is only their maximum,
+    which grows with the camera count by itself): their median and 90th percentile, and the
+    `worst` cameras with theirs, worst first; None without any."""
+    known = {camera: p99 for camera, p99 in p99_by_camera.items() if p99 is not None}
+    if not known:
+        return None
+    values = np.fromiter(known.values(), np.float64)
+    ranked = sorted(known.items(), key=lambda item: (-item[1], item[0]))[:worst]
+    return {"cameras": len(known), "median_ms": round(float(np.median(values)), 1),
+            "p90_ms": round(float(np.percentile(values, 90)), 1),
+            "worst": [[camera, round(p99, 1)] for camera, p99 in ranked]}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -700,6 +700,10 @@ def measure(daemon: DaemonUnderTest, host: str, cameras: int, args, result: dict
         "captured_fps": round((captured_total(last) - captured_total(first)) / status_window_s, 1),
         **accounting.worst_camera_latency((r.latency_ms.p50_ms, r.latency_ms.p99_ms)
                                           for r in reports),
+        # The cameras' p99s beside their maximum: one slow camera, or all of them?
+        "latency_p99_by_camera": accounting.camera_p99_spread({
+            camera_id: report.latency_ms.p99_ms for camera_id, reports_ in drained.cameras.items()
+            for report in reports_ if report.latency_ms is not None}),
         # The output worker's latency covers its last OUTPUT_LATENCY_FRAMES frames per camera:
         # how many of those were captured before the window (0 when the window is long enough).
         "latency_frames_before_window": max(0, OUTPUT_LATENCY_FRAMES - window.frames_per_camera),

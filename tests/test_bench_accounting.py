@@ -290,3 +290,17 @@ def test_a_spare_s_cores_and_its_threads_by_name_come_from_proc():
     assert cores["per_spare"]["standby:roi_landmark:cuda:0"] >= 0.3 / window_s - 0.01
     assert cores["per_spare"]["standby:output"] < cores["per_spare"]["standby:roi_landmark:cuda:0"]
     assert next(iter(cores["by_thread"])) == "spinner"
+
+
+def test_the_cameras_p99s_are_spread_beside_their_maximum():
+    """One slow camera and many alike read differently, though the row's maximum is the same."""
+    from accounting import camera_p99_spread
+
+    one_slow = {f"cam{index:02d}": 20.0 + index * 0.1 for index in range(20)} | {"slow": 70.0}
+    spread = camera_p99_spread(one_slow)
+    assert spread["cameras"] == 21 and spread["median_ms"] == 21.0
+    assert spread["p90_ms"] < 23.0 and spread["worst"] == [["slow", 70.0], ["cam19", 21.9],
+                                                            ["cam18", 21.8]]
+    assert camera_p99_spread({"a": None}) is None
+    assert camera_p99_spread({"b": 30.0, "a": 30.0}, worst=2)["worst"] == [["a", 30.0],
+                                                                         ["b", 30.0]]
