@@ -116,8 +116,8 @@ Note [NV12 into the slot]
     converted to its tensor and written as above. Measured (2026-11-28, one H200): the probe's
     1.64 ms of CPU a frame became 0.96 (NVDEC's decode alone 0.38); the daemon at 64 NVDEC
     cameras, two `ab_decode` pairs on one loan, capture 3.23 and 3.80 cores -> 2.75 and 2.65,
-    the process tree 5.29 and 6.06 -> 4.98 and 4.84, GPU memory -250 to -350 MiB (no BGR
-    tensors: the capture processes' torch reserve 576 -> 168 MiB).
+    the process tree 5.29 and 6.06 -> 4.98 and 4.84, GPU memory -350 and -190 MiB (no BGR
+    tensors: the capture processes' torch reserve 576 and 616 -> 168 MiB).
 """
 
 from __future__ import annotations
