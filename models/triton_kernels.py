@@ -577,20 +577,27 @@ def drop_overlapping(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Te
 NV12_BLOCK = 1024  # pixels a program of the NV12 conversion
 
 
+@functools.lru_cache(maxsize=16)
+def _nv12_scalars(terms) -> tuple[float, ...]:
+    """nvdec's conversion ``terms`` (from_u, from_v, constant, y_scale: nvdec._terms) as the NV12
+    kernels' scalar arguments, in float32 (y_scale, b_u, g_u, g_v, r_v, b_0, g_0, r_0): made
+    once per camera's colour, not per frame."""
+    import numpy as np
+
+    from_u, from_v, constant, y_scale = (np.float32(value).tolist() for value in terms)
+    return (y_scale, from_u[0], from_u[1], from_v[1], from_v[2], *constant)
+
+
 def nv12_to_bgr(nv12: torch.Tensor, out: torch.Tensor, terms) -> torch.Tensor | None:
     """An NV12 frame (flat uint8, or (height * 3 / 2) x width) as BGR bytes into ``out``
     (contiguous height x width x 3 uint8, on nv12's device) in one kernel, on the current
     stream: nvdec's conversion with its ``terms`` (from_u, from_v, constant, y_scale: nvdec._terms),
     in float32 as PyTorch's kernels round it; None where the kernel cannot serve."""
-    import numpy as np
-
     if unavailable_reason(nv12.device, "facecast_nv12_to_bgr") is not None:
         return None
     height, width = out.shape[:2]
-    from_u, from_v, constant, y_scale = (np.float32(value).tolist() for value in terms)
-    return _launch(out, "facecast_nv12_to_bgr", (math.ceil(height * width / NV12_BLOCK),), (
-        nv12, out, height, width, y_scale, from_u[0], from_u[1], from_v[1], from_v[2], *constant),
-        BLOCK=NV12_BLOCK)
+    return _launch(out, "facecast_nv12_to_bgr", (math.ceil(height * width / NV12_BLOCK),),
+                   (nv12, out, height, width, *_nv12_scalars(terms)), BLOCK=NV12_BLOCK)
 
 
 NV12_SLOT_WORDS = 512  # checksum words (4 KiB of the frame) a program of the NV12 slot write
@@ -609,18 +616,15 @@ def nv12_to_slot(nv12: torch.Tensor, out: torch.Tensor, height: int, width: int,
     size's weights, one per word) into ``partials`` (nv12_slot_partials), whose sum mod 2**64 is
     the checksum; one kernel on the current stream (Note [NV12 into the slot]). ``partials``,
     or None where the kernel cannot serve."""
-    import numpy as np
-
     if unavailable_reason(nv12.device, "facecast_nv12_to_slot") is not None:
         return None
     words = word_weights.numel()
     if words * 8 != height * width * 3 or partials.numel() != math.ceil(words / NV12_SLOT_WORDS):
         raise ValueError(f"nv12_to_slot: {words} checksum words and {partials.numel()} partial "
                          f"sums for a {width}x{height} frame")
-    from_u, from_v, constant, y_scale = (np.float32(value).tolist() for value in terms)
     return _launch(partials, "facecast_nv12_to_slot", (partials.numel(),), (
-        nv12, out, word_weights, partials, height, width, words, y_scale, from_u[0], from_u[1],
-        from_v[1], from_v[2], *constant), WORDS=NV12_SLOT_WORDS)
+        nv12, out, word_weights, partials, height, width, words, *_nv12_scalars(terms)),
+        WORDS=NV12_SLOT_WORDS)
 
 
 def prepare(device: torch.device, crops) -> str | None:

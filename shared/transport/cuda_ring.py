@@ -355,8 +355,7 @@ class CudaRingProducer(RingProducer):
                 f"camera {self.camera_id}: frame {tuple(frame.shape)} {frame.dtype} on "
                 f"{frame.device} does not fit the ring ({self.frame_shape} uint8 on "
                 f"{self.slots.device}); a new resolution needs a new ring")
-        slot = self._take_slot() if self._staged_view is None else self._staged_slot
-        self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
+        slot = self._slot_for_a_write()
         checksum = self._commit_device(slot, frame.contiguous(), scratch)
         return self._committed(slot, checksum, frame_seq, capture_ts_lsl)
 
@@ -371,8 +370,7 @@ class CudaRingProducer(RingProducer):
                 or tuple(frame.shape) != self.frame_shape):
             return self.write_device(frame.bgr(), frame_seq, capture_ts_lsl, scratch=True)
         word_weights, _ = frames.frame_word_weights(self.frame_bytes, self.slots.device)
-        slot = self._take_slot() if self._staged_view is None else self._staged_slot
-        self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
+        slot = self._slot_for_a_write()
         self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
         self.header.begin_write(slot)
         try:

@@ -234,8 +234,7 @@ class RingProducer(ABC):
                 f"camera {self.camera_id}: frame {frame.shape} {frame.dtype} does not fit the ring "
                 f"({self.frame_shape} uint8); a new resolution needs a new ring"
             )
-        slot = self._take_slot() if self._staged_view is None else self._staged_slot
-        self._staged_slot = self._staged_view = None  # a frame staged and not published is dropped
+        slot = self._slot_for_a_write()
         return self._publish(slot, self._stage(slot, frame), frame_seq, capture_ts_lsl)
 
     def staging_view(self) -> np.ndarray:
@@ -255,6 +254,13 @@ class RingProducer(ABC):
             raise RuntimeError(f"camera {self.camera_id}: nothing staged (call staging_view first)")
         self._staged_slot = self._staged_view = None
         return self._publish(slot, pixels, frame_seq, capture_ts_lsl)
+
+    def _slot_for_a_write(self) -> int:
+        """The slot a finished frame goes into: the staged one where a frame was staged (and is
+        dropped, never published), else the next."""
+        slot = self._take_slot() if self._staged_view is None else self._staged_slot
+        self._staged_slot = self._staged_view = None
+        return slot
 
     def _take_slot(self) -> int:
         slot = self._next_slot

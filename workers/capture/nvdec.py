@@ -516,7 +516,6 @@ class NvdecSource(GpuDecodedSource):
         # which comes only once this is empty (Note [NV12 into the slot]).
         self._ready: collections.deque[tuple[DecodedFrame, float]] = collections.deque()
         self._partials: torch.Tensor | None = None  # NvdecFrame.write_into's
-        self._partials_nbytes = 0
 
     # -- opening
 
@@ -638,16 +637,16 @@ class NvdecSource(GpuDecodedSource):
             raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
 
     def partials_for(self, nbytes: int) -> torch.Tensor:
-        """Where NvdecFrame.write_into's kernel leaves its partial sums: made once, reused for
-        every frame (the ring fetches them before it asks for the next)."""
+        """Where NvdecFrame.write_into's kernel leaves its partial sums: made once (a source's
+        frames keep their size: `_convert`), reused for every frame (the ring fetches them
+        before it asks for the next)."""
         from facecast.models import triton_kernels
 
-        if self._partials is None or self._partials_nbytes != nbytes:
+        if self._partials is None:
             # From the default stream's blocks (Note [NV12 to BGR into memory of the process's
             # own]): the ring's stream would hold a block of its own for these few bytes.
             with torch.cuda.stream(torch.cuda.default_stream(self.device)):
                 self._partials = triton_kernels.nv12_slot_partials(nbytes, self.device)
-            self._partials_nbytes = nbytes
         return self._partials
 
     def _new_frame(self, height: int, width: int) -> torch.Tensor:
