@@ -603,9 +603,14 @@ def nv12_to_bgr(nv12: torch.Tensor, out: torch.Tensor, terms) -> torch.Tensor | 
 NV12_SLOT_WORDS = 512  # checksum words (4 KiB of the frame) a program of the NV12 slot write
 
 
+def nv12_slot_partial_count(nbytes: int) -> int:
+    """How many partial sums ``nv12_to_slot`` leaves for a frame of ``nbytes`` bytes."""
+    return math.ceil(nbytes // 8 / NV12_SLOT_WORDS)
+
+
 def nv12_slot_partials(nbytes: int, device: torch.device) -> torch.Tensor:
     """Memory for ``nv12_to_slot``'s partial sums of a frame of ``nbytes`` bytes."""
-    return torch.empty(math.ceil(nbytes // 8 / NV12_SLOT_WORDS), dtype=torch.int64, device=device)
+    return torch.empty(nv12_slot_partial_count(nbytes), dtype=torch.int64, device=device)
 
 
 def nv12_to_slot(nv12: torch.Tensor, out: torch.Tensor, height: int, width: int, terms,

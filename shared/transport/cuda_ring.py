@@ -361,24 +361,24 @@ class CudaRingProducer(RingProducer):
 
     def write_decoded(self, frame, frame_seq: int, capture_ts_lsl: float) -> FrameReady:
         """Note [NV12 into the slot]: a frame decoded on this ring's GPU, as its decoder left it
-        (gpu_decoded.DecodedFrame, ready on the current stream), written into the next slot by
-        the frame itself with its checksum from the bytes it wrote; where it cannot (a frame
-        that is a BGR tensor already, nvJPEG's; another kind of checksum; a fault of rule 3),
-        its BGR form as `write_device` takes it."""
+        (gpu_decoded.DecodedFrame: this ring's stream made to wait for it by `ready_for`),
+        written into the next slot by the frame itself with its checksum from the bytes it
+        wrote; where it cannot (a frame that is a BGR tensor already, nvJPEG's; another kind of
+        checksum; a fault of rule 3), its BGR form as `write_device` takes it."""
         if (not frame.writes_itself or self.checksum_kind != "full"
                 or self.frame_bytes % frames.WORD_BYTES or self.faults.delay_copy_cycles
                 or tuple(frame.shape) != self.frame_shape):
             return self.write_device(frame.bgr(), frame_seq, capture_ts_lsl, scratch=True)
         word_weights, _ = frames.frame_word_weights(self.frame_bytes, self.slots.device)
         slot = self._slot_for_a_write()
-        self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))
+        frame.ready_for(self.stream)
         self.header.begin_write(slot)
         try:
             with torch.cuda.stream(self.stream):
                 partials = frame.write_into(self._slot_targets[slot], word_weights)
                 if partials is not None:
                     self.events[slot].record(self.stream)
-                    checksum = frames.sum_of_partials(partials)  # waits for the kernel
+                    checksum = partials.value()  # waits for the kernel
             if partials is None:  # (the kernel given up: the conversion, then the copy)
                 bgr = frame.bgr()
                 self.stream.wait_stream(torch.cuda.current_stream(self.slots.device))

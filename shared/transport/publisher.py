@@ -234,8 +234,10 @@ class FramePublisher:
         return message
 
     def serve_control(self) -> None:
-        """Answer consumers' requests without blocking; call it often, frames or not."""
-        while self.control.poll(0):
+        """Answer consumers' requests without blocking; call it often, frames or not. (The
+        socket's EVENTS, not a poll: a capture thread asks twice a frame, and each `poll(0)`
+        made a Poller, 24 us of CPU.)"""
+        while self.control.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             identity, payload = self.control.recv_multipart()[:2]
             request = self._gate.decode(payload)
             if isinstance(request, DescribeRing) and self.producer is not None:
@@ -243,6 +245,8 @@ class FramePublisher:
             elif isinstance(request, TransportFault):
                 self._on_fault(request)
                 self.control.send_multipart([identity, messages.encode(Ack(reply_to=request.id))])
+        if not self._retired:
+            return
         now = time.monotonic()
         for producer, deadline in list(self._retired):
             if now >= deadline:

@@ -25,6 +25,7 @@ import pylsl
 import torch
 
 from facecast.shared.config import CameraConfig, redact_url
+from facecast.shared.transport import frames
 from facecast.workers.capture import decoding
 from facecast.workers.capture.decoding import (
     GPU_CODECS,
@@ -175,7 +176,10 @@ class DecodedFrame:
     """A frame decoded on the GPU, as the capture worker hands it to the camera's ring: `shape`
     (height, width, 3) of its BGR form; `bgr()` that form, a tensor of the caller's own ready on
     its current stream; `write_into` its BGR bytes straight into a ring slot with their checksum
-    where the decoder's own form allows (Note [NV12 into the slot]): where `writes_itself`."""
+    where the decoder's own form allows (Note [NV12 into the slot]): where `writes_itself`. Such
+    a frame is still the decoder's, ready on the camera's stream, not handed over to the
+    caller's: `ready_for(stream)` makes the stream that will write it wait for it (one event,
+    not the two hand-overs between three streams that cost ~0.1 ms of CPU a frame)."""
 
     shape: tuple[int, int, int]
     writes_itself = False
@@ -183,12 +187,17 @@ class DecodedFrame:
     def bgr(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def write_into(self, out: torch.Tensor, word_weights: torch.Tensor) -> torch.Tensor | None:
-        """Queue, on the current stream, the frame's BGR bytes into `out` (flat uint8) and the
-        partial sums of their checksum (`word_weights`: frames.frame_word_weights), computed
-        from the bytes written, never read back; returns the sums' tensor
-        (frames.sum_of_partials), valid until the source's next frame, or None where this frame
-        cannot (nothing queued: the caller takes `bgr()`)."""
+    def ready_for(self, stream: torch.cuda.Stream) -> None:
+        """Work queued on `stream` from now on sees the frame (here: a frame handed over to
+        the caller's current stream)."""
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+    def write_into(self, out: torch.Tensor, word_weights: torch.Tensor) -> frames.PartialSums | None:
+        """Queue, on the current stream (made `ready_for` first), the frame's BGR bytes into
+        `out` (flat uint8) and the partial sums of their checksum (`word_weights`:
+        frames.frame_word_weights), computed from the bytes written, never read back; returns
+        the sums, whose value the caller fetches before the source's next frame, or None where
+        this frame cannot (nothing queued: the caller takes `bgr()`)."""
         return None
 
 
@@ -229,6 +238,7 @@ class GpuDecodedSource(FrameSource):
         self.loops = 0
         self._primed = False
         self._inject_after = decoding.injected_failure_after(camera.id)
+        self._decoded: torch.cuda.Event | None = None  # _decoded_ready_for's
 
     def _next_packet_or_lost(self) -> tuple[bytes, bool, float] | None:
         """StreamPlayback turns a reader's error into SourceLost."""
@@ -248,9 +258,11 @@ class GpuDecodedSource(FrameSource):
                                   f"({decoding.INJECT_FAILURE_ENV})")
         frame, capture_ts_lsl = self._read_frame()
         self.frames_read += 1
-        self._hand_over()
-        return (frame if isinstance(frame, DecodedFrame) else ConvertedFrame(frame),
-                capture_ts_lsl)
+        if not isinstance(frame, DecodedFrame):
+            frame = ConvertedFrame(frame)
+        if not frame.writes_itself:  # converted on the camera's stream: now the caller's
+            self._hand_over()
+        return frame, capture_ts_lsl
 
     def _read_frame(self) -> tuple[DecodedFrame | torch.Tensor, float]:
         raise NotImplementedError
@@ -264,6 +276,14 @@ class GpuDecodedSource(FrameSource):
     def _hand_over(self) -> None:
         """The frame is the caller's on its current stream (Note [NVDEC path])."""
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _decoded_ready_for(self, stream: torch.cuda.Stream) -> None:
+        """`stream` waits for what was queued on the camera's stream (a frame that writes
+        itself: DecodedFrame.ready_for), through one event made once."""
+        if self._decoded is None:
+            self._decoded = torch.cuda.Event()
+        self._decoded.record(self.stream)
+        stream.wait_event(self._decoded)
 
     def close(self) -> None:
         """On the camera's thread (Note [Camera threads]); never raises."""

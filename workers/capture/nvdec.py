@@ -154,6 +154,7 @@ import pylsl
 import torch
 
 from facecast.shared.config import CameraConfig
+from facecast.shared.transport import frames
 from facecast.workers.capture import decoding
 from facecast.workers.capture.decoding import (
     GPU_CODECS,
@@ -433,6 +434,10 @@ class NvdecDecoder:
 #     back to the CPU decoder, a reopen) it is destroyed, which frees its NVDEC session.
 _LEFT_TO_THE_EXIT: list[NvdecDecoder] = []
 
+# NVDEC's output buffers a source keeps as tensors (NvdecSource._output_at); a decoder reuses a
+# few (its decode surfaces' copies), so this is only a bound.
+MAX_OUTPUT_TENSORS = 64
+
 
 # NAL unit types of a picture after which no picture refers to one before it (Note [A looped file
 # on one decoder]): H.264's IDR slice; H.265's IDR_W_RADL and IDR_N_LP.
@@ -494,12 +499,17 @@ class NvdecFrame(DecodedFrame):
         self.source._hand_over()
         return frame
 
-    def write_into(self, out: torch.Tensor, word_weights: torch.Tensor) -> torch.Tensor | None:
+    def ready_for(self, stream: torch.cuda.Stream) -> None:
+        self.source._decoded_ready_for(stream)
+
+    def write_into(self, out: torch.Tensor, word_weights: torch.Tensor) -> frames.PartialSums | None:
         from facecast.models import triton_kernels
 
         height, width, _ = self.shape
-        return triton_kernels.nv12_to_slot(self.nv12, out, height, width, self.source.terms,
-                                           word_weights, self.source.partials_for(out.numel()))
+        partials = self.source.partials_for(out.numel())
+        written = triton_kernels.nv12_to_slot(self.nv12, out, height, width, self.source.terms,
+                                              word_weights, partials.sums)
+        return None if written is None else partials
 
 
 class NvdecSource(GpuDecodedSource):
@@ -515,7 +525,8 @@ class NvdecSource(GpuDecodedSource):
         # Frames decoded and not read yet: NVDEC's own buffers, valid until the next decode,
         # which comes only once this is empty (Note [NV12 into the slot]).
         self._ready: collections.deque[tuple[DecodedFrame, float]] = collections.deque()
-        self._partials: torch.Tensor | None = None  # NvdecFrame.write_into's
+        self._partials: frames.PartialSums | None = None  # NvdecFrame.write_into's
+        self._outputs: dict[int, torch.Tensor] = {}  # NVDEC's buffers as tensors (_output_at)
 
     # -- opening
 
@@ -533,8 +544,7 @@ class NvdecSource(GpuDecodedSource):
         self.nvdec_rgb = False  # cameras: the conversion here (Note [NV12 to BGR])
         self.low_latency = self.low_latency_always or not reader.has_b_frames
         try:
-            self.decoder = NvdecDecoder(reader.codec, self.device_index, self.stream,
-                                        self.low_latency, self.nvdec_rgb)
+            self.decoder = self._new_decoder()
         except Exception as exc:  # noqa: BLE001 - PyNvVCException, RuntimeError: the reason
             raise GpuDecodeUnavailable(
                 f"NVDEC could not make a decoder ({error_text(exc)})") from exc
@@ -636,7 +646,7 @@ class NvdecSource(GpuDecodedSource):
         except Exception as exc:  # noqa: BLE001 - a CUDA error while converting
             raise GpuDecodeFailed(f"converting NVDEC's frame failed ({error_text(exc)})") from exc
 
-    def partials_for(self, nbytes: int) -> torch.Tensor:
+    def partials_for(self, nbytes: int) -> frames.PartialSums:
         """Where NvdecFrame.write_into's kernel leaves its partial sums: made once (a source's
         frames keep their size: `_convert`), reused for every frame (the ring fetches them
         before it asks for the next)."""
@@ -646,7 +656,8 @@ class NvdecSource(GpuDecodedSource):
             # From the default stream's blocks (Note [NV12 to BGR into memory of the process's
             # own]): the ring's stream would hold a block of its own for these few bytes.
             with torch.cuda.stream(torch.cuda.default_stream(self.device)):
-                self._partials = triton_kernels.nv12_slot_partials(nbytes, self.device)
+                self._partials = frames.PartialSums(
+                    triton_kernels.nv12_slot_partial_count(nbytes), self.device)
         return self._partials
 
     def _new_frame(self, height: int, width: int) -> torch.Tensor:
@@ -660,13 +671,29 @@ class NvdecSource(GpuDecodedSource):
 
     def _output_at(self, pointer: int, size_bytes: int) -> torch.Tensor:
         """NVDEC's output buffer as a flat uint8 tensor (no copy); a seam of
-        tests/test_decoding.py, as GpuDecodedSource's device seams."""
+        tests/test_decoding.py, as GpuDecodedSource's device seams. The decoder hands out the
+        same few buffers over and over: each one's tensor is made once (44 us of CPU a frame
+        otherwise, 2026-11-28), for as long as this decoder lives."""
         from facecast.shared.transport import cuda_driver
 
-        return cuda_driver.tensor_at(pointer, size_bytes, self.device_index)
+        output = self._outputs.get(pointer)
+        if output is None or output.numel() != size_bytes:
+            if len(self._outputs) >= MAX_OUTPUT_TENSORS:  # a decoder that never repeats one
+                self._outputs.clear()
+            output = self._outputs[pointer] = cuda_driver.tensor_at(pointer, size_bytes,
+                                                                    self.device_index)
+        return output
+
+    def _new_decoder(self) -> NvdecDecoder:
+        """A decoder for the reader's codec on the camera's stream (the last one's buffers
+        forgotten)."""
+        self._outputs.clear()
+        return NvdecDecoder(self.reader.codec, self.device_index, self.stream, self.low_latency,
+                            self.nvdec_rgb)
 
     def close(self) -> None:
         self._ready.clear()
+        self._outputs.clear()
         super().close()
 
     def close_at_exit(self) -> None:
@@ -720,8 +747,7 @@ class NvdecFileSource(FilePlayback, NvdecSource):
             self.decoder.close()
             self.decoder = None
             try:
-                self.decoder = NvdecDecoder(self.reader.codec, self.device_index, self.stream,
-                                            self.low_latency, self.nvdec_rgb)
+                self.decoder = self._new_decoder()
             except Exception as exc:  # noqa: BLE001 - no decoder for the file's next round
                 raise GpuDecodeFailed(f"NVDEC could not make a decoder again at the file's end "
                                       f"({error_text(exc)})") from exc
