@@ -243,10 +243,11 @@ def _summed(host_partials: torch.Tensor) -> int:
 class PartialSums:
     """Where a kernel leaves the partial sums of a frame's checksum (`sums`: int64, mod 2**64),
     made once per producer and reused for every frame, and their value fetched (Note [NV12 into
-    the slot]): copied into pinned host memory and waited for on an event that sleeps. A
-    pageable copy (`sum_of_partials`) kept the producer's thread busy while it waited: 140 us of
-    its CPU a frame, the most of any step after NVDEC's decode call (one H200, 16 NVDEC
-    cameras at 1080p30 in one process, 2026-11-28)."""
+    the slot]): copied into pinned host memory and waited for on an event that sleeps, with no
+    host tensor made per frame. The fetch is the step after NVDEC's decode call that costs the
+    capture thread most: a pageable `.cpu()` (`sum_of_partials`) 123-144 us of its CPU a frame,
+    this 112-114 (one H200, 16 NVDEC cameras at 1080p30 in one process, 2026-11-28): most of
+    it is the wait itself."""
 
     def __init__(self, count: int, device: torch.device) -> None:
         import torch
