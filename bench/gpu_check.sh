@@ -110,7 +110,11 @@ install)
     # The wheel folders this call carries, installed for the later calls to this machine (the
     # big ones, .whl2a/ .whl2b/ .whl2c/, in calls of their own: carry .whl2a alone, then .whl2b
     # and .whl2c together, then start the run carrying .whl/, .models/ and .footage/; 2 s each,
-    # H200 2026-11-28). Says what the machine has.
+    # H200 2026-11-28). Says what the machine has. A call may carry 64 MiB with the tree (9.5
+    # MB): .whl/ (18 MB) and .whl2a/ (35) together, or .whl2b/ (27), .models/ (27.5), .footage/
+    # and .base/ (2.6) together. .models/ goes whole: without the pose models the daemon does
+    # not start (`models missing`) and its tests ask pip for MediaPipe (2026-11-28); an ignored
+    # folder carried once stays on the warm machine, and a call may carry single files of it.
     . bench/gpu_host_env.sh
     echo "gpu_check: installed: $(ls -A /tmp/fc | tr '\n' ' ')"
     ;;
