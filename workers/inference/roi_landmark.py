@@ -104,7 +104,11 @@ TRACK_HOLD_S = 1.0
 #     of tests/test_decoding.py's killed capture process, a box where the truth had no face
 #     (2026-11-28). So at a break the camera's tracks are forgotten and the frame asks for a
 #     detection, as a camera's first frame does; its faces keep their track ids where they are
-#     found again within TRACK_HOLD_S (TrackIds).
+#     found again within TRACK_HOLD_S (TrackIds). Without this, the CPU's killed-capture test
+#     (two busy loops beside it, 2026-11-28 18:55) had such a box in 1 run of 5: the stale ROI's
+#     mesh, 51 px wide where the face was 67 and 12 px off its centre; with it, none in 7. The
+#     price: the camera's first frame or two after the break have no face while the detection
+#     comes.
 TRACK_BREAK_S = 1.0
 # A request for track ids with no answer after this long was lost (a full control socket drops
 # it, STYLE §11): ask again. A refusal (the daemon's ids are used up) is asked again far later.
