@@ -215,14 +215,25 @@ def score_against_truth(frames: dict[float, list[np.ndarray]], stamps: np.ndarra
     return TruthScore(len(stamps), good, wrong_count, misplaced)
 
 
-def box_close(truth_box, boxes, tolerance: float = BOX_TOLERANCE) -> bool:
-    """Whether one of `boxes` has the true box's centre and size within `tolerance` of its size."""
+# A detection frame's box is the detector's own (models/face_mesh.py), whose width on the
+# synthetic scenes' faces varies about the truth's: facecast's detector over the 640x360 scenes of
+# eight cameras, 160 faces, 0.96-1.09 of the true width (5th-95th percentile), up to 1.14, its
+# centre within 0.074 of the width (2026-11-28). A frame of another time or camera, or a torn
+# one, moves the centre.
+DETECTOR_SIZE_TOLERANCE = 0.20
+
+
+def box_close(truth_box, boxes, tolerance: float = BOX_TOLERANCE,
+              size_tolerance: float | None = None) -> bool:
+    """Whether one of `boxes` has the true box's centre within `tolerance` of its size, and its
+    size within `size_tolerance` (default: `tolerance`)."""
     tx1, ty1, tx2, ty2 = truth_box
     size = tx2 - tx1
+    size_tolerance = tolerance if size_tolerance is None else size_tolerance
     for x1, y1, x2, y2 in boxes:
         if (abs((x1 + x2) / 2 - (tx1 + tx2) / 2) <= tolerance * size
                 and abs((y1 + y2) / 2 - (ty1 + ty2) / 2) <= tolerance * size
-                and abs((x2 - x1) - size) <= tolerance * size):
+                and abs((x2 - x1) - size) <= size_tolerance * size):
             return True
     return False
 

@@ -30,7 +30,14 @@ import zmq
 # facecast needs PyAV; a GPU host without the wheel (.whl2a/) skips these tests.
 av = pytest.importorskip("av", reason="PyAV (the `av` wheel) demuxes and encodes the test videos")
 
-from daemon_harness import Daemon, Recorder, box_close, frames_of, score_against_truth
+from daemon_harness import (
+    DETECTOR_SIZE_TOLERANCE,
+    Daemon,
+    Recorder,
+    box_close,
+    frames_of,
+    score_against_truth,
+)
 from facecast.shared import config as config_mod
 from facecast.shared.config import CameraConfig
 from facecast.shared.transport import frames
@@ -1051,13 +1058,18 @@ def a_capture_process_killed(tmp_path, *, transport: str, decode: str, models: s
             score = score_against_truth(frames_by_stamp, stamps, faces_at)
             print(f"{name}: back {back_s[name]:.2f} s after the SIGKILL; {score.describe()}")
             assert score.good >= least_right * score.frames, (name, score.describe())
-            # A frame of another time or camera, or a torn one, would put a box where no face is.
-            # Each stray as its seconds from the kill, its box and the true boxes then.
+            # A frame of another time or camera, or a torn one, would put a box where no face is:
+            # off the face's centre. (Its size is the detector's on a detection frame, as the
+            # first frames after the takeover are: Note [Tracks across a break]; on the GPU
+            # boxes 10-12 % wider than the truth, centred on it, failed a 10 % size bound,
+            # 2026-11-28.) Each stray as its seconds from the kill, its box and the true boxes.
             stray = [(round(stamp - killed_at, 3), sample[2:6].round(),
                       [face.box_px for face in faces_at(stamp)])
                      for stamp in stamps for sample in frames_by_stamp[stamp]
                      if not math.isnan(sample[2])
-                     and not any(box_close(face.box_px, [sample[2:6]]) for face in faces_at(stamp))]
+                     and not any(box_close(face.box_px, [sample[2:6]],
+                                           size_tolerance=DETECTOR_SIZE_TOLERANCE)
+                                 for face in faces_at(stamp))]
             assert not stray, (name, stray[:5], daemon.log_tail())
         status = daemon.status()
         for name in names:
