@@ -608,23 +608,18 @@ def nv12_slot_partial_count(nbytes: int) -> int:
     return math.ceil(nbytes // 8 / NV12_SLOT_WORDS)
 
 
-def nv12_slot_partials(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Memory for ``nv12_to_slot``'s partial sums of a frame of ``nbytes`` bytes."""
-    return torch.empty(nv12_slot_partial_count(nbytes), dtype=torch.int64, device=device)
-
-
 def nv12_to_slot(nv12: torch.Tensor, out: torch.Tensor, height: int, width: int, terms,
                  word_weights: torch.Tensor, partials: torch.Tensor) -> torch.Tensor | None:
     """An NV12 frame (flat uint8) as height x width BGR bytes into ``out`` (flat uint8, a ring
     slot: height * width * 3 bytes, a multiple of 8) with nv12_to_bgr's arithmetic, and the
     partial sums of Note [Frame checksum] of the bytes written (``word_weights``: the frame
-    size's weights, one per word) into ``partials`` (nv12_slot_partials), whose sum mod 2**64 is
-    the checksum; one kernel on the current stream (Note [NV12 into the slot]). ``partials``,
-    or None where the kernel cannot serve."""
+    size's weights, one per word) into ``partials`` (int64, nv12_slot_partial_count of them),
+    whose sum mod 2**64 is the checksum; one kernel on the current stream (Note [NV12 into the
+    slot]). ``partials``, or None where the kernel cannot serve."""
     if unavailable_reason(nv12.device, "facecast_nv12_to_slot") is not None:
         return None
     words = word_weights.numel()
-    if words * 8 != height * width * 3 or partials.numel() != math.ceil(words / NV12_SLOT_WORDS):
+    if words * 8 != height * width * 3 or partials.numel() != nv12_slot_partial_count(words * 8):
         raise ValueError(f"nv12_to_slot: {words} checksum words and {partials.numel()} partial "
                          f"sums for a {width}x{height} frame")
     return _launch(partials, "facecast_nv12_to_slot", (partials.numel(),), (

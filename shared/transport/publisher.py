@@ -174,10 +174,10 @@ class FramePublisher:
 
     def publish_decoded(self, frame, capture_ts_lsl: float) -> FrameReady:
         """Write a frame decoded on the GPU, as its decoder left it (capture's
-        gpu_decoded.DecodedFrame, ready on the current stream), into the camera's ring and
-        publish it (Note [Frames born on the GPU]): on a CUDA ring the frame writes its BGR
-        bytes into the slot itself where it can (Note [NV12 into the slot]), else its BGR
-        tensor is copied device to device; on shm, through a host copy."""
+        gpu_decoded.DecodedFrame), into the camera's ring and publish it (Note [Frames born on
+        the GPU]): on a CUDA ring the frame writes its BGR bytes into the slot itself where it
+        can (Note [NV12 into the slot]), else its BGR tensor is copied device to device; on
+        shm, through a host copy."""
         self._ensure_ring(tuple(frame.shape))
         self._staged = False  # a frame staged and never published is dropped
         self._arm_corruption()

@@ -361,7 +361,7 @@ def test_the_nv12_slot_kernel_writes_the_frame_and_sums_the_checksum_of_what_it_
     nbytes = height * width * 3
     slot = torch.full((nbytes + 64,), 7, dtype=torch.uint8)  # a slot's padding after the frame
     weights, _ = frames.frame_word_weights(nbytes, slot.device)
-    partials = triton_kernels.nv12_slot_partials(nbytes, slot.device)
+    partials = torch.empty(triton_kernels.nv12_slot_partial_count(nbytes), dtype=torch.int64)
     assert triton_kernels.nv12_to_slot(nv12, slot[:nbytes], height, width, nvdec._terms(colour),
                                        weights, partials) is partials, (
         triton_kernels.unavailable_reason(torch.device("cpu")))
