@@ -196,8 +196,15 @@ run)
             test_paths="tests/models tests/test_cuda_rules.py tests/test_foreign_writer.py
                 tests/test_daemon_gpu.py tests/test_real_footage_gpu.py tests"
             [ -n "${GPU_TESTS:-}" ] && test_paths=$(printf '%s\n' $GPU_TESTS | sort)
+            # Each test's daemon log kept (a failing takeover's timings are in it), not the
+            # rest of its folder (recordings, encoded footage).
             step gpu_tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider -p no:xdist --durations=30 $without_av \
-                $test_paths ;;
+                --basetemp "$STATE/pytest-tmp" $test_paths
+            mkdir -p "$STATE/daemon-logs"
+            for log in $(find "$STATE/pytest-tmp" -name daemon.log); do
+                cp "$log" "$STATE/daemon-logs/$(basename "$(dirname "$log")").log"
+            done
+            rm -rf "$STATE/pytest-tmp" ;;
         cpu_tests) # $CPU_TESTS (paths): their tests that need no GPU, on this host's Python 3.12
             # and its packages, which CI (Python 3.11) cannot install: PyAV 19 (cp312 and later
             # only), whose changes broke `facecast analyze` (2026-11-27) where CI saw nothing.
@@ -416,8 +423,10 @@ wait)
     # step's log, JSON and daemon/profile log in one archive, and the step list.
     mkdir -p "$OUT/gpu_check"
     cp "$STATE/steps.txt" "$OUT/gpu_check/" 2>/dev/null
-    # Not the private tree nor analyze's made footage (111 and 26 MB: over what $OUT brings back).
-    tar -czf "$OUT/gpu_check/results.tar.gz" -C "$STATE" --exclude=./tree --exclude=./analyze . 2>/dev/null
+    # Not the private tree, analyze's made footage (111 and 26 MB: over what $OUT brings back)
+    # nor the running tests' folders (their daemon logs come once the step ends).
+    tar -czf "$OUT/gpu_check/results.tar.gz" -C "$STATE" --exclude=./tree --exclude=./analyze \
+        --exclude=./pytest-tmp . 2>/dev/null
     cat "$STATE/steps.txt"
     ;;
 *)

@@ -106,6 +106,18 @@ def test_the_gpu_is_tried_only_where_it_can_be_and_nvdec_is_asked_last():
         decoding.plan(DecodeRequest("nvdec", "cuda:0"), "file", nvdec_reason)
 
 
+@pytest.mark.parametrize("requested", decoding.DECODE_MODES)
+@pytest.mark.parametrize("kind", ["file", "stream", "v4l2", "synthetic", "synthetic-replay",
+                                  "synthetic-h264", "synthetic-mjpeg"])
+def test_a_capture_worker_warms_nvdec_for_the_cameras_that_would_try_it(requested, kind):
+    """Note [NVDEC path warmed while standing by]: from the config alone, the cameras whose
+    open would try the GPU with NVDEC there and nvJPEG not (`plan` returns None) and no other."""
+    tries_nvdec = decoding.plan(DecodeRequest(requested, "cuda:0"), kind,
+                                nvdec_reason=lambda: None,
+                                nvjpeg_reason=lambda: "no nvImageCodec") is None
+    assert decoding.may_use_nvdec(requested, kind) == tries_nvdec
+
+
 def test_trouble_is_the_gpu_asked_for_and_not_given_or_failed():
     cpu = DecodeChoice("cpu", "why")
     assert decoding.is_trouble(DecodeRequest("gpu", "cpu"), cpu, "synthetic-h264")

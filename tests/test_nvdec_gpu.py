@@ -12,6 +12,8 @@ paths with NVDEC played by FFmpeg on the CPU are tests/test_decoding.py, which p
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -302,6 +304,23 @@ def test_the_daemon_on_gpu_decoded_cameras_and_one_decoder_failing(installed_mod
 
 
 # --- a capture process of eight NVDEC cameras SIGKILLed (issue 22's tests) ------------------------
+
+
+def test_a_capture_worker_on_a_gpu_warms_the_nvdec_path_before_it_has_cameras():
+    """Note [NVDEC path warmed while standing by]: in a fresh process, `warm_up` finds NVDEC
+    usable, loads its libraries and runs the NV12 slot kernel (a camera's first frame then only
+    launches it)."""
+    code = ("import sys, torch\n"
+            "from facecast.models import triton_kernels\n"
+            "from facecast.workers.capture import nvdec\n"
+            "assert nvdec.warm_up(0) is None\n"
+            "device = torch.device('cuda', 0)\n"
+            "assert triton_kernels.unavailable_reason(device, 'facecast_nv12_to_slot') is None\n"
+            "print(sorted(m for m in ('PyNvVideoCodec', 'av', 'triton') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['PyNvVideoCodec', 'av', 'triton']", done.stdout
 
 
 @pytest.mark.daemon

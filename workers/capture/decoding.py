@@ -129,6 +129,13 @@ class DecodeRequest:
         return f'decode = "{self.requested}"'
 
 
+def may_use_nvdec(requested: str, source_kind: str) -> bool:
+    """Whether a camera of this decode setting and source may be decoded by NVDEC, from the
+    config alone (its codec is known at open): Note [NVDEC path warmed while standing by]."""
+    return (requested != "cpu" and source_kind not in CPU_ONLY_SOURCES
+            and source_kind != "synthetic-mjpeg")
+
+
 def plan(request: DecodeRequest, source_kind: str,
          nvdec_reason=lambda: nvdec_unavailable_reason(),
          nvjpeg_reason=lambda: nvjpeg_unavailable_reason()) -> DecodeChoice | None:

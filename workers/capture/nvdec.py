@@ -445,6 +445,40 @@ _IDR_NAL_TYPES = {"h264": {5}, "hevc": {19, 20}}
 _PICTURE_NAL_TYPES = {"h264": range(1, 6), "hevc": range(0, 32)}  # the VCL NAL units
 
 
+# Note [NVDEC path warmed while standing by]
+#     A capture process's first NVDEC camera pays for what every later one shares: PyAV's and
+#     PyNvVideoCodec's imports (the latter loads the driver's NVDEC library), Triton's import
+#     and the load of the NV12 slot kernel from its cache, the pinned memory of the checksum's
+#     fetch. A warm spare that takes over a killed capture process's cameras paid all of it
+#     after the kill, on each camera's first frame: issue 22 asks every camera back within
+#     2 s, and on the H200 eight 640x360 cameras took 2.03-2.08 s (2026-11-28). So a capture
+#     worker on a GPU whose config may decode a camera on NVDEC (decoding.may_use_nvdec) does
+#     it in `prepare`, as a standby or held at boot (`warm_up`), on a frame of 4x2 pixels; the
+#     decoder itself is made per camera at open (its codec and size come from the stream).
+
+
+def warm_up(device_index: int) -> str | None:
+    """Note [NVDEC path warmed while standing by]: the imports, the NV12 slot kernel and a
+    checksum fetch, once, on the device; why NVDEC cannot serve here (the cameras' opens say it
+    again), or None."""
+    reason = decoding.nvdec_unavailable_reason()
+    if reason:
+        return reason
+    from facecast.models import triton_kernels
+
+    device = torch.device("cuda", device_index)
+    height, width = 2, 4  # the smallest NV12 frame whose BGR bytes are whole checksum words
+    nv12 = torch.zeros(height * 3 // 2 * width, dtype=torch.uint8, device=device)
+    slot = torch.empty(height * width * 3, dtype=torch.uint8, device=device)
+    word_weights, _ = frames.frame_word_weights(slot.numel(), device)
+    partials = frames.PartialSums(triton_kernels.nv12_slot_partial_count(slot.numel()), device)
+    if triton_kernels.nv12_to_slot(nv12, slot, height, width, _terms(YuvToBgr("bt601", False)),
+                                   word_weights, partials.sums) is not None:
+        partials.value()
+    frames.warm_up_checksums(device)  # the path of a frame that cannot write itself
+    return None
+
+
 def starts_with_idr(codec: str, annex_b: bytes) -> bool:
     """Whether the first picture (VCL NAL unit) of an Annex B packet is an IDR picture."""
     if codec not in _IDR_NAL_TYPES:
