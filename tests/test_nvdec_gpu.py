@@ -323,6 +323,31 @@ def test_a_capture_worker_on_a_gpu_warms_the_nvdec_path_before_it_has_cameras():
     assert done.stdout.strip().splitlines()[-1] == "['PyNvVideoCodec', 'av', 'triton']", done.stdout
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_warming_the_nvdec_path_of_gpu_1_makes_no_context_on_gpu_0():
+    """A capture process of GPU 1 warms its path on GPU 1 alone: a context on GPU 0 as well
+    cost 518 MiB of GPU 0 per such process (2026-11-28). The driver's own list of the processes
+    on each GPU (nvidia-smi) says where this one is."""
+    code = ("import os, subprocess\n"
+            "from facecast.workers.capture import nvdec\n"
+            "assert nvdec.warm_up(1) is None\n"
+            "print(subprocess.run(['nvidia-smi', '--query-compute-apps=pid,gpu_uuid', "
+            "'--format=csv,noheader'], capture_output=True, text=True, check=True).stdout)\n"
+            "print('pid', os.getpid())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    *apps, own = done.stdout.strip().splitlines()
+    pid = own.split()[1]
+    uuids = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                           capture_output=True, text=True, check=True).stdout
+    gpu_of = {uuid.strip(): index.strip() for index, uuid in
+              (line.split(",") for line in uuids.strip().splitlines())}
+    on = sorted(gpu_of[uuid.strip()] for app_pid, uuid in
+                (line.split(",") for line in apps if line.strip()) if app_pid.strip() == pid)
+    assert on == ["1"], (on, done.stdout)
+
+
 @pytest.mark.daemon
 def test_a_capture_process_of_eight_nvdec_cameras_killed_is_back_within_2_s(installed_models,
                                                                             tmp_path):
