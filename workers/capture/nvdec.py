@@ -449,12 +449,14 @@ _PICTURE_NAL_TYPES = {"h264": range(1, 6), "hevc": range(0, 32)}  # the VCL NAL 
 #     A capture process's first NVDEC camera pays for what every later one shares: PyAV's and
 #     PyNvVideoCodec's imports (the latter loads the driver's NVDEC library), Triton's import
 #     and the load of the NV12 slot kernel from its cache, the pinned memory of the checksum's
-#     fetch. A warm spare that takes over a killed capture process's cameras paid all of it
-#     after the kill, on each camera's first frame: issue 22 asks every camera back within
-#     2 s, and on the H200 eight 640x360 cameras took 2.03-2.08 s (2026-11-28). So a capture
-#     worker on a GPU whose config may decode a camera on NVDEC (decoding.may_use_nvdec) does
-#     it in `prepare`, as a standby or held at boot (`warm_up`), on a frame of 4x2 pixels; the
-#     decoder itself is made per camera at open (its codec and size come from the stream).
+#     fetch: 0.7-0.95 s on an H200. A warm spare that takes over a killed capture process's
+#     cameras paid all of it after the kill: issue 22 asks every camera back within 2 s, and
+#     tests/test_nvdec_gpu.py's eight 640x360 cameras took 2.03-2.08 s (two runs, 2026-11-28).
+#     So a capture worker on a GPU whose config may decode a camera on NVDEC
+#     (decoding.may_use_nvdec) does it in `prepare`, as a standby or held at boot (`warm_up`),
+#     on a frame of 4x2 pixels; the decoder itself is made per camera at open (its codec and
+#     size come from the stream). With it the same test's cameras published their first frames
+#     0.77-1.03 s after the supervisor saw the death (one run; not an A/B of one code).
 
 
 def warm_up(device_index: int) -> str | None:
