@@ -317,10 +317,8 @@ def test_a_capture_worker_on_a_gpu_warms_the_nvdec_path_before_it_has_cameras():
             "device = torch.device('cuda', 0)\n"
             "assert triton_kernels.unavailable_reason(device, 'facecast_nv12_to_slot') is None\n"
             "print(sorted(m for m in ('PyNvVideoCodec', 'av', 'triton') if m in sys.modules))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "['PyNvVideoCodec', 'av', 'triton']", done.stdout
+    printed = _in_a_fresh_process(code)
+    assert printed.strip().splitlines()[-1] == "['PyNvVideoCodec', 'av', 'triton']", printed
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -334,10 +332,8 @@ def test_warming_the_nvdec_path_of_gpu_1_makes_no_context_on_gpu_0():
             "print(subprocess.run(['nvidia-smi', '--query-compute-apps=pid,gpu_uuid', "
             "'--format=csv,noheader'], capture_output=True, text=True, check=True).stdout)\n"
             "print('pid', os.getpid())\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    *apps, own = done.stdout.strip().splitlines()
+    printed = _in_a_fresh_process(code)
+    *apps, own = printed.strip().splitlines()
     pid = own.split()[1]
     uuids = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
                            capture_output=True, text=True, check=True).stdout
@@ -345,7 +341,15 @@ def test_warming_the_nvdec_path_of_gpu_1_makes_no_context_on_gpu_0():
               (line.split(",") for line in uuids.strip().splitlines())}
     on = sorted(gpu_of[uuid.strip()] for app_pid, uuid in
                 (line.split(",") for line in apps if line.strip()) if app_pid.strip() == pid)
-    assert on == ["1"], (on, done.stdout)
+    assert on == ["1"], (on, printed)
+
+
+def _in_a_fresh_process(code: str) -> str:
+    """What `code` printed in a Python process of its own (nothing of this one's CUDA state)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 @pytest.mark.daemon
