@@ -12,7 +12,9 @@
 #                 tests/test_real_footage_gpu.py, and tests/test_nvdec_gpu.py where PyAV and
 #                 PyNvVideoCodec are installed (.whl2a/, .whl2b/: bench/gpu_host_env.sh) (10-11;
 #                 15 with every wheel, 139 tests, H100 2026-11-27; 17 with every wheel, 161 tests,
-#                 H200 2026-11-28: 123 in the first 9.3 minutes, the rest 7.5)
+#                 H200 2026-11-28: 123 in the first 9.3 minutes, the rest 7.5); each test's
+#                 daemon log comes back in daemon-logs/ (tests/test_nvdec_gpu.py alone: 2.1
+#                 minutes on the H200, 2026-11-28 20:09)
 #   cpu_tests     $CPU_TESTS' tests that need no GPU, on this host's Python 3.12 and packages
 #                 (PyAV 19, which CI's Python 3.11 cannot install)
 #   real_footage  real footage through the stack and the daemon (bench/real_footage.py) (4.5)
@@ -22,7 +24,8 @@
 #                 the "+compile" variants included (Note [Compiled models]) (3-5)
 #   decode        issue 22's table: 8 to 64 synthetic-h264 cameras decoded by NVDEC and by the CPU
 #                 (needs .whl2a/.whl2b installed) (22 on the H100: 8 GPU, 14 CPU; 11.7 on the
-#                 H200 pair, 2026-11-28: 5.7 GPU, 3 + 3 CPU in two calls of $DECODE_CAMERAS),
+#                 H200 pair, 2026-11-28: 5.7 GPU, 3 + 3 CPU in two calls of $DECODE_CAMERAS;
+#                 13 on one H200 at 20:11: 5.7 GPU, 7.3 CPU, `decode_cpu` in a call of its own),
 #                 on GPU 0 where there are two; `decode_gpu` and `decode_cpu` run one side each,
 #                 so that each can have calls of its own; $DECODE_CAMERAS (counts) runs those
 #                 counts only
@@ -30,7 +33,8 @@
 #                 NVDEC-decoded synthetic-h264 cameras (py-spy, --profile-roles) (2.5)
 #   two_gpus      issue 22 item 4, on the nvidia-h100-x2 kind: 64 synthetic-h264 cameras on one
 #                 GPU (CUDA_VISIBLE_DEVICES=0, Note [Visible GPUs]) against 128 on both, NVDEC
-#                 decoding (needs .whl2a/.whl2b) (3.5, H100 x2 2026-11-26)
+#                 decoding (needs .whl2a/.whl2b) (3.5, H100 x2 2026-11-26; 3.2-3.4 on the
+#                 H200 pair, 2026-11-28: .models/ must come too, as for every daemon step)
 #   two_gpus_stop the 128-camera boot and stop on the nvidia-h100-x2 kind, twice, with the workers'
 #                 closing and ending times in the logs (needs .whl2a/.whl2b) (3)
 #   newcomers     issue 24 item 5: how late a person who walks in is published, 8 and 32 staged
