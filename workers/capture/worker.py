@@ -398,12 +398,13 @@ class CaptureWorker(Worker):
             from facecast.shared.transport import cuda_driver
             from facecast.shared.transport.ring_errors import TransportUnavailable
 
+            device_index = int(self.device.partition(":")[2] or 0)
             try:
-                cuda_driver.driver(int(self.device.partition(":")[2] or 0))
+                cuda_driver.driver(device_index)
             except TransportUnavailable as exc:
                 log.info("%s: CUDA not ready (%s); boot decides the transport", self.name, exc)
             else:
-                self._warm_nvdec_path()
+                self._warm_nvdec_path(device_index)
         if self.hold and self.camera_ids:
             started_monotonic = time.monotonic()
             made = make_loops_ahead([self.camera(camera_id) for camera_id in self.camera_ids])
@@ -411,7 +412,7 @@ class CaptureWorker(Worker):
                 log.info("%s: made the loops of %d replayed camera(s) in %.1f s while held",
                          self.name, len(made), time.monotonic() - started_monotonic)
 
-    def _warm_nvdec_path(self) -> None:
+    def _warm_nvdec_path(self, device_index: int) -> None:
         """Note [NVDEC path warmed while standing by], where a camera of this worker (or, for a
         spare, of the config) may be decoded by NVDEC."""
         cameras = ([self.camera(camera_id) for camera_id in self.camera_ids] if self.camera_ids
@@ -423,7 +424,7 @@ class CaptureWorker(Worker):
 
         started_monotonic = time.monotonic()
         try:
-            reason = nvdec.warm_up(int(self.device.partition(":")[2] or 0))
+            reason = nvdec.warm_up(device_index)
         except Exception as exc:  # noqa: BLE001 - only a head start: each camera's open decides
             log.warning("%s: warming the NVDEC path failed (%s: %s); its cameras pay for it at "
                         "open", self.name, type(exc).__name__, exc)
