@@ -196,20 +196,10 @@ class WorkerTable:
             returncode = worker.reap()
             if returncode is None:
                 continue
-            left = shm.sweep_process(pid)
-            if left:
-                log.info("removed %d file(s) that %s (pid %d) left in /dev/shm", len(left),
-                         worker.name, pid)
             if worker.state is S.STOPPING:
-                # With the worker's own "closed in" line, where a slow stop went: its closing,
-                # or its process's end after it (the driver ending a CUDA context at scale).
-                closed = ("never said Closed" if worker.closed_monotonic is None else
-                          f"closed at {worker.closed_monotonic - worker.stop_sent_monotonic:.2f} s")
-                log.info("%s (pid %d) ended %.2f s after its SIGTERM (%s)%s", worker.name, pid,
-                         time.monotonic() - worker.stop_sent_monotonic, closed,
-                         "" if worker.kill_sent_monotonic is None else ", SIGKILLed")
-                worker.advance_stop(time.monotonic())
+                self._ended_while_stopping(worker, pid)
                 continue
+            self._sweep(worker, pid)
             state = worker.on_exit(returncode)
             reason = worker.exit_reason
             log.log(logging.ERROR if state in GIVEN_UP_STATES else logging.WARNING,
@@ -263,7 +253,32 @@ class WorkerTable:
         now = time.monotonic()
         for worker in self:
             if worker.state is S.STOPPING:
-                worker.advance_stop(now)
+                # A process that ended since `reap` looked is found ended here (advance_stop
+                # reaps it and drops its popen): it gets reap's line and sweep all the same. A
+                # loaded 2-core run had a worker's "ended" line missing (2026-11-28).
+                popen = worker.popen
+                if (worker.advance_stop(now) and popen is not None
+                        and popen.returncode is not None):
+                    self._ended_while_stopping(worker, popen.pid)
+
+    def _ended_while_stopping(self, worker: WorkerProcess, pid: int) -> None:
+        """A stopping worker's process ended: what it left in /dev/shm goes, and the log says
+        when, with the worker's own "closed in" line beside it: where a slow stop went (its
+        closing, or its process's end after it: the driver ending a CUDA context at scale)."""
+        self._sweep(worker, pid)
+        closed = ("never said Closed" if worker.closed_monotonic is None else
+                  f"closed at {worker.closed_monotonic - worker.stop_sent_monotonic:.2f} s")
+        log.info("%s (pid %d) ended %.2f s after its SIGTERM (%s)%s", worker.name, pid,
+                 time.monotonic() - worker.stop_sent_monotonic, closed,
+                 "" if worker.kill_sent_monotonic is None else ", SIGKILLed")
+        worker.advance_stop(time.monotonic())
+
+    @staticmethod
+    def _sweep(worker: WorkerProcess, pid: int) -> None:
+        left = shm.sweep_process(pid)
+        if left:
+            log.info("removed %d file(s) that %s (pid %d) left in /dev/shm", len(left),
+                     worker.name, pid)
 
     @staticmethod
     def all_stopped(workers: list[WorkerProcess]) -> bool:

@@ -109,3 +109,26 @@ def test_a_reaped_worker_leaves_nothing_in_dev_shm(tmp_path):
     table.reap()
     assert segment not in shm.list_segments()  # at once, not at the daemon's stop
     assert worker.state is WorkerState.BACKOFF
+
+
+def test_a_stopping_worker_found_ended_by_the_stop_is_logged_and_swept_as_reap_would(
+        tmp_path, caplog):
+    """A stopping worker's process that ends after `reap` looked is found ended by
+    `advance_stops`: the same "ended ... after its SIGTERM" line and the same sweep of /dev/shm
+    (a loaded 2-core run lost the line, 2026-11-28)."""
+    table = WorkerTable("ipc:///nonexistent/control", RestartPolicy(),
+                        send=lambda name, message: False, event=lambda kind, **fields: None)
+    worker = table.start(WorkerSpec("capture:camY", "capture", ("camY",), "cpu"))
+    worker.popen.kill()
+    worker.popen.wait()
+    process, segment = _start_holder(tmp_path)
+    worker.popen = process
+    table.begin_stop([worker], time.monotonic() + 30)
+    process.wait()  # its SIGTERM ended it, and reap has not looked since
+    with caplog.at_level("INFO", logger="facecast.daemon.worker_table"):
+        table.advance_stops()
+    assert worker.state is WorkerState.STOPPED
+    assert segment not in shm.list_segments()
+    ended = [r.getMessage() for r in caplog.records if "after its SIGTERM" in r.getMessage()]
+    assert len(ended) == 1, ended
+    assert ended[0].startswith(f"capture:camY (pid {process.pid}) ended "), ended
